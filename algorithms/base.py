@@ -1,0 +1,286 @@
+"""The plug-in interfaces: `Trainer` (client side) and `Aggregator` (server side).
+
+A `Trainer` serves many logical clients with one model instance: for each
+client it loads the received global state in place, restores that client's
+own state from the state store, runs the local objective for exactly the
+configured number of optimizer steps, and returns the payload to send. Hooks
+(`begin`, `objective`, `adjust_gradients`, `step`, `payload`) are where an
+algorithm changes the local objective or the update it sends.
+
+An `Aggregator` owns the global state and turns received updates into the
+next one. It never mutates a tensor it has broadcast: each aggregation
+builds new tensors, so in-flight messages stay valid.
+"""
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from fedcore.state import StateStore
+
+__all__ = ["Algorithm", "Trainer", "Aggregator", "FitResult", "ReceivedUpdate", "BatchStream",
+           "ShareFilter", "weighted_mean", "evaluate_model"]
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """A named pair of plug-ins."""
+
+    trainer: type
+    aggregator: type
+
+
+@dataclass
+class FitResult:
+    content: dict[str, Any]      # exactly what the client sends
+    work: float                  # gradient evaluations (samples through forward+backward)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class ReceivedUpdate:
+    client_id: int
+    content: dict[str, Any]
+    round: int                   # the round of the global model the client started from
+    staleness: int = 0           # rounds between that model and the current one
+
+
+class ShareFilter:
+    """Which state entries are exchanged (`federate.share_params` patterns; all by default)."""
+
+    def __init__(self, patterns: list[str] | None):
+        self.patterns = list(patterns) if patterns else None
+
+    def __call__(self, name: str) -> bool:
+        return self.patterns is None or any(fnmatch.fnmatchcase(name, p) for p in self.patterns)
+
+
+class BatchStream:
+    """A client's persistent, seeded mini-batch stream.
+
+    Each epoch is a fresh permutation drawn from `(seed, client, epoch)`; the
+    position (epoch, offset) is kept in the client's state, so the stream
+    advances across rounds instead of replaying the first batches.
+    """
+
+    def __init__(self, n: int, batch_size: int, seed: int, client_id: int,
+                 epoch: int = 0, offset: int = 0):
+        self.n, self.batch_size = n, batch_size
+        self.seed, self.client_id = seed, client_id
+        self.epoch, self.offset = epoch, offset
+        self._perm = self._permutation(epoch)
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed((self.seed * 1_000_003 + self.client_id) * 10_007 + epoch)
+        return torch.randperm(self.n, generator=g)
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return math.ceil(self.n / self.batch_size)
+
+    def next(self) -> torch.Tensor:
+        if self.offset >= self.n:
+            self.epoch += 1
+            self.offset = 0
+            self._perm = self._permutation(self.epoch)
+        idx = self._perm[self.offset:self.offset + self.batch_size]
+        self.offset += len(idx)
+        return idx
+
+    def position(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "offset": self.offset}
+
+
+def weighted_mean(tensors: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+    """sum_i w_i t_i / sum_i w_i; integer tensors are averaged in float64 and rounded back."""
+    total = float(sum(weights))
+    ref = tensors[0]
+    acc_dtype = ref.dtype if ref.is_floating_point() else torch.float64
+    acc = torch.zeros(ref.shape, dtype=acc_dtype)
+    for t, w in zip(tensors, weights):
+        acc.add_(t.to(acc_dtype), alpha=w / total)
+    return acc if ref.is_floating_point() else acc.round().to(ref.dtype)
+
+
+def evaluate_model(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str,
+                   batch_size: int = 1024) -> dict[str, float]:
+    """Mean loss and (for classification) accuracy of `model` on (x, y)."""
+    n = len(y)
+    if n == 0:
+        return {}
+    was_training = model.training
+    model.eval()
+    total_loss, correct = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, n, batch_size):
+            xb, yb = x[start:start + batch_size], y[start:start + batch_size]
+            out = model(xb)
+            if loss == "mse":
+                total_loss += nn.functional.mse_loss(out.reshape(yb.shape), yb, reduction="sum").item()
+            else:
+                total_loss += nn.functional.cross_entropy(out, yb, reduction="sum").item()
+                correct += (out.argmax(1) == yb).sum().item()
+    model.train(was_training)
+    result = {"loss": total_loss / n, "n": n}
+    if loss != "mse":
+        result["acc"] = correct / n
+    return result
+
+
+class Trainer:
+    """Client-side local training shared by logical clients (FedAvg's local SGD by default)."""
+
+    def __init__(self, model: nn.Module, cfg, store: StateStore):
+        self.model = model
+        self.cfg = cfg
+        self.store = store
+        self.loss = cfg["train.loss"]
+        self.shared = ShareFilter(cfg["federate.share_params"])
+        self.entries: dict[str, torch.Tensor] = dict(model.state_dict(keep_vars=True))
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.param_names = [n for n, p in model.named_parameters() if p.requires_grad]
+        # Entries that stay local start from the initial model for every client.
+        self._local_init = {k: v.detach().clone() for k, v in self.entries.items() if not self.shared(k)}
+        self.optimizer = self._build_optimizer()
+
+    # ------------------------------------------------------------ set-up
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        o = self.cfg.section("train.optimizer")
+        if o["type"] == "sgd":
+            return torch.optim.SGD(self.params, lr=o["lr"], momentum=o["momentum"],
+                                   weight_decay=o["weight_decay"])
+        cls = torch.optim.Adam if o["type"] == "adam" else torch.optim.AdamW
+        return cls(self.params, lr=o["lr"], weight_decay=o["weight_decay"])
+
+    def num_steps(self, n_train: int) -> int:
+        """Optimizer steps this round: `train.local_steps`, or epochs x batches per epoch."""
+        if self.cfg["train.local_steps"] is not None:
+            return self.cfg["train.local_steps"]
+        return self.cfg["train.local_epochs"] * math.ceil(n_train / self.cfg["train.batch_size"])
+
+    # ------------------------------------------------------------ state in and out
+    @torch.no_grad()
+    def load_global(self, model_state: dict[str, torch.Tensor], client_state: dict) -> None:
+        """Copy received entries into the shared model in place; restore local entries."""
+        for name, t in model_state.items():
+            self.entries[name].copy_(t)
+        if self._local_init:
+            local = client_state.get("local_params", self._local_init)
+            for name, t in local.items():
+                self.entries[name].copy_(t)
+
+    def shared_state(self) -> dict[str, torch.Tensor]:
+        """Fresh copies of the exchanged entries (the model is reused by the next client)."""
+        return {k: v.detach().clone() for k, v in self.entries.items() if self.shared(k)}
+
+    def _save_local(self, client_state: dict) -> None:
+        if self._local_init:
+            client_state["local_params"] = {k: self.entries[k].detach().clone() for k in self._local_init}
+
+    # ------------------------------------------------------------ hooks
+    def begin(self, client_state: dict, received: dict) -> None:
+        """Called after the global state is loaded, before the first step."""
+
+    def objective(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The local loss on one mini-batch."""
+        out = self.model(x)
+        if self.loss == "mse":
+            return nn.functional.mse_loss(out.reshape(y.shape), y)
+        return nn.functional.cross_entropy(out, y)
+
+    def adjust_gradients(self) -> None:
+        """Called between backward and the optimizer step (gradient corrections)."""
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+        """One optimizer step; returns (loss, gradient evaluations spent)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.objective(x, y)
+        loss.backward()
+        self.adjust_gradients()
+        self.optimizer.step()
+        return loss.item(), float(len(y))
+
+    def payload(self, client_state: dict, received: dict, steps: int, n_train: int) -> dict[str, Any]:
+        """What the client sends after local training."""
+        return {"model": self.shared_state(), "num_samples": n_train}
+
+    # ------------------------------------------------------------ the round
+    def fit(self, client_id: int, data, received: dict, round_: int) -> FitResult:
+        """Train logical client `client_id` from `received` and return what it sends."""
+        state = self.store.load(client_id)
+        self.load_global(received["model"], state)
+        self._restore_optimizer(state)
+        self.begin(state, received)
+        train = data.train
+        pos = state.get("sampler", {"epoch": 0, "offset": 0})
+        stream = BatchStream(len(train), self.cfg["train.batch_size"], self.cfg["seed"], client_id,
+                             pos["epoch"], pos["offset"])
+        steps = self.num_steps(len(train)) if len(train) else 0
+        work, loss_sum = 0.0, 0.0
+        self.model.train()
+        for _ in range(steps):
+            idx = stream.next()
+            loss, w = self.step(train.x[idx], train.y[idx])
+            loss_sum += loss
+            work += w
+        state["sampler"] = stream.position()
+        content = self.payload(state, received, steps, len(train))
+        self._save_optimizer(state)
+        self._save_local(state)
+        self.store.save(client_id, state)
+        metrics = {"train_loss": loss_sum / steps} if steps else {}
+        return FitResult(content, work, metrics)
+
+    def _restore_optimizer(self, state: dict) -> None:
+        self.optimizer.state.clear()
+        if self.cfg["train.preserve_optimizer_state"] and "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
+
+    def _save_optimizer(self, state: dict) -> None:
+        if self.cfg["train.preserve_optimizer_state"]:
+            state["optimizer"] = self.optimizer.state_dict()
+
+    def evaluate(self, client_id: int, data, received: dict) -> dict[str, float]:
+        """Evaluate the received global model (with this client's local entries) on its test split."""
+        state = self.store.load(client_id)
+        self.load_global(received["model"], state)
+        return evaluate_model(self.model, data.test.x, data.test.y, self.loss,
+                              self.cfg["eval.batch_size"])
+
+
+class Aggregator:
+    """Server side: owns the global state; FedAvg's sample-weighted average by default."""
+
+    def __init__(self, model: nn.Module, cfg, num_clients: int):
+        self.cfg = cfg
+        self.num_clients = num_clients
+        self.shared = ShareFilter(cfg["federate.share_params"])
+        self.global_state: dict[str, torch.Tensor] = {
+            k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    def broadcast(self, round_: int) -> dict[str, Any]:
+        """The content sent to sampled clients (by reference: never mutated afterwards)."""
+        return {"model": {k: v for k, v in self.global_state.items() if self.shared(k)}}
+
+    def weights(self, updates: list[ReceivedUpdate]) -> list[float]:
+        return [float(u.content["num_samples"]) for u in updates]
+
+    def aggregate(self, updates: list[ReceivedUpdate], round_: int) -> dict[str, float]:
+        """Replace the global state from `updates`; return metrics for the round's record."""
+        weights = self.weights(updates)
+        if sum(weights) <= 0:
+            weights = [1.0] * len(updates)
+        new_state = dict(self.global_state)
+        for name in updates[0].content["model"]:
+            new_state[name] = weighted_mean([u.content["model"][name] for u in updates], weights)
+        self.global_state = new_state
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Server-owned algorithm state beyond the model (for checkpoints)."""
+        return {}

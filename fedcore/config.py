@@ -1,0 +1,270 @@
+"""Configuration: a schema of dotted keys, YAML loading, overrides and validation.
+
+Every key is declared once with its type, default, allowed values and a help
+line (`declare`). Plug-ins declare their own keys when imported, so a user's
+module listed under `plugins:` extends the schema before the config is
+checked. Unknown keys, wrong types and bad values raise `ConfigError` with one
+line naming the key and the fix.
+"""
+from __future__ import annotations
+
+import difflib
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import yaml
+
+from fedcore.errors import ConfigError
+
+__all__ = ["Key", "Config", "declare", "validator", "load_config", "parse_override",
+           "describe_key", "SCHEMA"]
+
+_TYPE_NAMES = {int: "int", float: "float", bool: "bool", str: "str", list: "list", dict: "mapping"}
+
+
+@dataclass(frozen=True)
+class Key:
+    """One declared config key."""
+
+    name: str
+    type: type
+    default: Any
+    help: str
+    choices: tuple | Callable[[], Iterable[str]] | None = None
+    nullable: bool = False
+    check: Callable[[Any], str | None] | None = None
+
+    def allowed(self) -> tuple | None:
+        if self.choices is None:
+            return None
+        return tuple(self.choices() if callable(self.choices) else self.choices)
+
+
+SCHEMA: dict[str, Key] = {}
+_VALIDATORS: list[Callable[["Config"], None]] = []
+
+
+def declare(name: str, type: type, default: Any, help: str, *, choices=None,
+            nullable: bool | None = None, check=None) -> Key:
+    """Declare a config key. Re-declaring the same key replaces it (module reloads)."""
+    key = Key(name, type, default, help, choices,
+              nullable if nullable is not None else default is None, check)
+    SCHEMA[name] = key
+    return key
+
+
+def validator(fn: Callable[["Config"], None]) -> Callable[["Config"], None]:
+    """Register a cross-key check run on every loaded config; it raises ConfigError."""
+    _VALIDATORS.append(fn)
+    return fn
+
+
+def nearest_key(name: str) -> str:
+    """A ' (did you mean ...?)' hint for a mistyped key, or ''."""
+    close = difflib.get_close_matches(name, SCHEMA.keys(), n=1, cutoff=0.6)
+    if not close:
+        leaf = name.rsplit(".", 1)[-1]
+        close = [k for k in SCHEMA if k.rsplit(".", 1)[-1] == leaf][:1]
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _coerce(key: Key, value: Any) -> Any:
+    if value is None:
+        if key.nullable:
+            return None
+        raise ConfigError(f"{key.name}: must not be empty; expected {_TYPE_NAMES[key.type]}")
+    if key.type is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if key.type is float and isinstance(value, str):
+        try:  # YAML 1.1 reads '1e-3' as a string; accept it as the number it obviously is
+            value = float(value)
+        except ValueError:
+            pass
+    ok = isinstance(value, key.type) and not (key.type is int and isinstance(value, bool))
+    if not ok:
+        raise ConfigError(f"{key.name}: expected {_TYPE_NAMES[key.type]}, got "
+                          f"{type(value).__name__} {value!r}")
+    allowed = key.allowed()
+    if allowed is not None and value not in allowed:
+        hint = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
+        hint_s = f" (did you mean '{hint[0]}'?)" if hint else ""
+        raise ConfigError(f"{key.name}: {value!r} is not one of {', '.join(map(str, allowed))}{hint_s}")
+    if key.check is not None:
+        problem = key.check(value)
+        if problem:
+            raise ConfigError(f"{key.name}: {problem}")
+    return value
+
+
+def _flatten(tree: dict, prefix: str, out: dict) -> None:
+    for name, value in tree.items():
+        if not isinstance(name, str):
+            raise ConfigError(f"config key {name!r} under '{prefix or '<top>'}' is not a string")
+        dotted = f"{prefix}{name}"
+        if dotted in SCHEMA or not isinstance(value, dict):
+            if dotted not in SCHEMA:
+                raise ConfigError(f"unknown config key '{dotted}'{nearest_key(dotted)}")
+            out[dotted] = value
+        else:
+            if not value and not any(k.startswith(dotted + ".") for k in SCHEMA):
+                raise ConfigError(f"unknown config section '{dotted}'{nearest_key(dotted)}")
+            _flatten(value, dotted + ".", out)
+
+
+class Config:
+    """A validated, flat mapping of dotted keys; `cfg.train.optimizer.lr` reads like the YAML."""
+
+    def __init__(self, values: dict[str, Any]):
+        object.__setattr__(self, "_values", values)
+
+    def __getitem__(self, key: str) -> Any:
+        try:
+            return self._values[key]
+        except KeyError:
+            raise KeyError(f"config key '{key}' is not declared{nearest_key(key)}") from None
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self._values.get(key, default)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._values
+
+    def __getattr__(self, name: str) -> Any:
+        return _Section(self._values, name)
+
+    def section(self, prefix: str) -> dict[str, Any]:
+        """The keys under `prefix.` as a flat dict with the prefix removed."""
+        p = prefix + "."
+        return {k[len(p):]: v for k, v in self._values.items() if k.startswith(p)}
+
+    def with_overrides(self, **dotted: Any) -> "Config":
+        """A re-validated copy with some keys changed (use '__' for '.')."""
+        values = dict(self._values)
+        for k, v in dotted.items():
+            values[k.replace("__", ".")] = v
+        return _validated(values)
+
+    def as_tree(self) -> dict:
+        """The nested form written to config.yaml."""
+        tree: dict = {}
+        for dotted in sorted(self._values):
+            node = tree
+            parts = dotted.split(".")
+            for part in parts[:-1]:
+                node = node.setdefault(part, {})
+            node[parts[-1]] = self._values[dotted]
+        return tree
+
+    def dump(self, path: Path) -> None:
+        Path(path).write_text(yaml.safe_dump(self.as_tree(), sort_keys=True))
+
+
+class _Section:
+    def __init__(self, values: dict, prefix: str):
+        self._values = values
+        self._prefix = prefix
+
+    def __getattr__(self, name: str) -> Any:
+        dotted = f"{self._prefix}.{name}"
+        if dotted in self._values:
+            return self._values[dotted]
+        if any(k.startswith(dotted + ".") for k in self._values):
+            return _Section(self._values, dotted)
+        raise AttributeError(f"config key '{dotted}' is not declared{nearest_key(dotted)}")
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """'a.b=value' -> ('a.b', YAML-parsed value)."""
+    if "=" not in text:
+        raise ConfigError(f"override '{text}' is not KEY=VALUE (e.g. federate.total_round_num=5)")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override '{text}': value is not valid YAML ({exc.problem})") from None
+    return key.strip(), value
+
+
+def _import_plugins(modules: Iterable[str]) -> None:
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise ConfigError(f"plugins: cannot import '{name}' ({exc}); is it on PYTHONPATH?") from None
+
+
+def load_builtin_plugins() -> None:
+    """Import the packages whose modules declare keys and register plug-ins."""
+    import fedcore.algorithms  # noqa: F401
+    import fedcore.handlers  # noqa: F401
+    import fedcore.sampling  # noqa: F401
+    import fedcore.scenarios  # noqa: F401
+    import fedcore.schema  # noqa: F401
+    import fedcore.timing  # noqa: F401
+
+
+def load_config(path: str | Path | None, overrides: Iterable[str] = (),
+                extra: dict[str, Any] | None = None) -> Config:
+    """Read YAML, apply `KEY=VALUE` overrides and `extra`, import plug-ins, validate."""
+    load_builtin_plugins()
+    tree: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"--cfg: file '{path}' does not exist")
+        try:
+            tree = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--cfg: '{path}' is not valid YAML: {exc}") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"--cfg: '{path}' must hold a mapping of config keys")
+    _import_plugins(tree.get("plugins") or [])
+    pairs = [parse_override(o) for o in overrides]
+    for key, value in pairs:
+        if key == "plugins":
+            _import_plugins(value or [])
+    values: dict[str, Any] = {}
+    _flatten(tree, "", values)
+    for key, value in pairs:
+        if isinstance(value, dict) and key not in SCHEMA:
+            _flatten(value, key + ".", values)
+        elif key not in SCHEMA:
+            raise ConfigError(f"unknown config key '{key}'{nearest_key(key)}")
+        else:
+            values[key] = value
+    values.update(extra or {})
+    return _validated(values)
+
+
+def _validated(values: dict[str, Any]) -> Config:
+    resolved = {}
+    for name, key in SCHEMA.items():
+        resolved[name] = _coerce(key, values[name]) if name in values else key.default
+    unknown = set(values) - set(SCHEMA)
+    if unknown:
+        name = sorted(unknown)[0]
+        raise ConfigError(f"unknown config key '{name}'{nearest_key(name)}")
+    cfg = Config(resolved)
+    for check in _VALIDATORS:
+        check(cfg)
+    return cfg
+
+
+def describe_key(name: str) -> str:
+    """The `--help-key` text: type, default, allowed values and meaning."""
+    load_builtin_plugins()
+    if name not in SCHEMA:
+        matches = sorted(k for k in SCHEMA if k.startswith(name + "."))
+        if matches:
+            return "\n".join(describe_key(k) for k in matches)
+        raise ConfigError(f"unknown config key '{name}'{nearest_key(name)}")
+    key = SCHEMA[name]
+    lines = [f"{key.name}: {_TYPE_NAMES[key.type]}{' or null' if key.nullable else ''}, "
+             f"default {key.default!r}"]
+    allowed = key.allowed()
+    if allowed is not None:
+        lines.append(f"  allowed: {', '.join(map(str, allowed))}")
+    lines.append(f"  {key.help}")
+    return "\n".join(lines)

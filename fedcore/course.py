@@ -1,0 +1,158 @@
+"""A course: the workers, their handlers and plug-ins, assembled from a config and run.
+
+`Course.build()` makes the data, one global model and one shared client
+model, the algorithm's trainer and aggregator, the time model, the workers and
+their handler tables. `Course.run()` writes the run's header files, refuses an
+incomplete course, raises `start` on every worker and processes events until
+the queue is empty.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fedcore import registry
+from fedcore.comm.inprocess import InProcessComm
+from fedcore.completeness import CheckResult, require_complete
+from fedcore.errors import ConfigError, FedcoreError
+from fedcore.monitor import Monitor
+from fedcore.scheduler import PRIORITY_TIMER, Scheduler
+from fedcore.state import make_state_store
+from fedcore.timing import TimeModel
+from fedcore.worker import Client, HandlerTable, Server
+
+__all__ = ["Course", "CourseStalled", "load_initial_model"]
+
+
+class CourseStalled(FedcoreError):
+    """The event queue ran dry before the course finished."""
+
+
+def load_initial_model(model: torch.nn.Module, path: str) -> None:
+    """Load `model.init_from` (a torch.save'd state_dict) into `model`."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"model.init_from: file '{p}' does not exist")
+    try:
+        state = torch.load(p, weights_only=True, map_location="cpu")
+    except Exception as exc:
+        raise ConfigError(f"model.init_from: '{p}' is not a loadable state_dict ({exc})") from None
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()[0]
+        raise ConfigError(f"model.init_from: '{p}' does not fit model.type "
+                          f"({first})") from None
+
+
+class Course:
+    """One federated course in simulation (virtual time, one process)."""
+
+    def __init__(self, cfg, outdir: str | Path | None = None, progress: bool = False):
+        self.cfg = cfg
+        self.outdir = Path(outdir) if outdir is not None else None
+        self.log = logging.getLogger("fedcore.course")
+        self.scheduler = Scheduler()
+        self.monitor = Monitor(self.outdir, cfg["eval.target_acc"], progress,
+                               cfg["federate.total_round_num"])
+        self.server_table = HandlerTable("server")
+        self.client_table = HandlerTable("client")
+        self.num_clients = cfg["federate.client_num"]
+        self.client_ids = list(range(1, self.num_clients + 1))
+        self.built = False
+
+    # ------------------------------------------------------------ assembly
+    def build(self, data: Any = None) -> "Course":
+        from fedcore.scenarios.data import build_federated_data
+        from fedcore.scenarios.models import build_model
+        cfg = self.cfg
+        self.data = data if data is not None else build_federated_data(cfg)
+        model = build_model(cfg, self.data.input_shape, self.data.num_classes)
+        if cfg["model.init_from"]:
+            load_initial_model(model, cfg["model.init_from"])
+        self.store = make_state_store(cfg["state.store"], cfg["state.path"])
+        algorithm = registry.algorithms.get(cfg["algorithm.name"])
+        self.trainer = algorithm.trainer(copy.deepcopy(model), cfg, self.store)
+        self.timing = TimeModel.from_config(cfg, self.client_ids)
+        self.comm = InProcessComm(self.scheduler, self.timing, self.monitor.count_bytes)
+
+        self.server = Server(self.server_table, self)
+        self.server.model = model
+        self.server.aggregator = algorithm.aggregator(model, cfg, self.num_clients)
+        self.server.sampler = registry.samplers.get(cfg["federate.sampler"])(
+            self.client_ids, cfg["seed"], self.timing)
+        self.server.joined, self.server.started, self.server.finished = set(), False, False
+        self.server.round, self.server.selected, self.server.buffer = 1, set(), []
+        self.server.best_acc, self.server.evals_since_best = None, 0
+        self.comm.attach(self.server)
+        self.clients: dict[int, Client] = {}
+        for cid in self.client_ids:
+            client = Client(cid, self.client_table, self, self.data.clients[cid])
+            client.finished = False
+            self.clients[cid] = client
+            self.comm.attach(client)
+
+        registry.courses.get(cfg["course"])(self)
+        for name in cfg["extensions"]:
+            registry.behaviours.get(name)(self)
+        self.built = True
+        return self
+
+    @property
+    def tables(self) -> list[HandlerTable]:
+        return [self.server_table, self.client_table]
+
+    # ------------------------------------------------------------ outputs
+    def write_header(self) -> None:
+        """config.yaml and handlers.txt, written before anything runs."""
+        if self.outdir is None:
+            return
+        self.outdir.mkdir(parents=True, exist_ok=True)
+        self.cfg.dump(self.outdir / "config.yaml")
+        (self.outdir / "handlers.txt").write_text(
+            "\n\n".join(t.describe() for t in self.tables) + "\n")
+
+    def check(self) -> CheckResult:
+        """The completeness check; raises IncompleteCourseError (exit 3) when it fails."""
+        graphml = self.outdir / "message_flow.graphml" if self.outdir is not None else None
+        return require_complete(self.tables, graphml)
+
+    # ------------------------------------------------------------ running
+    def run(self) -> dict[str, Any]:
+        """Run the course to its finish; returns the summary."""
+        if not self.built:
+            self.build()
+        self.write_header()
+        self.check()
+        workers = [self.server] + [self.clients[c] for c in self.client_ids]
+        for w in workers:
+            self.scheduler.schedule(0.0, PRIORITY_TIMER, _Start(w))
+        try:
+            self.scheduler.run()
+        finally:
+            self.store.close()
+        if not self.server.finished:
+            raise CourseStalled(
+                f"course stalled in round {self.server.round}: no event left before finish "
+                f"(waiting for {len(self.server.selected)} update(s)); a sync course needs every "
+                "sampled client to reply: use over-selection, time_up or an async strategy")
+        return self.monitor.finalize(self.finish_time, self.server.aggregator.global_state)
+
+    @property
+    def finish_time(self) -> float:
+        return self.server.now
+
+
+class _Start:
+    __slots__ = ("worker",)
+
+    def __init__(self, worker):
+        self.worker = worker
+
+    def __call__(self) -> None:
+        if self.worker.handlers.get("start") is not None:
+            self.worker.trigger("start")

@@ -1,0 +1,28 @@
+"""The errors a user can cause, each with its documented exit code."""
+from __future__ import annotations
+
+__all__ = ["FedcoreError", "ConfigError", "IncompleteCourseError", "EXIT_OK", "EXIT_FAILURE",
+           "EXIT_CONFIG", "EXIT_INCOMPLETE"]
+
+EXIT_OK = 0
+EXIT_FAILURE = 1      # anything else; the cause is printed in one line first
+EXIT_CONFIG = 2       # bad configuration or usage
+EXIT_INCOMPLETE = 3   # the completeness check failed
+
+
+class FedcoreError(Exception):
+    """Base of the errors that end a run with a one-line message."""
+
+    exit_code = EXIT_FAILURE
+
+
+class ConfigError(FedcoreError):
+    """A bad config key, type or value, a missing file, or bad usage."""
+
+    exit_code = EXIT_CONFIG
+
+
+class IncompleteCourseError(FedcoreError):
+    """No path leads from the course's start to its finish."""
+
+    exit_code = EXIT_INCOMPLETE

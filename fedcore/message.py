@@ -1,0 +1,57 @@
+"""Message: what workers send each other, and its honest size on the wire."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from fedcore.serialization import encoded_size, envelope_size
+
+__all__ = ["Message", "SERVER_ID", "receiving"]
+
+SERVER_ID = 0
+
+
+def receiving(msg_type: str) -> str:
+    """The event a worker handles when a message of `msg_type` arrives."""
+    return "receiving_" + msg_type
+
+
+@dataclass(slots=True, eq=False)
+class Message:
+    """A typed message. `timestamp` is when it was sent (virtual or wall seconds).
+
+    Content is passed by reference inside one process; it is serialized only
+    when it crosses a process boundary. `nbytes` is the exact size of its
+    protobuf envelope, computed once without encoding.
+    """
+
+    msg_type: str
+    sender: int
+    receivers: tuple[int, ...]
+    round: int
+    timestamp: float
+    content: Any = None
+    _content_size: int = field(default=-1, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.receivers, int):
+            self.receivers = (self.receivers,)
+        else:
+            self.receivers = tuple(self.receivers)
+
+    @property
+    def content_size(self) -> int:
+        """Bytes of the encoded content alone (computed once, without encoding)."""
+        if self._content_size < 0:
+            self._content_size = encoded_size(self.content)
+        return self._content_size
+
+    def nbytes_to(self, receiver: int) -> int:
+        """Exact bytes of the envelope that carries this message to `receiver`."""
+        return envelope_size(self.msg_type, self.sender, (receiver,), self.round,
+                             self.timestamp, None, content_size=self.content_size)
+
+    @property
+    def nbytes(self) -> int:
+        """Total bytes on the wire: one envelope per receiver."""
+        return sum(self.nbytes_to(r) for r in self.receivers)

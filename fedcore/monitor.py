@@ -1,0 +1,167 @@
+"""Outputs of a run: metrics.jsonl, summary.json, final_model.pt, and a progress line.
+
+One JSON object per aggregation round. A round's record waits for the client
+evaluations it asked for (if any) and is written as soon as it is complete,
+always in round order; whatever is still pending at the end is written then.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fedcore.message import SERVER_ID, Message
+
+__all__ = ["Monitor"]
+
+
+@dataclass
+class _Pending:
+    record: dict[str, Any]
+    expected: int = 0
+    client_metrics: list[dict] = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.client_metrics) >= self.expected
+
+
+def _spread(values: list[float], prefix: str) -> dict[str, float]:
+    if not values:
+        return {}
+    v = sorted(values)
+    mean = sum(v) / len(v)
+    std = math.sqrt(sum((x - mean) ** 2 for x in v) / len(v))
+    p10 = v[min(len(v) - 1, int(math.floor(0.1 * (len(v) - 1) + 0.5)))]
+    return {f"{prefix}_mean": mean, f"{prefix}_std": std, f"{prefix}_p10": p10}
+
+
+class Monitor:
+    """Collects per-round records and byte counts; writes the run's output files."""
+
+    def __init__(self, outdir: Path | None, target_acc: float | None = None, progress: bool = False,
+                 total_rounds: int = 0):
+        self.outdir = Path(outdir) if outdir is not None else None
+        self.target_acc = target_acc
+        self.progress = progress
+        self.total_rounds = total_rounds
+        self.t0 = time.perf_counter()
+        self.bytes_up = self.bytes_down = 0          # since the last record
+        self.total_up = self.total_down = 0
+        self.records: list[dict[str, Any]] = []      # written records, in order
+        self._pending: dict[int, _Pending] = {}
+        self._metrics_file = None
+        self.time_to_target: float | None = None
+        self.rounds_to_target: int | None = None
+        self.extra_summary: dict[str, Any] = {}
+        if self.outdir is not None:
+            self.outdir.mkdir(parents=True, exist_ok=True)
+            self._metrics_file = (self.outdir / "metrics.jsonl").open("w")
+
+    @property
+    def wall_time(self) -> float:
+        return time.perf_counter() - self.t0
+
+    # ------------------------------------------------------------ bytes
+    def count_bytes(self, msg: Message, receiver: int, nbytes: int) -> None:
+        """Called by the communicator for each copy of each message sent."""
+        if receiver == SERVER_ID:
+            self.bytes_up += nbytes
+            self.total_up += nbytes
+        else:
+            self.bytes_down += nbytes
+            self.total_down += nbytes
+
+    # ------------------------------------------------------------ records
+    def record_round(self, round_: int, virtual_time: float, fields: dict[str, Any],
+                     expected_client_metrics: int = 0) -> None:
+        """Open the record of an aggregation round; it is written once complete."""
+        record = {"round": round_, "virtual_time": virtual_time, "wall_time": self.wall_time,
+                  "bytes_up": self.bytes_up, "bytes_down": self.bytes_down}
+        record.update(fields)
+        self.bytes_up = self.bytes_down = 0
+        self._pending[round_] = _Pending(record, expected_client_metrics)
+        acc = record.get("test_acc")
+        if self.target_acc is not None and self.time_to_target is None and acc is not None \
+                and acc >= self.target_acc:
+            self.time_to_target, self.rounds_to_target = virtual_time, round_
+        self._flush()
+
+    def add_client_metrics(self, round_: int, client_id: int, metrics: dict[str, float]) -> None:
+        pending = self._pending.get(round_)
+        if pending is None:
+            return  # arrived after the record was closed: nothing to attach it to
+        pending.client_metrics.append(metrics)
+        self._flush()
+
+    def _flush(self, force: bool = False) -> None:
+        for round_ in sorted(self._pending):
+            pending = self._pending[round_]
+            if not (pending.complete or force):
+                break
+            record = pending.record
+            if pending.client_metrics:
+                record.update(_spread([m["acc"] for m in pending.client_metrics if "acc" in m],
+                                      "client_test_acc"))
+                record.update(_spread([m["loss"] for m in pending.client_metrics if "loss" in m],
+                                      "client_test_loss"))
+                record["client_evals"] = len(pending.client_metrics)
+            del self._pending[round_]
+            self.records.append(record)
+            if self._metrics_file is not None:
+                self._metrics_file.write(json.dumps(record) + "\n")
+                self._metrics_file.flush()
+            self._show(record)
+
+    def _show(self, record: dict) -> None:
+        if not self.progress:
+            return
+        acc = record.get("test_acc")
+        acc_s = f"  test_acc {acc:.4f}" if acc is not None else ""
+        sys.stderr.write(f"\rround {record['round']}/{self.total_rounds}  "
+                         f"virtual {record['virtual_time']:.1f}s{acc_s}   ")
+        sys.stderr.flush()
+
+    # ------------------------------------------------------------ the end
+    def summary(self, virtual_time: float) -> dict[str, Any]:
+        evals = [r for r in self.records if "test_acc" in r]
+        best = max(evals, key=lambda r: r["test_acc"], default=None)
+        final = {k: v for k, v in (self.records[-1] if self.records else {}).items()}
+        out = {
+            "rounds": len(self.records),
+            "virtual_time": virtual_time,
+            "wall_time": self.wall_time,
+            "bytes_up": self.total_up,
+            "bytes_down": self.total_down,
+            "final": final,
+            "final_test_acc": evals[-1]["test_acc"] if evals else None,
+            "best_test_acc": best["test_acc"] if best else None,
+            "best_round": best["round"] if best else None,
+        }
+        if self.target_acc is not None:
+            out["target_acc"] = self.target_acc
+            out["time_to_target"] = self.time_to_target
+            out["rounds_to_target"] = self.rounds_to_target
+        out.update(self.extra_summary)
+        return out
+
+    def finalize(self, virtual_time: float, global_state: dict[str, torch.Tensor] | None) -> dict:
+        """Write what is pending, the final model and the summary; return the summary."""
+        self._flush(force=True)
+        if self.progress:
+            sys.stderr.write("\n")
+        summary = self.summary(virtual_time)
+        if self.outdir is not None:
+            if self._metrics_file is not None:
+                self._metrics_file.close()
+            if global_state is not None:
+                torch.save({k: v.detach().clone() for k, v in global_state.items()},
+                           self.outdir / "final_model.pt")
+            (self.outdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        return summary

@@ -1,0 +1,97 @@
+"""`python -m fedcore.run --cfg FILE.yaml [KEY=VALUE ...]`: run a course.
+
+Also `--check` (completeness check only) and `--help-key KEY`. Exit codes:
+0 success, 2 bad configuration or usage, 3 incomplete course, 1 anything
+else (the cause in one line before any traceback).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import logging
+import sys
+import traceback
+from pathlib import Path
+
+from fedcore.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, ConfigError, FedcoreError
+
+__all__ = ["main", "resolve_outdir"]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # usage errors exit 2 with one line, like config errors
+        self.exit(EXIT_CONFIG, f"fedcore: usage: {message} (see --help)\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m fedcore.run", description="Run a federated course from a YAML config.")
+    p.add_argument("--cfg", help="the course's YAML config")
+    p.add_argument("--check", action="store_true", help="completeness check only, no training")
+    p.add_argument("--help-key", metavar="KEY", help="describe one config key (type, default, meaning)")
+    p.add_argument("--debug", action="store_true", help="full tracebacks and debug logging")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
+    return p
+
+
+def resolve_outdir(cfg) -> Path:
+    if cfg["outdir"]:
+        return Path(cfg["outdir"])
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"{stamp}-{cfg['name']}"
+
+
+def _run(args) -> int:
+    from fedcore.config import describe_key, load_config
+    if args.help_key:
+        print(describe_key(args.help_key))
+        return EXIT_OK
+    if not args.cfg:
+        raise ConfigError("--cfg FILE.yaml is required (or --help-key KEY)")
+    cfg = load_config(args.cfg, args.overrides)
+    outdir = resolve_outdir(cfg)
+    if cfg["federate.mode"] == "distributed":
+        try:
+            from fedcore.distributed import run_distributed
+        except ImportError:
+            raise ConfigError("federate.mode: distributed needs fedcore.distributed, which this "
+                              "installation lacks; use federate.mode=standalone") from None
+        return run_distributed(cfg, outdir, check_only=args.check)
+    from fedcore.course import Course
+    progress = cfg["verbose"] and sys.stderr.isatty()
+    course = Course(cfg, outdir, progress=progress).build()
+    if args.check:
+        course.write_header()
+        result = course.check()
+        print(f"complete: a path leads from start to finish ({result.graph.number_of_nodes()} nodes, "
+              f"{result.graph.number_of_edges()} edges); graph in {outdir / 'message_flow.graphml'}")
+        return EXIT_OK
+    summary = course.run()
+    acc = summary.get("final_test_acc")
+    acc_s = f", final test_acc {acc:.4f}" if acc is not None else ""
+    print(f"finished {summary['rounds']} rounds in {summary['virtual_time']:.1f}s virtual, "
+          f"{summary['wall_time']:.1f}s wall{acc_s}; outputs in {outdir}")
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return _run(args)
+    except FedcoreError as exc:
+        print(f"fedcore: {exc}", file=sys.stderr)
+        if args.debug:
+            traceback.print_exc()
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("fedcore: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        print(f"fedcore: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        traceback.print_exc()
+        return EXIT_FAILURE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""The runtime's own config keys (plug-ins declare theirs in their modules)."""
+from __future__ import annotations
+
+from fedcore import registry
+from fedcore.config import declare, validator
+from fedcore.errors import ConfigError
+
+
+def _positive(v):
+    return None if v > 0 else "must be > 0"
+
+
+def _non_negative(v):
+    return None if v >= 0 else "must be >= 0"
+
+
+def _rate(v):
+    return None if 0 < v <= 1 else "must be in (0, 1]"
+
+
+declare("seed", int, 0, "one integer that drives all randomness (sampling, data, profiles, init)")
+declare("name", str, "course", "the run's name, used in the default outdir")
+declare("outdir", str, None, "where the run writes its outputs (default runs/<timestamp>-<name>)")
+declare("verbose", bool, True, "progress display on stderr (only when stderr is a terminal)")
+declare("plugins", list, [], "modules to import before the config is checked; they may register "
+        "plug-ins and declare keys")
+declare("extensions", list, [], "named handler extensions (registry 'behaviours') installed after "
+        "the course's default handlers")
+declare("course", str, "sync", "the default handler set: sync (all_received)",
+        choices=lambda: registry.courses.names())
+
+declare("federate.mode", str, "standalone", "standalone (simulation, one process) or distributed (gRPC)",
+        choices=("standalone", "distributed"))
+declare("federate.client_num", int, 100, "number of logical clients N", check=_positive)
+declare("federate.sample_client_num", int, None, "clients sampled per round (default: all, or "
+        "sample_client_rate)", check=_positive)
+declare("federate.sample_client_rate", float, None, "fraction of clients sampled per round", check=_rate)
+declare("federate.total_round_num", int, 10, "rounds (aggregations) before finishing", check=_positive)
+declare("federate.share_params", list, None, "parameter-name patterns (fnmatch) that are exchanged; "
+        "the rest stay local to each client")
+declare("federate.sampler", str, "uniform", "how clients are sampled each round",
+        choices=lambda: registry.samplers.names())
+
+declare("data.type", str, "synthetic", "dataset", choices=lambda: registry.datasets.names())
+declare("data.root", str, None, "folder (or file, for csv) with local data")
+declare("data.label_column", str, "label", "csv: the label column")
+declare("data.client_column", str, None, "csv: the column naming each row's client (partition: natural)")
+declare("data.partition", str, "iid", "how samples are split across clients",
+        choices=lambda: registry.partitioners.names())
+declare("data.alpha", float, 0.5, "Dirichlet concentration (partition: dirichlet)", check=_positive)
+declare("data.min_size", int, 1, "dirichlet: resample until every client has at least this many samples",
+        check=_non_negative)
+declare("data.splits", list, [0.8, 0.1, 0.1], "per-client train/val/test fractions")
+declare("data.test_size", float, 0.2, "csv: fraction of rows held out as the server's test set "
+        "when there is no natural test set", check=lambda v: None if 0 <= v < 1 else "must be in [0, 1)")
+
+declare("model.type", str, "logreg", "model architecture", choices=lambda: registry.models.names())
+declare("model.dtype", str, "float32", "dtype of models, updates and algorithm state",
+        choices=("float32", "float64"))
+declare("model.init_from", str, None, "path to a state_dict file (torch.save) used as the initial "
+        "global model")
+declare("model.hidden", list, [64], "mlp: hidden layer widths")
+
+declare("train.local_epochs", int, 1, "local epochs per round (ignored when local_steps is set)",
+        check=_positive)
+declare("train.local_steps", int, None, "local optimizer steps per round (overrides local_epochs)",
+        check=_positive)
+declare("train.batch_size", int, 32, "local mini-batch size", check=_positive)
+declare("train.loss", str, "cross_entropy", "local objective's data term", choices=("cross_entropy", "mse"))
+declare("train.optimizer.type", str, "sgd", "client (inner) optimizer", choices=("sgd", "adam", "adamw"))
+declare("train.optimizer.lr", float, 0.01, "client learning rate", check=_positive)
+declare("train.optimizer.momentum", float, 0.0, "sgd momentum", check=_non_negative)
+declare("train.optimizer.weight_decay", float, 0.0, "weight decay", check=_non_negative)
+declare("train.preserve_optimizer_state", bool, False, "keep each logical client's optimizer state "
+        "(moments, step counters) across rounds in its state store; never sent")
+
+declare("algorithm.name", str, "fedavg", "the algorithm (trainer + aggregator pair)",
+        choices=lambda: registry.algorithms.names())
+
+declare("eval.freq", int, 1, "evaluate every k rounds (and after the last)", check=_positive)
+declare("eval.target_acc", float, None, "target accuracy; the summary reports the virtual time it "
+        "was first reached", check=_rate)
+declare("eval.clients", bool, True, "also evaluate on clients' local test splits (mean and spread)")
+declare("eval.batch_size", int, 1024, "evaluation batch size", check=_positive)
+
+declare("early_stop.patience", int, 0, "stop after this many evaluations without a better test "
+        "accuracy (0: off)", check=_non_negative)
+
+declare("state.store", str, "memory", "per-client state store", choices=("memory", "disk"))
+declare("state.path", str, None, "folder of the disk state store (default: a temporary folder)")
+
+
+@validator
+def _check_federate(cfg) -> None:
+    n = cfg["federate.client_num"]
+    k = cfg["federate.sample_client_num"]
+    if k is not None and k > n:
+        raise ConfigError(f"federate.sample_client_num: {k} exceeds federate.client_num {n}")
+    if k is not None and cfg["federate.sample_client_rate"] is not None:
+        raise ConfigError("federate.sample_client_num and federate.sample_client_rate are both set; keep one")
+    splits = cfg["data.splits"]
+    if (len(splits) != 3 or any(not isinstance(s, (int, float)) or s < 0 for s in splits)
+            or abs(sum(splits) - 1) > 1e-6):
+        raise ConfigError(f"data.splits: {splits} must be three non-negative fractions summing to 1 "
+                          "(train, val, test)")
+    if cfg["data.partition"] == "natural" and cfg["data.type"] == "csv" and not cfg["data.client_column"]:
+        raise ConfigError("data.partition: natural needs data.client_column for csv data")
+
+
+def clients_per_round(cfg) -> int:
+    """How many clients a round samples, from sample_client_num / sample_client_rate."""
+    n = cfg["federate.client_num"]
+    if cfg["federate.sample_client_num"] is not None:
+        return cfg["federate.sample_client_num"]
+    if cfg["federate.sample_client_rate"] is not None:
+        return max(1, int(round(n * cfg["federate.sample_client_rate"])))
+    return n

@@ -1,0 +1,226 @@
+"""Message content <-> protobuf, without pickle, and its exact wire size.
+
+Content is a tree of an explicit set of types: None, bool, int, float, str,
+bytes, torch.Tensor, and lists/tuples and str-keyed dicts of those. Anything
+else is refused on the way out; anything malformed is refused on the way in.
+`encoded_size` computes the exact number of bytes the protobuf encoding takes
+without building it, so a simulation can count honest bytes for free.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from fedcore.wire import fedcore_pb2 as pb
+
+__all__ = [
+    "WireError", "ALLOWED_DTYPES", "to_value", "from_value", "encoded_size",
+    "envelope_size", "encode_envelope", "decode_envelope",
+]
+
+MAX_DEPTH = 64
+
+ALLOWED_DTYPES: dict[str, torch.dtype] = {
+    "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+    "float64": torch.float64, "int8": torch.int8, "uint8": torch.uint8,
+    "int16": torch.int16, "int32": torch.int32, "int64": torch.int64, "bool": torch.bool,
+}
+_DTYPE_NAMES = {v: k for k, v in ALLOWED_DTYPES.items()}
+
+
+class WireError(ValueError):
+    """Content that may not travel, or bytes that do not decode to valid content."""
+
+
+# ---------------------------------------------------------------- encoding
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    flat = t.detach().reshape(-1)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    return flat.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def to_value(obj: Any) -> pb.Value:
+    """Build the protobuf Value for `obj`; raise WireError for a type not allowed."""
+    v = pb.Value()
+    _fill(v, obj, 0)
+    return v
+
+
+def _fill(v: pb.Value, obj: Any, depth: int) -> None:
+    """Write `obj` into `v` in place (no intermediate copies of tensor bytes)."""
+    if depth > MAX_DEPTH:
+        raise WireError(f"content nested deeper than {MAX_DEPTH} levels")
+    if obj is None:
+        v.none = True
+    elif isinstance(obj, bool):
+        v.b = obj
+    elif isinstance(obj, int):
+        v.i = obj
+    elif isinstance(obj, float):
+        v.f = obj
+    elif isinstance(obj, str):
+        v.s = obj
+    elif isinstance(obj, (bytes, bytearray)):
+        v.raw = bytes(obj)
+    elif isinstance(obj, torch.Tensor):
+        name = _DTYPE_NAMES.get(obj.dtype)
+        if name is None:
+            raise WireError(f"tensor dtype {obj.dtype} is not allowed on the wire")
+        v.tensor.dtype = name
+        v.tensor.shape.extend(obj.shape)
+        v.tensor.data = _tensor_bytes(obj)
+    elif isinstance(obj, (list, tuple)):
+        v.list.SetInParent()
+        for item in obj:
+            _fill(v.list.items.add(), item, depth + 1)
+    elif isinstance(obj, dict):
+        v.map.SetInParent()
+        for key, item in obj.items():
+            if not isinstance(key, str):
+                raise WireError(f"map keys must be str, got {type(key).__name__}")
+            entry = v.map.entries.add()
+            entry.key = key
+            _fill(entry.value, item, depth + 1)
+    else:
+        raise WireError(f"type {type(obj).__name__} is not allowed in message content")
+
+
+def from_value(v: pb.Value, _depth: int = 0) -> Any:
+    """Rebuild content from a protobuf Value; raise WireError if it is malformed."""
+    if _depth > MAX_DEPTH:
+        raise WireError(f"content nested deeper than {MAX_DEPTH} levels")
+    kind = v.WhichOneof("kind")
+    if kind is None or kind == "none":
+        return None
+    if kind in ("b", "i", "f", "s", "raw"):
+        return getattr(v, kind)
+    if kind == "tensor":
+        return _decode_tensor(v.tensor)
+    if kind == "list":
+        return [from_value(item, _depth + 1) for item in v.list.items]
+    out: dict[str, Any] = {}
+    for entry in v.map.entries:
+        out[entry.key] = from_value(entry.value, _depth + 1)
+    return out
+
+
+def _decode_tensor(t: pb.Tensor) -> torch.Tensor:
+    dtype = ALLOWED_DTYPES.get(t.dtype)
+    if dtype is None:
+        raise WireError(f"tensor dtype {t.dtype!r} is not allowed")
+    shape = tuple(t.shape)
+    if any(d < 0 for d in shape):
+        raise WireError(f"tensor shape {shape} has a negative dimension")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    expected = math.prod(shape) * itemsize
+    if expected != len(t.data):
+        raise WireError(f"tensor of shape {shape} and dtype {t.dtype} needs {expected} bytes, got {len(t.data)}")
+    if expected == 0:
+        return torch.empty(shape, dtype=dtype)
+    raw = torch.frombuffer(bytearray(t.data), dtype=torch.uint8)
+    return raw.view(dtype).reshape(shape)
+
+
+# ---------------------------------------------------------------- sizes
+
+def _varint_size(n: int) -> int:
+    if n < 0:
+        n += 1 << 64
+    size = 1
+    while n >= 0x80:
+        n >>= 7
+        size += 1
+    return size
+
+
+def _zigzag(n: int) -> int:
+    return (n << 1) ^ (n >> 63)
+
+
+def _field(payload: int) -> int:
+    """Bytes of a length-delimited field with a one-byte tag."""
+    return 1 + _varint_size(payload) + payload
+
+
+def encoded_size(obj: Any) -> int:
+    """Exact length of `to_value(obj).SerializeToString()`, computed without encoding."""
+    if obj is None or isinstance(obj, bool):
+        return 2
+    if isinstance(obj, int):
+        return 1 + _varint_size(_zigzag(obj))
+    if isinstance(obj, float):
+        return 9
+    if isinstance(obj, str):
+        return _field(len(obj.encode("utf-8")))
+    if isinstance(obj, (bytes, bytearray)):
+        return _field(len(obj))
+    if isinstance(obj, torch.Tensor):
+        name = _DTYPE_NAMES.get(obj.dtype)
+        if name is None:
+            raise WireError(f"tensor dtype {obj.dtype} is not allowed on the wire")
+        size = _field(len(name))
+        if obj.dim():
+            size += _field(sum(_varint_size(d) for d in obj.shape))
+        nbytes = obj.numel() * obj.element_size()
+        if nbytes:
+            size += _field(nbytes)
+        return _field(size)
+    if isinstance(obj, (list, tuple)):
+        return _field(sum(_field(encoded_size(item)) for item in obj))
+    if isinstance(obj, dict):
+        total = 0
+        for key, item in obj.items():
+            if not isinstance(key, str):
+                raise WireError(f"map keys must be str, got {type(key).__name__}")
+            klen = len(key.encode("utf-8"))
+            entry = (_field(klen) if klen else 0) + _field(encoded_size(item))
+            total += _field(entry)
+        return _field(total)
+    raise WireError(f"type {type(obj).__name__} is not allowed in message content")
+
+
+def envelope_size(msg_type: str, sender: int, receivers, round_: int, timestamp: float,
+                  content: Any, auth: str = "", content_size: int | None = None) -> int:
+    """Exact serialized size of the Envelope carrying this message.
+
+    `content_size` (from `encoded_size(content)`) may be passed to avoid walking
+    the content again when the same content goes to many receivers.
+    """
+    size = _field(len(msg_type.encode("utf-8"))) if msg_type else 0
+    if sender:
+        size += 1 + _varint_size(_zigzag(sender))
+    if receivers:
+        size += _field(sum(_varint_size(_zigzag(r)) for r in receivers))
+    if round_:
+        size += 1 + _varint_size(_zigzag(round_))
+    if timestamp != 0.0:
+        size += 9
+    if auth:
+        size += _field(len(auth.encode("utf-8")))
+    if content_size is None:
+        content_size = encoded_size(content)
+    return size + _field(content_size)
+
+
+def encode_envelope(msg_type: str, sender: int, receivers, round_: int, timestamp: float,
+                    content: Any, auth: str = "") -> bytes:
+    env = pb.Envelope(msg_type=msg_type, sender=sender, receivers=list(receivers),
+                      round=round_, timestamp=timestamp, auth=auth)
+    _fill(env.content, content, 0)
+    return env.SerializeToString()
+
+
+def decode_envelope(data: bytes) -> pb.Envelope:
+    """Parse bytes into an Envelope; raise WireError on anything that is not one."""
+    env = pb.Envelope()
+    try:
+        env.ParseFromString(data)
+    except Exception as exc:  # protobuf raises DecodeError and, for some inputs, others
+        raise WireError(f"bytes do not parse as a fedcore Envelope: {exc}") from None
+    if not env.msg_type:
+        raise WireError("envelope has no message type")
+    return env

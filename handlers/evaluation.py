@@ -1,0 +1,41 @@
+"""Evaluation: the global model on the server's test set, and on clients' own test splits."""
+from __future__ import annotations
+
+from fedcore.algorithms.base import evaluate_model
+from fedcore.message import SERVER_ID
+
+__all__ = ["evaluate_global", "request_client_evaluation", "evaluate_and_reply", "collect_metrics",
+           "install"]
+
+
+def evaluate_global(server) -> dict[str, float]:
+    """Test loss and accuracy of the current global model on the server's held-out set."""
+    course = server.course
+    test = course.data.server_test
+    server.model.load_state_dict(server.aggregator.global_state, strict=False)
+    result = evaluate_model(server.model, test.x, test.y, course.cfg["train.loss"],
+                            course.cfg["eval.batch_size"])
+    return {f"test_{k}": v for k, v in result.items() if k != "n"}
+
+
+def request_client_evaluation(server) -> int:
+    """Send the current model to every client for local evaluation; returns how many were asked."""
+    ids = server.course.client_ids
+    server.send("eval_request", ids, server.aggregator.broadcast(server.round))
+    return len(ids)
+
+
+def evaluate_and_reply(client, msg) -> None:
+    """Client `receiving_eval_request`: evaluate the received model on the local test split."""
+    metrics = client.course.trainer.evaluate(client.id, client.data, msg.content)
+    client.send("metrics", SERVER_ID, metrics, round_=msg.round)
+
+
+def collect_metrics(server, msg) -> None:
+    """Server `receiving_metrics`: attach a client's evaluation to its round's record."""
+    server.course.monitor.add_client_metrics(msg.round, msg.sender, msg.content or {})
+
+
+def install(course) -> None:
+    course.client_table.register("receiving_eval_request", evaluate_and_reply, sends=("metrics",))
+    course.server_table.register("receiving_metrics", collect_metrics)

@@ -1,0 +1,65 @@
+"""What a server does around an aggregation, whatever condition triggered it.
+
+`aggregate` turns the buffered updates into the next global model and opens
+the round's record; `move_on` evaluates, then raises `max_rounds_reached` or
+`early_stop`, or lets the strategy start the next round.
+"""
+from __future__ import annotations
+
+from fedcore.algorithms.base import ReceivedUpdate
+from fedcore.handlers.evaluation import evaluate_global, request_client_evaluation
+
+__all__ = ["aggregate", "finish_course", "is_eval_round", "install"]
+
+
+def is_eval_round(server) -> bool:
+    cfg = server.course.cfg
+    return server.round % cfg["eval.freq"] == 0 or server.round >= cfg["federate.total_round_num"]
+
+
+def aggregate(server, updates: list[ReceivedUpdate], extra: dict | None = None) -> bool:
+    """Aggregate `updates` (in client-id order, so arrival order cannot matter), evaluate,
+    record the round and advance it. Returns True when the course should go on."""
+    course = server.course
+    updates = sorted(updates, key=lambda u: (u.client_id, u.round))
+    fields = {"num_updates": len(updates)}
+    fields.update(server.aggregator.aggregate(updates, server.round) or {})
+    fields.update(extra or {})
+    expected = 0
+    if is_eval_round(server):
+        fields.update(evaluate_global(server))
+        if course.cfg["eval.clients"]:
+            expected = request_client_evaluation(server)
+    course.monitor.record_round(server.round, server.now, fields, expected)
+    _track_best(server, fields.get("test_acc"))
+    if server.round >= course.cfg["federate.total_round_num"]:
+        server.trigger("max_rounds_reached")
+        return False
+    patience = course.cfg["early_stop.patience"]
+    if patience and server.evals_since_best >= patience:
+        server.trigger("early_stop")
+        return False
+    server.round += 1
+    return True
+
+
+def _track_best(server, acc) -> None:
+    if acc is None:
+        return
+    if server.best_acc is None or acc > server.best_acc:
+        server.best_acc, server.evals_since_best = acc, 0
+    else:
+        server.evals_since_best += 1
+
+
+def finish_course(server, _event) -> None:
+    """`max_rounds_reached` / `early_stop`: tell every client the course is over."""
+    server.finished = True
+    server.course.monitor.extra_summary["stopped_by"] = (
+        "early_stop" if server.round < server.course.cfg["federate.total_round_num"] else "max_rounds")
+    server.send("finish", server.course.client_ids, {})
+
+
+def install(course) -> None:
+    course.server_table.register("max_rounds_reached", finish_course, sends=("finish",))
+    course.server_table.register("early_stop", finish_course, sends=("finish",))

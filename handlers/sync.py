@@ -1,0 +1,48 @@
+"""The synchronous course: sample, broadcast, wait for `all_received`, aggregate, repeat."""
+from __future__ import annotations
+
+from fedcore.algorithms.base import ReceivedUpdate
+from fedcore.handlers import evaluation, join, rounds, training
+from fedcore.registry import courses
+from fedcore.schema import clients_per_round
+
+__all__ = ["start_round", "collect_update", "aggregate_and_move_on", "install"]
+
+
+def start_round(server, _event=None) -> None:
+    """`all_joined_in` (and after each aggregation): sample clients and send them the model."""
+    k = clients_per_round(server.course.cfg)
+    server.selected = set(server.sampler.sample(k, server.course.client_ids))
+    server.buffer = []
+    server.send("models", sorted(server.selected), server.aggregator.broadcast(server.round))
+
+
+def collect_update(server, msg) -> None:
+    """`receiving_updates`: keep this round's updates; raise `all_received` when complete."""
+    if msg.round != server.round or msg.sender not in server.selected:
+        server.course.log.info("round %d: dropped an update from client %d for round %d",
+                               server.round, msg.sender, msg.round)
+        return
+    server.selected.discard(msg.sender)
+    server.buffer.append(ReceivedUpdate(msg.sender, msg.content, msg.round, 0))
+    if not server.selected:
+        server.trigger("all_received")
+
+
+def aggregate_and_move_on(server, _event=None) -> None:
+    """`all_received`: aggregate, evaluate, then finish or start the next round."""
+    if rounds.aggregate(server, server.buffer):
+        start_round(server)
+
+
+@courses.register("sync")
+def install(course) -> None:
+    join.install(course)
+    training.install(course)
+    evaluation.install(course)
+    rounds.install(course)
+    s = course.server_table
+    s.register("all_joined_in", start_round, sends=("models",))
+    s.register("receiving_updates", collect_update, sends=("all_received",))
+    s.register("all_received", aggregate_and_move_on,
+               sends=("models", "eval_request", "max_rounds_reached", "early_stop"))

@@ -1,0 +1,101 @@
+"""Federated data: per-client train/val/test tensors and the server's test set.
+
+A dataset builder returns one `RawDataset` (all samples as tensors, with
+optional natural groups and an official test set); a partitioner splits its
+indices among clients; each client's share is split train/val/test with the
+run's seed. Tensors are materialised once and sliced by index: no
+per-sample Dataset objects on the hot path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from fedcore import registry
+from fedcore.errors import ConfigError
+
+__all__ = ["Split", "ClientData", "RawDataset", "FederatedData", "build_federated_data"]
+
+
+@dataclass
+class Split:
+    x: torch.Tensor
+    y: torch.Tensor
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+
+@dataclass
+class ClientData:
+    train: Split
+    val: Split
+    test: Split
+
+
+@dataclass
+class RawDataset:
+    x: torch.Tensor
+    y: torch.Tensor
+    num_classes: int
+    groups: np.ndarray | None = None        # natural client of each sample (writers, users, ...)
+    test: Split | None = None               # an official held-out test set, if the dataset has one
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(self.x.shape[1:])
+
+
+@dataclass
+class FederatedData:
+    clients: dict[int, ClientData]          # client ids 1..N
+    server_test: Split
+    input_shape: tuple[int, ...]
+    num_classes: int
+
+
+def _split_indices(idx: np.ndarray, fractions, rng: np.random.Generator):
+    idx = rng.permutation(idx)
+    n = len(idx)
+    n_train = int(round(fractions[0] * n))
+    n_val = int(round(fractions[1] * n))
+    if fractions[0] > 0 and n > 0 and n_train == 0:
+        n_train = 1
+    return idx[:n_train], idx[n_train:n_train + n_val], idx[n_train + n_val:]
+
+
+def build_federated_data(cfg, raw: RawDataset | None = None) -> FederatedData:
+    """Build, partition and split the configured dataset, cast to the model's dtype."""
+    if raw is None:
+        raw = registry.datasets.get(cfg["data.type"])(cfg)
+    dtype = getattr(torch, cfg["model.dtype"])
+    if raw.x.is_floating_point():
+        raw.x = raw.x.to(dtype)
+    if cfg["train.loss"] == "mse":
+        raw.y = raw.y.to(dtype)
+        if raw.test is not None:
+            raw.test.y = raw.test.y.to(dtype)
+    if raw.test is not None and raw.test.x.is_floating_point():
+        raw.test.x = raw.test.x.to(dtype)
+    n_clients = cfg["federate.client_num"]
+    parts = registry.partitioners.get(cfg["data.partition"])(raw, n_clients, cfg)
+    if len(parts) != n_clients:
+        raise ConfigError(f"data.partition: {cfg['data.partition']} produced {len(parts)} clients, "
+                          f"federate.client_num is {n_clients}")
+    rng = np.random.default_rng(cfg["seed"] + 17)
+    clients: dict[int, ClientData] = {}
+    test_parts = []
+    for cid, idx in enumerate(parts, start=1):
+        tr, va, te = _split_indices(np.asarray(idx, dtype=np.int64), cfg["data.splits"], rng)
+        tr, va, te = (torch.from_numpy(np.sort(a)) for a in (tr, va, te))
+        clients[cid] = ClientData(Split(raw.x[tr], raw.y[tr]), Split(raw.x[va], raw.y[va]),
+                                  Split(raw.x[te], raw.y[te]))
+        test_parts.append(te)
+    if raw.test is not None:
+        server_test = raw.test
+    else:  # no official test set: the server evaluates on the union of clients' test splits
+        all_te = torch.cat(test_parts) if test_parts else torch.empty(0, dtype=torch.long)
+        server_test = Split(raw.x[all_te], raw.y[all_te])
+    return FederatedData(clients, server_test, raw.input_shape, raw.num_classes)
