@@ -54,6 +54,7 @@ class Course:
 
     def __init__(self, cfg, outdir: str | Path | None = None, progress: bool = False):
         self.cfg = cfg
+        outdir = outdir if outdir is not None else cfg["outdir"]
         self.outdir = Path(outdir) if outdir is not None else None
         self.log = logging.getLogger("fedcore.course")
         self.scheduler = Scheduler()

@@ -1,0 +1,28 @@
+"""Shared test helpers: small configs and courses that run in a fraction of a second."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fedcore.config import load_config
+
+
+@pytest.fixture(autouse=True)
+def _few_threads():
+    torch.set_num_threads(1)  # tests are many small models: threads only add overhead
+
+
+def small_cfg(tmp_path=None, **overrides):
+    """A tiny FedAvg course on synthetic data; keyword overrides use '__' for '.'."""
+    base = {
+        "seed": 0, "verbose": False,
+        "federate.client_num": 6, "federate.total_round_num": 2,
+        "data.type": "synthetic", "data.partition": "natural",
+        "data.synthetic.samples_per_client": 30, "data.synthetic.dim": 8,
+        "data.synthetic.num_classes": 3,
+        "train.batch_size": 10, "train.optimizer.lr": 0.1,
+    }
+    if tmp_path is not None:
+        base["outdir"] = str(tmp_path)
+    base.update({k.replace("__", "."): v for k, v in overrides.items()})
+    return load_config(None, extra=base)
