@@ -225,6 +225,7 @@ def load_config(path: str | Path | None, overrides: Iterable[str] = (),
     for key, value in pairs:
         if key == "plugins":
             _import_plugins(value or [])
+    _import_plugins((extra or {}).get("plugins") or [])
     values: dict[str, Any] = {}
     _flatten(tree, "", values)
     for key, value in pairs:

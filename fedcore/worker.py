@@ -105,9 +105,10 @@ class Worker:
         except HandlerError:
             raise
         except Exception as exc:
+            round_ = payload.round if isinstance(payload, Message) else self.round
             raise HandlerError(
                 f"handler {reg.name} for event '{event}' on {self.role} {self.id} "
-                f"(round {self.round}) raised {type(exc).__name__}: {exc}") from exc
+                f"(round {round_}) raised {type(exc).__name__}: {exc}") from exc
 
     def deliver(self, msg: Message) -> None:
         """A message arrived (called by the scheduler at its arrival time)."""

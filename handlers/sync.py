@@ -19,7 +19,7 @@ def start_round(server, _event=None) -> None:
 
 def collect_update(server, msg) -> None:
     """`receiving_updates`: keep this round's updates; raise `all_received` when complete."""
-    if msg.round != server.round or msg.sender not in server.selected:
+    if server.finished or msg.round != server.round or msg.sender not in server.selected:
         server.course.log.info("round %d: dropped an update from client %d for round %d",
                                server.round, msg.sender, msg.round)
         return

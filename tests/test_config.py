@@ -1,0 +1,68 @@
+"""Config: YAML + dotted overrides, schema defaults, and one-line errors with exit code 2."""
+import subprocess
+import sys
+
+import pytest
+
+from fedcore.config import load_config, parse_override
+from fedcore.errors import ConfigError
+
+
+def _write(tmp_path, text):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_yaml_overrides_and_defaults(tmp_path):
+    cfg = load_config(_write(tmp_path, "federate:\n  client_num: 7\n"),
+                      ["federate.total_round_num=3", "train.optimizer.lr=0.5", "data.splits=[0.6,0.2,0.2]"])
+    assert cfg["federate.client_num"] == 7
+    assert cfg.federate.total_round_num == 3
+    assert cfg.train.optimizer.lr == 0.5
+    assert cfg["data.splits"] == [0.6, 0.2, 0.2]
+    assert cfg["train.batch_size"] == 32  # default filled in
+    assert parse_override("asyn.x=true") == ("asyn.x", True)
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("federate:\n  client_nm: 5\n", "did you mean 'federate.client_num'"),
+    ("federate:\n  client_num: five\n", "federate.client_num: expected int"),
+    ("model:\n  dtype: float16\n", "model.dtype: 'float16' is not one of"),
+    ("train:\n  optimizer:\n    lr: -1\n", "train.optimizer.lr: must be > 0"),
+    ("algorithm:\n  name: fedavgg\n", "did you mean 'fedavg'"),
+    ("federate:\n  client_num: 3\n  sample_client_num: 5\n", "exceeds federate.client_num"),
+])
+def test_bad_configs_raise_one_line_errors(tmp_path, text, fragment):
+    with pytest.raises(ConfigError) as info:
+        load_config(_write(tmp_path, text))
+    assert fragment in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def _cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "fedcore.run", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=120)
+
+
+def test_cli_typo_exits_2_with_suggestion(tmp_path):
+    p = _write(tmp_path, "federate:\n  total_rounds: 5\n")
+    r = _cli("--cfg", str(p))
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0
+    assert "unknown config key 'federate.total_rounds'" in r.stderr
+    assert "federate.total_round_num" in r.stderr
+
+
+def test_cli_bad_override_value_and_missing_file_exit_2(tmp_path):
+    p = _write(tmp_path, "{}\n")
+    assert _cli("--cfg", str(p), "federate.client_num=abc").returncode == 2
+    r = _cli("--cfg", str(tmp_path / "nope.yaml"))
+    assert r.returncode == 2 and "does not exist" in r.stderr
+
+
+def test_cli_help_key():
+    r = _cli("--help-key", "federate.total_round_num")
+    assert r.returncode == 0
+    assert "int" in r.stdout and "default 10" in r.stdout and "rounds" in r.stdout
+    assert _cli("--help-key", "federate.total_rnd").returncode == 2
