@@ -54,6 +54,10 @@ class Monitor:
         self.t0 = time.perf_counter()
         self.bytes_up = self.bytes_down = 0          # since the last record
         self.total_up = self.total_down = 0
+        # Message types counted apart from training traffic (e.g. evaluation requests/replies),
+        # so bytes_up/bytes_down compare algorithms' communication honestly.
+        self.separate_types: set[str] = set()
+        self.bytes_other = self.total_other = 0
         self.records: list[dict[str, Any]] = []      # written records, in order
         self._pending: dict[int, _Pending] = {}
         self._metrics_file = None
@@ -71,7 +75,10 @@ class Monitor:
     # ------------------------------------------------------------ bytes
     def count_bytes(self, msg: Message, receiver: int, nbytes: int) -> None:
         """Called by the communicator for each copy of each message sent."""
-        if receiver == SERVER_ID:
+        if msg.msg_type in self.separate_types:
+            self.bytes_other += nbytes
+            self.total_other += nbytes
+        elif receiver == SERVER_ID:
             self.bytes_up += nbytes
             self.total_up += nbytes
         else:
@@ -84,8 +91,10 @@ class Monitor:
         """Open the record of an aggregation round; it is written once complete."""
         record = {"round": round_, "virtual_time": virtual_time, "wall_time": self.wall_time,
                   "bytes_up": self.bytes_up, "bytes_down": self.bytes_down}
+        if self.separate_types:
+            record["bytes_eval"] = self.bytes_other
         record.update(fields)
-        self.bytes_up = self.bytes_down = 0
+        self.bytes_up = self.bytes_down = self.bytes_other = 0
         self._pending[round_] = _Pending(record, expected_client_metrics)
         acc = record.get("test_acc")
         if self.target_acc is not None and self.time_to_target is None and acc is not None \
@@ -139,6 +148,7 @@ class Monitor:
             "wall_time": self.wall_time,
             "bytes_up": self.total_up,
             "bytes_down": self.total_down,
+            "bytes_eval": self.total_other,
             "final": final,
             "final_test_acc": evals[-1]["test_acc"] if evals else None,
             "best_test_acc": best["test_acc"] if best else None,

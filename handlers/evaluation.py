@@ -37,5 +37,6 @@ def collect_metrics(server, msg) -> None:
 
 
 def install(course) -> None:
+    course.monitor.separate_types.update({"eval_request", "metrics"})
     course.client_table.register("receiving_eval_request", evaluate_and_reply, sends=("metrics",))
     course.server_table.register("receiving_metrics", collect_metrics)

@@ -76,13 +76,23 @@ def test_bytes_equal_serialized_sizes_of_every_message(tmp_path):
     down = sum(len(encode_envelope(m.msg_type, m.sender, [r], m.round, m.timestamp, m.content))
                for m, r in sent if r != 0)
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["bytes_up"] == up and summary["bytes_down"] == down
+    assert summary["bytes_up"] == up and summary["bytes_down"] == down and summary["bytes_eval"] == 0
     # per-round counts add up to the totals (join-in bytes are counted in round 1)
     recs = _records(tmp_path)
     assert sum(r["bytes_up"] for r in recs) <= up and sum(r["bytes_down"] for r in recs) <= down
     # each update carries the whole model: at least 4 clients x model bytes per round
     model_bytes = sum(t.numel() * t.element_size() for t in course.server.aggregator.global_state.values())
     assert recs[1]["bytes_up"] >= 4 * model_bytes
+
+
+def test_evaluation_traffic_is_counted_apart(tmp_path):
+    course = Course(small_cfg(tmp_path, federate__sample_client_num=2)).build()
+    course.run()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    model_bytes = sum(t.numel() * t.element_size() for t in course.server.aggregator.global_state.values())
+    # every eval round sends the model to all 6 clients and gets 6 metric replies back
+    assert summary["bytes_eval"] > 2 * 6 * model_bytes
+    assert all("bytes_eval" in r for r in _records(tmp_path))
 
 
 def test_overwriting_a_handler_warns_and_is_listed(tmp_path, caplog):
