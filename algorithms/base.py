@@ -284,3 +284,6 @@ class Aggregator:
     def state_dict(self) -> dict[str, Any]:
         """Server-owned algorithm state beyond the model (for checkpoints)."""
         return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned (when resuming from a checkpoint)."""

@@ -24,6 +24,7 @@ __all__ = ["CheckResult", "build_graph", "check_course", "START", "FINISH"]
 log = logging.getLogger("fedcore.completeness")
 
 START = "start"
+RESUME = "resume"   # raised instead of `start` when a course continues from a checkpoint
 FINISH = "finish"
 
 
@@ -49,8 +50,9 @@ def build_graph(tables: list[HandlerTable]) -> tuple[nx.DiGraph, list[tuple[str,
             g.add_node(_node(t.role, event), kind="handler", role=t.role, event=event, handler=reg.name)
     dangling: list[tuple[str, str, str]] = []
     for t in tables:
-        if START in t.entries:
-            g.add_edge(START, _node(t.role, START), kind="start")
+        for entry in (START, RESUME):
+            if entry in t.entries:
+                g.add_edge(START, _node(t.role, entry), kind="start")
         for event, reg in t.entries.items():
             src = _node(t.role, event)
             for item in reg.sends:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from fedcore import registry
+from fedcore.checkpoint import Checkpointer, resume
 from fedcore.comm.inprocess import InProcessComm
 from fedcore.completeness import CheckResult, require_complete
 from fedcore.errors import ConfigError, FedcoreError
@@ -100,6 +101,8 @@ class Course:
         registry.courses.get(cfg["course"])(self)
         for name in cfg["extensions"]:
             registry.behaviours.get(name)(self)
+        self.checkpointer = Checkpointer(self)
+        self.resumed_at = resume(self, cfg["resume_from"]) if cfg["resume_from"] else None
         self.built = True
         return self
 
@@ -129,9 +132,13 @@ class Course:
             self.build()
         self.write_header()
         self.check()
-        workers = [self.server] + [self.clients[c] for c in self.client_ids]
-        for w in workers:
-            self.scheduler.schedule(0.0, PRIORITY_TIMER, _Start(w))
+        if self.resumed_at is not None:
+            pending = self.monitor.open_records().get(self.server.round)
+            info = {"round": self.server.round, "pending_eval": bool(pending and pending["expected"])}
+            self.scheduler.schedule(self.resumed_at, PRIORITY_TIMER, _Trigger(self.server, "resume", info))
+        else:
+            for w in [self.server] + [self.clients[c] for c in self.client_ids]:
+                self.scheduler.schedule(0.0, PRIORITY_TIMER, _Trigger(w, "start"))
         try:
             self.scheduler.run()
         finally:
@@ -148,12 +155,15 @@ class Course:
         return self.server.now
 
 
-class _Start:
-    __slots__ = ("worker",)
+class _Trigger:
+    """A scheduled condition event; skipped where the worker has no handler for it."""
 
-    def __init__(self, worker):
-        self.worker = worker
+    __slots__ = ("worker", "event", "payload")
+
+    def __init__(self, worker, event: str, payload: Any = None):
+        self.worker, self.event, self.payload = worker, event, payload
 
     def __call__(self) -> None:
-        if self.worker.handlers.get("start") is not None:
-            self.worker.trigger("start")
+        if self.worker.handlers.get(self.event) is not None:
+            self.worker.now = self.worker.course.scheduler.now
+            self.worker.trigger(self.event, self.payload)

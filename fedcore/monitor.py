@@ -137,6 +137,21 @@ class Monitor:
                          f"virtual {record['virtual_time']:.1f}s{acc_s}   ")
         sys.stderr.flush()
 
+    def open_records(self) -> dict[int, dict]:
+        """Records still waiting for client evaluations: {round: {record, expected}}."""
+        return {r: {"record": p.record, "expected": p.expected} for r, p in self._pending.items()}
+
+    def preload(self, records: list[dict], pending: dict, totals: list[int], target: list) -> None:
+        """Continue from a checkpoint: its written records, open records, byte totals, target."""
+        for record in records:
+            self.records.append(record)
+            if self._metrics_file is not None:
+                self._metrics_file.write(json.dumps(record) + "\n")
+        for round_, p in pending.items():
+            self._pending[int(round_)] = _Pending(dict(p["record"]), int(p["expected"]))
+        self.total_up, self.total_down, self.total_other = totals
+        self.time_to_target, self.rounds_to_target = target
+
     # ------------------------------------------------------------ the end
     def summary(self, virtual_time: float) -> dict[str, Any]:
         evals = [r for r in self.records if "test_acc" in r]

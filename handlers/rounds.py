@@ -1,15 +1,16 @@
 """What a server does around an aggregation, whatever condition triggered it.
 
-`aggregate` turns the buffered updates into the next global model and opens
-the round's record; `move_on` evaluates, then raises `max_rounds_reached` or
-`early_stop`, or lets the strategy start the next round.
+`aggregate` turns the buffered updates into the next global model, evaluates,
+opens the round's record, then raises `max_rounds_reached` or `early_stop`, or
+tells the strategy to start the next round. `resume_course` continues a course
+restored from a checkpoint.
 """
 from __future__ import annotations
 
 from fedcore.algorithms.base import ReceivedUpdate
 from fedcore.handlers.evaluation import evaluate_global, request_client_evaluation
 
-__all__ = ["aggregate", "finish_course", "is_eval_round", "install"]
+__all__ = ["aggregate", "finish_course", "is_eval_round", "resume_course", "install"]
 
 
 def is_eval_round(server) -> bool:
@@ -31,6 +32,7 @@ def aggregate(server, updates: list[ReceivedUpdate], extra: dict | None = None) 
         if course.cfg["eval.clients"]:
             expected = request_client_evaluation(server)
     course.monitor.record_round(server.round, server.now, fields, expected)
+    course.checkpointer.after_aggregation(server)
     _track_best(server, fields.get("test_acc"))
     if server.round >= course.cfg["federate.total_round_num"]:
         server.trigger("max_rounds_reached")
@@ -60,6 +62,15 @@ def finish_course(server, _event) -> None:
     server.send("finish", server.course.client_ids, {})
 
 
+def resume_course(server, info: dict) -> None:
+    """`resume`: re-send the restored round's evaluation requests, then start the next round."""
+    if info.get("pending_eval"):
+        request_client_evaluation(server)
+    server.round += 1
+    server.trigger("all_joined_in")
+
+
 def install(course) -> None:
+    course.server_table.register("resume", resume_course, sends=("eval_request", "all_joined_in"))
     course.server_table.register("max_rounds_reached", finish_course, sends=("finish",))
     course.server_table.register("early_stop", finish_course, sends=("finish",))
