@@ -28,6 +28,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cfg", help="the course's YAML config")
     p.add_argument("--check", action="store_true", help="completeness check only, no training")
     p.add_argument("--help-key", metavar="KEY", help="describe one config key (type, default, meaning)")
+    p.add_argument("--list-keys", action="store_true", help="print every config key as a Markdown table")
     p.add_argument("--debug", action="store_true", help="full tracebacks and debug logging")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
     return p
@@ -41,7 +42,10 @@ def resolve_outdir(cfg) -> Path:
 
 
 def _run(args) -> int:
-    from fedcore.config import describe_key, load_config
+    from fedcore.config import describe_key, load_config, reference_markdown
+    if args.list_keys:
+        print(reference_markdown(), end="")
+        return EXIT_OK
     if args.help_key:
         print(describe_key(args.help_key))
         return EXIT_OK

@@ -66,3 +66,12 @@ def test_cli_help_key():
     assert r.returncode == 0
     assert "int" in r.stdout and "default 10" in r.stdout and "rounds" in r.stdout
     assert _cli("--help-key", "federate.total_rnd").returncode == 2
+
+
+def test_config_reference_in_docs_is_current():
+    from pathlib import Path
+
+    from fedcore.config import reference_markdown
+    doc = Path(__file__).resolve().parent.parent / "docs" / "config.md"
+    assert doc.read_text() == reference_markdown(), \
+        "docs/config.md is stale: python -m fedcore.run --list-keys > docs/config.md"
