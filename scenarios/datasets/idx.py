@@ -81,8 +81,13 @@ def _load(cfg, dataset: str, prefix: str, md5: dict[str, str], base: str, where:
     root = data_root(cfg, dataset, where)
     if md5:
         ensure(cfg, [Remote(base + name, digest) for name, digest in md5.items()], root)
+    stems = (("train", "train"), ("test", "t10k" if not prefix else "test"))
+    names = [f"{prefix}{stem}-{kind}" for _, stem in stems
+             for kind in ("images-idx3-ubyte", "labels-idx1-ubyte")]
+    if any(find_file(root, n) is None for n in names):
+        raise missing(dataset, root, [f"{n}[.gz]" for n in names], where)
     splits = {}
-    for part, stem in (("train", "train"), ("test", "t10k" if not prefix else "test")):
+    for part, stem in stems:
         x, y = _pair(root, f"{prefix}{stem}-images-idx3-ubyte", f"{prefix}{stem}-labels-idx1-ubyte",
                      dataset, where)
         if transpose:  # EMNIST stores each image transposed relative to MNIST
