@@ -38,8 +38,9 @@ def label_entropy(hist: np.ndarray) -> np.ndarray:
     return -(p * logs).sum(axis=1)
 
 
-def describe(cfg, data, out=sys.stdout) -> np.ndarray:
+def describe(cfg, data, out=None) -> np.ndarray:
     """Print the per-client table and summary; returns the label histograms."""
+    out = out if out is not None else sys.stdout
     hist = label_histograms(data)
     sizes = hist.sum(axis=1)
     ent = label_entropy(hist)
