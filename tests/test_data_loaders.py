@@ -153,8 +153,15 @@ def test_leaf_shakespeare_encodes_characters(tmp_path):
     raw = raw_dataset(small_cfg(data__type="leaf_shakespeare", data__root=str(tmp_path)))
     assert raw.num_classes == len(LEAF_LETTERS) == 80
     idx_of = LEAF_LETTERS.index
-    assert raw.x.tolist() == [[idx_of("a"), idx_of("b"), idx_of(" ")], [idx_of("H"), idx_of("i"), idx_of("!")]]
+    assert raw.x.tolist() == [[idx_of("a"), idx_of("b"), idx_of(" ")],
+                              [idx_of("H"), idx_of("i"), idx_of("!")]]
     assert raw.y.tolist() == [idx_of("c"), 0] and raw.x.dtype == torch.long
+
+
+def test_leaf_femnist_wrong_image_size_is_a_config_error(tmp_path):
+    write_leaf(tmp_path / "train" / "a.json", {"w": ([[0.0] * 783], [1])})
+    with pytest.raises(ConfigError, match="784"):
+        raw_dataset(small_cfg(data__type="leaf_femnist", data__root=str(tmp_path)))
 
 
 def test_leaf_synthetic_and_num_samples_mismatch(tmp_path):

@@ -93,9 +93,17 @@ def _load(cfg, dataset: str, encode_x, encode_y, num_classes: int | None) -> Raw
     return raw if test is not None else hold_out(raw, cfg["data.test_size"], cfg["seed"])
 
 
-def _floats(shape):
+def _floats(dataset: str, shape):
+    size = int(np.prod(shape))
+
     def encode(rows):
-        return torch.tensor(np.asarray(rows, dtype=np.float32)).reshape(-1, *shape)
+        try:
+            a = np.asarray(rows, dtype=np.float32)
+            if a.ndim != 2 or a.shape[1] != size:
+                raise ValueError
+        except ValueError:
+            raise ConfigError(f"data.root: {dataset} samples must each be {size} numbers") from None
+        return torch.from_numpy(a).reshape(-1, *shape)
     return encode
 
 
@@ -106,16 +114,20 @@ def _labels(rows) -> torch.Tensor:
 @datasets.register("leaf_femnist")
 def leaf_femnist(cfg) -> RawDataset:
     """62 classes (digits, upper- and lower-case letters); x is 784 floats -> (1, 28, 28)."""
-    return _load(cfg, "leaf_femnist", _floats((1, 28, 28)), _labels, 62)
+    return _load(cfg, "leaf_femnist", _floats("leaf_femnist", (1, 28, 28)), _labels, 62)
 
 
 @datasets.register("leaf_shakespeare")
 def leaf_shakespeare(cfg) -> RawDataset:
     """Next-character prediction: x an 80-character string, y the next character (80 symbols)."""
     def encode_x(rows):
+        if len({len(s) for s in rows}) > 1 or any(not isinstance(s, str) for s in rows):
+            raise ConfigError("data.root: leaf_shakespeare samples must be strings of one length (80)")
         return torch.tensor([encode_text(s) for s in rows], dtype=torch.long)
 
     def encode_y(rows):
+        if any(not isinstance(c, str) or len(c) != 1 for c in rows):
+            raise ConfigError("data.root: leaf_shakespeare labels must be single characters")
         return torch.tensor([encode_text(c)[0] for c in rows], dtype=torch.long)
     return _load(cfg, "leaf_shakespeare", encode_x, encode_y, len(LEAF_LETTERS))
 
@@ -124,5 +136,11 @@ def leaf_shakespeare(cfg) -> RawDataset:
 def leaf_synthetic(cfg) -> RawDataset:
     """LEAF's synthetic data: x a feature vector, y an integer class (classes from the labels)."""
     def encode_x(rows):
-        return torch.tensor(np.asarray(rows, dtype=np.float32))
+        try:
+            a = np.asarray(rows, dtype=np.float32)
+        except ValueError:
+            a = np.zeros(0)
+        if a.ndim != 2:
+            raise ConfigError("data.root: leaf_synthetic samples must be feature vectors of one length")
+        return torch.from_numpy(a)
     return _load(cfg, "leaf_synthetic", encode_x, _labels, None)
