@@ -1,7 +1,8 @@
 """Partitioners: split a dataset's sample indices among N clients, seeded.
 
 Each takes `(raw, n_clients, cfg)` and returns a list of N index arrays that
-together hold every sample exactly once.
+together hold every sample exactly once (`natural` leaves out the groups
+beyond the first N).
 """
 from __future__ import annotations
 
