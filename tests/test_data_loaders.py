@@ -135,15 +135,18 @@ def write_leaf(path, users: dict[str, tuple[list, list]]):
 
 def test_leaf_femnist_natural_users_and_test_files(tmp_path):
     img = [[i / 784 for i in range(784)]]
-    write_leaf(tmp_path / "train" / "a.json", {"w1": (img * 2, [3, 61]), "w2": (img, [0])})
-    write_leaf(tmp_path / "train" / "b.json", {"w3": (img * 3, [5, 6, 7])})
-    write_leaf(tmp_path / "test" / "a.json", {"w1": (img, [4]), "w3": (img, [8])})
-    cfg = small_cfg(data__type="leaf_femnist", data__root=str(tmp_path), federate__client_num=3)
+    base = tmp_path / "data"
+    write_leaf(base / "train" / "a.json", {"w1": (img * 2, [3, 61]), "w2": (img, [0])})
+    write_leaf(base / "train" / "b.json", {"w3": (img * 3, [5, 6, 7])})
+    write_leaf(base / "test" / "a.json", {"w1": (img, [4]), "w3": (img, [8])})
+    cfg = small_cfg(data__type="leaf_femnist", data__root=str(base), federate__client_num=3)
     raw = raw_dataset(cfg)
     assert raw.x.shape == (6, 1, 28, 28) and raw.num_classes == 62
     assert raw.x[0, 0, 1, 0].item() == pytest.approx(28 / 784)
     assert raw.y.tolist() == [3, 61, 0, 5, 6, 7] and raw.groups.tolist() == [0, 0, 1, 2, 2, 2]
     assert raw.test.y.tolist() == [4, 8]
+    parent = raw_dataset(cfg.with_overrides(data__root=str(tmp_path)))
+    assert parent.y.tolist() == raw.y.tolist()  # data/<name> works as well as data/<name>/data
     fed = build_federated_data(cfg.with_overrides(data__splits=[1.0, 0.0, 0.0]))
     assert [len(c.train) for c in fed.clients.values()] == [2, 1, 3]
 

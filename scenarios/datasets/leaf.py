@@ -62,6 +62,8 @@ def read_leaf(files: list[Path]) -> dict[str, dict]:
 
 def _files(cfg, dataset: str) -> tuple[list[Path], list[Path]]:
     root = data_root(cfg, dataset, _WHERE)
+    if not (root / "train").is_dir() and (root / "data" / "train").is_dir():
+        root = root / "data"  # pointed at LEAF's data/<name> instead of data/<name>/data
     train_dir = root / "train" if (root / "train").is_dir() else root
     train = sorted(train_dir.glob("*.json"))
     test = sorted((root / "test").glob("*.json")) if (root / "test").is_dir() else []
