@@ -257,3 +257,31 @@ def test_mnist_download_path_fetches_missing_files(tmp_path, monkeypatch):
     assert len(raw.y) == 5 and sorted(p.name for p in root.iterdir()) == sorted(sums)
     with pytest.raises(ConfigError, match="not found"):
         raw_dataset(cfg.with_overrides(data__download=False, data__root=str(tmp_path / "empty")))
+
+
+def test_cifar10_download_extracts_only_expected_members(tmp_path, monkeypatch):
+    import tarfile
+
+    from fedcore.scenarios.datasets import cifar
+    staging = tmp_path / "staging" / "cifar-10-batches-bin"
+    staging.mkdir(parents=True)
+    x = np.zeros((1, 3, 32, 32), np.uint8)
+    for name in [f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]:
+        write_cifar(staging / name, np.array([[7]], np.uint8), x)
+    (staging / "readme.html").write_text("not data")
+    archive = tmp_path / "mirror" / "cifar-10-binary.tar.gz"
+    archive.parent.mkdir()
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(staging, arcname="cifar-10-batches-bin")
+    spec = list(cifar._SPECS["cifar10"])
+    spec[4] = files.Remote(archive.as_uri(), files.md5sum(archive))
+    monkeypatch.setitem(cifar._SPECS, "cifar10", tuple(spec))
+    root = tmp_path / "root"
+    raw = raw_dataset(small_cfg(data__type="cifar10", data__root=str(root), data__download=True))
+    assert raw.y.tolist() == [7] * 5 and raw.test.y.tolist() == [7]
+    assert not (root / "cifar-10-batches-bin" / "readme.html").exists()
+    spec[4] = files.Remote(archive.as_uri(), "0" * 32)  # a stale archive in data.root is re-verified
+    monkeypatch.setitem(cifar._SPECS, "cifar10", tuple(spec))
+    (root / "cifar-10-batches-bin" / "test_batch.bin").unlink()
+    with pytest.raises(ConfigError, match="checksum mismatch"):
+        raw_dataset(small_cfg(data__type="cifar10", data__root=str(root), data__download=True))
