@@ -285,3 +285,22 @@ def test_cifar10_download_extracts_only_expected_members(tmp_path, monkeypatch):
     (root / "cifar-10-batches-bin" / "test_batch.bin").unlink()
     with pytest.raises(ConfigError, match="checksum mismatch"):
         raw_dataset(small_cfg(data__type="cifar10", data__root=str(root), data__download=True))
+
+
+def test_emnist_download_takes_one_split_from_the_archive(tmp_path, monkeypatch):
+    import zipfile
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    mnist_files(staging, prefix="emnist-digits-", test_stem="test", gz=True)
+    mnist_files(staging, prefix="emnist-letters-", test_stem="test", gz=True, classes=26, label_base=1)
+    archive = tmp_path / "gzip.zip"
+    with zipfile.ZipFile(archive, "w") as zf:
+        for f in staging.iterdir():
+            zf.write(f, f"gzip/{f.name}")
+    monkeypatch.setattr(idx, "_EMNIST_ZIP", files.Remote(archive.as_uri(), files.md5sum(archive)))
+    root = tmp_path / "root"
+    raw = raw_dataset(small_cfg(data__type="emnist", data__root=str(root), data__download=True,
+                                data__emnist__split="digits"))
+    assert raw.num_classes == 10 and len(raw.y) == 5 and len(raw.test.y) == 3
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("emnist-")) == sorted(
+        p.name for p in staging.iterdir() if p.name.startswith("emnist-digits-"))
