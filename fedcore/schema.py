@@ -48,11 +48,12 @@ declare("data.client_column", str, None, "csv: the column naming each row's clie
 declare("data.partition", str, "iid", "how samples are split across clients",
         choices=lambda: registry.partitioners.names())
 declare("data.alpha", float, 0.5, "Dirichlet concentration (partition: dirichlet)", check=_positive)
-declare("data.min_size", int, 1, "dirichlet: resample until every client has at least this many samples",
+declare("data.min_size", int, 1, "dirichlet, quantity: every client gets at least this many samples",
         check=_non_negative)
 declare("data.splits", list, [0.8, 0.1, 0.1], "per-client train/val/test fractions")
-declare("data.test_size", float, 0.2, "csv: fraction of rows held out as the server's test set "
-        "when there is no natural test set", check=lambda v: None if 0 <= v < 1 else "must be in [0, 1)")
+declare("data.test_size", float, 0.2, "csv, digits, LEAF without test/: fraction of samples held "
+        "out as the server's test set (datasets with an official test set use that)",
+        check=lambda v: None if 0 <= v < 1 else "must be in [0, 1)")
 
 declare("model.type", str, "logreg", "model architecture", choices=lambda: registry.models.names())
 declare("model.dtype", str, "float32", "dtype of models, updates and algorithm state",

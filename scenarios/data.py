@@ -16,7 +16,8 @@ import torch
 from fedcore import registry
 from fedcore.errors import ConfigError
 
-__all__ = ["Split", "ClientData", "RawDataset", "FederatedData", "build_federated_data"]
+__all__ = ["Split", "ClientData", "RawDataset", "FederatedData", "build_federated_data", "hold_out",
+           "raw_dataset", "partition_indices"]
 
 
 @dataclass
@@ -56,6 +57,37 @@ class FederatedData:
     num_classes: int
 
 
+def hold_out(raw: RawDataset, fraction: float, seed: int) -> RawDataset:
+    """Move a seeded random `fraction` of the samples into `raw.test` (datasets without a test set).
+
+    Used by datasets that publish no test split, so the server still evaluates
+    on samples no client trains on.
+    """
+    n = len(raw.y)
+    n_test = int(round(fraction * n))
+    if raw.test is not None or n_test == 0:
+        return raw
+    perm = np.random.default_rng(seed + 23).permutation(n)
+    te, tr = torch.from_numpy(np.sort(perm[:n_test])), torch.from_numpy(np.sort(perm[n_test:]))
+    groups = raw.groups[tr.numpy()] if raw.groups is not None else None
+    return RawDataset(raw.x[tr], raw.y[tr], raw.num_classes, groups, Split(raw.x[te], raw.y[te]))
+
+
+def raw_dataset(cfg) -> RawDataset:
+    """The configured dataset, loaded but not yet partitioned."""
+    return registry.datasets.get(cfg["data.type"])(cfg)
+
+
+def partition_indices(cfg, raw: RawDataset) -> list[np.ndarray]:
+    """The configured partitioner's index arrays, one per client, checked for count."""
+    n_clients = cfg["federate.client_num"]
+    parts = registry.partitioners.get(cfg["data.partition"])(raw, n_clients, cfg)
+    if len(parts) != n_clients:
+        raise ConfigError(f"data.partition: {cfg['data.partition']} produced {len(parts)} clients, "
+                          f"federate.client_num is {n_clients}")
+    return parts
+
+
 def _split_indices(idx: np.ndarray, fractions, rng: np.random.Generator):
     idx = rng.permutation(idx)
     n = len(idx)
@@ -69,7 +101,7 @@ def _split_indices(idx: np.ndarray, fractions, rng: np.random.Generator):
 def build_federated_data(cfg, raw: RawDataset | None = None) -> FederatedData:
     """Build, partition and split the configured dataset, cast to the model's dtype."""
     if raw is None:
-        raw = registry.datasets.get(cfg["data.type"])(cfg)
+        raw = raw_dataset(cfg)
     dtype = getattr(torch, cfg["model.dtype"])
     if raw.x.is_floating_point():
         raw.x = raw.x.to(dtype)
@@ -79,11 +111,7 @@ def build_federated_data(cfg, raw: RawDataset | None = None) -> FederatedData:
             raw.test.y = raw.test.y.to(dtype)
     if raw.test is not None and raw.test.x.is_floating_point():
         raw.test.x = raw.test.x.to(dtype)
-    n_clients = cfg["federate.client_num"]
-    parts = registry.partitioners.get(cfg["data.partition"])(raw, n_clients, cfg)
-    if len(parts) != n_clients:
-        raise ConfigError(f"data.partition: {cfg['data.partition']} produced {len(parts)} clients, "
-                          f"federate.client_num is {n_clients}")
+    parts = partition_indices(cfg, raw)
     rng = np.random.default_rng(cfg["seed"] + 17)
     clients: dict[int, ClientData] = {}
     test_parts = []

@@ -1,21 +1,14 @@
-"""Dataset builders: `synthetic` (FedProx's synthetic(alpha, beta)) and `csv`.
-
-Each builder takes the config and returns a `RawDataset`.
-"""
+"""`synthetic`: FedProx's synthetic(alpha, beta), one natural group per device."""
 from __future__ import annotations
-
-import csv
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from fedcore.config import declare
-from fedcore.errors import ConfigError
 from fedcore.registry import datasets
 from fedcore.scenarios.data import RawDataset
 
-__all__ = ["synthetic", "csv_dataset", "softmax_synthetic"]
+__all__ = ["synthetic", "softmax_synthetic"]
 
 declare("data.synthetic.alpha", float, 0.0, "synthetic: how much local models differ across devices "
         "(u_k ~ N(0, alpha))")
@@ -72,48 +65,3 @@ def synthetic(cfg) -> RawDataset:
     x, y, groups = softmax_synthetic(n, s["alpha"], s["beta"], s["iid"], s["dim"], s["num_classes"],
                                      sizes, rng)
     return RawDataset(torch.from_numpy(x).float(), torch.from_numpy(y).long(), s["num_classes"], groups)
-
-
-@datasets.register("csv")
-def csv_dataset(cfg) -> RawDataset:
-    """A CSV file with a header: a label column, an optional client column, numeric features."""
-    root = cfg["data.root"]
-    if not root:
-        raise ConfigError("data.root: csv data needs data.root=<path to the .csv file>")
-    path = Path(root)
-    if not path.is_file():
-        raise ConfigError(f"data.root: csv file '{path}' does not exist")
-    label_col, client_col = cfg["data.label_column"], cfg["data.client_column"]
-    with path.open(newline="") as f:
-        reader = csv.DictReader(f)
-        header = reader.fieldnames or []
-        for col in filter(None, (label_col, client_col)):
-            if col not in header:
-                raise ConfigError(f"data.label_column/client_column: column '{col}' not in {path} "
-                                  f"(columns: {', '.join(header)})")
-        features = [c for c in header if c not in (label_col, client_col)]
-        rows = list(reader)
-    if not rows:
-        raise ConfigError(f"data.root: csv file '{path}' has no rows")
-    try:
-        x = np.array([[float(r[c]) for c in features] for r in rows], dtype=np.float32)
-    except ValueError as exc:
-        raise ConfigError(f"data.root: non-numeric feature in '{path}': {exc}") from None
-    labels = [r[label_col] for r in rows]
-    classes = sorted(set(labels), key=_natural_key)
-    index = {c: i for i, c in enumerate(classes)}
-    y = np.array([index[v] for v in labels], dtype=np.int64)
-    groups = None
-    if client_col:
-        names = [r[client_col] for r in rows]
-        order = {c: i for i, c in enumerate(sorted(set(names), key=_natural_key))}
-        groups = np.array([order[v] for v in names])
-    raw = RawDataset(torch.from_numpy(x), torch.from_numpy(y), len(classes), groups)
-    return raw
-
-
-def _natural_key(s: str):
-    try:
-        return (0, float(s), s)
-    except ValueError:
-        return (1, 0.0, s)
