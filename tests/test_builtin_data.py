@@ -46,7 +46,8 @@ def _csv(tmp_path):
 
 def test_csv_natural_partition_by_client_column(tmp_path):
     cfg = small_cfg(None, data__type="csv", data__root=str(_csv(tmp_path)), data__client_column="site",
-                    data__partition="natural", federate__client_num=3, data__splits=[1.0, 0.0, 0.0])
+                    data__partition="natural", federate__client_num=3, data__splits=[1.0, 0.0, 0.0],
+                    data__test_size=0.0)
     fed = build_federated_data(cfg)
     assert fed.num_classes == 2 and fed.input_shape == (2,)
     for cid in (1, 2, 3):
