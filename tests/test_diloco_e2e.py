@@ -127,3 +127,18 @@ def test_scenarios_are_complete_and_diloco_matches_fedavg_work(tmp_path):
         course = Course(cfg).build()
         course.write_header()
         assert course.check().graph.number_of_nodes() > 0
+
+
+def test_client_state_round_trips_through_the_disk_store(tmp_path):
+    """Optimizer and scheduler state saved with torch.save and read back weights_only give
+    the same course as the in-memory store."""
+    keys = dict(FAITHFUL, train__scheduler__type="cosine", train__scheduler__warmup_steps=1,
+                train__scheduler__total_steps=6)
+    Course(small_cfg(tmp_path / "m", **keys)).run()
+    Course(small_cfg(tmp_path / "d", state__store="disk", state__path=str(tmp_path / "s"), **keys)).run()
+    a = torch.load(tmp_path / "m" / "final_model.pt", weights_only=True)
+    b = torch.load(tmp_path / "d" / "final_model.pt", weights_only=True)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    saved = torch.load(tmp_path / "s" / "client_1.pt", weights_only=True)
+    assert saved["scheduler"]["last_epoch"] == 6 and saved["inner_steps"] == 6
