@@ -182,3 +182,13 @@ def test_fedavg_default_trains_as_before():
     assert tr.ends == [(3, 3)]
     assert tr.lrs == [0.1, 0.1, 0.1]
     assert course.store.load(1)["sampler"] == {"epoch": 0, "offset": 24}
+
+
+def test_diloco_round_that_cannot_take_h_steps_fails_instead_of_sending():
+    from fedcore.scenarios.data import ClientData, Split
+    course = built(diloco_cfg())
+    full = course.data.clients[1]
+    empty = ClientData(Split(full.train.x[:0], full.train.y[:0]), full.val, full.test)
+    with pytest.raises(RuntimeError, match="took 0 optimizer steps this round, not H=2"):
+        course.trainer.fit(1, empty, received(course), 1)
+    assert 1 not in course.store                                   # nothing half-saved
