@@ -279,11 +279,13 @@ class Trainer:
         for group, fresh in zip(self.optimizer.param_groups, self._fresh_groups):
             group.update(fresh)
         keep = self.cfg["train.preserve_optimizer_state"]
+        # Load copies: the optimizer updates its state in place, and the stored snapshot must
+        # stay as saved if this fit fails half-way.
         if keep and "optimizer" in state:
-            self.optimizer.load_state_dict(state["optimizer"])
+            self.optimizer.load_state_dict(_cloned(state["optimizer"]))
         if self.scheduler is not None:
-            self.scheduler.load_state_dict(state["scheduler"] if keep and "scheduler" in state
-                                           else _cloned(self._fresh_scheduler))
+            saved = state.get("scheduler") if keep else None
+            self.scheduler.load_state_dict(_cloned(saved if saved is not None else self._fresh_scheduler))
 
     def _save_optimizer(self, state: dict) -> None:
         """Keep a snapshot (cloned tensors: the optimizer's own are reused by the next client)."""

@@ -192,3 +192,27 @@ def test_diloco_round_that_cannot_take_h_steps_fails_instead_of_sending():
     with pytest.raises(RuntimeError, match="took 0 optimizer steps this round, not H=2"):
         course.trainer.fit(1, empty, received(course), 1)
     assert 1 not in course.store                                   # nothing half-saved
+
+
+class FailsOnSecondStep(FedAvgTrainer):
+    def step(self, x, y):
+        if self.armed and self.optimizer.state and all(
+                int(s["step"]) >= 3 for s in self.optimizer.state.values()):
+            raise RuntimeError("boom")
+        return super().step(x, y)
+
+
+def test_a_fit_that_fails_half_way_leaves_the_saved_optimizer_state_as_it_was():
+    cfg = diloco_cfg()
+    course = built(cfg)
+    tr = FailsOnSecondStep(course.trainer.model, cfg, course.store)
+    tr.armed = False
+    tr.fit(1, course.data.clients[1], received(course), 1)          # steps 1-2 saved
+    saved = _snapshot(course.store.load(1)["optimizer"])
+    tr.armed = True
+    with pytest.raises(RuntimeError, match="boom"):
+        tr.fit(1, course.data.clients[1], received(course), 2)      # step 3 taken, then fails
+    now = course.store.load(1)["optimizer"]["state"]
+    for i in saved:
+        for k in saved[i]:
+            assert torch.equal(now[i][k], saved[i][k]), k
