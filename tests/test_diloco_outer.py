@@ -193,3 +193,16 @@ def test_refuses_stale_updates_and_payloads_with_extra_state():
     leaky.content["optimizer"] = {"state": {}}
     with pytest.raises(ValueError, match="optimizer"):
         agg.aggregate([leaky, update(2, agg, DB, 3)], 1)
+
+
+def test_outer_state_restored_from_state_dict_continues_the_same_trajectory():
+    full = DiLoCoAggregator(Tiny(), cfg(), 2)
+    round_(full, 1)
+    saved_state, saved_global = full.state_dict(), dict(full.global_state)
+    resumed = DiLoCoAggregator(Tiny(), cfg(), 2)
+    resumed.global_state = saved_global
+    resumed.load_state_dict(saved_state)
+    round_(full, 2)
+    round_(resumed, 2)
+    assert torch.allclose(w(resumed), torch.tensor([2.6135, 5.227], dtype=D), atol=1e-12)
+    assert torch.equal(w(resumed), w(full))
