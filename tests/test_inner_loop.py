@@ -194,7 +194,7 @@ def test_diloco_round_that_cannot_take_h_steps_fails_instead_of_sending():
     assert 1 not in course.store                                   # nothing half-saved
 
 
-class FailsOnSecondStep(FedAvgTrainer):
+class FailsInSecondRound(FedAvgTrainer):
     def step(self, x, y):
         if self.armed and self.optimizer.state and all(
                 int(s["step"]) >= 3 for s in self.optimizer.state.values()):
@@ -205,7 +205,7 @@ class FailsOnSecondStep(FedAvgTrainer):
 def test_a_fit_that_fails_half_way_leaves_the_saved_optimizer_state_as_it_was():
     cfg = diloco_cfg()
     course = built(cfg)
-    tr = FailsOnSecondStep(course.trainer.model, cfg, course.store)
+    tr = FailsInSecondRound(course.trainer.model, cfg, course.store)
     tr.armed = False
     tr.fit(1, course.data.clients[1], received(course), 1)          # steps 1-2 saved
     saved = _snapshot(course.store.load(1)["optimizer"])
