@@ -1,5 +1,5 @@
 """Plug-in trainers and aggregators, one module per algorithm."""
-from fedcore.algorithms import fedavg  # noqa: F401  (registers 'fedavg')
+from fedcore.algorithms import diloco, fedavg  # noqa: F401  (register 'diloco', 'fedavg')
 from fedcore.algorithms.base import Aggregator, Algorithm, Trainer
 
-__all__ = ["Aggregator", "Algorithm", "Trainer", "fedavg"]
+__all__ = ["Aggregator", "Algorithm", "Trainer", "diloco", "fedavg"]

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fedcore.algorithms.inner_loop import build_scheduler
 from fedcore.state import StateStore
 
 __all__ = ["Algorithm", "Trainer", "Aggregator", "FitResult", "ReceivedUpdate", "BatchStream",
@@ -147,6 +148,12 @@ class Trainer:
         # Entries that stay local start from the initial model for every client.
         self._local_init = {k: v.detach().clone() for k, v in self.entries.items() if not self.shared(k)}
         self.optimizer = self._build_optimizer()
+        self.scheduler = build_scheduler(self.optimizer, cfg)
+        self.grad_accum = cfg["train.grad_accum_steps"]
+        # What a client without saved state starts from (another client may have changed the LR).
+        self._fresh_groups = [{k: v for k, v in g.items() if k != "params"}
+                              for g in self.optimizer.param_groups]
+        self._fresh_scheduler = self.scheduler.state_dict() if self.scheduler is not None else None
 
     # ------------------------------------------------------------ set-up
     def _build_optimizer(self) -> torch.optim.Optimizer:
@@ -158,10 +165,12 @@ class Trainer:
         return cls(self.params, lr=o["lr"], weight_decay=o["weight_decay"])
 
     def num_steps(self, n_train: int) -> int:
-        """Optimizer steps this round: `train.local_steps`, or epochs x batches per epoch."""
+        """Optimizer steps this round: `train.local_steps`, or epochs x batches per epoch
+        (divided by `train.grad_accum_steps`, rounded up)."""
         if self.cfg["train.local_steps"] is not None:
             return self.cfg["train.local_steps"]
-        return self.cfg["train.local_epochs"] * math.ceil(n_train / self.cfg["train.batch_size"])
+        batches = self.cfg["train.local_epochs"] * math.ceil(n_train / self.cfg["train.batch_size"])
+        return math.ceil(batches / self.grad_accum)
 
     # ------------------------------------------------------------ state in and out
     @torch.no_grad()
@@ -205,6 +214,27 @@ class Trainer:
         self.optimizer.step()
         return loss.item(), float(len(y))
 
+    def accumulated_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
+        """One optimizer step on several micro-batches (`train.grad_accum_steps` > 1).
+
+        Each micro-batch loss is weighted by its share of the samples, so the gradient is
+        that of the mean loss over their union; returns (that loss, gradient evaluations).
+        """
+        self.optimizer.zero_grad(set_to_none=True)
+        total = sum(len(y) for _, y in batches)
+        loss_sum = 0.0
+        for x, y in batches:
+            loss = self.objective(x, y) * (len(y) / total)
+            loss.backward()
+            loss_sum += loss.item()
+        self.adjust_gradients()
+        self.optimizer.step()
+        return loss_sum, float(total)
+
+    def end(self, client_state: dict, received: dict, steps: int) -> None:
+        """Called once after the last of the round's `steps` optimizer steps, before the
+        payload is built and the client's state saved (also when `steps` is 0)."""
+
     def payload(self, client_state: dict, received: dict, steps: int, n_train: int) -> dict[str, Any]:
         """What the client sends after local training."""
         return {"model": self.shared_state(), "num_samples": n_train}
@@ -224,11 +254,18 @@ class Trainer:
         work, loss_sum = 0.0, 0.0
         self.model.train()
         for _ in range(steps):
-            idx = stream.next()
-            loss, w = self.step(train.x[idx], train.y[idx])
+            if self.grad_accum == 1:
+                idx = stream.next()
+                loss, w = self.step(train.x[idx], train.y[idx])
+            else:
+                idxs = [stream.next() for _ in range(self.grad_accum)]
+                loss, w = self.accumulated_step([(train.x[i], train.y[i]) for i in idxs])
+            if self.scheduler is not None:
+                self.scheduler.step()
             loss_sum += loss
             work += w
         state["sampler"] = stream.position()
+        self.end(state, received, steps)
         content = self.payload(state, received, steps, len(train))
         self._save_optimizer(state)
         self._save_local(state)
@@ -237,13 +274,25 @@ class Trainer:
         return FitResult(content, work, metrics)
 
     def _restore_optimizer(self, state: dict) -> None:
+        """Swap in this client's optimizer (and scheduler) state, or a fresh one."""
         self.optimizer.state.clear()
-        if self.cfg["train.preserve_optimizer_state"] and "optimizer" in state:
-            self.optimizer.load_state_dict(state["optimizer"])
+        for group, fresh in zip(self.optimizer.param_groups, self._fresh_groups):
+            group.update(fresh)
+        keep = self.cfg["train.preserve_optimizer_state"]
+        # Load copies: the optimizer updates its state in place, and the stored snapshot must
+        # stay as saved if this fit fails half-way.
+        if keep and "optimizer" in state:
+            self.optimizer.load_state_dict(_cloned(state["optimizer"]))
+        if self.scheduler is not None:
+            saved = state.get("scheduler") if keep else None
+            self.scheduler.load_state_dict(_cloned(saved if saved is not None else self._fresh_scheduler))
 
     def _save_optimizer(self, state: dict) -> None:
+        """Keep a snapshot (cloned tensors: the optimizer's own are reused by the next client)."""
         if self.cfg["train.preserve_optimizer_state"]:
-            state["optimizer"] = self.optimizer.state_dict()
+            state["optimizer"] = _cloned(self.optimizer.state_dict())
+            if self.scheduler is not None:
+                state["scheduler"] = _cloned(self.scheduler.state_dict())
 
     def evaluate(self, client_id: int, data, received: dict) -> dict[str, float]:
         """Evaluate the received global model (with this client's local entries) on its test split."""
@@ -287,3 +336,14 @@ class Aggregator:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned (when resuming from a checkpoint)."""
+
+
+def _cloned(obj: Any) -> Any:
+    """A copy of a state_dict tree whose tensors share no storage with the original."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _cloned(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cloned(v) for v in obj)
+    return obj
