@@ -62,6 +62,7 @@ class Course:
                                cfg["federate.total_round_num"])
         self.server_table = HandlerTable("server")
         self.client_table = HandlerTable("client")
+        self.extra_tables: list[HandlerTable] = []  # roles that plug-ins add (e.g. attackers)
         self.num_clients = cfg["federate.client_num"]
         self.client_ids = list(range(1, self.num_clients + 1))
         self.built = False
@@ -98,14 +99,14 @@ class Course:
             self.comm.attach(client)
 
         registry.courses.get(cfg["course"])(self)
-        for name in cfg["extensions"]:
+        for name in registry.selected_behaviours(cfg):
             registry.behaviours.get(name)(self)
         self.built = True
         return self
 
     @property
     def tables(self) -> list[HandlerTable]:
-        return [self.server_table, self.client_table]
+        return [self.server_table, self.client_table, *self.extra_tables]
 
     # ------------------------------------------------------------ outputs
     def write_header(self) -> None:
