@@ -135,6 +135,8 @@ class _Ledger:
             if c in noisy:
                 self.releases[c] = self.releases.get(c, 0) + 1
         most = max(self.releases.values(), default=0)
+        if most == 0:
+            return {"dp_epsilon": None}  # no noisy release yet: nothing to account
         acc = RdpAccountant()
         acc.step(1.0, self.sigma, most)
         return {"dp_epsilon": acc.epsilon(self.delta)}

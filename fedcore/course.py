@@ -99,7 +99,8 @@ class Course:
             self.comm.attach(client)
 
         registry.courses.get(cfg["course"])(self)
-        for name in registry.selected_behaviours(cfg):
+        self.behaviours = registry.selected_behaviours(cfg)
+        for name in self.behaviours:
             registry.behaviours.get(name)(self)
         self.built = True
         return self
@@ -115,8 +116,10 @@ class Course:
             return
         self.outdir.mkdir(parents=True, exist_ok=True)
         self.cfg.dump(self.outdir / "config.yaml")
-        (self.outdir / "handlers.txt").write_text(
-            "\n\n".join(t.describe() for t in self.tables) + "\n")
+        sections = [t.describe() for t in self.tables]
+        if getattr(self, "behaviours", None):
+            sections.append("[behaviours]\n" + "\n".join(f"  {b}" for b in self.behaviours))
+        (self.outdir / "handlers.txt").write_text("\n\n".join(sections) + "\n")
 
     def check(self) -> CheckResult:
         """The completeness check; raises IncompleteCourseError (exit 3) when it fails."""

@@ -15,6 +15,7 @@ import torch
 
 from fedcore.config import load_config
 from fedcore.course import Course
+from fedcore.handlers.attack import backdoor_success
 
 HERE = Path(__file__).resolve().parent
 
@@ -26,7 +27,15 @@ def run(scenario: str, seed: int, rounds: int | None, **overrides) -> dict:
         extra["federate.total_round_num"] = rounds
     extra.update({k.replace("__", "."): v for k, v in overrides.items()})
     cfg = load_config(HERE / f"{scenario}.yaml", extra=extra)
-    return Course(cfg, outdir=None).run()
+    course = Course(cfg, outdir=None)
+    summary = course.run()
+    if scenario == "backdoor_normbound":
+        test, model = course.data.server_test, course.server.model
+        model.load_state_dict(course.server.aggregator.global_state)
+        summary["clean_backdoor_acc"] = backdoor_success(
+            model, test.x, test.y, cfg["attack.target_label"], cfg["attack.trigger_size"],
+            cfg["attack.trigger_value"])
+    return summary
 
 
 def mean_of(rows: list[dict], key: str, final: bool = False) -> float | None:
@@ -67,6 +76,9 @@ def backdoor(seeds, rounds) -> str:
                       ("backdoor x5, norm_bound 0.3", dict(aggregator__norm_bound=0.3)),
                       ("backdoor x5, median", dict(aggregator__robust_rule="median"))]:
         res = [run("backdoor_normbound", s, rounds, **kw) for s in seeds]
+        if kw.get("attack__type") == "none":  # the trigger's effect on a clean model, for reference
+            for r in res:
+                r["final_backdoor_acc"] = r["clean_backdoor_acc"]
         rows.append([label, mean_of(res, "final_test_acc"), mean_of(res, "final_backdoor_acc")])
     return table(["course", "test acc", "backdoor success"], rows)
 
