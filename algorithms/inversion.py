@@ -32,7 +32,8 @@ def infer_label(model: nn.Module, grads: list[torch.Tensor]) -> int:
 
 
 def invert_gradient(model: nn.Module, grads: list[torch.Tensor], input_shape: tuple[int, ...],
-                    label: int | None = None, iterations: int = 50, seed: int = 0) -> tuple[torch.Tensor, int]:
+                    label: int | None = None, iterations: int = 50,
+                    seed: int = 0) -> tuple[torch.Tensor, int]:
     """Reconstruct a one-sample input from its shared gradient; returns (x', label used)."""
     if label is None:
         label = infer_label(model, grads)

@@ -18,6 +18,7 @@ import torch
 
 from fedcore import registry
 from fedcore.algorithms.base import evaluate_model
+from fedcore.handlers.derived_role import DerivedTable
 
 __all__ = ["global_is_worse", "note_performance_drop", "install"]
 
@@ -71,12 +72,15 @@ def install(course) -> None:
             trainer.store.save(client_id, state)
         return result
     trainer.fit = checked_fit
-    table = course.client_table
-    table.register("performance_drop", note_performance_drop)
-    train = table.get("receiving_models")
-    if train is not None and "performance_drop" not in train.sends:
-        # the same handler, declared to raise the event it now can raise: not a replacement
-        table.register("receiving_models", train.fn, sends=(*train.sends, "performance_drop"))
+    course.client_table.register("performance_drop", note_performance_drop)
+    for table in course.tables:  # clients, and roles derived from them that train their own way
+        if table is course.server_table or (isinstance(table, DerivedTable)
+                                            and "receiving_models" not in table.own):
+            continue
+        train = table.get("receiving_models")
+        if train is not None and "performance_drop" not in train.sends:
+            # the same handler, declared to raise the event it now can raise: not a replacement
+            table.register("receiving_models", train.fn, sends=(*train.sends, "performance_drop"))
 
 
 install.enabled = lambda cfg: (cfg["personalization.drop_check"]

@@ -4,7 +4,6 @@ import json
 import pytest
 import torch
 
-from fedcore.algorithms.combine import flatten
 from fedcore.algorithms.dp import central_dp_rule, clip_delta, privatize
 from fedcore.algorithms.dp_accountant import dp_epsilon
 from fedcore.course import Course
