@@ -60,6 +60,13 @@ def _check_robust(cfg) -> None:
         raise ConfigError(f"aggregator.robust_rule: {rule} cannot be combined with algorithm.name "
                           f"{cfg['algorithm.name']} ({why}); use robust_rule=none or a FedAvg-style "
                           "algorithm")
+    if rule in ("krum", "multi_krum"):
+        from fedcore.schema import clients_per_round
+        n, f = clients_per_round(cfg), cfg["aggregator.byzantine_num"]
+        if n <= f + 2:
+            raise ConfigError(f"aggregator.byzantine_num: {rule} needs more than f + 2 = {f + 2} "
+                              f"updates per aggregation, a round has at most {n}; lower "
+                              "byzantine_num or sample more clients")
     if rule == "norm_bound" and cfg["aggregator.norm_bound"] is None:
         raise ConfigError("aggregator.norm_bound: robust_rule norm_bound needs a bound, e.g. "
                           "aggregator.norm_bound=1.0")

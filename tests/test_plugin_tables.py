@@ -27,3 +27,22 @@ def test_all_plugins_together_only_add_handlers(tmp_path):
     summary = every.run()  # and the whole thing runs to its finish
     assert summary["rounds"] == 2 and summary["attackers"] == [6]
     assert "overwritten" not in (tmp_path / "all" / "handlers.txt").read_text()
+
+
+def test_behaviours_install_once_whether_named_or_switched_on():
+    from fedcore import registry
+    cfg = small_cfg(None, extensions=["robust_aggregation"], aggregator__robust_rule="median",
+                    privacy__dp__mode="local")
+    assert registry.selected_behaviours(cfg) == ["robust_aggregation", "differential_privacy"]
+    assert registry.selected_behaviours(small_cfg(None)) == []
+
+
+def test_plugin_scenarios_load_and_are_complete(tmp_path):
+    from pathlib import Path
+
+    from fedcore.config import load_config
+    root = Path(__file__).resolve().parents[1] / "scenarios"
+    for name in ("robust_signflip", "backdoor_normbound", "dp_fraction", "personalization_dirichlet"):
+        cfg = load_config(root / f"{name}.yaml", [f"outdir={tmp_path / name}", "verbose=false"])
+        course = Course(cfg).build()
+        assert course.behaviours and course.check().complete, name

@@ -92,5 +92,7 @@ def test_bad_robust_keys_fail_at_config_time():
         small_cfg(None, aggregator__robust_rule="norm_bound")
     with pytest.raises(ConfigError, match="aggregator.trim_ratio: must be in"):
         small_cfg(None, aggregator__robust_rule="trimmed_mean", aggregator__trim_ratio=0.5)
+    with pytest.raises(ConfigError, match="aggregator.byzantine_num: krum needs more than f \\+ 2 = 6"):
+        small_cfg(None, aggregator__robust_rule="krum", aggregator__byzantine_num=4)  # 6 clients
     with pytest.raises(ConfigError, match="did you mean 'median'"):
         small_cfg(None, aggregator__robust_rule="medain")
