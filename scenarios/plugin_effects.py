@@ -68,6 +68,19 @@ def robust(seeds, rounds) -> str:
     return table(["course", "test acc"], rows)
 
 
+def attacks(seeds, rounds) -> str:
+    rows = []
+    for kind, extra in [("label_flip", {}), ("gaussian", {"attack__noise_std": 1.0}),
+                        ("scaled_replacement", {"attack__scale": 20.0}), ("sign_flip", {})]:
+        row = [f"20% {kind}"]
+        for rule in ("none", "median", "krum"):
+            res = [run("robust_signflip", s, rounds, attack__type=kind, aggregator__robust_rule=rule,
+                       **extra) for s in seeds]
+            row.append(mean_of(res, "final_test_acc"))
+        rows.append(row)
+    return table(["attack (robust_signflip.yaml)", "FedAvg", "median", "krum"], rows)
+
+
 def backdoor(seeds, rounds) -> str:
     rows = []
     for label, kw in [("no attack", dict(attack__type="none", aggregator__robust_rule="none")),
@@ -118,7 +131,7 @@ def personalization(seeds, rounds) -> str:
                   "global model on server test"], rows)
 
 
-SECTIONS = {"robust": robust, "backdoor": backdoor, "dp_share": dp_share, "dp_central": dp_central,
+SECTIONS = {"robust": robust, "attacks": attacks, "backdoor": backdoor, "dp_share": dp_share, "dp_central": dp_central,
             "personalization": personalization}
 
 
