@@ -58,7 +58,7 @@ partitioners = Registry("partitioner", "data.partition")
 models = Registry("model", "model.type")
 samplers = Registry("sampler", "federate.sampler")
 courses = Registry("course", "course")
-behaviours = Registry("behaviour", "plugins")
+behaviours = Registry("behaviour", "extensions")
 
 
 def selected_behaviours(cfg) -> list[str]:
