@@ -105,3 +105,16 @@ def test_no_drop_when_the_margin_cannot_be_exceeded():
     summary = course.run()
     assert "performance_drops" not in summary
     assert all("own_model" in course.trainer.store.load(c) for c in course.client_ids)
+
+
+def test_bn_models_build_and_expose_their_batchnorm_entries():
+    from fedcore.scenarios.bn_models import cnn_bn, mlp_bn
+    cfg = small_cfg(None, model__hidden=[8, 4])
+    cnn = cnn_bn(cfg, (8, 8), 10)
+    assert cnn(torch.zeros(2, 8, 8)).shape == (2, 10) and cnn(torch.zeros(2, 1, 8, 8)).shape == (2, 10)
+    assert len(batchnorm_entries(cnn)) == 10
+    mlp = mlp_bn(cfg, (5,), 3).train()
+    assert mlp(torch.randn(1, 5)).shape == (1, 3)  # a one-sample training batch is accepted
+    assert batchnorm_entries(mlp) == {f"{i}.{n}" for i in (2, 5) for n in
+                                      ("weight", "bias", "running_mean", "running_var",
+                                       "num_batches_tracked")}
