@@ -155,6 +155,12 @@ class Trainer:
                               for g in self.optimizer.param_groups]
         self._fresh_scheduler = self.scheduler.state_dict() if self.scheduler is not None else None
 
+    def set_shared(self, shared) -> None:
+        """Change which entries are exchanged (a `ShareFilter`-like callable) before any round;
+        the others start from the initial model and stay in each client's state."""
+        self.shared = shared
+        self._local_init = {k: v.detach().clone() for k, v in self.entries.items() if not shared(k)}
+
     # ------------------------------------------------------------ set-up
     def _build_optimizer(self) -> torch.optim.Optimizer:
         o = self.cfg.section("train.optimizer")

@@ -63,6 +63,7 @@ class Course:
                                cfg["federate.total_round_num"])
         self.server_table = HandlerTable("server")
         self.client_table = HandlerTable("client")
+        self.extra_tables: list[HandlerTable] = []  # roles that plug-ins add (e.g. attackers)
         self.num_clients = cfg["federate.client_num"]
         self.client_ids = list(range(1, self.num_clients + 1))
         self.built = False
@@ -99,7 +100,8 @@ class Course:
             self.comm.attach(client)
 
         registry.courses.get(cfg["course"])(self)
-        for name in cfg["extensions"]:
+        self.behaviours = registry.selected_behaviours(cfg)
+        for name in self.behaviours:
             registry.behaviours.get(name)(self)
         self.checkpointer = Checkpointer(self)
         self.resumed_at = resume(self, cfg["resume_from"]) if cfg["resume_from"] else None
@@ -108,7 +110,7 @@ class Course:
 
     @property
     def tables(self) -> list[HandlerTable]:
-        return [self.server_table, self.client_table]
+        return [self.server_table, self.client_table, *self.extra_tables]
 
     # ------------------------------------------------------------ outputs
     def write_header(self) -> None:
@@ -117,8 +119,10 @@ class Course:
             return
         self.outdir.mkdir(parents=True, exist_ok=True)
         self.cfg.dump(self.outdir / "config.yaml")
-        (self.outdir / "handlers.txt").write_text(
-            "\n\n".join(t.describe() for t in self.tables) + "\n")
+        sections = [t.describe() for t in self.tables]
+        if getattr(self, "behaviours", None):
+            sections.append("[behaviours]\n" + "\n".join(f"  {b}" for b in self.behaviours))
+        (self.outdir / "handlers.txt").write_text("\n\n".join(sections) + "\n")
 
     def check(self) -> CheckResult:
         """The completeness check; raises IncompleteCourseError (exit 3) when it fails."""

@@ -14,7 +14,7 @@ from typing import Any, Callable
 from fedcore.errors import ConfigError
 
 __all__ = ["Registry", "algorithms", "datasets", "partitioners", "models", "samplers",
-           "courses", "behaviours"]
+           "courses", "behaviours", "selected_behaviours"]
 
 
 class Registry:
@@ -44,6 +44,10 @@ class Registry:
     def names(self) -> list[str]:
         return sorted(self._items)
 
+    def names_in_order(self) -> list[str]:
+        """Names in registration order."""
+        return list(self._items)
+
     def __contains__(self, name: str) -> bool:
         return name in self._items
 
@@ -54,4 +58,15 @@ partitioners = Registry("partitioner", "data.partition")
 models = Registry("model", "model.type")
 samplers = Registry("sampler", "federate.sampler")
 courses = Registry("course", "course")
-behaviours = Registry("behaviour", "plugins")
+behaviours = Registry("behaviour", "extensions")
+
+
+def selected_behaviours(cfg) -> list[str]:
+    """The behaviours a course installs: those named in `extensions`, then every registered
+    behaviour whose `enabled(cfg)` says its own config keys switch it on (registration order)."""
+    names = list(cfg["extensions"])
+    for name in behaviours.names_in_order():
+        enabled = getattr(behaviours.get(name), "enabled", None)
+        if enabled is not None and name not in names and enabled(cfg):
+            names.append(name)
+    return names

@@ -1,4 +1,4 @@
 """Ready-to-run YAML courses, and the dataset, partitioner and model builders they use."""
-from fedcore.scenarios import data, datasets, models, partition, text  # noqa: F401  (registers plug-ins)
+from fedcore.scenarios import bn_models, data, datasets, models, partition, text  # noqa: F401
 
-__all__ = ["data", "datasets", "models", "partition", "text"]
+__all__ = ["bn_models", "data", "datasets", "models", "partition", "text"]

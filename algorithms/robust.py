@@ -1,0 +1,158 @@
+"""Byzantine-robust aggregation rules (`aggregator.robust_rule`).
+
+Each rule maps the clients' update deltas (received model minus the global
+model) to one delta, and composes with any FedAvg-style aggregator through
+`replace_combination`:
+
+- `krum` / `multi_krum` (Blanchard et al., 2017): score each update by the
+  summed squared distances to its n - f - 2 nearest others; keep the m best
+  (`krum_m`, 1 for Krum, n - f by default for multi-Krum) and average them;
+- `median` (Yin et al., 2018): the coordinate-wise median;
+- `trimmed_mean` (Yin et al., 2018): per coordinate, drop the k = floor(trim_ratio * n)
+  largest and smallest values and average the rest;
+- `norm_bound` (Sun et al., 2019): scale each delta down to L2 norm at most
+  `norm_bound`, then take the sample-weighted mean.
+
+Algorithms whose aggregation uses more than the mean model (SCAFFOLD's
+control variates, FedDyn's server state, single-update async mixing) are
+refused at configuration time.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fedcore import registry
+from fedcore.algorithms.combine import Deltas, flatten, replace_combination, unflatten
+from fedcore.config import declare, validator
+from fedcore.errors import ConfigError
+
+__all__ = ["RULES", "INCOMPATIBLE", "krum_scores", "krum_select", "coordinate_median",
+           "trimmed_mean", "clip_to_norm", "make_rule", "install"]
+
+RULES = ("none", "krum", "multi_krum", "median", "trimmed_mean", "norm_bound")
+INCOMPATIBLE = {
+    "scaffold": "its control variates are averaged alongside the model",
+    "feddyn": "its server state is built from every client's model",
+    "fedasync": "it mixes one update at a time, there is nothing to vote on",
+}
+
+declare("aggregator.robust_rule", str, "none", "how updates are combined: none (the algorithm's "
+        "weighted mean), krum, multi_krum, median, trimmed_mean, norm_bound", choices=RULES)
+declare("aggregator.byzantine_num", int, 0, "krum/multi_krum: assumed number f of Byzantine updates "
+        "per aggregation", check=lambda v: None if v >= 0 else "must be >= 0")
+declare("aggregator.krum_m", int, None, "krum/multi_krum: how many best-scored updates are averaged "
+        "(krum: 1, multi_krum: n - f)", check=lambda v: None if v > 0 else "must be > 0")
+declare("aggregator.trim_ratio", float, 0.1, "trimmed_mean: fraction trimmed at each end per "
+        "coordinate", check=lambda v: None if 0 <= v < 0.5 else "must be in [0, 0.5)")
+declare("aggregator.norm_bound", float, None, "norm_bound: largest L2 norm of an update delta",
+        check=lambda v: None if v > 0 else "must be > 0")
+
+
+@validator
+def _check_robust(cfg) -> None:
+    rule = cfg["aggregator.robust_rule"]
+    if rule == "none":
+        return
+    why = INCOMPATIBLE.get(cfg["algorithm.name"])
+    if why:
+        raise ConfigError(f"aggregator.robust_rule: {rule} cannot be combined with algorithm.name "
+                          f"{cfg['algorithm.name']} ({why}); use robust_rule=none or a FedAvg-style "
+                          "algorithm")
+    if rule in ("krum", "multi_krum"):
+        from fedcore.schema import clients_per_round
+        n, f = clients_per_round(cfg), cfg["aggregator.byzantine_num"]
+        if n <= f + 2:
+            raise ConfigError(f"aggregator.byzantine_num: {rule} needs more than f + 2 = {f + 2} "
+                              f"updates per aggregation, a round has at most {n}; lower "
+                              "byzantine_num or sample more clients")
+    if rule == "norm_bound" and cfg["aggregator.norm_bound"] is None:
+        raise ConfigError("aggregator.norm_bound: robust_rule norm_bound needs a bound, e.g. "
+                          "aggregator.norm_bound=1.0")
+
+
+# ---------------------------------------------------------------- the rules on vectors
+def krum_scores(vectors: torch.Tensor, f: int) -> torch.Tensor:
+    """Krum score of each row: summed squared distances to its n - f - 2 nearest other rows."""
+    n = vectors.shape[0]
+    k = n - f - 2
+    if k < 1:
+        raise ValueError(f"Krum needs n > f + 2 updates (n={n}, f={f}); lower "
+                         "aggregator.byzantine_num or sample more clients")
+    d2 = torch.cdist(vectors, vectors).pow(2)
+    d2.fill_diagonal_(math.inf)
+    return d2.topk(k, dim=1, largest=False).values.sum(dim=1)
+
+
+def krum_select(vectors: torch.Tensor, f: int, m: int = 1) -> list[int]:
+    """Indices of the `m` best-scored rows (ties broken by index)."""
+    scores = krum_scores(vectors, f)
+    order = sorted(range(len(scores)), key=lambda i: (scores[i].item(), i))
+    return order[:max(1, min(m, len(order)))]
+
+
+def coordinate_median(vectors: torch.Tensor) -> torch.Tensor:
+    """The coordinate-wise median (the mean of the two middle values for even n)."""
+    return vectors.quantile(0.5, dim=0) if vectors.shape[0] > 1 else vectors[0].clone()
+
+
+def trimmed_mean(vectors: torch.Tensor, ratio: float) -> torch.Tensor:
+    """Per coordinate, drop floor(ratio * n) values at each end and average the rest."""
+    n = vectors.shape[0]
+    k = int(math.floor(ratio * n))
+    if n - 2 * k < 1:
+        raise ValueError(f"trimmed mean with trim_ratio {ratio} leaves nothing of {n} updates")
+    s = vectors.sort(dim=0).values
+    return s[k:n - k].mean(dim=0)
+
+
+def clip_to_norm(vector: torch.Tensor, bound: float) -> torch.Tensor:
+    """`vector` scaled by min(1, bound / ||vector||)."""
+    norm = vector.norm().item()
+    return vector * (bound / norm) if norm > bound else vector.clone()
+
+
+# ---------------------------------------------------------------- as a combination rule
+def make_rule(cfg):
+    """The configured rule as a `CombineRule`, or None for `none`."""
+    name = cfg["aggregator.robust_rule"]
+    if name == "none":
+        return None
+    f, m = cfg["aggregator.byzantine_num"], cfg["aggregator.krum_m"]
+    ratio, bound = cfg["aggregator.trim_ratio"], cfg["aggregator.norm_bound"]
+
+    def rule(deltas: Deltas, weights: list[float], client_ids: list[int], round_: int):
+        names = list(deltas[0])
+        vecs = torch.stack([flatten(d, names) for d in deltas])
+        metrics: dict = {}
+        if name in ("krum", "multi_krum"):
+            keep = m if m is not None else (1 if name == "krum" else len(deltas) - f)
+            chosen = krum_select(vecs, f, keep)
+            w = torch.tensor([weights[i] for i in chosen], dtype=torch.float64)
+            out = (vecs[chosen] * (w / w.sum())[:, None]).sum(dim=0)
+            metrics["robust_selected"] = sorted(client_ids[i] for i in chosen)
+        elif name == "median":
+            out = coordinate_median(vecs)
+        elif name == "trimmed_mean":
+            out = trimmed_mean(vecs, ratio)
+        else:  # norm_bound
+            norms = vecs.norm(dim=1)
+            scale = torch.clamp(bound / norms.clamp_min(1e-300), max=1.0)
+            w = torch.tensor(weights, dtype=torch.float64)
+            out = ((vecs * scale[:, None]) * (w / w.sum())[:, None]).sum(dim=0)
+            metrics["robust_clipped"] = int((norms > bound).sum().item())
+        return unflatten(out, deltas[0], names), metrics
+    return rule
+
+
+def install(course) -> None:
+    """Behaviour: combine updates on the server with `aggregator.robust_rule`."""
+    rule = make_rule(course.cfg)
+    if rule is not None:
+        replace_combination(course.server.aggregator, rule,
+                            f"aggregator.robust_rule {course.cfg['aggregator.robust_rule']}")
+
+
+install.enabled = lambda cfg: cfg["aggregator.robust_rule"] != "none"
+registry.behaviours.register("robust_aggregation", install)

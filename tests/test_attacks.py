@@ -1,0 +1,79 @@
+"""Attack simulation: the poisoning transforms, and their effect on FedAvg vs robust rules."""
+import json
+
+import pytest
+import torch
+
+from fedcore.algorithms.attacks import add_trigger, flip_labels, gaussian_update, scale_update, sign_flip
+from fedcore.course import Course
+from fedcore.errors import ConfigError
+from tests.conftest import small_cfg
+
+
+def test_flip_labels_and_triggers():
+    assert flip_labels(torch.tensor([0, 1, 2]), 3).tolist() == [2, 1, 0]
+    vec = add_trigger(torch.zeros(2, 5), 2, 7.0)
+    assert vec.tolist() == [[0, 0, 0, 7, 7]] * 2
+    img = add_trigger(torch.zeros(1, 1, 4, 4), 2, 1.0)
+    assert img[0, 0].tolist() == [[0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 1, 1], [0, 0, 1, 1]]
+
+
+def test_update_poisoning_by_hand():
+    ref = {"w": torch.tensor([1.0, 1.0]), "n": torch.tensor(3)}
+    trained = {"w": torch.tensor([2.0, 0.0]), "n": torch.tensor(3)}   # delta (1, -1)
+    assert sign_flip(trained, ref, 4.0)["w"].tolist() == [-3.0, 5.0]
+    assert scale_update(trained, ref, 10.0)["w"].tolist() == [11.0, -9.0]
+    noise = gaussian_update({"w": torch.zeros(100_000)}, {"w": torch.zeros(100_000)}, 2.0,
+                            torch.Generator().manual_seed(0))["w"]
+    assert noise.std().item() == pytest.approx(2.0, rel=0.02)
+    assert sign_flip(trained, ref, 1.0)["n"].item() == 3  # integer entries untouched
+
+
+def _course(tmp_path=None, **kw):
+    base = dict(federate__client_num=10, federate__total_round_num=10,
+                data__synthetic__samples_per_client=100, data__synthetic__iid=True,
+                data__synthetic__dim=10, data__synthetic__num_classes=3, eval__clients=False)
+    base.update(kw)
+    return Course(small_cfg(tmp_path, **base))
+
+
+@pytest.mark.slow
+def test_sign_flipping_hurts_fedavg_but_not_median_or_krum():
+    attack = dict(attack__type="sign_flip", attack__fraction=0.2, attack__scale=4.0)
+    clean = _course().run()["final_test_acc"]
+    fedavg = _course(**attack).run()
+    median = _course(aggregator__robust_rule="median", **attack).run()["final_test_acc"]
+    krum = _course(aggregator__robust_rule="krum", aggregator__byzantine_num=2, **attack).run()
+    assert fedavg["attackers"] == [1, 5]          # 20% of 10 clients, seeded
+    assert fedavg["final_test_acc"] < clean - 0.15
+    assert median >= clean - 0.03
+    assert krum["final_test_acc"] >= clean - 0.03
+    assert not set(krum["final"]["robust_selected"]) & {1, 5}
+
+
+@pytest.mark.slow
+def test_backdoor_success_is_reported_and_norm_bounding_reduces_it(tmp_path):
+    bd = dict(attack__type="backdoor", attack__fraction=0.2, attack__scale=5.0, attack__target_label=1,
+              attack__trigger_size=2, attack__trigger_value=1.5, model__type="mlp", model__hidden=[32])
+    course = _course(tmp_path, **bd)
+    plain = course.run()
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all("backdoor_acc" in r and "test_acc" in r for r in records)
+    bounded = _course(aggregator__robust_rule="norm_bound", aggregator__norm_bound=0.3, **bd).run()
+    assert plain["final_backdoor_acc"] > 0.9
+    assert bounded["final_backdoor_acc"] < plain["final_backdoor_acc"] - 0.3
+
+
+def test_attack_needs_its_clients():
+    with pytest.raises(ConfigError, match="attack.clients=\\[ids\\] or attack.fraction"):
+        small_cfg(None, attack__type="sign_flip")
+
+
+def test_attackers_get_a_derived_role(tmp_path):
+    course = _course(tmp_path, federate__total_round_num=1, attack__type="label_flip",
+                     attack__clients=[2, 3]).build()
+    roles = {cid: c.handlers.role for cid, c in course.clients.items()}
+    assert {c for c, r in roles.items() if r == "attacker"} == {2, 3}
+    course.run()
+    text = (tmp_path / "handlers.txt").read_text()
+    assert "[attacker]" in text and "attack_and_reply" in text and "overwritten" not in text

@@ -1,0 +1,89 @@
+"""DP on updates: clipping bounds the norm exactly, noise has std sigma*C, accounting in records."""
+import json
+
+import pytest
+import torch
+
+from fedcore.algorithms.dp import central_dp_rule, clip_delta, privatize
+from fedcore.algorithms.dp_accountant import dp_epsilon
+from fedcore.course import Course
+from fedcore.errors import ConfigError
+from tests.conftest import small_cfg
+
+
+def test_clipping_bounds_the_norm_exactly():
+    v = torch.tensor([3.0, 4.0, 12.0], dtype=torch.float64)  # norm 13
+    clipped, norm = clip_delta(v, 6.5)
+    assert norm == 13.0 and clipped.tolist() == pytest.approx([1.5, 2.0, 6.0])
+    assert clipped.norm().item() == pytest.approx(6.5, rel=1e-15)
+    small, _ = clip_delta(v / 10, 6.5)
+    assert torch.equal(small, v / 10)  # inside the ball: untouched
+
+
+def test_privatize_without_noise_moves_the_model_by_exactly_C():
+    ref = {"w": torch.ones(4, 5), "n": torch.tensor(7)}
+    model = {"w": ref["w"] + 2.0, "n": torch.tensor(9)}  # delta norm 2 * sqrt(20)
+    out, norm = privatize(model, ref, 1.5, 0.0, torch.Generator().manual_seed(0))
+    assert norm == pytest.approx(2 * 20 ** 0.5)
+    assert (out["w"] - ref["w"]).norm().item() == pytest.approx(1.5, rel=1e-6)
+    assert out["n"].item() == 9 and out["w"] is not model["w"]  # integer entries pass through
+
+
+def test_noise_std_is_sigma_times_C():
+    n = 200_000
+    ref = {"w": torch.zeros(n, dtype=torch.float64)}
+    out, _ = privatize({"w": ref["w"].clone()}, ref, 2.0, 0.5, torch.Generator().manual_seed(1))
+    noise = out["w"]
+    assert noise.mean().item() == pytest.approx(0.0, abs=0.01)
+    assert noise.std().item() == pytest.approx(0.5 * 2.0, rel=0.01)
+
+
+def test_central_rule_clips_each_update_and_noises_the_mean():
+    deltas = [{"w": torch.tensor([3.0, 4.0], dtype=torch.float64)},
+              {"w": torch.tensor([0.0, 0.5], dtype=torch.float64)}]
+    mean, m = central_dp_rule(1.0, 0.0, 0)(deltas, [10.0, 1.0], [1, 2], 1)
+    assert mean["w"].tolist() == pytest.approx([0.3, 0.65]) and m["dp_clipped"] == 1  # equal weights
+    noisy = [central_dp_rule(1.0, 2.0, 0)([{"w": torch.zeros(50_000, dtype=torch.float64)}] * 4,
+                                          [1.0] * 4, [1, 2, 3, 4], r)[0]["w"] for r in range(2)]
+    assert noisy[0].std().item() == pytest.approx(2.0 / 4, rel=0.02)  # sigma C / m
+    assert not torch.equal(noisy[0], noisy[1])
+
+
+def _run(tmp_path, **kw):
+    summary = Course(small_cfg(tmp_path, federate__total_round_num=3, **kw)).run()
+    return summary, [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_local_dp_on_a_fraction_of_clients_reports_epsilon(tmp_path):
+    summary, records = _run(tmp_path, privacy__dp__mode="local", privacy__dp__fraction=0.5,
+                            privacy__dp__noise_multiplier=2.0)
+    assert summary["dp_noisy_clients"] == 3
+    # every client takes part each round: the noisy releases are 3 Gaussian mechanisms (q = 1)
+    assert [r["dp_epsilon"] for r in records] == pytest.approx(
+        [dp_epsilon(1.0, 2.0, k, 1e-5) for k in (1, 2, 3)])
+
+
+def test_central_dp_accounts_subsampled_rounds(tmp_path):
+    summary, records = _run(tmp_path, privacy__dp__mode="central", privacy__dp__noise_multiplier=1.0,
+                            federate__sample_client_num=3)
+    assert records[-1]["dp_epsilon"] == pytest.approx(dp_epsilon(0.5, 1.0, 3, 1e-5))
+    assert summary["dp_epsilon"] == records[-1]["dp_epsilon"] and summary["dp_mode"] == "central"
+
+
+def test_huge_noise_ruins_accuracy_and_no_noise_changes_nothing(tmp_path):
+    clean, _ = _run(tmp_path / "a")
+    unclipped, _ = _run(tmp_path / "b", privacy__dp__mode="local", privacy__dp__noise_multiplier=0.0,
+                        privacy__dp__clip_norm=1e6)
+    noisy, _ = _run(tmp_path / "c", privacy__dp__mode="local", privacy__dp__noise_multiplier=50.0)
+    assert unclipped["final_test_acc"] == pytest.approx(clean["final_test_acc"])
+    assert unclipped["dp_epsilon"] is None  # no noise, no guarantee
+    assert noisy["final_test_acc"] < clean["final_test_acc"]
+
+
+def test_dp_config_errors():
+    with pytest.raises(ConfigError, match="privacy.dp.clients and privacy.dp.fraction"):
+        small_cfg(None, privacy__dp__mode="local", privacy__dp__clients=[1], privacy__dp__fraction=0.5)
+    with pytest.raises(ConfigError, match="central DP .* aggregator.robust_rule"):
+        small_cfg(None, privacy__dp__mode="central", aggregator__robust_rule="median")
+    with pytest.raises(ConfigError, match="privacy.dp.clients: \\[9\\] are not client ids"):
+        Course(small_cfg(None, privacy__dp__mode="local", privacy__dp__clients=[9])).build()

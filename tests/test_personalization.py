@@ -1,0 +1,124 @@
+"""FedBN keeps BatchNorm out of the payload; Ditto and fine-tuning personalize; performance_drop."""
+import pytest
+import torch
+
+from fedcore.algorithms.personalization import batchnorm_entries
+from fedcore.course import Course
+from fedcore.errors import ConfigError
+from fedcore.message import SERVER_ID, Message
+from tests.conftest import small_cfg
+
+SKEWED = dict(federate__client_num=8, federate__total_round_num=4,
+              data__synthetic__samples_per_client=80, data__synthetic__iid=True,
+              data__synthetic__dim=10, data__synthetic__num_classes=5, data__partition="dirichlet",
+              data__alpha=0.1, data__min_size=20, model__type="mlp_bn", model__hidden=[16])
+
+
+def _capture(course):
+    sent = []
+    course.comm.filters.append(lambda msg, receiver: sent.append((msg, receiver)) or True)
+    return sent
+
+
+def test_fedbn_keeps_batchnorm_out_of_the_payload():
+    course = Course(small_cfg(None, personalization__method="fedbn", **SKEWED)).build()
+    sent = _capture(course)
+    init = {k: v.clone() for k, v in course.server.aggregator.global_state.items()}
+    course.run()
+    bn = batchnorm_entries(course.trainer.model)
+    assert bn == {"2.weight", "2.bias", "2.running_mean", "2.running_var", "2.num_batches_tracked"}
+    everything = set(init)
+    models = [m for m, _ in sent if m.msg_type in ("models", "updates", "eval_request")]
+    assert models and all(set(m.content["model"]) == everything - bn for m in models)
+    # bytes: what the monitor counted is exactly the sizes of the messages sent ...
+    training = [(m, r) for m, r in sent if m.msg_type not in course.monitor.separate_types]
+    assert course.monitor.total_up == sum(m.nbytes_to(r) for m, r in training if r == SERVER_ID)
+    assert course.monitor.total_down == sum(m.nbytes_to(r) for m, r in training if r != SERVER_ID)
+    assert course.monitor.total_other == sum(m.nbytes_to(r) for m, r in sent) - \
+        course.monitor.total_up - course.monitor.total_down
+    # ... and each update is smaller than the same update with the BN entries by at least their data
+    store = course.trainer.store
+    bn_data = sum(init[k].numel() * init[k].element_size() for k in bn)
+    for m, r in sent:
+        if m.msg_type == "updates":
+            local = store.load(m.sender)["local_params"]
+            full = Message(m.msg_type, m.sender, r, m.round, m.timestamp,
+                           dict(m.content, model={**m.content["model"], **local}))
+            assert full.nbytes_to(r) - m.nbytes_to(r) >= bn_data
+    # the server's BN entries never moved; the clients' own did, differently
+    for k in bn:
+        assert torch.equal(course.server.aggregator.global_state[k], init[k])
+    means = [store.load(c)["local_params"]["2.running_mean"] for c in course.client_ids]
+    assert not torch.equal(means[0], means[1]) and not torch.equal(means[0], init["2.running_mean"])
+
+
+def test_fedbn_needs_batchnorm():
+    with pytest.raises(ConfigError, match="fedbn needs a model with BatchNorm"):
+        Course(small_cfg(None, personalization__method="fedbn")).build()
+
+
+@pytest.mark.slow
+def test_ditto_and_finetuning_raise_personalized_accuracy_on_a_skewed_split():
+    def run(**kw):
+        course = Course(small_cfg(None, **SKEWED, **kw))
+        return course, course.run()
+    _, fedavg = run()
+    _, finetune = run(personalization__method="finetune")
+    ditto_course, ditto = run(personalization__method="ditto", personalization__ditto_lambda=0.1)
+    base = fedavg["final"]["client_test_acc_mean"]
+    assert finetune["final"]["client_test_acc_mean"] > base + 0.1
+    assert ditto["final"]["client_test_acc_mean"] > base + 0.1
+    # neither touches the global model: same server accuracy as FedAvg
+    assert finetune["final_test_acc"] == ditto["final_test_acc"] == fedavg["final_test_acc"]
+    for key in ("client_test_acc_p10", "client_test_acc_std"):
+        assert key in ditto["final"]
+
+
+def _ditto_distance(lam: float) -> float:
+    course = Course(small_cfg(None, personalization__method="ditto", personalization__ditto_lambda=lam,
+                              **SKEWED))
+    course.run()
+    glob = course.server.aggregator.global_state
+    total = 0.0
+    for c in course.client_ids:
+        personal = course.trainer.store.load(c)["ditto_model"]
+        total += sum((personal[k] - glob[k]).pow(2).sum().item() for k in course.trainer.param_names)
+    return total
+
+
+def test_ditto_lambda_pulls_personal_models_toward_the_global_one():
+    assert _ditto_distance(2.0) < 0.5 * _ditto_distance(0.0)
+
+
+def test_performance_drop_marks_the_clients_that_raised_it():
+    course = Course(small_cfg(None, personalization__method="finetune",
+                              personalization__finetune_on="performance_drop", **SKEWED))
+    summary = course.run()
+    states = [course.trainer.store.load(c) for c in course.client_ids]
+    raised = sum(s.get("performance_drops", 0) for s in states)
+    assert summary["performance_drops"] == raised > 0
+    assert {c for c, s in zip(course.client_ids, states) if s.get("personalize")} == \
+        {c for c, s in zip(course.client_ids, states) if s.get("performance_drops")}
+    graph = course.check().graph
+    assert graph.has_edge("client:receiving_models", "client:performance_drop")
+
+
+def test_no_drop_when_the_margin_cannot_be_exceeded():
+    course = Course(small_cfg(None, personalization__drop_check=True, personalization__drop_margin=1.0,
+                              **SKEWED))
+    summary = course.run()
+    assert "performance_drops" not in summary
+    assert all("own_model" in course.trainer.store.load(c) for c in course.client_ids)
+
+
+def test_bn_models_build_and_expose_their_batchnorm_entries():
+    from fedcore.scenarios.bn_models import cnn_bn, mlp_bn
+    cfg = small_cfg(None, model__hidden=[8, 4])
+    cnn = cnn_bn(cfg, (8, 8), 10)
+    assert cnn(torch.zeros(2, 8, 8)).shape == (2, 10) and cnn(torch.zeros(2, 1, 8, 8)).shape == (2, 10)
+    assert len(batchnorm_entries(cnn)) == 10
+    mlp = mlp_bn(cfg, (5,), 3).train()
+    assert mlp(torch.randn(1, 5)).shape == (1, 3)  # a one-sample training batch is accepted
+    assert batchnorm_entries(mlp) == {f"{i}.{n}" for i in (2, 5) for n in
+                                      ("weight", "bias", "running_mean", "running_var",
+                                       "num_batches_tracked")}

@@ -1,0 +1,98 @@
+"""Robust aggregation rules against hand-computed results, and their composition with FedAvg."""
+import pytest
+import torch
+
+from fedcore import registry
+from fedcore.algorithms.base import Algorithm, ReceivedUpdate
+from fedcore.algorithms.fedavg import FedAvgAggregator, FedAvgTrainer
+from fedcore.algorithms.robust import (clip_to_norm, coordinate_median, krum_scores, krum_select,
+                                       make_rule, trimmed_mean)
+from fedcore.algorithms.combine import replace_combination
+from fedcore.errors import ConfigError
+from tests.conftest import small_cfg
+
+T = lambda rows: torch.tensor(rows, dtype=torch.float64)  # noqa: E731
+
+# b=(0,0) c=(1,0) d=(0,1) a=(.5,.5) e=(10,10); with f=1 each score sums the 2 nearest squared
+# distances: a: .5+.5=1, b,c,d: .5+1=1.5, e: 180.5+181=361.5
+POINTS = T([[0, 0], [1, 0], [0.5, 0.5], [0, 1], [10, 10]])
+
+
+def test_krum_scores_by_hand():
+    assert krum_scores(POINTS, 1).tolist() == pytest.approx([1.5, 1.5, 1.0, 1.5, 361.5])
+
+
+def test_krum_picks_the_central_update_and_multi_krum_the_best_m():
+    assert krum_select(POINTS, 1) == [2]
+    assert krum_select(POINTS, 1, m=3) == [2, 0, 1]  # ties broken by index
+
+
+def test_krum_needs_enough_updates():
+    with pytest.raises(ValueError, match="n > f \\+ 2"):
+        krum_scores(POINTS[:3], 1)
+
+
+def test_coordinate_median_odd_and_even():
+    assert coordinate_median(T([[1, 5], [2, -1], [10, 0]])).tolist() == [2, 0]
+    assert coordinate_median(T([[1], [3], [5], [100]])).tolist() == [4]
+
+
+def test_trimmed_mean_drops_extremes_per_coordinate():
+    v = T([[1, 8], [2, -4], [3, 0], [100, 2]])
+    assert trimmed_mean(v, 0.25).tolist() == [2.5, 1.0]     # k = 1 at each end
+    assert trimmed_mean(v, 0.0).tolist() == [26.5, 1.5]     # nothing trimmed: the mean
+
+
+def test_clip_to_norm():
+    assert clip_to_norm(T([3, 4]), 1.0).tolist() == pytest.approx([0.6, 0.8])
+    assert clip_to_norm(T([0.3, 0.4]), 1.0).tolist() == pytest.approx([0.3, 0.4])
+
+
+def _aggregate(rule_name, models, samples, **keys):
+    cfg = small_cfg(None, aggregator__robust_rule=rule_name, **keys)
+    model = torch.nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        model.weight.zero_()
+    agg = FedAvgAggregator(model, cfg, len(models))
+    before = agg.global_state["weight"]
+    replace_combination(agg, make_rule(cfg), rule_name)
+    ups = [ReceivedUpdate(i + 1, {"model": {"weight": T([m]).float()}, "num_samples": n}, 1)
+           for i, (m, n) in enumerate(zip(models, samples))]
+    metrics = agg.aggregate(ups, 1)
+    assert agg.global_state["weight"] is not before and before.abs().sum() == 0  # never mutated
+    return agg.global_state["weight"][0].tolist(), metrics
+
+
+def test_rules_compose_with_fedavg_aggregator():
+    models = [[0, 0], [1, 0], [0.5, 0.5], [0, 1], [10, 10]]
+    w, m = _aggregate("krum", models, [1, 1, 1, 1, 1], aggregator__byzantine_num=1)
+    assert w == pytest.approx([0.5, 0.5]) and m["robust_selected"] == [3]
+    # multi-Krum with m = 3 averages clients 3, 1, 2, i.e. (.5,.5) x 2 samples, (0,0), (1,0)
+    w, _ = _aggregate("multi_krum", models, [1, 1, 2, 1, 1], aggregator__byzantine_num=1,
+                      aggregator__krum_m=3)
+    assert w == pytest.approx([(2 * 0.5 + 0 + 1) / 4, (2 * 0.5 + 0 + 0) / 4])
+    w, _ = _aggregate("median", models, [1, 1, 1, 1, 100])
+    assert w == pytest.approx([0.5, 0.5])
+    w, _ = _aggregate("trimmed_mean", models, [1] * 5, aggregator__trim_ratio=0.2)
+    assert w == pytest.approx([0.5, 0.5])  # per coordinate the middle three of five
+    w, m = _aggregate("norm_bound", [[3, 4], [0.3, 0.4]], [1, 3], aggregator__norm_bound=1.0)
+    assert w == pytest.approx([(0.6 + 3 * 0.3) / 4, (0.8 + 3 * 0.4) / 4]) and m["robust_clipped"] == 1
+
+
+def test_rule_refused_with_control_variate_algorithms(monkeypatch):
+    monkeypatch.setitem(registry.algorithms._items, "scaffold",
+                        Algorithm(FedAvgTrainer, FedAvgAggregator))
+    with pytest.raises(ConfigError, match="aggregator.robust_rule: median cannot be combined with "
+                                          "algorithm.name scaffold"):
+        small_cfg(None, aggregator__robust_rule="median", algorithm__name="scaffold")
+
+
+def test_bad_robust_keys_fail_at_config_time():
+    with pytest.raises(ConfigError, match="aggregator.norm_bound"):
+        small_cfg(None, aggregator__robust_rule="norm_bound")
+    with pytest.raises(ConfigError, match="aggregator.trim_ratio: must be in"):
+        small_cfg(None, aggregator__robust_rule="trimmed_mean", aggregator__trim_ratio=0.5)
+    with pytest.raises(ConfigError, match="aggregator.byzantine_num: krum needs more than f \\+ 2 = 6"):
+        small_cfg(None, aggregator__robust_rule="krum", aggregator__byzantine_num=4)  # 6 clients
+    with pytest.raises(ConfigError, match="did you mean 'median'"):
+        small_cfg(None, aggregator__robust_rule="medain")
