@@ -14,7 +14,8 @@ from tests.test_moon import _cfg as moon_cfg, _data as moon_data, _model as moon
 CASES = {
     "scaffold": lambda: (P.config("scaffold"), None, P.client_data),
     "feddyn": lambda: (P.config("feddyn", algorithm__feddyn__alpha=0.4), None, P.client_data),
-    "fedmos": lambda: (P.config("fedmos", algorithm__fedmos__a=0.3, train__batch_size=2), None, P.client_data),
+    "fedmos": lambda: (P.config("fedmos", algorithm__fedmos__a=0.3, train__batch_size=2), None,
+                       P.client_data),
     "moon": lambda: (moon_cfg(), "moon", moon_data),
 }
 
@@ -30,7 +31,8 @@ def _received(agg, round_):
     """A fixed broadcast per round, with non-zero server state so client state matters."""
     content = agg.broadcast(round_)
     g = torch.Generator().manual_seed(round_)
-    model = {k: v + 0.05 * torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in content["model"].items()}
+    model = {k: v + 0.05 * torch.randn(v.shape, generator=g, dtype=v.dtype)
+             for k, v in content["model"].items()}
     out = dict(content, model=model)
     if "control" in content:
         out["control"] = {k: 0.1 * torch.randn(v.shape, generator=g, dtype=v.dtype)
