@@ -322,6 +322,10 @@ class Aggregator:
         """The content sent to sampled clients (by reference: never mutated afterwards)."""
         return {"model": {k: v for k, v in self.global_state.items() if self.shared(k)}}
 
+    def evaluation_content(self, round_: int) -> dict[str, Any]:
+        """What an evaluation request carries: the model only, not auxiliary training state."""
+        return {"model": self.broadcast(round_)["model"]}
+
     def weights(self, updates: list[ReceivedUpdate]) -> list[float]:
         return [float(u.content["num_samples"]) for u in updates]
 

@@ -21,7 +21,7 @@ def evaluate_global(server) -> dict[str, float]:
 def request_client_evaluation(server) -> int:
     """Send the current model to every client for local evaluation; returns how many were asked."""
     ids = server.course.client_ids
-    server.send("eval_request", ids, server.aggregator.broadcast(server.round))
+    server.send("eval_request", ids, server.aggregator.evaluation_content(server.round))
     return len(ids)
 
 

@@ -1,0 +1,90 @@
+"""FedDyn (Acar et al., ICLR 2021), Algorithm 1: dynamic regularisation.
+
+Client k keeps g_k (zero at first; stored per logical client) and minimises
+    L_k(theta) - <g_k, theta> + (alpha/2) ||theta - theta^{t-1}||^2,
+i.e. each step uses grad L_k(theta) - g_k + alpha (theta - theta^{t-1}); after
+training g_k <- g_k - alpha (theta_k - theta^{t-1}) and theta_k is sent.
+The server keeps h (zero at first):
+    h       <- h - alpha (1/N) sum_{k in S} (theta_k - theta^{t-1})
+    theta^t  = (1/|S|) sum_{k in S} theta_k - h / alpha
+Only shared trainable parameters are regularised; buffers are averaged.
+"""
+from __future__ import annotations
+
+import torch
+
+from fedcore.algorithms.base import Aggregator, Algorithm, ReceivedUpdate, Trainer, weighted_mean
+from fedcore.config import declare
+from fedcore.registry import algorithms
+
+__all__ = ["FedDynTrainer", "FedDynAggregator", "FEDDYN"]
+
+declare("algorithm.feddyn.alpha", float, 0.01, "feddyn: regularisation coefficient alpha (> 0; "
+        "the server divides by it)", check=lambda v: None if v > 0 else "must be > 0 (theta^t "
+        "subtracts h/alpha); use algorithm.name=fedavg for no regulariser")
+
+
+class FedDynTrainer(Trainer):
+    """Local training on the dynamically regularised objective; updates g_k."""
+
+    def __init__(self, model, cfg, store):
+        super().__init__(model, cfg, store)
+        self.alpha = cfg["algorithm.feddyn.alpha"]
+        self.names = [n for n in self.param_names if self.shared(n)]
+        self._params = [self.entries[n] for n in self.names]
+        self._anchor: list[torch.Tensor] = []
+        self._g: list[torch.Tensor] = []
+
+    def begin(self, client_state: dict, received: dict) -> None:
+        self._anchor = [received["model"][n] for n in self.names]   # theta^{t-1}, read only
+        g = client_state.get("g")
+        self._g = [torch.zeros_like(p) if g is None else g[n] for n, p in zip(self.names, self._params)]
+
+    @torch.no_grad()
+    def adjust_gradients(self) -> None:
+        for p, g_k, anchor in zip(self._params, self._g, self._anchor):
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            p.grad.sub_(g_k).add_(p - anchor, alpha=self.alpha)
+
+    @torch.no_grad()
+    def payload(self, client_state: dict, received: dict, steps: int, n_train: int) -> dict:
+        client_state["g"] = {n: g_k - self.alpha * (p - anchor)
+                             for n, p, g_k, anchor in zip(self.names, self._params, self._g, self._anchor)}
+        return super().payload(client_state, received, steps, n_train)
+
+
+class FedDynAggregator(Aggregator):
+    """theta^t = mean_S(theta_k) - h/alpha with h the running (1/N)-scaled drift."""
+
+    def __init__(self, model, cfg, num_clients: int):
+        super().__init__(model, cfg, num_clients)
+        self.alpha = cfg["algorithm.feddyn.alpha"]
+        names = [n for n, p in model.named_parameters() if p.requires_grad and self.shared(n)]
+        self.h: dict[str, torch.Tensor] = {n: torch.zeros_like(self.global_state[n]) for n in names}
+
+    def weights(self, updates: list[ReceivedUpdate]) -> list[float]:
+        return [1.0] * len(updates)   # Algorithm 1 averages the active clients uniformly
+
+    @torch.no_grad()
+    def aggregate(self, updates: list[ReceivedUpdate], round_: int) -> dict:
+        weights = self.weights(updates)
+        new_state, new_h = dict(self.global_state), dict(self.h)
+        for name in updates[0].content["model"]:
+            models = [u.content["model"][name] for u in updates]
+            mean = weighted_mean(models, weights)
+            if name in self.h:
+                prev = self.global_state[name]
+                drift = torch.stack([m - prev for m in models]).sum(0)
+                new_h[name] = self.h[name] - self.alpha * drift / self.num_clients
+                new_state[name] = mean - new_h[name] / self.alpha
+            else:
+                new_state[name] = mean
+        self.global_state, self.h = new_state, new_h
+        return {}
+
+    def state_dict(self) -> dict:
+        return {"h": dict(self.h)}
+
+
+FEDDYN = algorithms.register("feddyn", Algorithm(FedDynTrainer, FedDynAggregator))

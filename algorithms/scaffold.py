@@ -1,0 +1,142 @@
+"""SCAFFOLD (Karimireddy et al., ICML 2020), Algorithm 1 with option II control variates.
+
+Server state: the model x and the control variate c. Client i keeps c_i (zero
+until its first round) in the state store. Each local step corrects the
+gradient, y_i <- y_i - eta (g_i(y_i) + c - c_i); after K steps
+c_i+ = c_i - c + (x - y_i) / (K eta), and the client sends dy_i = y_i - x and
+dc_i = c_i+ - c_i. The server applies
+    x <- x + eta_g * mean_S(dy_i)        (uniform, or sample-weighted)
+    c <- c + (1/N) * sum_S(dc_i)
+Broadcast and update each carry two model-sized tensors sets, and the byte
+counts show it. Control variates cover shared trainable parameters; buffers
+(e.g. batch-norm statistics) travel as plain deltas.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from fedcore.algorithms.base import Aggregator, Algorithm, ReceivedUpdate, Trainer, weighted_mean
+from fedcore.config import declare, validator
+from fedcore.errors import ConfigError
+from fedcore.registry import algorithms
+
+__all__ = ["ScaffoldTrainer", "ScaffoldAggregator", "SCAFFOLD"]
+
+declare("algorithm.scaffold.global_lr", float, 1.0, "scaffold: server learning rate eta_g",
+        check=lambda v: None if v > 0 else "must be > 0")
+declare("algorithm.scaffold.weighting", str, "uniform",
+        "scaffold: how client deltas dy_i are averaged: uniform (the paper) or num_samples",
+        choices=("uniform", "num_samples"))
+declare("algorithm.scaffold.allow_async", bool, False,
+        "scaffold: allow asynchronous aggregation (the paper's analysis is synchronous)")
+
+log = logging.getLogger("fedcore.algorithms.scaffold")
+
+
+@validator
+def _check_scaffold(cfg) -> None:
+    if cfg["algorithm.name"] != "scaffold":
+        return
+    if cfg.get("asyn.use", False) and not cfg["algorithm.scaffold.allow_async"]:
+        raise ConfigError("asyn.use: scaffold is synchronous (stale control variates break its "
+                          "correction); set asyn.use=false or algorithm.scaffold.allow_async=true")
+
+
+def _plain_sgd(cfg) -> bool:
+    o = cfg.section("train.optimizer")
+    return o["type"] == "sgd" and o["momentum"] == 0 and o["weight_decay"] == 0
+
+
+class ScaffoldTrainer(Trainer):
+    """Local SGD with the drift correction c - c_i; sends (dy_i, dc_i)."""
+
+    def __init__(self, model, cfg, store):
+        super().__init__(model, cfg, store)
+        self.lr = cfg["train.optimizer.lr"]
+        self.names = [n for n in self.param_names if self.shared(n)]
+        self._corrected = [self.entries[n] for n in self.names]
+        self._correction: list[torch.Tensor] = []
+        if not _plain_sgd(cfg):
+            log.warning("scaffold: train.optimizer is not plain SGD (type sgd, momentum 0, "
+                        "weight_decay 0); c_i+ = c_i - c + (x - y_i)/(K eta) then no longer "
+                        "estimates the client gradient as in the paper")
+
+    def begin(self, client_state: dict, received: dict) -> None:
+        c = received["control"]
+        c_i = client_state.get("c_i")
+        # c - c_i, fixed for the whole round
+        self._correction = [c[n].clone() if c_i is None else c[n] - c_i[n] for n in self.names]
+
+    @torch.no_grad()
+    def adjust_gradients(self) -> None:
+        for p, corr in zip(self._corrected, self._correction):
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            p.grad.add_(corr)
+
+    @torch.no_grad()
+    def payload(self, client_state: dict, received: dict, steps: int, n_train: int) -> dict:
+        x = received["model"]
+        c = received["control"]
+        c_i = client_state.get("c_i") or {n: torch.zeros_like(c[n]) for n in self.names}
+        y = self.shared_state()
+        delta_model = {k: y[k] - x[k] for k in y}
+        delta_control, new_c_i = {}, {}
+        for n in self.names:
+            if steps > 0:
+                new = c_i[n] - c[n] + (x[n] - y[n]) / (steps * self.lr)
+            else:  # no local data: nothing learnt, keep c_i
+                new = c_i[n].clone()
+            delta_control[n] = new - c_i[n]
+            new_c_i[n] = new
+        client_state["c_i"] = new_c_i
+        return {"delta": delta_model, "delta_control": delta_control, "num_samples": n_train}
+
+
+class ScaffoldAggregator(Aggregator):
+    """x <- x + eta_g mean(dy_i); c <- c + (1/N) sum(dc_i)."""
+
+    def __init__(self, model, cfg, num_clients: int):
+        super().__init__(model, cfg, num_clients)
+        self.global_lr = cfg["algorithm.scaffold.global_lr"]
+        self.weighting = cfg["algorithm.scaffold.weighting"]
+        names = [n for n, p in model.named_parameters() if p.requires_grad and self.shared(n)]
+        self.control: dict[str, torch.Tensor] = {n: torch.zeros_like(self.global_state[n]) for n in names}
+
+    def broadcast(self, round_: int) -> dict:
+        content = super().broadcast(round_)
+        content["control"] = dict(self.control)
+        return content
+
+    def weights(self, updates: list[ReceivedUpdate]) -> list[float]:
+        if self.weighting == "uniform":
+            return [1.0] * len(updates)
+        return super().weights(updates)
+
+    @torch.no_grad()
+    def aggregate(self, updates: list[ReceivedUpdate], round_: int) -> dict:
+        weights = self.weights(updates)
+        if sum(weights) <= 0:
+            weights = [1.0] * len(updates)
+        new_state = dict(self.global_state)
+        for name in updates[0].content["delta"]:
+            mean = weighted_mean([u.content["delta"][name] for u in updates], weights)
+            x = self.global_state[name]
+            if x.is_floating_point():
+                new_state[name] = x + self.global_lr * mean
+            else:  # integer buffers (batch counters): plain mean delta
+                new_state[name] = x + mean
+        new_control = {}
+        for name, c in self.control.items():
+            total = torch.stack([u.content["delta_control"][name] for u in updates]).sum(0)
+            new_control[name] = c + total / self.num_clients
+        self.global_state, self.control = new_state, new_control
+        return {}
+
+    def state_dict(self) -> dict:
+        return {"control": dict(self.control)}
+
+
+SCAFFOLD = algorithms.register("scaffold", Algorithm(ScaffoldTrainer, ScaffoldAggregator))

@@ -1,0 +1,89 @@
+"""FedMoS: full-batch numbers, the double momentum on fixed mini-batches vs SGD, its limits, work."""
+import numpy as np
+import pytest
+import torch
+
+from fedcore.course import Course
+from fedcore.errors import ConfigError
+from tests import drift_problem as P
+from tests.conftest import small_cfg
+
+A, MU = 0.3, 0.05
+
+
+def test_full_batch_two_rounds_match_hand_computation():
+    # full batch: d_t = grad f(w_t) by induction, so the local step is w - eta g - mu (w - w_g)
+    trainer, agg = P.build(P.config("fedmos", algorithm__fedmos__a=A, algorithm__fedmos__mu=MU))
+    theta = P.THETA0.copy()
+    for r in (1, 2):
+        results = P.run_round(trainer, agg, r, (1, 2, 3))
+        local = {}
+        for k in (1, 2, 3):
+            w = theta.copy()
+            for _ in range(P.STEPS):
+                w = w - P.LR * P.grad(k, w) - MU * (w - theta)
+            local[k] = w
+            np.testing.assert_allclose(P.as_theta(results[k].content["model"]), w, atol=1e-6)
+            assert results[k].work == P.n_samples(k) * (2 * P.STEPS - 1)   # 2 gradients after step 1
+            assert "fedmos" not in trainer.store.load(k)                   # buffers end with the round
+        n = np.array([P.n_samples(k) for k in (1, 2, 3)], dtype=float)
+        theta = sum(n[i] * local[k] for i, k in enumerate((1, 2, 3))) / n.sum()
+    np.testing.assert_allclose(P.as_theta(agg.global_state), theta, atol=1e-6)
+
+
+def _batch_grad(theta, a, y):
+    return 2.0 / len(y) * a.T @ (a @ theta - y)
+
+
+def test_double_momentum_on_fixed_mini_batches_differs_from_sgd():
+    a_all, y_all = P.arrays(2)
+    batches = [[0, 1], [2, 3], [4, 0], [1, 3]]
+    trainer, _ = P.build(P.config("fedmos", algorithm__fedmos__a=A, algorithm__fedmos__mu=MU))
+    received = {"model": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}}
+    state: dict = {}
+    trainer.begin(state, received)
+    x_t = torch.tensor([[p for p in row[:2]] for row in a_all], dtype=torch.float64)
+    y_t = torch.tensor(y_all)
+    w, w_g, w_prev, d = P.THETA0.copy(), P.THETA0.copy(), None, None
+    w_sgd = P.THETA0.copy()
+    works = []
+    for t, b in enumerate(batches):
+        _, work = trainer.step(x_t[b], y_t[b])
+        works.append(work)
+        g = _batch_grad(w, a_all[b], y_all[b])
+        d = g if t == 0 else g + (1 - A) * (d - _batch_grad(w_prev, a_all[b], y_all[b]))
+        w_prev, w = w, w - P.LR * d - MU * (w - w_g)
+        w_sgd = w_sgd - P.LR * _batch_grad(w_sgd, a_all[b], y_all[b]) - MU * (w_sgd - w_g)
+        np.testing.assert_allclose(P.as_theta(trainer.model.state_dict()), w, atol=1e-6)
+        np.testing.assert_allclose(np.concatenate([t_.reshape(-1).numpy() for t_ in state["fedmos"]["d"]]),
+                                   d, atol=1e-6)
+    assert works == [2.0, 4.0, 4.0, 4.0]
+    assert np.abs(w - w_sgd).max() > 1e-3          # the momentum really acts
+
+
+def test_a_one_mu_zero_is_fedavg_exactly(tmp_path):
+    a = Course(small_cfg(tmp_path / "m", algorithm__name="fedmos", algorithm__fedmos__a=1.0,
+                         algorithm__fedmos__mu=0.0)).run()
+    b = Course(small_cfg(tmp_path / "f", algorithm__name="fedavg")).run()
+    mm = torch.load(tmp_path / "m" / "final_model.pt", weights_only=True)
+    mf = torch.load(tmp_path / "f" / "final_model.pt", weights_only=True)
+    assert all(torch.equal(mm[k], mf[k]) for k in mf)
+    assert a["virtual_time"] == b["virtual_time"]
+
+
+def test_server_momentum_is_heavy_ball_on_the_averaged_delta():
+    beta = 0.5
+    trainer, agg = P.build(P.config("fedmos", algorithm__fedmos__a=1.0, algorithm__fedmos__mu=0.0,
+                                    algorithm__fedmos__server_momentum=beta))
+    theta, m = P.THETA0.copy(), np.zeros(3)
+    for r in (1, 2):
+        results = P.run_round(trainer, agg, r, (1, 2))
+        avg = sum(P.n_samples(k) * P.as_theta(results[k].content["model"]) for k in (1, 2)) / 9
+        m = beta * m + (avg - theta)
+        theta = theta + m
+    np.testing.assert_allclose(P.as_theta(agg.global_state), theta, atol=1e-9)
+
+
+def test_optimizer_must_be_plain_sgd():
+    with pytest.raises(ConfigError, match="train.optimizer"):
+        small_cfg(None, algorithm__name="fedmos", train__optimizer__momentum=0.9)
