@@ -346,6 +346,8 @@ class Aggregator:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned (when resuming from a checkpoint)."""
+        if state:  # an aggregator with state must restore it: never resume with it silently reset
+            raise NotImplementedError(f"{type(self).__name__} keeps server state but cannot restore it")
 
 
 def _cloned(obj: Any) -> Any:

@@ -86,5 +86,8 @@ class FedDynAggregator(Aggregator):
     def state_dict(self) -> dict:
         return {"h": dict(self.h)}
 
+    def load_state_dict(self, state: dict) -> None:
+        self.h = dict(state["h"])
+
 
 FEDDYN = algorithms.register("feddyn", Algorithm(FedDynTrainer, FedDynAggregator))

@@ -129,5 +129,8 @@ class FedMoSAggregator(Aggregator):
     def state_dict(self) -> dict:
         return {"momentum": dict(self.momentum)}
 
+    def load_state_dict(self, state: dict) -> None:
+        self.momentum = dict(state["momentum"])
+
 
 FEDMOS = algorithms.register("fedmos", Algorithm(FedMoSTrainer, FedMoSAggregator))

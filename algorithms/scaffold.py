@@ -138,5 +138,8 @@ class ScaffoldAggregator(Aggregator):
     def state_dict(self) -> dict:
         return {"control": dict(self.control)}
 
+    def load_state_dict(self, state: dict) -> None:
+        self.control = dict(state["control"])
+
 
 SCAFFOLD = algorithms.register("scaffold", Algorithm(ScaffoldTrainer, ScaffoldAggregator))

@@ -36,6 +36,22 @@ def test_resumed_course_equals_uninterrupted(tmp_path):
     assert summary["virtual_time"] == full_summary["virtual_time"]
 
 
+@pytest.mark.parametrize("algorithm", ["scaffold", "feddyn", "fedmos", "diloco"])
+def test_server_state_of_algorithms_survives_resume(tmp_path, algorithm):
+    extra = {"algorithm__fedmos__server_momentum": 0.5} if algorithm == "fedmos" else {}
+    if algorithm == "diloco":
+        extra = {"train__local_steps": 2, "train__preserve_optimizer_state": True,
+                 "train__optimizer__type": "adamw", "train__optimizer__lr": 0.01}
+    common = dict(federate__total_round_num=3, algorithm__name=algorithm, eval__clients=False, **extra)
+    Course(small_cfg(tmp_path / "full", checkpoint__every=1, **common)).run()
+    Course(small_cfg(tmp_path / "resumed", resume_from=str(tmp_path / "full" / "checkpoints" / "round_1.pt"),
+                     **common)).run()
+    assert _records(tmp_path / "resumed") == _records(tmp_path / "full")
+    a = torch.load(tmp_path / "full" / "final_model.pt", weights_only=True)
+    b = torch.load(tmp_path / "resumed" / "final_model.pt", weights_only=True)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_resume_refuses_bad_checkpoints(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         small_cfg(tmp_path, resume_from=str(tmp_path / "none.pt"))
