@@ -1,5 +1,5 @@
 """Plug-in trainers and aggregators, one module per algorithm."""
-from fedcore.algorithms import fedavg  # noqa: F401  (registers 'fedavg')
+from fedcore.algorithms import fedasync, fedavg, fedbuff, staleness  # noqa: F401  (register by name)
 from fedcore.algorithms.base import Aggregator, Algorithm, Trainer
 
-__all__ = ["Aggregator", "Algorithm", "Trainer", "fedavg"]
+__all__ = ["Aggregator", "Algorithm", "Trainer", "fedasync", "fedavg", "fedbuff", "staleness"]
