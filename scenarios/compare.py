@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 __all__ = ["family_files", "strategy_label", "run_family", "format_table", "main"]
 
 HERE = Path(__file__).resolve().parent
@@ -30,7 +32,13 @@ def family_files(name: str, folder: Path = HERE) -> list[Path]:
         from fedcore.errors import ConfigError
         raise ConfigError(f"--family: no scenario '{ref}'")
     members = sorted(folder.glob(f"{name}_*.yaml"))
-    return [ref] + sorted(members, key=lambda f: ("asyn:\n  use: true" in f.read_text(), f.name))
+    return [ref] + sorted(members, key=lambda f: (_is_async(f), f.name))
+
+
+def _is_async(path: Path) -> bool:
+    tree = yaml.safe_load(path.read_text()) or {}
+    asyn = tree.get("asyn") if isinstance(tree, dict) else None
+    return bool(isinstance(asyn, dict) and asyn.get("use"))
 
 
 def strategy_label(cfg) -> str:
