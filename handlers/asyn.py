@@ -95,8 +95,6 @@ def _check_asyn(cfg) -> None:
     if cfg["asyn.broadcast_manner"] == "after_receiving" and not cfg["asyn.use"]:
         raise ConfigError("asyn.broadcast_manner: after_receiving is asynchronous; set asyn.use=true "
                           "or use after_aggregating")
-    if cfg["course"] == "async" and cfg["asyn.use"] is False and not _needs_engine(cfg):
-        return  # condition-driven rounds that behave like sync: allowed
     if cfg["course"] == "sync" and _needs_engine(cfg):
         # The resolved config (config.yaml) names the course that actually runs.
         cfg._values["course"] = "async"
@@ -293,12 +291,15 @@ def on_reply_timeout(server, _event=None) -> None:
                            server.round, len(lost), server.reply_timeout)
     if st.asynchronous:
         _top_up(server)
-    else:
+    elif st.trigger == "all_received":
+        # replace each lost client this round was waiting for
         replaced = server.waiting & set(lost)
         server.waiting -= replaced
-        in_round = sum(1 for r, _ in server.in_flight.values() if r == server.round)
-        short = st.goal - len(server.buffer) - in_round
-        server.waiting |= set(_dispatch(server, max(short, len(replaced) if st.trigger == "all_received" else 0)))
+        server.waiting |= set(_dispatch(server, len(replaced)))
+    else:
+        # over-selection / deadline: sample enough to make the goal reachable again
+        hoping = sum(1 for r, _ in server.in_flight.values() if r == server.round)
+        _dispatch(server, st.goal - len(server.buffer) - hoping)
 
 
 def finish(server, event) -> None:
