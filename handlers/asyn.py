@@ -329,6 +329,7 @@ class _Stats:
             "remedial_extensions": self.remedial,
             "presumed_lost": self.presumed_lost,
             "lost_replies": server.course.timing.lost_replies,
+            "reply_timeout": server.reply_timeout,
         }
 
 
