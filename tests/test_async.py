@@ -12,15 +12,18 @@ from tests.conftest import small_cfg
 E2E = {1: 5.0, 2: 8.0, 3: 12.0}
 
 
-def timeline(rounds=3, **overrides):
-    """Run the three-client course; returns (records, summary extras)."""
+def timeline(rounds=3, dead=(), **overrides):
+    """Run the three-client course (clients in `dead` never reply); returns (records, extras)."""
     cfg = small_cfg(None, federate__client_num=3, federate__total_round_num=rounds,
                     train__local_steps=1, train__batch_size=100, eval__clients=False, **overrides)
     course = Course(cfg).build()
     for cid, seconds in E2E.items():
         n = len(course.data.clients[cid].train)   # one step over all samples: work = n
         course.timing.profiles[cid] = DeviceProfile(compute_speed=n / seconds, latency=0.0,
-                                                    upload_bandwidth=1e15, download_bandwidth=1e15)
+                                                    upload_bandwidth=1e15, download_bandwidth=1e15,
+                                                    dropout=1.0 if cid in dead else 0.0)
+    if dead:
+        course.comm.filters.append(course.timing.keep)
     course.run()
     return course.monitor.records, course.monitor.extra_summary
 
@@ -103,7 +106,34 @@ def test_fedasync_mixes_each_update_on_arrival():
     assert times(records) == pytest.approx([5, 8, 10], abs=1e-6)
 
 
+def test_a_silent_client_is_presumed_lost_after_the_reply_timeout():
+    # goal 3, client 3 never replies: 1 and 2 are in by 8 s; at 20 s (timeout of the dispatch
+    # at 0) client 3 is presumed lost and the server tops up to 3 in flight: 1, 2 and 3 again;
+    # client 1 replies at 25 s and completes the goal (1, 2, 1).
+    records, extra = timeline(rounds=1, dead=(3,), asyn__use=True, asyn__min_received_num=3,
+                              asyn__reply_timeout=20.0)
+    assert times(records) == pytest.approx([25], abs=1e-6)
+    assert records[0]["presumed_lost"] == 1
+    assert extra["lost_replies"] == 2        # both of client 3's replies (sent at 12 s and 32 s)
+    assert extra["effective_aggregation_counts"] == {"1": 2, "2": 1, "3": 0}
+
+
+def test_without_a_timeout_a_silent_client_stalls_the_goal():
+    from fedcore.course import CourseStalled
+    with pytest.raises(CourseStalled):
+        timeline(rounds=1, dead=(3,), asyn__use=True, asyn__min_received_num=3,
+                 asyn__reply_timeout=0.0)
+
+
 # ---------------------------------------------------------------- configuration
+def test_the_resolved_config_reloads_to_the_same_course(tmp_path):
+    from fedcore.config import load_config
+    cfg = small_cfg(asyn__use=True, asyn__min_received_num=2)
+    cfg.dump(tmp_path / "config.yaml")
+    again = load_config(tmp_path / "config.yaml")
+    assert again["course"] == "async" and again.as_tree() == cfg.as_tree()
+
+
 def test_asyn_use_selects_the_async_course_and_sync_stays_default():
     assert small_cfg()["course"] == "sync"
     cfg = small_cfg(asyn__use=True)
