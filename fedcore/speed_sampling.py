@@ -40,15 +40,10 @@ class SpeedAwareSampler(Sampler):
     def configure(self, course) -> None:
         """Read this sampler's keys and rank devices by the course's actual round."""
         from fedcore.serialization import encoded_size
-        cfg = course.cfg
-        self.power = cfg["federate.sampler_power"]
-        self.num_groups = cfg["federate.sampler_groups"]
-        epochs, steps, batch = (cfg["train.local_epochs"], cfg["train.local_steps"],
-                                cfg["train.batch_size"])
-        work = {}
-        for cid in self.client_ids:
-            n = len(course.data.clients[cid].train)
-            work[cid] = float(steps * min(batch, n) if steps is not None else epochs * n)
+        from fedcore.timing import expected_work
+        self.power = course.cfg["federate.sampler_power"]
+        self.num_groups = course.cfg["federate.sampler_groups"]
+        work = {cid: expected_work(course, cid) for cid in self.client_ids}
         self.calibrate(work, encoded_size(course.server.aggregator.broadcast(1)))
 
     def calibrate(self, work: dict[int, float], nbytes: int) -> None:

@@ -27,7 +27,7 @@ from fedcore.config import declare
 from fedcore.errors import ConfigError
 
 __all__ = ["DeviceProfile", "TimeModel", "PROFILE_FIELDS", "profile_builders", "distributions",
-           "draw"]
+           "draw", "expected_work"]
 
 declare("time.mode", str, "modeled",
         "modeled: compute time from device profiles (reproducible); measured: wall-clock "
@@ -283,6 +283,20 @@ for _name in ("uniform", "normal", "lognormal", "pareto", "zipf"):
 
 
 # ---------------------------------------------------------------- the model
+def expected_work(course, client_id: int, nominal: float = 1000.0) -> float:
+    """Gradient evaluations one round of local training costs `client_id` (from its training
+    split and `train.*`); `nominal` where this process holds no data for the client."""
+    clients = getattr(getattr(course, "data", None), "clients", None) or {}
+    if client_id not in clients:
+        return nominal
+    cfg = course.cfg
+    n = len(clients[client_id].train)
+    steps = cfg["train.local_steps"]
+    if steps is not None:
+        return float(steps * min(cfg["train.batch_size"], n))
+    return float(cfg["train.local_epochs"] * n)
+
+
 class TimeModel:
     """Turns work and bytes into seconds for each client; the server is not a bottleneck."""
 

@@ -38,6 +38,7 @@ from fedcore.handlers import evaluation, join, rounds, training
 from fedcore.registry import courses
 from fedcore.schema import clients_per_round
 from fedcore.serialization import encoded_size
+from fedcore.timing import expected_work
 
 __all__ = ["Strategy", "resolve_strategy", "install", "ASYNC_KEYS"]
 
@@ -328,7 +329,7 @@ class _Stats:
             "dropped_stale": self.dropped_stale,
             "remedial_extensions": self.remedial,
             "presumed_lost": self.presumed_lost,
-            "lost_replies": server.course.timing.lost_replies,
+            "lost_replies": getattr(getattr(server.course, "timing", None), "lost_replies", 0),
             "reply_timeout": server.reply_timeout,
         }
 
@@ -338,17 +339,12 @@ def _auto_reply_timeout(course) -> float:
     value = course.cfg["asyn.reply_timeout"]
     if value is not None:
         return value
-    timing = course.timing
-    if not timing.has_dropouts:
+    timing = getattr(course, "timing", None)
+    if timing is None or not timing.has_dropouts:
         return 0.0
-    cfg = course.cfg
     nbytes = encoded_size(course.server.aggregator.broadcast(1))
-    slowest = 0.0
-    for cid in course.client_ids:
-        n = len(course.data.clients[cid].train)
-        steps = cfg["train.local_steps"]
-        work = steps * min(cfg["train.batch_size"], n) if steps is not None else cfg["train.local_epochs"] * n
-        slowest = max(slowest, timing.round_trip_time(cid, work, nbytes))
+    slowest = max(timing.round_trip_time(cid, expected_work(course, cid), nbytes)
+                  for cid in course.client_ids)
     return 2.0 * slowest
 
 

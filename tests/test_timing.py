@@ -7,7 +7,7 @@ import pytest
 
 from fedcore.course import Course
 from fedcore.errors import ConfigError
-from fedcore.timing import DeviceProfile, TimeModel, profile_builders
+from fedcore.timing import DeviceProfile, TimeModel, expected_work, profile_builders
 from tests.conftest import small_cfg
 
 IDS = list(range(1, 41))
@@ -139,3 +139,12 @@ def test_reply_is_stamped_by_download_compute_and_upload():
     course.run()
     times = [r["virtual_time"] for r in course.monitor.records]
     assert times == pytest.approx([1.5 + 2.0, 1.5 + 2.0 + 3.0], abs=1e-6)
+
+
+def test_expected_work_counts_gradient_evaluations():
+    course = Course(small_cfg(None, train__local_epochs=2)).build()
+    n = len(course.data.clients[1].train)
+    assert expected_work(course, 1) == 2 * n
+    course = Course(small_cfg(None, train__local_steps=2, train__batch_size=n + 5)).build()
+    assert expected_work(course, 1) == 2 * n                    # a batch never exceeds the data
+    assert expected_work(course, 999) == 1000.0                 # no data here: nominal
