@@ -13,8 +13,6 @@ deltas: they are averaged like FedAvg.
 """
 from __future__ import annotations
 
-import torch
-
 from fedcore.algorithms.base import Aggregator, Algorithm, ReceivedUpdate, Trainer, weighted_mean
 from fedcore.config import declare
 from fedcore.registry import algorithms
