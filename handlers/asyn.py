@@ -99,6 +99,8 @@ def _check_asyn(cfg) -> None:
     if cfg["course"] == "sync" and _needs_engine(cfg):
         # The resolved config (config.yaml) names the course that actually runs.
         cfg._values["course"] = "async"
+    if cfg["course"] == "async":
+        resolve_strategy(cfg)  # its own checks, before anything is built
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,7 @@ class Strategy:
 
 
 def resolve_strategy(cfg) -> Strategy:
+    """The strategy the `asyn.*` keys describe (see the module docstring and docs/async.md)."""
     k = clients_per_round(cfg)
     n = cfg["federate.client_num"]
     conc = min(n, math.ceil(k * (1 + cfg["asyn.overselection_rate"]))) if cfg["asyn.overselection"] else k

@@ -155,6 +155,8 @@ def test_goal_from_rate_and_defaults():
     ({"asyn__broadcast_manner": "after_receiving"}, "after_receiving is asynchronous"),
     ({"asyn__use": True, "asyn__min_received_num": 2, "asyn__min_received_rate": 0.5}, "both set"),
     ({"asyn__use": True, "asyn__staleness_discount": "cubic"}, "not one of"),
+    ({"asyn__time_budget": 2.0, "federate__sample_client_num": 2, "asyn__min_received_num": 3},
+     "exceeds the 2 clients"),
 ])
 def test_bad_async_configs_are_refused(overrides, match):
     with pytest.raises(ConfigError, match=match):
