@@ -7,7 +7,9 @@ The family is `NAME.yaml` (the reference row, normally sync vanilla) and every
 `NAME_*.yaml` beside it; KEY=VALUE overrides apply to every member. Members
 must share the task and the devices (everything but `name`, `outdir`,
 `asyn.*`, `federate.sampler*` and `algorithm.*`): a comparison of time to
-target means nothing otherwise. Speed-up = reference time / member time.
+target means nothing otherwise. Speed-up = reference time / member time. A
+member whose course stalls (sync vanilla when devices drop out) is reported
+as such and the others still run.
 """
 from __future__ import annotations
 
@@ -71,7 +73,7 @@ def run_family(files: list[Path], overrides: list[str], outdir: Path | None = No
                log=sys.stderr) -> list[dict[str, Any]]:
     """Run each member; returns one row per member (the reference first)."""
     from fedcore.config import load_config
-    from fedcore.course import Course
+    from fedcore.course import Course, CourseStalled
     from fedcore.errors import ConfigError
     rows, ref = [], None
     for path in files:
@@ -90,7 +92,15 @@ def run_family(files: list[Path], overrides: list[str], outdir: Path | None = No
         log.write(f"running {path.name} ({label}) ...\n")
         log.flush()
         course = Course(cfg, outdir / path.stem if outdir is not None else None)
-        summary = course.run()
+        try:
+            summary = course.run()
+        except CourseStalled as exc:      # e.g. sync vanilla when devices drop out
+            log.write(f"  {path.name}: {exc}\n")
+            rows.append({"scenario": path.stem, "strategy": label, "stalled": True,
+                         "time_to_target": None, "rounds_to_target": None, "best_test_acc": None,
+                         "virtual_time": None, "rounds": None, "mean_staleness": None,
+                         "never_aggregated": None})
+            continue
         hist = summary.get("staleness_histogram") or {}
         n = sum(hist.values())
         rows.append({
@@ -100,7 +110,7 @@ def run_family(files: list[Path], overrides: list[str], outdir: Path | None = No
             "best_test_acc": summary["best_test_acc"], "virtual_time": summary["virtual_time"],
             "rounds": summary["rounds"],
             "mean_staleness": sum(int(t) * c for t, c in hist.items()) / n if n else 0.0,
-            "never_aggregated": summary.get("clients_never_aggregated"),
+            "never_aggregated": summary.get("clients_never_aggregated"), "stalled": False,
         })
     base = rows[0]["time_to_target"]
     for r in rows:
@@ -117,6 +127,9 @@ def format_table(rows: list[dict[str, Any]], target: float) -> str:
              "best acc | mean staleness | clients never aggregated |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
+        if r["stalled"]:
+            lines.append(f"| {r['strategy']} | stalled | — | — | — | — | — |")
+            continue
         speed = "—" if r["speedup"] is None else f"{r['speedup']:.2f}x"
         never = "—" if r["never_aggregated"] is None else str(r["never_aggregated"])
         lines.append(f"| {r['strategy']} | {num(r['time_to_target'], '.1f')} | {speed} | "

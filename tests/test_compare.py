@@ -51,3 +51,14 @@ def test_the_shipped_family_is_one_setting():
     assert labels == ["Sync-Vanilla", "Sync-OS", "Async-Goal-Aggr-Unif", "Async-Goal-Aggr-Group",
                       "Async-Goal-Rece-Unif", "Async-Time-Aggr-Unif"]
     assert all(compare._same_setting(cfgs[0], c) is None for c in cfgs)
+
+
+def test_a_stalled_member_is_reported_and_the_rest_still_run(tmp_path):
+    files = family(tmp_path)
+    for f in files:   # half the replies are lost: sync vanilla cannot finish, async can
+        f.write_text(f.read_text().replace(
+            "compute_speed: {dist: lognormal, median: 50, sigma: 1.0}", "compute_speed: 50, dropout: 0.5"))
+    rows = compare.run_family(files, [], log=open("/dev/null", "w"))
+    assert rows[0]["stalled"] and rows[0]["speedup"] is None
+    assert not rows[1]["stalled"] and rows[1]["rounds"] == 3
+    assert "| Sync-Vanilla | stalled |" in compare.format_table(rows, 0.05)
