@@ -16,7 +16,7 @@ from __future__ import annotations
 import fnmatch
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -317,6 +317,8 @@ class Aggregator:
         self.shared = ShareFilter(cfg["federate.share_params"])
         self.global_state: dict[str, torch.Tensor] = {
             k: v.detach().clone() for k, v in model.state_dict().items()}
+        # staleness -> weight factor; set by asynchronous courses (None: every update counts fully)
+        self.discount: Callable[[int], float] | None = None
 
     def broadcast(self, round_: int) -> dict[str, Any]:
         """The content sent to sampled clients (by reference: never mutated afterwards)."""
@@ -327,7 +329,10 @@ class Aggregator:
         return {"model": self.broadcast(round_)["model"]}
 
     def weights(self, updates: list[ReceivedUpdate]) -> list[float]:
-        return [float(u.content["num_samples"]) for u in updates]
+        """Sample counts, down-weighted by `discount(staleness)` when a course sets one."""
+        if self.discount is None:
+            return [float(u.content["num_samples"]) for u in updates]
+        return [float(u.content["num_samples"]) * self.discount(u.staleness) for u in updates]
 
     def aggregate(self, updates: list[ReceivedUpdate], round_: int) -> dict[str, float]:
         """Replace the global state from `updates`; return metrics for the round's record."""

@@ -82,12 +82,16 @@ class Course:
         self.trainer = algorithm.trainer(copy.deepcopy(model), cfg, self.store)
         self.timing = TimeModel.from_config(cfg, self.client_ids)
         self.comm = InProcessComm(self.scheduler, self.timing, self.monitor.count_bytes)
+        if self.timing.has_dropouts:
+            self.comm.filters.append(self.timing.keep)  # dropped-out clients never reply
 
         self.server = Server(self.server_table, self)
         self.server.model = model
         self.server.aggregator = algorithm.aggregator(model, cfg, self.num_clients)
         self.server.sampler = registry.samplers.get(cfg["federate.sampler"])(
             self.client_ids, cfg["seed"], self.timing)
+        if hasattr(self.server.sampler, "configure"):
+            self.server.sampler.configure(self)  # samplers that read the config or the devices
         self.server.joined, self.server.started, self.server.finished = set(), False, False
         self.server.round, self.server.selected, self.server.buffer = 1, set(), []
         self.server.best_acc, self.server.evals_since_best = None, 0
