@@ -19,7 +19,7 @@ import yaml
 
 from fedcore.errors import ConfigError
 
-__all__ = ["Key", "Config", "declare", "validator", "load_config", "parse_override",
+__all__ = ["Key", "Config", "declare", "validator", "resolver", "load_config", "parse_override",
            "describe_key", "reference_markdown", "SCHEMA"]
 
 _TYPE_NAMES = {int: "int", float: "float", bool: "bool", str: "str", list: "list", dict: "mapping"}
@@ -47,6 +47,7 @@ class Key:
 
 SCHEMA: dict[str, Key] = {}
 _VALIDATORS: list[Callable[["Config"], None]] = []
+_RESOLVERS: list[Callable[[dict], None]] = []
 
 
 def declare(name: str, type: type, default: Any, help: str, *, choices=None,
@@ -62,6 +63,13 @@ def declare(name: str, type: type, default: Any, help: str, *, choices=None,
 def validator(fn: Callable[["Config"], None]) -> Callable[["Config"], None]:
     """Register a cross-key check run on every loaded config; it raises ConfigError."""
     _VALIDATORS.append(fn)
+    return fn
+
+
+def resolver(fn: Callable[[dict], None]) -> Callable[[dict], None]:
+    """Register `fn(values)` that derives one key from others (e.g. which course runs) on the
+    type-checked values, before validators run and the config is frozen."""
+    _RESOLVERS.append(fn)
     return fn
 
 
@@ -253,6 +261,8 @@ def _validated(values: dict[str, Any]) -> Config:
     if unknown:
         name = sorted(unknown)[0]
         raise ConfigError(f"unknown config key '{name}'{nearest_key(name)}")
+    for derive in _RESOLVERS:
+        derive(resolved)
     cfg = Config(resolved)
     for check in _VALIDATORS:
         check(cfg)

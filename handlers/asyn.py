@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from fedcore.algorithms.base import ReceivedUpdate
 from fedcore.algorithms.staleness import discount_function
-from fedcore.config import declare, validator
+from fedcore.config import declare, resolver, validator
 from fedcore.errors import ConfigError
 from fedcore.handlers import evaluation, join, rounds, training
 from fedcore.registry import courses
@@ -86,9 +86,16 @@ def _needs_engine(cfg) -> bool:
             or cfg["asyn.aggregator"] == "time_up")
 
 
+@resolver
+def _choose_course(values: dict) -> None:
+    """asyn.* strategies run on the `async` course; config.yaml names the course that runs."""
+    if values["course"] == "sync" and _needs_engine(values):
+        values["course"] = "async"
+
+
 @validator
 def _check_asyn(cfg) -> None:
-    """Cross-key checks, and the course choice: asyn.* strategies run on the `async` course."""
+    """Cross-key checks of the asyn.* strategies."""
     if cfg["asyn.min_received_num"] is not None and cfg["asyn.min_received_rate"] is not None:
         raise ConfigError("asyn.min_received_num and asyn.min_received_rate are both set; keep one")
     if cfg["asyn.aggregator"] == "time_up" and cfg["asyn.time_budget"] <= 0:
@@ -96,9 +103,6 @@ def _check_asyn(cfg) -> None:
     if cfg["asyn.broadcast_manner"] == "after_receiving" and not cfg["asyn.use"]:
         raise ConfigError("asyn.broadcast_manner: after_receiving is asynchronous; set asyn.use=true "
                           "or use after_aggregating")
-    if cfg["course"] == "sync" and _needs_engine(cfg):
-        # The resolved config (config.yaml) names the course that actually runs.
-        cfg._values["course"] = "async"
     if cfg["course"] == "async":
         resolve_strategy(cfg)  # its own checks, before anything is built
 
