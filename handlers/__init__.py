@@ -1,4 +1,4 @@
 """The default <event, handler> sets. Each module registers handlers on worker roles."""
-from fedcore.handlers import evaluation, join, rounds, sync, training  # noqa: F401
+from fedcore.handlers import deployment, evaluation, join, rounds, sync, training  # noqa: F401
 
-__all__ = ["evaluation", "join", "rounds", "sync", "training"]
+__all__ = ["deployment", "evaluation", "join", "rounds", "sync", "training"]
