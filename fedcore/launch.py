@@ -31,6 +31,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="client processes to start (default: federate.client_num)")
     p.add_argument("--startup-timeout", type=float, default=120.0,
                    help="seconds to wait for the server to listen")
+    p.add_argument("--server-opt", action="append", default=[], metavar="KEY=VALUE",
+                   help="an override for the server only (e.g. its distribute.tls.cert); repeatable")
+    p.add_argument("--client-opt", action="append", default=[], metavar="KEY=VALUE",
+                   help="an override for every client only; repeatable")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
     return p
 
@@ -56,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     from fedcore.config import load_config
     from fedcore.run import resolve_outdir
     try:
-        cfg = load_config(args.cfg, args.overrides)
+        cfg = load_config(args.cfg, [*args.overrides, *args.server_opt])
     except FedcoreError as exc:
         print(f"fedcore: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -77,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     base = [sys.executable, "-m", "fedcore.run", "--cfg", args.cfg, *args.overrides, *common]
     procs: list[subprocess.Popen] = []
     try:
-        server = subprocess.Popen(base + ["distribute.role=server", "distribute.server_port=0"])
+        server = subprocess.Popen(base + args.server_opt + ["distribute.role=server", "distribute.server_port=0"])
         procs.append(server)
         deadline = time.monotonic() + args.startup_timeout
         while not address_file.exists():
@@ -89,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.1)
         port = address_file.read_text().strip().rsplit(":", 1)[1]
         for k in range(1, n + 1):
-            procs.append(subprocess.Popen(base + ["distribute.role=client", f"distribute.client_id={k}",
+            procs.append(subprocess.Popen(base + args.client_opt + ["distribute.role=client", f"distribute.client_id={k}",
                                                   f"distribute.server_port={port}"]))
         rc = server.wait()
         clients = procs[1:]
