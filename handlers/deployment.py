@@ -67,13 +67,13 @@ def _drop(server, ids: list[int], why: str) -> None:
 def client_lost(server, info) -> None:
     """`client_lost` {client_id, reason}: log it; in a sync round, stop waiting for that client."""
     cid, reason = info["client_id"], info["reason"]
-    if server.finished:
-        log.info("client %d left after the finish: %s", cid, reason)
+    if server.finished or not server.started:
+        log.info("client %d gone %s the course: %s", cid, "after" if server.finished else "before", reason)
         return
     log.warning("client %d lost in round %d: %s", cid, server.round, reason)
     server.course.monitor.extra_summary.setdefault("lost_clients", []).append(
         {"client": cid, "round": server.round, "time": round(server.now, 3), "reason": reason})
-    if server.started and _sync(server):
+    if _sync(server):
         _drop(server, [cid], f"client {cid} {reason}")
 
 
