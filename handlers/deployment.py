@@ -81,7 +81,7 @@ def round_check(server, _event=None) -> None:
     """Periodic: enforce `distribute.round_deadline`; restart a round no one was sampled for."""
     if not server.started or server.finished or not _sync(server):
         return
-    seen_round, since = server.deploy_round
+    seen_round, since = getattr(server, "deploy_round", (None, 0.0))
     if seen_round != server.round:
         server.deploy_round = (server.round, server.now)
         return
