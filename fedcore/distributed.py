@@ -28,7 +28,7 @@ from fedcore.state import make_state_store
 from fedcore.timing import TimeModel
 from fedcore.worker import Client, Server
 
-__all__ = ["ServerCourse", "ClientCourse", "run_distributed", "run_client"]
+__all__ = ["ServerCourse", "ClientCourse", "run_distributed", "run_client", "own_data_config"]
 
 log = logging.getLogger("fedcore.deploy")
 
@@ -46,6 +46,9 @@ declare("distribute.server_port", int, 50051, "server: port to listen on (0 pick
         check=lambda v: None if 0 <= v <= 65535 else "must be in 0..65535")
 declare("distribute.client_id", int, 0, "client: the id to join as (1..federate.client_num; its data "
         "partition), or 0 to be assigned one", check=lambda v: None if v >= 0 else "must be >= 0")
+declare("distribute.own_data", bool, False, "client: all of this machine's data.root is its own data "
+        "(split train/val/test by data.splits) instead of partition distribute.client_id of the "
+        "shared dataset")
 declare("distribute.min_clients", int, None, "server: start once this many clients have joined and "
         "distribute.join_timeout has passed (default: wait for federate.client_num)", check=_positive)
 declare("distribute.join_timeout", float, 60.0, "server: seconds to wait for all clients before "
@@ -255,8 +258,12 @@ class ClientCourse(Course):
         from fedcore.scenarios.data import FederatedData, Split, build_federated_data
         from fedcore.scenarios.models import build_model
         cfg = self.cfg
-        full = build_federated_data(cfg)  # exactly as the simulation builds it; then keep ours
-        mine = full.clients[client_id]
+        if cfg["distribute.own_data"]:  # this machine's data.root, whole, is this client's data
+            full = build_federated_data(own_data_config(cfg))
+            mine = full.clients[1]
+        else:  # exactly as the simulation builds it; then keep only our partition
+            full = build_federated_data(cfg)
+            mine = full.clients[client_id]
         empty = Split(full.server_test.x[:0], full.server_test.y[:0])
         self.data = FederatedData({client_id: mine}, empty, full.input_shape, full.num_classes)
         del full
@@ -279,6 +286,14 @@ class ClientCourse(Course):
         comm.on_new_server = _Start(self.client)
         comm.attach(self.client)
         return self
+
+
+def own_data_config(cfg):
+    """The config that builds a client's local data as a one-client federation."""
+    return cfg.with_overrides(federate__client_num=1, federate__sample_client_num=None,
+                              federate__sample_client_rate=None, data__partition="iid",
+                              distribute__client_id=0, distribute__min_clients=None,
+                              distribute__tokens=None)
 
 
 def run_client(cfg) -> int:

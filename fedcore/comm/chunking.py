@@ -82,8 +82,9 @@ class Reassembler:
     def in_progress(self) -> bool:
         return self._buf is not None
 
-    def feed(self, chunk: pb.Chunk) -> bytes | None:
-        """Take one chunk; return the whole envelope's bytes when this chunk completes it."""
+    def feed(self, chunk: pb.Chunk) -> bytearray | None:
+        """Take one chunk; return the whole envelope's bytes when this chunk completes it
+        (the reassembly buffer itself: protobuf parses it without another copy)."""
         if len(chunk.data) > self.max_chunk:
             raise WireError(f"chunk of {len(chunk.data)} bytes exceeds the {self.max_chunk}-byte limit")
         if self._buf is None:
@@ -110,7 +111,7 @@ class Reassembler:
         self._buf += chunk.data
         if len(self._buf) < self._total:
             return None
-        data, self._buf = bytes(self._buf), None
+        data, self._buf = self._buf, None
         if hashlib.sha256(data).digest() != self._sha:
             raise WireError(f"message {self._id} failed its integrity check (SHA-256 mismatch)")
         return data

@@ -127,6 +127,8 @@ class GrpcServerComm:
         if self._grpc is not None:
             self._grpc.stop(grace).wait(grace + 1.0)
             self._grpc = None
+        for s in sessions:  # streams parked between heartbeats notice the stop now
+            s.outbox.wake()
 
     # ------------------------------------------------------------ what the course asks
     def live_ids(self, joined: set[int] | None = None) -> list[int]:
