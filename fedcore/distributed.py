@@ -239,9 +239,7 @@ class ServerCourse(Course):
             self.store.close()
 
     def _finalize(self) -> dict[str, Any]:
-        self.monitor.extra_summary["deployment"] = {
-            "clients": {str(c): {"state": s.state, "streams": s.streams}
-                        for c, s in sorted(self.comm.sessions.items())}}
+        self.monitor.extra_summary["deployment"] = {"clients": self.comm.describe()}
         return self.monitor.finalize(self.scheduler.now, self.server.aggregator.global_state)
 
 

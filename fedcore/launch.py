@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from fedcore.errors import EXIT_CONFIG, EXIT_FAILURE, FedcoreError
 
@@ -72,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     outdir.mkdir(parents=True, exist_ok=True)
     address_file = outdir / "server_address"
     address_file.unlink(missing_ok=True)
-    common = [f"federate.mode=distributed", f"federate.client_num={n}", f"outdir={outdir}",
+    common = ["federate.mode=distributed", f"federate.client_num={n}", f"outdir={outdir}",
               "distribute.server_host=127.0.0.1"]
     if not cfg["distribute.token"] and not cfg["distribute.tokens"]:
         common.append(f"distribute.token={secrets.token_hex(16)}")

@@ -11,6 +11,7 @@ events on the server's wall-clock scheduler; handlers never see gRPC.
 from __future__ import annotations
 
 import hmac
+import itertools
 import logging
 import secrets
 import threading
@@ -80,11 +81,11 @@ class GrpcServerComm:
         self.hb_interval = d["heartbeat_interval"]
         self.server_session = secrets.token_hex(8)
         self.sessions: dict[int, Session] = {}
+        self._ids = itertools.count(1)    # message ids keep increasing across a client's sessions
         self._lock = threading.Lock()
         self.server = None                # the Server worker
         self.accepts: set[str] = set()    # message types the server has handlers for
         self._grpc: grpc.Server | None = None
-        self.frames_in = 0
 
     # ------------------------------------------------------------ lifecycle
     def attach(self, worker) -> None:
@@ -137,9 +138,11 @@ class GrpcServerComm:
             ids = [c for c, s in self.sessions.items() if s.state == "live"]
         return sorted(c for c in ids if joined is None or c in joined)
 
-    def all_gone(self) -> bool:
+    def describe(self) -> dict[str, Any]:
+        """Per-client connection facts for the summary."""
         with self._lock:
-            return all(s.state != "live" for s in self.sessions.values())
+            return {str(c): {"state": s.state, "streams": s.streams}
+                    for c, s in sorted(self.sessions.items())}
 
     def expire(self, timeout: float) -> list[tuple[int, str]]:
         """Mark sessions silent for longer than `timeout` as lost; returns (id, reason) for each."""
@@ -217,7 +220,7 @@ class GrpcServerComm:
                     replaced = s
                     s.state = "replaced"
                     s.outbox.wake()
-                s = Session(cid, session_id, Outbox(self.chunk_size), peer)
+                s = Session(cid, session_id, Outbox(self.chunk_size, self._ids), peer)
                 self.sessions[cid] = s
                 how = "restarted" if replaced else "connected"
             else:
@@ -257,7 +260,6 @@ class GrpcServerComm:
         try:
             for raw in requests:
                 s.last_seen = time.monotonic()
-                self.frames_in += 1
                 frame = parse_frame(raw, self.max_frame)
                 kind = frame.WhichOneof("kind")
                 if kind == "chunk":
@@ -333,8 +335,3 @@ class _Lost:
 
     def __call__(self) -> None:
         self.comm.on_lost(self.client_id, self.reason)
-
-
-def peer_summary(sessions: dict[int, Session]) -> dict[str, Any]:
-    """Per-client connection facts for the summary."""
-    return {str(c): {"state": s.state, "streams": s.streams} for c, s in sorted(sessions.items())}

@@ -7,6 +7,7 @@ the next stream of the same session picks up where the last one stopped.
 """
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import deque
@@ -56,17 +57,18 @@ def parse_frame(raw: bytes, max_frame_bytes: int) -> pb.Frame:
 class Outbox:
     """Queued outgoing items (encoded messages or single frames) of one session."""
 
-    def __init__(self, chunk_size: int):
+    def __init__(self, chunk_size: int, ids: Iterator[int] | None = None):
+        """`ids` numbers the messages; share one counter among outboxes whose receiver must see
+        increasing ids across them (a server's successive sessions with the same client)."""
         self.chunk_size = chunk_size
         self._items: deque = deque()
         self._cond = threading.Condition()
-        self._next_id = 1
+        self._ids = ids if ids is not None else itertools.count(1)
         self._owner: object | None = None
 
     def put_message(self, parts: tuple[bytes, ...]) -> int:
         with self._cond:
-            mid = self._next_id
-            self._next_id += 1
+            mid = next(self._ids)
             self._items.append(("msg", mid, parts))
             self._cond.notify_all()
             return mid
