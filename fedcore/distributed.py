@@ -37,7 +37,8 @@ def _positive(v):
     return None if v > 0 else "must be > 0"
 
 
-declare("distribute.role", str, None, "this process's part in a distributed course",
+declare("distribute.role", str, None, "this process's part in a distributed course (setting it "
+        "implies federate.mode: distributed)",
         choices=("server", "client"))
 declare("distribute.server_host", str, "127.0.0.1", "server: address to listen on (0.0.0.0 for all "
         "interfaces); client: the server's host name or address")
@@ -86,7 +87,7 @@ declare("distribute.backoff_max", float, 10.0, "client: longest reconnect delay 
 @validator
 def _check_distribute(cfg) -> None:
     role = cfg["distribute.role"]
-    if cfg["federate.mode"] != "distributed" or role is None:
+    if role is None:  # a role makes the run distributed, whatever federate.mode says
         return
     cert, key, ca = cfg["distribute.tls.cert"], cfg["distribute.tls.key"], cfg["distribute.tls.ca"]
     insecure = cfg["distribute.insecure"]

@@ -43,8 +43,19 @@ def test_client_id_must_name_a_partition():
     assert _cfg(distribute__role="client", distribute__client_id=6)["distribute.client_id"] == 6
 
 
-def test_standalone_runs_ignore_distribute_keys():
-    assert small_cfg(None, distribute__role="server")["federate.mode"] == "standalone"
+def test_a_role_alone_makes_the_run_distributed_and_is_checked(tmp_path, monkeypatch):
+    with pytest.raises(ConfigError, match="distribute.insecure: true"):
+        small_cfg(None, distribute__role="server", distribute__token="t")
+    assert small_cfg(None)["distribute.role"] is None  # standalone runs need none of this
+    import fedcore.distributed
+    from fedcore.run import main
+    seen = []
+    monkeypatch.setattr(fedcore.distributed, "run_distributed",
+                        lambda cfg, out, check_only: seen.append(cfg) or 0)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("federate: {client_num: 2}\n")
+    assert main(["--cfg", str(cfg), "distribute.role=client", "distribute.insecure=true"]) == 0
+    assert seen and seen[0]["distribute.role"] == "client"
 
 
 def test_distributed_mode_needs_a_role(tmp_path):
