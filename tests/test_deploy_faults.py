@@ -2,7 +2,7 @@
 
 Clients pause 0.3 s before training (tests.slow_plugin) so that a round is
 still open when a test acts; heartbeats are fast so that a dead client is
-noticed within 1.5 s.
+noticed within a few seconds even on a loaded machine.
 """
 import json
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 FAST_FAULTS = {
     "plugins": ["tests.slow_plugin"], "algorithm.name": "fedavg_pausing", "slow_test.pause": 0.3,
     "eval.clients": False, "distribute.insecure": True, "distribute.token": "t",
-    "distribute.heartbeat_interval": 0.2, "distribute.heartbeat_timeout": 1.5,
+    "distribute.heartbeat_interval": 0.2, "distribute.heartbeat_timeout": 3.0,
     "distribute.retry_timeout": 2.0, "distribute.backoff_initial": 0.1, "distribute.backoff_max": 0.5,
 }
 
