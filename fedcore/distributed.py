@@ -22,7 +22,7 @@ from typing import Any
 from fedcore import registry
 from fedcore.config import declare, validator
 from fedcore.course import Course, _Start, load_initial_model
-from fedcore.errors import EXIT_OK, ConfigError
+from fedcore.errors import EXIT_OK, ConfigError, FedcoreError
 from fedcore.scheduler import PRIORITY_TIMER, WallClockScheduler
 from fedcore.state import make_state_store
 from fedcore.timing import TimeModel
@@ -316,8 +316,10 @@ def run_client(cfg) -> int:
         comm.close("interrupted", timeout=2.0)
         raise
     finally:
-        if not comm._closing.is_set():
+        if not comm.closed:
             comm.close("finished" if finished else "stopped")
+    if not finished:
+        raise FedcoreError(f"client {cid} stopped before the course finished")
     print(f"client {cid}: course finished (last round {course.client.round})")
     return EXIT_OK
 

@@ -110,6 +110,10 @@ class GrpcClientComm:
         for msg in early:
             self.scheduler.call_soon(_Delivery(self, msg))
 
+    @property
+    def closed(self) -> bool:
+        return self._closing.is_set()
+
     def close(self, reason: str = "finished", timeout: float = 3.0) -> None:
         """Say goodbye (if connected), let the stream drain, and stop the I/O thread."""
         self._closing.set()
