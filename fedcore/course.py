@@ -71,30 +71,16 @@ class Course:
     # ------------------------------------------------------------ assembly
     def build(self, data: Any = None) -> "Course":
         from fedcore.scenarios.data import build_federated_data
-        from fedcore.scenarios.models import build_model
         cfg = self.cfg
         self.data = data if data is not None else build_federated_data(cfg)
-        model = build_model(cfg, self.data.input_shape, self.data.num_classes)
-        if cfg["model.init_from"]:
-            load_initial_model(model, cfg["model.init_from"])
+        model = self.make_model()
         self.store = make_state_store(cfg["state.store"], cfg["state.path"])
-        algorithm = registry.algorithms.get(cfg["algorithm.name"])
-        self.trainer = algorithm.trainer(copy.deepcopy(model), cfg, self.store)
+        self.trainer = self.algorithm.trainer(copy.deepcopy(model), cfg, self.store)
         self.timing = TimeModel.from_config(cfg, self.client_ids)
         self.comm = InProcessComm(self.scheduler, self.timing, self.monitor.count_bytes)
         if self.timing.has_dropouts:
             self.comm.filters.append(self.timing.keep)  # dropped-out clients never reply
-
-        self.server = Server(self.server_table, self)
-        self.server.model = model
-        self.server.aggregator = algorithm.aggregator(model, cfg, self.num_clients)
-        self.server.sampler = registry.samplers.get(cfg["federate.sampler"])(
-            self.client_ids, cfg["seed"], self.timing)
-        if hasattr(self.server.sampler, "configure"):
-            self.server.sampler.configure(self)  # samplers that read the config or the devices
-        self.server.joined, self.server.started, self.server.finished = set(), False, False
-        self.server.round, self.server.selected, self.server.buffer = 1, set(), []
-        self.server.best_acc, self.server.evals_since_best = None, 0
+        self.make_server(model, self.client_ids)
         self.comm.attach(self.server)
         self.clients: dict[int, Client] = {}
         for cid in self.client_ids:
@@ -102,15 +88,45 @@ class Course:
             client.finished = False
             self.clients[cid] = client
             self.comm.attach(client)
-
-        registry.courses.get(cfg["course"])(self)
-        self.behaviours = registry.selected_behaviours(cfg)
-        for name in self.behaviours:
-            registry.behaviours.get(name)(self)
-        self.checkpointer = Checkpointer(self)
+        self.install_handlers()
         self.resumed_at = resume(self, cfg["resume_from"]) if cfg["resume_from"] else None
         self.built = True
         return self
+
+    # The pieces below are shared with the deployment's server and client courses.
+    @property
+    def algorithm(self):
+        return registry.algorithms.get(self.cfg["algorithm.name"])
+
+    def make_model(self) -> torch.nn.Module:
+        """The initial global model: built for the data's shapes, or loaded from model.init_from."""
+        from fedcore.scenarios.models import build_model
+        model = build_model(self.cfg, self.data.input_shape, self.data.num_classes)
+        if self.cfg["model.init_from"]:
+            load_initial_model(model, self.cfg["model.init_from"])
+        return model
+
+    def make_server(self, model: torch.nn.Module, sampled_from: list[int]) -> Server:
+        """The server worker with its aggregator, sampler and round state."""
+        cfg = self.cfg
+        server = self.server = Server(self.server_table, self)
+        server.model = model
+        server.aggregator = self.algorithm.aggregator(model, cfg, self.num_clients)
+        server.sampler = registry.samplers.get(cfg["federate.sampler"])(sampled_from, cfg["seed"], self.timing)
+        if hasattr(server.sampler, "configure"):
+            server.sampler.configure(self)  # samplers that read the config or the devices
+        server.joined, server.started, server.finished = set(), False, False
+        server.round, server.selected, server.buffer = 1, set(), []
+        server.best_acc, server.evals_since_best = None, 0
+        self.checkpointer = Checkpointer(self)
+        return server
+
+    def install_handlers(self) -> None:
+        """The course's handler set, then the behaviours the config selects."""
+        registry.courses.get(self.cfg["course"])(self)
+        self.behaviours = registry.selected_behaviours(self.cfg)
+        for name in self.behaviours:
+            registry.behaviours.get(name)(self)
 
     @property
     def tables(self) -> list[HandlerTable]:
@@ -143,10 +159,10 @@ class Course:
         if self.resumed_at is not None:
             pending = self.monitor.open_records().get(self.server.round)
             info = {"round": self.server.round, "pending_eval": bool(pending and pending["expected"])}
-            self.scheduler.schedule(self.resumed_at, PRIORITY_TIMER, _Trigger(self.server, "resume", info))
+            self.scheduler.schedule(self.resumed_at, PRIORITY_TIMER, StartEvent(self.server, "resume", info))
         else:
             for w in [self.server] + [self.clients[c] for c in self.client_ids]:
-                self.scheduler.schedule(0.0, PRIORITY_TIMER, _Trigger(w, "start"))
+                self.scheduler.schedule(0.0, PRIORITY_TIMER, StartEvent(w, "start"))
         try:
             self.scheduler.run()
         finally:
@@ -163,8 +179,8 @@ class Course:
         return self.server.now
 
 
-class _Trigger:
-    """A scheduled condition event; skipped where the worker has no handler for it."""
+class StartEvent:
+    """A scheduled `start`/`resume` event; skipped where the worker has no handler for it."""
 
     __slots__ = ("worker", "event", "payload")
 
@@ -173,5 +189,4 @@ class _Trigger:
 
     def __call__(self) -> None:
         if self.worker.handlers.get(self.event) is not None:
-            self.worker.now = self.worker.course.scheduler.now
             self.worker.trigger(self.event, self.payload)

@@ -53,7 +53,7 @@ def _run(args) -> int:
         raise ConfigError("--cfg FILE.yaml is required (or --help-key KEY)")
     cfg = load_config(args.cfg, args.overrides)
     outdir = resolve_outdir(cfg)
-    if cfg["federate.mode"] == "distributed":
+    if cfg["federate.mode"] == "distributed" or cfg.get("distribute.role") is not None:
         try:
             from fedcore.distributed import run_distributed
         except ImportError:

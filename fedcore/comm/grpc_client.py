@@ -1,0 +1,279 @@
+"""A client's communicator: it dials the server and keeps one stream open.
+
+No client listens on a port, so clients work behind NAT. A background thread
+holds the stream; when it breaks, it redials with exponential backoff and
+jitter, resuming the same session (queued messages are kept; a message cut
+off mid-stream is sent again and the server drops the duplicate). A server
+silent for `distribute.heartbeat_timeout` counts as broken; a server
+unreachable for `distribute.retry_timeout` ends the process with exit code 4.
+"""
+from __future__ import annotations
+
+import logging
+import random
+import secrets
+import threading
+import time
+from typing import Callable
+
+import grpc
+
+from fedcore.comm.chunking import FRAME_OVERHEAD, Reassembler, envelope_parts
+from fedcore.comm.stream import (METHOD, MD_CLIENT_ID, MD_SESSION, MD_TOKEN, Outbox, bye_frame,
+                                 channel_credentials, grpc_options, heartbeat_frame, parse_frame)
+from fedcore.errors import ConfigError, FedcoreError
+from fedcore.message import SERVER_ID, Message
+from fedcore.serialization import WireError, decode_envelope, from_value, to_value
+from fedcore.wire import fedcore_pb2 as pb
+
+__all__ = ["GrpcClientComm", "ServerUnreachable", "EXIT_SERVER_GONE", "backoff_delay"]
+
+log = logging.getLogger("fedcore.deploy")
+
+EXIT_SERVER_GONE = 4
+
+
+class ServerUnreachable(FedcoreError):
+    """The server was gone for longer than distribute.retry_timeout."""
+
+    exit_code = EXIT_SERVER_GONE
+
+
+class ProtocolRefused(FedcoreError):
+    """The server refused what this client sent (INVALID_ARGUMENT after joining)."""
+
+
+def backoff_delay(attempt: int, initial: float, maximum: float, rng: random.Random) -> float:
+    """Exponential backoff with jitter: uniform in [d/2, d], d = min(maximum, initial * 2^attempt)."""
+    d = min(maximum, initial * (2 ** min(attempt, 30)))
+    return rng.uniform(d / 2, d)
+
+
+class _Stream:
+    __slots__ = ("done", "last_recv", "call", "reasm")
+
+    def __init__(self, reasm: Reassembler):
+        self.done = False
+        self.last_recv = time.monotonic()
+        self.call = None
+        self.reasm = reasm
+
+
+class GrpcClientComm:
+    """Connects, gets the client id, and moves messages between the client worker and the server."""
+
+    def __init__(self, cfg, scheduler):
+        d = cfg.section("distribute")
+        self.scheduler = scheduler
+        self.address = f"{d['server_host']}:{d['server_port']}"
+        self.insecure = d["insecure"]
+        self.tls = {k: d.get(f"tls.{k}") for k in ("cert", "key", "ca")}
+        self.server_name = d["tls.server_name"]
+        self.chunk_size = d["chunk_size"]
+        self.max_message = d["max_message_bytes"]
+        self.hb_interval, self.hb_timeout = d["heartbeat_interval"], d["heartbeat_timeout"]
+        self.retry_timeout = d["retry_timeout"]
+        self.backoff = (d["backoff_initial"], d["backoff_max"])
+        self.metadata = [(MD_CLIENT_ID, str(d["client_id"] or 0)), (MD_SESSION, secrets.token_hex(8))]
+        if d["token"]:
+            self.metadata.append((MD_TOKEN, "Bearer " + d["token"]))
+        self.outbox = Outbox(self.chunk_size)
+        self.client_id: int | None = None
+        self.server_session: str | None = None
+        self.on_new_server: Callable[[], None] | None = None  # a restarted server: join again
+        self.worker = None
+        self.fatal: FedcoreError | None = None
+        self.connected = False
+        self._welcomed = threading.Event()
+        self._closing = threading.Event()
+        self._last_delivered = 0
+        self._early: list[Message] = []
+        self._rng = random.Random()
+        self._thread: threading.Thread | None = None
+        self._stream: _Stream | None = None
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="fedcore-client-io", daemon=True)
+        self._thread.start()
+
+    def wait_welcome(self) -> int:
+        """Block until the server has admitted this client; returns its id (or raises why not)."""
+        self._welcomed.wait()
+        if self.fatal is not None:
+            raise self.fatal
+        return self.client_id
+
+    def attach(self, worker) -> None:
+        self.worker = worker
+        early, self._early = self._early, []
+        for msg in early:
+            self.scheduler.call_soon(_Delivery(self, msg))
+
+    @property
+    def closed(self) -> bool:
+        return self._closing.is_set()
+
+    def close(self, reason: str = "finished", timeout: float = 3.0) -> None:
+        """Say goodbye (if connected), let the stream drain, and stop the I/O thread."""
+        self._closing.set()
+        if self.connected and self.fatal is None:
+            self.outbox.put_frame(bye_frame(reason))
+            self.outbox.wait_empty(timeout)
+        if self._thread is not None:
+            self._thread.join(timeout)
+        stream = self._stream
+        if stream is not None and stream.call is not None:
+            stream.call.cancel()
+
+    # ------------------------------------------------------------ sending
+    def send(self, msg: Message) -> None:
+        if tuple(msg.receivers) != (SERVER_ID,):
+            raise WireError(f"in deployment a client sends only to the server, not to {msg.receivers}")
+        header = pb.Envelope(msg_type=msg.msg_type, sender=msg.sender, receivers=[SERVER_ID],
+                             round=msg.round, timestamp=msg.timestamp)
+        self.outbox.put_message(envelope_parts(header, to_value(msg.content).SerializeToString()))
+
+    # ------------------------------------------------------------ the connection loop
+    def _channel(self) -> grpc.Channel:
+        options = grpc_options(self.chunk_size, server=False)
+        if self.insecure:
+            return grpc.insecure_channel(self.address, options=options)
+        if self.server_name:
+            options.append(("grpc.ssl_target_name_override", self.server_name))
+        return grpc.secure_channel(self.address, channel_credentials(self.tls), options=options)
+
+    def _fail(self, err: FedcoreError) -> None:
+        self.fatal = err
+        self._welcomed.set()
+        self.scheduler.call_soon(_Raise(err))
+
+    def _loop(self) -> None:
+        try:
+            channel = self._channel()
+        except FedcoreError as exc:
+            self._fail(exc)
+            return
+        connect = channel.stream_stream(METHOD)
+        attempt, last_ok, reason = 0, time.monotonic(), "not connected yet"
+        try:
+            while not self._closing.is_set():
+                stream = _Stream(Reassembler(self.max_message, self.chunk_size))
+                token = self.outbox.claim()
+                self._stream = stream
+                try:
+                    stream.call = connect(self._requests(token, stream), metadata=self.metadata)
+                    for raw in stream.call:
+                        stream.last_recv = last_ok = time.monotonic()
+                        attempt = 0
+                        self._on_frame(parse_frame(raw, self.chunk_size + FRAME_OVERHEAD), stream)
+                    reason = "the server closed the stream"
+                except grpc.RpcError as exc:
+                    code = exc.code()
+                    detail = (exc.details() or "").splitlines()[0][:200] if exc.details() else ""
+                    if self._closing.is_set():
+                        break
+                    if code == grpc.StatusCode.UNAUTHENTICATED:
+                        self._fail(ConfigError(f"distribute.token: the server at {self.address} refused "
+                                               f"this client (UNAUTHENTICATED: {detail}); check the token"))
+                        return
+                    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):
+                        if self.client_id is None:
+                            self._fail(ConfigError(f"distribute.client_id: the server at {self.address} "
+                                                   f"refused this client ({code.name}: {detail})"))
+                        else:
+                            self._fail(ProtocolRefused(f"the server refused a message from client "
+                                                       f"{self.client_id} ({code.name}: {detail})"))
+                        return
+                    reason = f"{code.name}: {detail}"
+                except WireError as exc:
+                    reason = f"bad data from the server: {exc}"
+                    log.error("client %s: %s", self.client_id, reason)
+                    if stream.call is not None:
+                        stream.call.cancel()
+                finally:
+                    stream.done = True
+                    self.connected = False
+                    self.outbox.release(token)
+                if self._closing.is_set():
+                    break
+                gone = time.monotonic() - last_ok
+                if gone >= self.retry_timeout:
+                    self._fail(ServerUnreachable(
+                        f"no server at {self.address} for {gone:.1f}s (distribute.retry_timeout="
+                        f"{self.retry_timeout:g}); giving up; last error: {reason}"))
+                    return
+                delay = min(backoff_delay(attempt, *self.backoff, self._rng),
+                            max(0.05, self.retry_timeout - gone))
+                attempt += 1
+                log.warning("client %s: connection to %s lost (%s); retrying in %.2fs",
+                            self.client_id, self.address, reason, delay)
+                self._closing.wait(delay)
+        finally:
+            channel.close()
+
+    def _requests(self, token, stream: _Stream):
+        """The request side of one stream: queued frames, or a heartbeat when idle."""
+        def alive() -> bool:
+            return not stream.done and not (self._closing.is_set() and not self.connected)
+
+        def idle() -> bytes | None:
+            if time.monotonic() - stream.last_recv > self.hb_timeout:
+                log.warning("client %s: server silent for %gs (distribute.heartbeat_timeout); reconnecting",
+                            self.client_id, self.hb_timeout)
+                if stream.call is not None:
+                    stream.call.cancel()
+                return None
+            return heartbeat_frame()
+
+        yield from self.outbox.frames(token, alive, self.hb_interval, idle)
+
+    def _on_frame(self, frame: pb.Frame, stream: _Stream) -> None:
+        kind = frame.WhichOneof("kind")
+        if kind == "welcome":
+            w = frame.welcome
+            new_server = self.server_session is not None and w.server_session != self.server_session
+            self.client_id, self.server_session, self.connected = w.client_id, w.server_session, True
+            if new_server:
+                self._last_delivered = 0
+                log.warning("client %d: the server restarted; joining again", self.client_id)
+                if self.on_new_server is not None:
+                    self.scheduler.call_soon(self.on_new_server)
+            self._welcomed.set()
+        elif kind == "chunk":
+            data = stream.reasm.feed(frame.chunk)
+            if data is None or frame.chunk.message_id <= self._last_delivered:
+                return
+            env = decode_envelope(data)
+            msg = Message(env.msg_type, env.sender, tuple(env.receivers), env.round, env.timestamp,
+                          from_value(env.content))
+            self._last_delivered = frame.chunk.message_id
+            if self.worker is None:
+                self._early.append(msg)
+            else:
+                self.scheduler.call_soon(_Delivery(self, msg))
+        elif kind == "bye":
+            log.warning("client %s: the server is leaving (%s)", self.client_id, frame.bye.reason)
+
+
+class _Delivery:
+    __slots__ = ("comm", "msg")
+
+    def __init__(self, comm: GrpcClientComm, msg: Message):
+        self.comm, self.msg = comm, msg
+
+    def __call__(self) -> None:
+        worker = self.comm.worker
+        worker.deliver(self.msg)
+        if getattr(worker, "finished", False):
+            self.comm.scheduler.stop()
+
+
+class _Raise:
+    __slots__ = ("err",)
+
+    def __init__(self, err: Exception):
+        self.err = err
+
+    def __call__(self) -> None:
+        raise self.err

@@ -1,0 +1,337 @@
+"""The server's communicator: clients dial in, each holds one bidirectional stream.
+
+Each stream is authenticated from its call metadata before anything is read
+(a wrong or missing token gets UNAUTHENTICATED), is told its client id in a
+`Welcome`, then carries chunked envelopes both ways plus heartbeats. Bytes
+that do not decode, fail their integrity check, exceed a limit, name an
+unknown message type or carry content of the wrong shape end that stream with
+INVALID_ARGUMENT; the server itself keeps serving. Received messages become
+events on the server's wall-clock scheduler; handlers never see gRPC.
+"""
+from __future__ import annotations
+
+import hmac
+import itertools
+import logging
+import secrets
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import grpc
+
+from fedcore.comm.chunking import FRAME_OVERHEAD, Reassembler, envelope_parts
+from fedcore.comm.stream import (MD_CLIENT_ID, MD_SESSION, MD_TOKEN, Outbox, grpc_options,
+                                 heartbeat_frame, parse_frame, server_credentials)
+from fedcore.comm.validation import check_content
+from fedcore.errors import ConfigError
+from fedcore.message import SERVER_ID, Message
+from fedcore.serialization import WireError, decode_envelope, from_value, to_value
+from fedcore.wire import fedcore_pb2 as pb
+
+__all__ = ["GrpcServerComm", "Session"]
+
+log = logging.getLogger("fedcore.deploy")
+
+
+@dataclass(eq=False)
+class Session:
+    """One client process as the server knows it; outlives reconnects of that process."""
+
+    client_id: int
+    session_id: str
+    outbox: Outbox
+    peer: str = ""
+    state: str = "live"           # live | left | lost | replaced
+    last_seen: float = field(default_factory=time.monotonic)
+    last_delivered: int = 0       # highest message id handed to the scheduler (drops duplicates)
+    streams: int = 0              # streams opened by this session (1 + reconnects)
+
+
+class _StreamStatus:
+    __slots__ = ("done", "error")
+
+    def __init__(self) -> None:
+        self.done = False
+        self.error: str | None = None
+
+
+class GrpcServerComm:
+    """Listens, admits and authenticates clients, and moves messages between them and the server."""
+
+    def __init__(self, cfg, scheduler, count_bytes: Callable[[Message, int, int], None],
+                 on_lost: Callable[[int, str], None], after_delivery: Callable[[], None] = lambda: None):
+        d = cfg.section("distribute")
+        self.cfg = cfg
+        self.scheduler = scheduler
+        self.count_bytes = count_bytes
+        self.on_lost = on_lost            # called on the scheduler thread
+        self.after_delivery = after_delivery
+        self.num_clients = cfg["federate.client_num"]
+        self.host, self.port = d["server_host"], d["server_port"]
+        self.insecure = d["insecure"]
+        self.tls = {k: d.get(f"tls.{k}") for k in ("cert", "key", "ca")}
+        self.token = d["token"]
+        self.tokens = {int(k): str(v) for k, v in (d["tokens"] or {}).items()}
+        self.chunk_size = d["chunk_size"]
+        self.max_message = d["max_message_bytes"]
+        self.max_frame = self.chunk_size + FRAME_OVERHEAD
+        self.hb_interval = d["heartbeat_interval"]
+        self.server_session = secrets.token_hex(8)
+        self.sessions: dict[int, Session] = {}
+        self._ids = itertools.count(1)    # message ids keep increasing across a client's sessions
+        self._lock = threading.Lock()
+        self.server = None                # the Server worker
+        self.accepts: set[str] = set()    # message types the server has handlers for
+        self._grpc: grpc.Server | None = None
+
+    # ------------------------------------------------------------ lifecycle
+    def attach(self, worker) -> None:
+        self.server = worker
+        self.accepts = {e[len("receiving_"):] for e in worker.handlers.entries if e.startswith("receiving_")}
+
+    def start(self) -> int:
+        """Bind and serve; returns the port (useful with distribute.server_port: 0)."""
+        slots = self.num_clients + 16
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=slots, thread_name_prefix="fedcore-rpc"),
+                             options=grpc_options(self.chunk_size, server=True),
+                             maximum_concurrent_rpcs=slots)
+        handler = grpc.method_handlers_generic_handler(
+            "fedcore.Fedcore", {"Connect": grpc.stream_stream_rpc_method_handler(self._connect)})
+        server.add_generic_rpc_handlers((handler,))
+        address = f"{self.host}:{self.port}"
+        try:
+            if self.insecure:
+                port = server.add_insecure_port(address)
+            else:
+                port = server.add_secure_port(address, server_credentials(self.tls))
+        except RuntimeError as exc:
+            port = 0
+            why = str(exc)
+        else:
+            why = "address in use or not local"
+        if not port:
+            raise ConfigError(f"distribute.server_port: cannot listen on {address} ({why}); "
+                              "pick a free port or another distribute.server_host")
+        server.start()
+        self._grpc = server
+        self.port = port
+        return port
+
+    def stop(self, grace: float = 1.0) -> None:
+        with self._lock:
+            sessions = list(self.sessions.values())
+        for s in sessions:
+            s.outbox.wake()
+        if self._grpc is not None:
+            self._grpc.stop(grace).wait(grace + 1.0)
+            self._grpc = None
+        for s in sessions:  # streams parked between heartbeats notice the stop now
+            s.outbox.wake()
+
+    # ------------------------------------------------------------ what the course asks
+    def live_ids(self, joined: set[int] | None = None) -> list[int]:
+        """Ids of clients whose session is alive (and, if given, that have joined)."""
+        with self._lock:
+            ids = [c for c, s in self.sessions.items() if s.state == "live"]
+        return sorted(c for c in ids if joined is None or c in joined)
+
+    def describe(self) -> dict[str, Any]:
+        """Per-client connection facts for the summary."""
+        with self._lock:
+            return {str(c): {"state": s.state, "streams": s.streams}
+                    for c, s in sorted(self.sessions.items())}
+
+    def expire(self, timeout: float) -> list[tuple[int, str]]:
+        """Mark sessions silent for longer than `timeout` as lost; returns (id, reason) for each."""
+        now = time.monotonic()
+        lost = []
+        with self._lock:
+            for cid, s in self.sessions.items():
+                if s.state == "live" and now - s.last_seen > timeout:
+                    s.state = "lost"
+                    s.outbox.clear()
+                    s.outbox.wake()
+                    lost.append((cid, f"no heartbeat for {timeout:g}s (distribute.heartbeat_timeout)"))
+        return lost
+
+    # ------------------------------------------------------------ sending
+    def send(self, msg: Message) -> None:
+        """Queue `msg` for each receiver's stream; one encoding of the content for all of them."""
+        content = to_value(msg.content).SerializeToString()
+        for receiver in msg.receivers:
+            if receiver == SERVER_ID:
+                self.scheduler.call_soon(_Arrival(self, msg, 0))
+                continue
+            with self._lock:
+                s = self.sessions.get(receiver)
+            if s is None or s.state != "live":
+                log.info("message '%s' to client %d not sent: client not connected", msg.msg_type, receiver)
+                continue
+            header = pb.Envelope(msg_type=msg.msg_type, sender=msg.sender, receivers=[receiver],
+                                 round=msg.round, timestamp=msg.timestamp)
+            parts = envelope_parts(header, content)
+            s.outbox.put_message(parts)
+            self.count_bytes(msg, receiver, sum(len(p) for p in parts))
+
+    # ------------------------------------------------------------ one stream
+    def _authorized(self, cid: int, token: str) -> bool:
+        expected = self.tokens.get(cid, self.token)
+        if expected is None:  # no token configured at all: client certificates (or insecure mode) admit
+            return self.token is None and not self.tokens
+        return hmac.compare_digest(expected.encode(), token.encode())
+
+    def _admit(self, context) -> tuple[Session, object]:
+        md = {k: v for k, v in context.invocation_metadata() if isinstance(v, str)}
+        peer = context.peer()
+        token = md.get(MD_TOKEN, "")
+        token = token[7:] if token.startswith("Bearer ") else token
+        session_id = md.get(MD_SESSION, "")[:64] or secrets.token_hex(8)
+        try:
+            cid = int(md.get(MD_CLIENT_ID, "0"))
+        except ValueError:
+            cid = -1
+        if not 0 <= cid <= self.num_clients:
+            log.warning("refused %s: client id %r outside 1..%d", peer, md.get(MD_CLIENT_ID), self.num_clients)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"client id must be in 1..{self.num_clients} (or 0 to be assigned one)")
+        if cid == 0 and self.tokens:  # per-client tokens: the token names the client
+            cid = next((k for k, t in self.tokens.items()
+                        if hmac.compare_digest(t.encode(), token.encode())), 0)
+            ok = cid != 0
+        else:
+            ok = self._authorized(cid, token)
+        if not ok:
+            log.warning("refused %s (client id %s): wrong or missing token", peer, md.get(MD_CLIENT_ID, "0"))
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong or missing token")
+        replaced = None
+        with self._lock:
+            if cid == 0:
+                cid = next((c for c in range(1, self.num_clients + 1)
+                            if c not in self.sessions or self.sessions[c].state != "live"), 0)
+                if cid == 0:
+                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  f"all {self.num_clients} client ids are taken (federate.client_num)")
+            s = self.sessions.get(cid)
+            if s is None or s.session_id != session_id or s.state != "live":
+                if s is not None and s.state == "live":
+                    replaced = s
+                    s.state = "replaced"
+                    s.outbox.wake()
+                s = Session(cid, session_id, Outbox(self.chunk_size, self._ids), peer)
+                self.sessions[cid] = s
+                how = "restarted" if replaced else "connected"
+            else:
+                how = "reconnected"
+            s.peer, s.last_seen = peer, time.monotonic()
+            s.streams += 1
+            token_ = s.outbox.claim()
+        log.info("client %d %s from %s", cid, how, peer)
+        if replaced is not None:
+            self.scheduler.call_soon(_Lost(self, cid, "restarted: a new process took over its id; "
+                                                      "its work in progress is lost"))
+        return s, token_
+
+    def _connect(self, request_iterator, context):
+        """The Connect RPC: admit, welcome, then write the session's outbox until the stream ends."""
+        s, token = self._admit(context)
+        status = _StreamStatus()
+        reader = threading.Thread(target=self._read, args=(s, token, request_iterator, status),
+                                  name=f"fedcore-read-{s.client_id}", daemon=True)
+        reader.start()
+        yield pb.Frame(welcome=pb.Welcome(client_id=s.client_id, server_session=self.server_session,
+                                          max_chunk_bytes=self.chunk_size)).SerializeToString()
+
+        def alive() -> bool:
+            return not status.done and s.state == "live" and context.is_active()
+
+        try:
+            yield from s.outbox.frames(token, alive, self.hb_interval, heartbeat_frame)
+        finally:
+            s.outbox.release(token)
+        if status.error is not None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, status.error)
+
+    def _read(self, s: Session, token, requests, status: _StreamStatus) -> None:
+        """Reader thread of one stream: frames -> messages -> scheduler events."""
+        reasm = Reassembler(self.max_message, self.chunk_size)
+        try:
+            for raw in requests:
+                s.last_seen = time.monotonic()
+                frame = parse_frame(raw, self.max_frame)
+                kind = frame.WhichOneof("kind")
+                if kind == "chunk":
+                    data = reasm.feed(frame.chunk)
+                    if data is None:
+                        continue
+                    if frame.chunk.message_id <= s.last_delivered:
+                        continue  # sent again after a reconnect; we already have it
+                    msg = self._decode(s, data)
+                    s.last_delivered = frame.chunk.message_id
+                    self.scheduler.call_soon(_Arrival(self, msg, len(data)))
+                elif kind == "bye":
+                    with self._lock:
+                        if s.state == "live":
+                            s.state = "left"
+                    self.scheduler.call_soon(_Lost(self, s.client_id, f"left: {frame.bye.reason[:200]}"))
+                    break
+                elif kind == "welcome":
+                    raise WireError("a client sent a server's welcome frame")
+            else:
+                reasm.end_of_stream()
+        except WireError as exc:
+            status.error = str(exc)
+            log.warning("client %d (%s): refused a message: %s", s.client_id, s.peer, exc)
+        except Exception as exc:  # the stream broke (RpcError, cancellation): the session may come back
+            log.debug("client %d: stream ended: %s", s.client_id, exc)
+        finally:
+            status.done = True
+            s.outbox.wake()
+
+    def _decode(self, s: Session, data: bytes) -> Message:
+        env = decode_envelope(data)
+        if env.sender != s.client_id:
+            raise WireError(f"envelope sender {env.sender} is not this stream's client {s.client_id}")
+        if list(env.receivers) != [SERVER_ID]:
+            raise WireError(f"envelope receivers {list(env.receivers)[:4]} are not the server")
+        if env.msg_type not in self.accepts:
+            raise WireError(f"unknown message type '{env.msg_type[:64]}'")
+        try:
+            content = from_value(env.content)
+        except WireError:
+            raise
+        except Exception as exc:
+            raise WireError(f"content does not decode: {type(exc).__name__}: {exc}") from None
+        problem = check_content(env.msg_type, content, self.server)
+        if problem:
+            raise WireError(problem)
+        return Message(env.msg_type, env.sender, (SERVER_ID,), env.round, env.timestamp, content)
+
+
+class _Arrival:
+    """A received message, delivered on the scheduler thread."""
+
+    __slots__ = ("comm", "msg", "nbytes")
+
+    def __init__(self, comm: GrpcServerComm, msg: Message, nbytes: int):
+        self.comm, self.msg, self.nbytes = comm, msg, nbytes
+
+    def __call__(self) -> None:
+        if self.nbytes:
+            self.comm.count_bytes(self.msg, SERVER_ID, self.nbytes)
+        if self.msg.msg_type == "join_in":
+            log.info("client %d joined the course", self.msg.sender)
+        self.comm.server.deliver(self.msg)
+        self.comm.after_delivery()
+
+
+class _Lost:
+    __slots__ = ("comm", "client_id", "reason")
+
+    def __init__(self, comm: GrpcServerComm, client_id: int, reason: str):
+        self.comm, self.client_id, self.reason = comm, client_id, reason
+
+    def __call__(self) -> None:
+        self.comm.on_lost(self.client_id, self.reason)

@@ -1,0 +1,198 @@
+"""What both ends of a gRPC stream share: the outbox, frame helpers, credentials, options.
+
+An `Outbox` outlives the streams that drain it: when a connection breaks, the
+messages not yet handed to gRPC stay queued (the one being sent is sent again
+whole, and the receiver drops it if it already had it, by message id), and
+the next stream of the same session picks up where the last one stopped.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Callable, Iterator
+
+import grpc
+
+from fedcore.comm.chunking import FRAME_OVERHEAD, chunk_frames
+from fedcore.errors import ConfigError
+from fedcore.serialization import WireError
+from fedcore.wire import fedcore_pb2 as pb
+
+__all__ = ["METHOD", "Outbox", "heartbeat_frame", "bye_frame", "parse_frame", "grpc_options",
+           "server_credentials", "channel_credentials", "MD_TOKEN", "MD_CLIENT_ID", "MD_SESSION"]
+
+METHOD = "/fedcore.Fedcore/Connect"
+MD_TOKEN = "authorization"          # "Bearer <token>"
+MD_CLIENT_ID = "fedcore-client-id"  # requested id; "0" lets the server assign one
+MD_SESSION = "fedcore-session"      # random per client process: tells a reconnect from a restart
+
+
+def heartbeat_frame() -> bytes:
+    return pb.Frame(heartbeat=pb.Heartbeat(sent_at=time.time())).SerializeToString()
+
+
+def bye_frame(reason: str) -> bytes:
+    return pb.Frame(bye=pb.Bye(reason=reason)).SerializeToString()
+
+
+def parse_frame(raw: bytes, max_frame_bytes: int) -> pb.Frame:
+    """Bytes from the stream -> a Frame with a known kind, or WireError."""
+    if not isinstance(raw, (bytes, bytearray)):
+        raise WireError("frame is not bytes")
+    if len(raw) > max_frame_bytes:
+        raise WireError(f"frame of {len(raw)} bytes exceeds the {max_frame_bytes}-byte limit")
+    frame = pb.Frame()
+    try:
+        frame.ParseFromString(raw)
+    except Exception as exc:
+        raise WireError(f"bytes do not parse as a fedcore Frame: {exc}") from None
+    if frame.WhichOneof("kind") is None:
+        raise WireError("frame carries nothing this protocol knows")
+    return frame
+
+
+class Outbox:
+    """Queued outgoing items (encoded messages or single frames) of one session."""
+
+    def __init__(self, chunk_size: int, ids: Iterator[int] | None = None):
+        """`ids` numbers the messages; share one counter among outboxes whose receiver must see
+        increasing ids across them (a server's successive sessions with the same client)."""
+        self.chunk_size = chunk_size
+        self._items: deque = deque()
+        self._cond = threading.Condition()
+        self._ids = ids if ids is not None else itertools.count(1)
+        self._owner: object | None = None
+
+    def put_message(self, parts: tuple[bytes, ...]) -> int:
+        with self._cond:
+            mid = next(self._ids)
+            self._items.append(("msg", mid, parts))
+            self._cond.notify_all()
+            return mid
+
+    def put_frame(self, frame: bytes) -> None:
+        with self._cond:
+            self._items.append(("frame", 0, frame))
+            self._cond.notify_all()
+
+    def clear(self) -> None:
+        with self._cond:
+            self._items.clear()
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._items)
+
+    def claim(self) -> object:
+        """Make the calling stream the only one that drains this outbox; returns its token."""
+        token = object()
+        with self._cond:
+            self._owner = token
+            self._cond.notify_all()
+        return token
+
+    def release(self, token: object) -> None:
+        with self._cond:
+            if self._owner is token:
+                self._owner = None
+            self._cond.notify_all()
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def frames(self, token: object, alive: Callable[[], bool], interval: float,
+               on_idle: Callable[[], bytes | None]) -> Iterator[bytes]:
+        """Frames to write, for as long as this stream owns the outbox and `alive()` holds.
+
+        An item is removed only when the stream asks for the frame after its
+        last one, i.e. once gRPC has taken all of it; a heartbeat (from
+        `on_idle`, which may return None to end the stream) fills idle intervals.
+        """
+        def mine() -> bool:
+            return self._owner is token and alive()
+
+        while True:
+            with self._cond:
+                if not self._items and mine():
+                    self._cond.wait(interval)
+                if not mine():
+                    return
+                item = self._items[0] if self._items else None
+            if item is None:
+                idle = on_idle()
+                if idle is None:
+                    return
+                yield idle
+                continue
+            kind, mid, body = item
+            if kind == "frame":
+                yield body
+            else:
+                for frame in chunk_frames(body, mid, self.chunk_size):
+                    if not mine():
+                        return
+                    yield frame
+            with self._cond:
+                if self._items and self._items[0] is item:
+                    self._items.popleft()
+                    self._cond.notify_all()
+            if kind == "frame" and pb.Frame.FromString(body).WhichOneof("kind") == "bye":
+                return
+
+    def wait_empty(self, timeout: float) -> bool:
+        """Block until everything queued was handed over (or `timeout`); True if empty."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._items:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+            return True
+
+
+# ---------------------------------------------------------------- gRPC settings
+
+def grpc_options(chunk_size: int, server: bool) -> list[tuple[str, int]]:
+    """Message limits just above one chunk frame, and keepalive that survives NATs."""
+    limit = 2 * (chunk_size + FRAME_OVERHEAD)  # frames above chunk size but below this get a clear error
+    opts = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+    if server:
+        opts += [("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+                 ("grpc.keepalive_permit_without_calls", 1),
+                 ("grpc.http2.max_ping_strikes", 0)]
+    else:
+        opts += [("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 10_000),
+                 ("grpc.keepalive_permit_without_calls", 1)]
+    return opts
+
+
+def _read(key: str, path: str | None) -> bytes | None:
+    if not path:
+        return None
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{key}: file '{p}' does not exist")
+    return p.read_bytes()
+
+
+def server_credentials(tls: dict) -> grpc.ServerCredentials:
+    """TLS for the server; mutual TLS (client certificates required) when a CA is given."""
+    cert = _read("distribute.tls.cert", tls.get("cert"))
+    key = _read("distribute.tls.key", tls.get("key"))
+    ca = _read("distribute.tls.ca", tls.get("ca"))
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
+                                       require_client_auth=ca is not None)
+
+
+def channel_credentials(tls: dict) -> grpc.ChannelCredentials:
+    """TLS for a client: the CA that signed the server's certificate (system roots if none),
+    and the client's own certificate when the server asks for one."""
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read("distribute.tls.ca", tls.get("ca")),
+        private_key=_read("distribute.tls.key", tls.get("key")),
+        certificate_chain=_read("distribute.tls.cert", tls.get("cert")))

@@ -1,0 +1,340 @@
+"""Deployment: the same course, one process per worker, gRPC between them, wall-clock time.
+
+`python -m fedcore.run --cfg X federate.mode=distributed distribute.role=server`
+builds the server's half of the course (server worker, aggregator, sampler,
+monitor, held-out test set); `... distribute.role=client distribute.client_id=K`
+builds one client (its trainer, its own state store, and only partition K of
+the data, built exactly as the simulation builds it). Both install the same
+handler tables as the simulation; only the communicator (gRPC instead of
+in-process), the scheduler (wall clock instead of virtual) and the time model
+(measured instead of modelled) differ. The server also installs the
+`deployment` behaviour (join timeout, lost clients, round deadline).
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from fedcore.config import declare, validator
+from fedcore.course import Course, StartEvent
+from fedcore.errors import EXIT_OK, ConfigError, FedcoreError
+from fedcore.scheduler import PRIORITY_TIMER, WallClockScheduler
+from fedcore.state import make_state_store
+from fedcore.timing import TimeModel
+from fedcore.worker import Client
+
+__all__ = ["ServerCourse", "ClientCourse", "run_distributed", "run_client", "own_data_config"]
+
+log = logging.getLogger("fedcore.deploy")
+
+
+def _positive(v):
+    return None if v > 0 else "must be > 0"
+
+
+declare("distribute.role", str, None, "this process's part in a distributed course (setting it "
+        "implies federate.mode: distributed)",
+        choices=("server", "client"))
+declare("distribute.server_host", str, "127.0.0.1", "server: address to listen on (0.0.0.0 for all "
+        "interfaces); client: the server's host name or address")
+declare("distribute.server_port", int, 50051, "server: port to listen on (0 picks a free one and "
+        "writes host:port to <outdir>/server_address); client: the server's port",
+        check=lambda v: None if 0 <= v <= 65535 else "must be in 0..65535")
+declare("distribute.client_id", int, 0, "client: the id to join as (1..federate.client_num; its data "
+        "partition), or 0 to be assigned one", check=lambda v: None if v >= 0 else "must be >= 0")
+declare("distribute.own_data", bool, False, "client: all of this machine's data.root is its own data "
+        "(split train/val/test by data.splits) instead of partition distribute.client_id of the "
+        "shared dataset")
+declare("distribute.min_clients", int, None, "server: start once this many clients have joined and "
+        "distribute.join_timeout has passed (default: wait for federate.client_num)", check=_positive)
+declare("distribute.join_timeout", float, 60.0, "server: seconds to wait for all clients before "
+        "starting with distribute.min_clients", check=_positive)
+declare("distribute.token", str, None, "shared secret a client presents (server: the one it accepts)")
+declare("distribute.tokens", dict, None, "server: per-client tokens {client_id: token}; a client "
+        "with its own token must present it (and may omit distribute.client_id)")
+declare("distribute.tls.cert", str, None, "PEM certificate of this process (server: required for TLS; "
+        "client: for mutual TLS)")
+declare("distribute.tls.key", str, None, "PEM private key matching distribute.tls.cert")
+declare("distribute.tls.ca", str, None, "PEM CA certificate(s). Server: require and verify client "
+        "certificates (mutual TLS). Client: verify the server (default: system roots)")
+declare("distribute.tls.server_name", str, None, "client: the name the server's certificate is "
+        "issued to, when it differs from distribute.server_host")
+declare("distribute.insecure", bool, False, "allow plaintext gRPC without TLS (trusted networks only; "
+        "logs a warning)")
+declare("distribute.chunk_size", int, 2 * 1024 * 1024, "bytes per chunk of a streamed message",
+        check=lambda v: None if 1024 <= v <= 64 * 1024 * 1024 else "must be in 1 KiB..64 MiB")
+declare("distribute.max_message_bytes", int, 1024 ** 3, "largest encoded message accepted; larger "
+        "ones are refused (INVALID_ARGUMENT) before being buffered", check=_positive)
+declare("distribute.heartbeat_interval", float, 2.0, "seconds between heartbeats on an idle stream",
+        check=_positive)
+declare("distribute.heartbeat_timeout", float, 10.0, "seconds without any frame after which a peer "
+        "counts as dead", check=_positive)
+declare("distribute.round_deadline", float, None, "server, sync course: seconds after a round starts "
+        "after which clients that have not replied are dropped from it", check=_positive)
+declare("distribute.retry_timeout", float, 60.0, "client: seconds without a server before giving up "
+        "(exit code 4)", check=_positive)
+declare("distribute.backoff_initial", float, 0.5, "client: first reconnect delay in seconds (doubles "
+        "on each failure, with jitter)", check=_positive)
+declare("distribute.backoff_max", float, 10.0, "client: longest reconnect delay in seconds",
+        check=_positive)
+
+
+@validator
+def _check_distribute(cfg) -> None:
+    role = cfg["distribute.role"]
+    if role is None:  # a role makes the run distributed, whatever federate.mode says
+        return
+    cert, key, ca = cfg["distribute.tls.cert"], cfg["distribute.tls.key"], cfg["distribute.tls.ca"]
+    insecure = cfg["distribute.insecure"]
+    if bool(cert) != bool(key):
+        raise ConfigError("distribute.tls.cert and distribute.tls.key go together: set both or neither")
+    if insecure and (cert or ca):
+        raise ConfigError("distribute.insecure: true conflicts with distribute.tls.*; drop one of them")
+    if cfg["distribute.heartbeat_interval"] >= cfg["distribute.heartbeat_timeout"]:
+        raise ConfigError("distribute.heartbeat_timeout must exceed distribute.heartbeat_interval")
+    n = cfg["federate.client_num"]
+    if role == "server":
+        if not insecure and not cert:
+            raise ConfigError("distribute.tls.cert: the server needs a TLS certificate and key "
+                              "(distribute.tls.cert, distribute.tls.key), or distribute.insecure: true "
+                              "to run plaintext on a trusted network")
+        if not (cfg["distribute.token"] or cfg["distribute.tokens"] or ca or insecure):
+            raise ConfigError("distribute.token: the server cannot authenticate clients: set "
+                              "distribute.token, distribute.tokens or distribute.tls.ca (client certificates)")
+        for k, v in (cfg["distribute.tokens"] or {}).items():
+            if not isinstance(k, int) or not 1 <= k <= n or not isinstance(v, str) or not v:
+                raise ConfigError(f"distribute.tokens: entry {k!r}: keys must be client ids 1..{n} "
+                                  "and values non-empty strings")
+        m = cfg["distribute.min_clients"]
+        if m is not None and m > n:
+            raise ConfigError(f"distribute.min_clients: {m} exceeds federate.client_num {n}")
+    elif cfg["distribute.client_id"] > n:
+        raise ConfigError(f"distribute.client_id: {cfg['distribute.client_id']} exceeds "
+                          f"federate.client_num {n}")
+
+
+def _measured_time() -> TimeModel:
+    return TimeModel({}, mode="measured")  # real seconds: compute is what it took
+
+
+# ---------------------------------------------------------------- the server's half
+
+class ServerCourse(Course):
+    """The server process: server worker, aggregator, sampler, monitor; clients are remote."""
+
+    def __init__(self, cfg, outdir: str | Path | None = None, progress: bool = False):
+        super().__init__(cfg, outdir, progress)
+        self.scheduler = WallClockScheduler()
+        self._finish_clock: float | None = None
+        self._awaiting: set[int] | None = None  # clients still to leave after the finish
+
+    @property
+    def client_ids(self) -> list[int]:
+        """The clients a handler may address: connected and joined (all ids before assembly)."""
+        if self.built:
+            return self.comm.live_ids(self.server.joined)
+        return self._all_ids
+
+    @client_ids.setter
+    def client_ids(self, ids) -> None:
+        self._all_ids = list(ids)
+
+    def build(self, data: Any = None) -> "ServerCourse":
+        from fedcore.comm.grpc_server import GrpcServerComm
+        from fedcore.handlers import deployment
+        from fedcore.scenarios.data import FederatedData, build_federated_data
+        cfg = self.cfg
+        full = data if data is not None else build_federated_data(cfg)
+        # The server keeps only its held-out test set; client partitions live with the clients.
+        self.data = FederatedData({}, full.server_test, full.input_shape, full.num_classes)
+        model = self.make_model()
+        self.store = make_state_store("memory", None)
+        self.trainer = None
+        self.timing = _measured_time()
+        self.comm = GrpcServerComm(cfg, self.scheduler, self.monitor.count_bytes, self._lost,
+                                   self._maybe_stop)
+        self.make_server(model, self._all_ids)
+        self.clients = {}
+        self.install_handlers()
+        deployment.install(self)
+        self.comm.attach(self.server)
+        self.resumed_at = None
+        self.built = True
+        return self
+
+    # ------------------------------------------------------------ runtime events
+    def _lost(self, client_id: int, reason: str) -> None:
+        if self._awaiting is not None:
+            self._awaiting.discard(client_id)
+        self.server.now = self.scheduler.now
+        self.server.trigger("client_lost", {"client_id": client_id, "reason": reason})
+        self._maybe_stop()
+
+    def _watch(self) -> None:
+        """Periodic, on the scheduler thread: heartbeat expiry, round checks, finishing."""
+        d = self.cfg.section("distribute")
+        for cid, reason in self.comm.expire(d["heartbeat_timeout"]):
+            self._lost(cid, reason)
+        self.server.now = self.scheduler.now
+        self.server.trigger("round_check")
+        self._maybe_stop()
+        period = min(d["heartbeat_interval"], d["heartbeat_timeout"] / 4)
+        self.scheduler.schedule(self.scheduler.clock + period, PRIORITY_TIMER, self._watch)
+
+    def _maybe_stop(self) -> None:
+        """Once finished, stop when every client has left (or after a heartbeat timeout's grace)."""
+        if not self.server.finished:
+            return
+        if self._finish_clock is None:
+            self._finish_clock = self.scheduler.clock
+            self._awaiting = set(self.comm.live_ids())
+        # Departures are events on this thread, queued behind the messages sent before them
+        # (a client's last metrics), so stopping here loses nothing a leaving client sent.
+        grace = self.cfg["distribute.heartbeat_timeout"]
+        if not self._awaiting or self.scheduler.clock - self._finish_clock > grace:
+            self.scheduler.stop()
+
+    # ------------------------------------------------------------ running
+    def run(self) -> dict[str, Any]:
+        if not self.built:
+            self.build()
+        self.write_header()
+        self.check()
+        port = self.comm.start()
+        host = self.cfg["distribute.server_host"]
+        if self.cfg["distribute.insecure"]:
+            log.warning("distribute.insecure: true: plaintext gRPC without TLS; models and tokens "
+                        "can be read and altered on the network")
+        if self.outdir is not None:
+            (self.outdir / "server_address").write_text(f"{host}:{port}\n")
+        log.info("server listening on %s:%d for %d clients", host, port, self.num_clients)
+        self.scheduler.schedule(0.0, PRIORITY_TIMER, StartEvent(self.server, "start"))
+        self.scheduler.schedule(0.0, PRIORITY_TIMER, self._watch)
+        try:
+            self.scheduler.run()
+        except KeyboardInterrupt:
+            self.monitor.extra_summary["stopped_by"] = "interrupted"
+            self._finalize()
+            raise
+        else:
+            return self._finalize()
+        finally:
+            self.comm.stop()
+            self.store.close()
+
+    def _finalize(self) -> dict[str, Any]:
+        self.monitor.extra_summary["deployment"] = {"clients": self.comm.describe()}
+        return self.monitor.finalize(self.scheduler.now, self.server.aggregator.global_state)
+
+
+# ---------------------------------------------------------------- one client
+
+class ClientCourse(Course):
+    """One client process: its worker, trainer and state store, and only its own data."""
+
+    def __init__(self, cfg, scheduler: WallClockScheduler):
+        super().__init__(cfg.with_overrides(outdir=None), None, False)  # a client writes no outputs
+        self.scheduler = scheduler
+
+    def build(self, client_id: int, comm) -> "ClientCourse":
+        from fedcore.scenarios.data import FederatedData, Split, build_federated_data
+        cfg = self.cfg
+        if cfg["distribute.own_data"]:  # this machine's data.root, whole, is this client's data
+            full = build_federated_data(own_data_config(cfg))
+            mine = full.clients[1]
+        else:  # exactly as the simulation builds it; then keep only our partition
+            full = build_federated_data(cfg)
+            mine = full.clients[client_id]
+        empty = Split(full.server_test.x[:0], full.server_test.y[:0])
+        self.data = FederatedData({client_id: mine}, empty, full.input_shape, full.num_classes)
+        del full
+        model = self.make_model()
+        self.store = make_state_store(cfg["state.store"], cfg["state.path"])
+        self.trainer = self.algorithm.trainer(copy.deepcopy(model), cfg, self.store)
+        self.timing = _measured_time()
+        self.comm = comm
+        self.client_ids = [client_id]
+        self.client = Client(client_id, self.client_table, self, mine)
+        self.client.finished = False
+        self.clients = {client_id: self.client}
+        self.install_handlers()
+        self.built = True
+        comm.on_new_server = StartEvent(self.client, "start")
+        comm.attach(self.client)
+        return self
+
+
+def own_data_config(cfg):
+    """The config that builds a client's local data as a one-client federation."""
+    return cfg.with_overrides(federate__client_num=1, federate__sample_client_num=None,
+                              federate__sample_client_rate=None, data__partition="iid",
+                              distribute__client_id=0, distribute__min_clients=None,
+                              distribute__tokens=None)
+
+
+def run_client(cfg) -> int:
+    """Connect, build this client's half of the course, and serve until `finish`."""
+    from fedcore.comm.grpc_client import GrpcClientComm
+    if cfg["distribute.insecure"]:
+        log.warning("distribute.insecure: true: plaintext gRPC without TLS; models and the token "
+                    "can be read and altered on the network")
+    scheduler = WallClockScheduler()
+    comm = GrpcClientComm(cfg, scheduler)
+    comm.start()
+    finished = False
+    try:
+        cid = comm.wait_welcome()
+        log.info("client %d admitted by %s", cid, comm.address)
+        course = ClientCourse(cfg, scheduler).build(cid, comm)
+        scheduler.schedule(0.0, PRIORITY_TIMER, StartEvent(course.client, "start"))
+        scheduler.run()
+        finished = course.client.finished
+    except KeyboardInterrupt:
+        comm.close("interrupted", timeout=2.0)
+        raise
+    finally:
+        if not comm.closed:
+            comm.close("finished" if finished else "stopped")
+    if not finished:
+        raise FedcoreError(f"client {cid} stopped before the course finished")
+    print(f"client {cid}: course finished (last round {course.client.round})")
+    return EXIT_OK
+
+
+def _sigterm_as_interrupt(*_args) -> None:
+    raise KeyboardInterrupt
+
+
+def run_distributed(cfg, outdir, check_only: bool = False) -> int:
+    """`federate.mode: distributed`: run this process's role."""
+    role = cfg["distribute.role"]
+    if role is None:
+        raise ConfigError("distribute.role: set server or client for federate.mode: distributed "
+                          "(e.g. distribute.role=server)")
+    logging.getLogger("fedcore.deploy").setLevel(logging.INFO)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+    except ValueError:  # not the main thread (embedded use): leave signals alone
+        pass
+    if role == "client":
+        return run_client(cfg)
+    progress = cfg["verbose"] and sys.stderr.isatty()
+    course = ServerCourse(cfg, outdir, progress=progress).build()
+    if check_only:
+        course.write_header()
+        result = course.check()
+        print(f"complete: a path leads from start to finish ({result.graph.number_of_nodes()} nodes, "
+              f"{result.graph.number_of_edges()} edges); graph in {Path(outdir) / 'message_flow.graphml'}")
+        return EXIT_OK
+    summary = course.run()
+    acc = summary.get("final_test_acc")
+    acc_s = f", final test_acc {acc:.4f}" if acc is not None else ""
+    print(f"finished {summary['rounds']} rounds in {summary['wall_time']:.1f}s wall{acc_s}; "
+          f"outputs in {outdir}")
+    return EXIT_OK

@@ -1,0 +1,103 @@
+"""Server handlers that only a deployment needs: join timeout, lost clients, round deadline.
+
+The runtime raises `client_lost` (a client stopped sending heartbeats, left,
+or was replaced by a restarted process) and `round_check` (periodically);
+these handlers decide what that means for the course. In a synchronous
+course a lost client is dropped from the round it was sampled for, so the
+round completes with the others (`all_received`); a round with no one left to
+wait for starts again with the clients now connected. Other courses keep
+going under their own condition events (goal, time_up); a lost client is
+simply no longer sampled. Every drop is logged and listed in the summary.
+"""
+from __future__ import annotations
+
+import logging
+
+from fedcore.registry import behaviours
+
+__all__ = ["arm", "join_timeout", "client_lost", "round_check", "install"]
+
+log = logging.getLogger("fedcore.deploy")
+
+
+def arm(server, _event=None) -> None:
+    """Server `start`: with `distribute.min_clients`, start after the join timeout."""
+    cfg = server.course.cfg
+    server.deploy_round = (None, 0.0)
+    if cfg["distribute.min_clients"] is not None:
+        server.set_timer(cfg["distribute.join_timeout"], "join_timeout")
+
+
+def join_timeout(server, _event=None) -> None:
+    """`join_timeout`: start once `distribute.min_clients` are in; otherwise check again soon."""
+    if server.started:
+        return
+    cfg = server.course.cfg
+    live = len(server.course.client_ids)
+    if live >= cfg["distribute.min_clients"]:
+        log.warning("join timeout: starting with %d of %d clients", live, cfg["federate.client_num"])
+        server.started = True
+        server.trigger("all_joined_in")
+    else:
+        log.warning("join timeout: %d of the %d clients needed (distribute.min_clients) have joined; waiting",
+                    live, cfg["distribute.min_clients"])
+        server.set_timer(cfg["distribute.heartbeat_interval"], "join_timeout")
+
+
+def _sync(server) -> bool:
+    return server.course.cfg["course"] == "sync" and isinstance(getattr(server, "selected", None), set)
+
+
+def _drop(server, ids: list[int], why: str) -> None:
+    """Stop waiting for `ids` this round; complete or restart the round if no one is left."""
+    hit = sorted(c for c in ids if c in server.selected)
+    if not hit:
+        return
+    server.selected.difference_update(hit)
+    log.warning("round %d: dropped client(s) %s from the round: %s", server.round, hit, why)
+    server.course.monitor.extra_summary.setdefault("dropped", []).append(
+        {"round": server.round, "clients": hit, "reason": why})
+    if not server.selected:
+        if server.buffer:
+            server.trigger("all_received")
+        else:
+            server.trigger("all_joined_in")
+
+
+def client_lost(server, info) -> None:
+    """`client_lost` {client_id, reason}: log it; in a sync round, stop waiting for that client."""
+    cid, reason = info["client_id"], info["reason"]
+    if server.finished or not server.started:
+        log.info("client %d gone %s the course: %s", cid, "after" if server.finished else "before", reason)
+        return
+    log.warning("client %d lost in round %d: %s", cid, server.round, reason)
+    server.course.monitor.extra_summary.setdefault("lost_clients", []).append(
+        {"client": cid, "round": server.round, "time": round(server.now, 3), "reason": reason})
+    if _sync(server):
+        _drop(server, [cid], f"client {cid} {reason}")
+
+
+def round_check(server, _event=None) -> None:
+    """Periodic: enforce `distribute.round_deadline`; restart a round no one was sampled for."""
+    if not server.started or server.finished or not _sync(server):
+        return
+    seen_round, since = getattr(server, "deploy_round", (None, 0.0))
+    if seen_round != server.round:
+        server.deploy_round = (server.round, server.now)
+        return
+    deadline = server.course.cfg["distribute.round_deadline"]
+    if deadline is not None and server.selected and server.now - since > deadline:
+        _drop(server, sorted(server.selected), f"no reply within distribute.round_deadline={deadline:g}s")
+    elif not server.selected and not server.buffer and server.course.client_ids:
+        log.warning("round %d: restarting with the clients now connected", server.round)
+        server.deploy_round = (server.round, server.now)
+        server.trigger("all_joined_in")
+
+
+@behaviours.register("deployment")
+def install(course) -> None:
+    s = course.server_table
+    s.register("start", arm, sends=("join_timeout", "client_lost", "round_check"))
+    s.register("join_timeout", join_timeout, sends=("all_joined_in", "join_timeout"))
+    s.register("client_lost", client_lost, sends=("all_received", "all_joined_in"))
+    s.register("round_check", round_check, sends=("all_received", "all_joined_in"))

@@ -1,0 +1,163 @@
+"""Helpers for the multi-process deployment tests: configs, processes, certificates.
+
+Every process is started on 127.0.0.1 through `Procs`, which kills whatever is
+still running when the test ends, pass or fail. Servers listen on a free port
+(`distribute.server_port=0`) and write it to `<outdir>/server_address`.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import ipaddress
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+BASE = {
+    "seed": 0, "verbose": False,
+    "federate": {"client_num": 3, "total_round_num": 2},
+    "data": {"type": "synthetic", "partition": "natural",
+             "synthetic": {"samples_per_client": 30, "dim": 8, "num_classes": 3}},
+    "train": {"batch_size": 10, "optimizer": {"lr": 0.1}},
+}
+
+
+def write_cfg(path: Path, extra: dict | None = None) -> Path:
+    """A small course's YAML (the same numbers as tests.conftest.small_cfg, 3 clients)."""
+    tree = yaml.safe_load(yaml.safe_dump(BASE))
+    for dotted, value in (extra or {}).items():
+        node = tree
+        parts = dotted.split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = value
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+class Procs:
+    """Starts processes with their output in files; `cleanup()` kills the survivors."""
+
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.procs: list[tuple[subprocess.Popen, Path]] = []
+
+    def start(self, name: str, args: list[str]) -> subprocess.Popen:
+        log = self.tmp / f"{name}.log"
+        fh = log.open("ab")
+        p = subprocess.Popen([sys.executable, *args], stdout=fh, stderr=subprocess.STDOUT,
+                             cwd=ROOT, env=_env())
+        fh.close()
+        p.log = log  # type: ignore[attr-defined]
+        self.procs.append((p, log))
+        return p
+
+    def fedcore(self, name: str, cfg: Path, *overrides: str) -> subprocess.Popen:
+        return self.start(name, ["-m", "fedcore.run", "--cfg", str(cfg), "federate.mode=distributed",
+                                 *overrides])
+
+    def cleanup(self) -> None:
+        for p, _ in self.procs:
+            if p.poll() is None:
+                p.kill()
+        for p, _ in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def text(p: subprocess.Popen) -> str:
+    return Path(p.log).read_text(errors="replace")  # type: ignore[attr-defined]
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
+    """Poll `predicate` until it returns something truthy; fail the test after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+
+
+def wait_exit(p: subprocess.Popen, timeout: float) -> int:
+    try:
+        return p.wait(timeout)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"process did not exit within {timeout:g}s; output:\n{text(p)[-3000:]}")
+
+
+def server_port(outdir: Path, server: subprocess.Popen, timeout: float = 90.0) -> int:
+    f = outdir / "server_address"
+
+    def ready():
+        if server.poll() is not None:
+            raise AssertionError(f"server exited with {server.returncode}:\n{text(server)[-3000:]}")
+        return f.exists() and f.read_text().strip()
+    return int(wait_for(ready, timeout, "the server to listen").rsplit(":", 1)[1])
+
+
+def interrupt(p: subprocess.Popen) -> None:
+    p.send_signal(signal.SIGINT)
+
+
+# ---------------------------------------------------------------- certificates
+
+def make_certs(folder: Path) -> dict[str, str]:
+    """A CA, a server certificate for 127.0.0.1/localhost and a client certificate (PEM files)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = _dt.datetime.now(_dt.timezone.utc)
+
+    def name(cn: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    def issue(subject: str, key, issuer_name, issuer_key, ca: bool, san=None, usage=None):
+        b = (x509.CertificateBuilder().subject_name(name(subject)).issuer_name(issuer_name)
+             .public_key(key.public_key()).serial_number(x509.random_serial_number())
+             .not_valid_before(now - _dt.timedelta(minutes=5)).not_valid_after(now + _dt.timedelta(days=2))
+             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if san:
+            b = b.add_extension(x509.SubjectAlternativeName(san), critical=False)
+        if usage:
+            b = b.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+        return b.sign(issuer_key, hashes.SHA256())
+
+    def write(stem: str, cert, key) -> None:
+        (folder / f"{stem}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        (folder / f"{stem}.key").write_bytes(key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+
+    folder.mkdir(parents=True, exist_ok=True)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = issue("fedcore test CA", ca_key, name("fedcore test CA"), ca_key, True)
+    srv_key = ec.generate_private_key(ec.SECP256R1())
+    srv = issue("localhost", srv_key, ca.subject, ca_key, False,
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))],
+                ExtendedKeyUsageOID.SERVER_AUTH)
+    cli_key = ec.generate_private_key(ec.SECP256R1())
+    cli = issue("client", cli_key, ca.subject, ca_key, False, None, ExtendedKeyUsageOID.CLIENT_AUTH)
+    write("ca", ca, ca_key)
+    write("server", srv, srv_key)
+    write("client", cli, cli_key)
+    return {k: str(folder / f) for k, f in [("ca", "ca.pem"), ("server_cert", "server.pem"),
+                                            ("server_key", "server.key"), ("client_cert", "client.pem"),
+                                            ("client_key", "client.key")]}

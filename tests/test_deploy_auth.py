@@ -1,0 +1,79 @@
+"""Admission: shared and per-client tokens, id assignment, refusals (in-process server, loopback)."""
+import grpc
+import pytest
+
+from fedcore.comm.grpc_server import GrpcServerComm
+from fedcore.comm.stream import MD_CLIENT_ID, MD_SESSION, MD_TOKEN, METHOD, bye_frame
+from fedcore.wire import fedcore_pb2 as pb
+from tests.conftest import small_cfg
+
+
+class _Now:
+    now = 0.0
+
+    def call_soon(self, action, priority=1):
+        action()
+
+
+class _Server:
+    id = 0
+    handlers = type("T", (), {"entries": {"receiving_join_in": None}})()
+
+    def deliver(self, msg):
+        pass
+
+
+@pytest.fixture
+def serve():
+    started = []
+
+    def start(**kw):
+        cfg = small_cfg(None, federate__mode="distributed", federate__client_num=3,
+                        distribute__role="server", distribute__server_port=0,
+                        distribute__insecure=True, **kw)
+        comm = GrpcServerComm(cfg, _Now(), lambda *a: None, lambda *a: None)
+        comm.attach(_Server())
+        port = comm.start()
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        started.append((comm, channel))
+        return comm, channel.stream_stream(METHOD)
+    yield start
+    for comm, channel in started:
+        channel.close()
+        comm.stop(0.2)
+
+
+def _join(rpc, token, client="0", session="s"):
+    """Open a stream, read the welcome, say goodbye; returns (status, assigned id)."""
+    md = [(MD_CLIENT_ID, client), (MD_SESSION, session)]
+    if token is not None:
+        md.append((MD_TOKEN, f"Bearer {token}"))
+    assigned = None
+    try:
+        for raw in rpc(iter([bye_frame("test")]), metadata=md, timeout=20):
+            frame = pb.Frame.FromString(raw)
+            if frame.WhichOneof("kind") == "welcome":
+                assigned = frame.welcome.client_id
+        return grpc.StatusCode.OK, assigned
+    except grpc.RpcError as exc:
+        return exc.code(), assigned
+
+
+def test_shared_token_admits_and_assigns_the_lowest_free_id(serve):
+    comm, rpc = serve(distribute__token="shared")
+    assert _join(rpc, "shared", client="2") == (grpc.StatusCode.OK, 2)
+    assert _join(rpc, "shared", session="a") == (grpc.StatusCode.OK, 1)  # 2 has left: 1 is lowest free
+    assert _join(rpc, "wrong", client="1")[0] == grpc.StatusCode.UNAUTHENTICATED
+    assert _join(rpc, None, client="1")[0] == grpc.StatusCode.UNAUTHENTICATED
+    assert _join(rpc, "shared", client="4")[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert _join(rpc, "shared", client="one")[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert comm.sessions[1].state == "left" and comm.sessions[2].state == "left"
+
+
+def test_per_client_tokens_bind_a_token_to_its_id(serve):
+    comm, rpc = serve(distribute__tokens={1: "token-one", 3: "token-three"})
+    assert _join(rpc, "token-three") == (grpc.StatusCode.OK, 3)          # the token names the client
+    assert _join(rpc, "token-one", client="1") == (grpc.StatusCode.OK, 1)
+    assert _join(rpc, "token-one", client="3")[0] == grpc.StatusCode.UNAUTHENTICATED
+    assert _join(rpc, "token-two", client="2")[0] == grpc.StatusCode.UNAUTHENTICATED  # 2 has no token
+    assert _join(rpc, "nobody's")[0] == grpc.StatusCode.UNAUTHENTICATED

@@ -1,0 +1,99 @@
+"""Faults between real processes: a client killed mid-round, a client restarted, Ctrl-C, a server gone.
+
+Clients pause 0.3 s before training (tests.slow_plugin) so that a round is
+still open when a test acts; heartbeats are fast so that a dead client is
+noticed within a few seconds even on a loaded machine.
+"""
+import json
+
+import pytest
+
+from tests.deploy_helpers import Procs, interrupt, server_port, text, wait_exit, wait_for, write_cfg
+
+pytestmark = pytest.mark.slow
+
+FAST_FAULTS = {
+    "plugins": ["tests.slow_plugin"], "algorithm.name": "fedavg_pausing", "slow_test.pause": 0.3,
+    "eval.clients": False, "distribute.insecure": True, "distribute.token": "t",
+    "distribute.heartbeat_interval": 0.2, "distribute.heartbeat_timeout": 3.0,
+    "distribute.retry_timeout": 2.0, "distribute.backoff_initial": 0.1, "distribute.backoff_max": 0.5,
+}
+
+
+@pytest.fixture
+def procs(tmp_path):
+    p = Procs(tmp_path)
+    yield p
+    p.cleanup()
+
+
+def _records(out):
+    f = out / "metrics.jsonl"
+    if not f.exists():
+        return []
+    return [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+
+
+def _start(procs, tmp_path, rounds):
+    cfg = write_cfg(tmp_path / "course.yaml", {**FAST_FAULTS, "federate.total_round_num": rounds,
+                                               "federate.client_num": 2})
+    out = tmp_path / "out"
+    server = procs.fedcore("server", cfg, "distribute.role=server", "distribute.server_port=0",
+                           f"outdir={out}")
+    port = server_port(out, server)
+
+    def client(k, name=None):
+        return procs.fedcore(name or f"client{k}", cfg, "distribute.role=client",
+                             f"distribute.server_port={port}", f"distribute.client_id={k}")
+    return out, server, client
+
+
+def test_client_killed_mid_round_is_dropped_and_the_course_finishes(tmp_path, procs):
+    out, server, client = _start(procs, tmp_path, rounds=5)
+    clients = {k: client(k) for k in (1, 2)}
+    wait_for(lambda: _records(out), 180, "the first round")
+    clients[2].kill()  # SIGKILL in round 2: no goodbye; the server must notice the silence
+
+    assert wait_exit(server, 180) == 0, text(server)[-3000:]
+    log = text(server)
+    assert "client 2 lost" in log and "no heartbeat" in log
+    assert "dropped client(s) [2]" in log
+    records = _records(out)
+    assert [r["round"] for r in records] == [1, 2, 3, 4, 5]
+    assert records[0]["num_updates"] == 2 and records[-1]["num_updates"] == 1
+    summary = json.loads((out / "summary.json").read_text())
+    assert any(e["client"] == 2 for e in summary["lost_clients"])
+    assert summary["deployment"]["clients"]["2"]["state"] == "lost"
+    assert wait_exit(clients[1], 60) == 0
+
+
+def test_restarted_client_rejoins_then_ctrl_c_and_a_vanished_server_end_everyone(tmp_path, procs):
+    out, server, client = _start(procs, tmp_path, rounds=10_000)
+    clients = {k: client(k) for k in (1, 2)}
+    wait_for(lambda: _records(out), 180, "the first round")
+    clients[2].kill()
+    wait_for(lambda: "client 2 lost" in text(server), 60, "the server to notice client 2 is gone")
+    lost_round = len(_records(out))
+    clients[2] = client(2, "client2-restarted")
+
+    # The new process joins under the same id and trains again from the next round on.
+    wait_for(lambda: any(r["num_updates"] == 2 for r in _records(out)[lost_round + 1:]), 180,
+             "a round with both clients after the restart")
+    assert text(server).count("client 2 connected") == 2
+
+    # Ctrl-C on a client: it says goodbye and exits 130; the server stops waiting for it.
+    interrupt(clients[1])
+    assert wait_exit(clients[1], 60) == 130
+    assert text(clients[1]).strip().splitlines()[-1] == "fedcore: interrupted"
+    wait_for(lambda: "client 1 lost" in text(server) and "left: interrupted" in text(server), 60,
+             "the server to log client 1's goodbye")
+
+    # Ctrl-C on the server: it writes its outputs and exits 130 ...
+    interrupt(server)
+    assert wait_exit(server, 60) == 130
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stopped_by"] == "interrupted" and summary["rounds"] >= lost_round + 2
+    # ... and the client left without a server gives up after distribute.retry_timeout.
+    assert wait_exit(clients[2], 60) == 4
+    last = text(clients[2]).strip().splitlines()[-1]
+    assert last.startswith("fedcore: no server at 127.0.0.1:") and "distribute.retry_timeout" in last

@@ -1,0 +1,89 @@
+"""The deployment's server handlers, run on the virtual clock with a recording course."""
+import logging
+
+from fedcore.handlers import deployment
+from fedcore.monitor import Monitor
+from fedcore.scheduler import Scheduler
+from fedcore.worker import HandlerTable, Server
+from tests.conftest import small_cfg
+
+
+class _Course:
+    def __init__(self, **cfg):
+        self.cfg = small_cfg(None, **cfg)
+        self.scheduler = Scheduler()
+        self.monitor = Monitor(None)
+        self.log = logging.getLogger("test")
+        self.server_table = HandlerTable("server")
+        self.live = [1, 2, 3]
+        self.raised = []
+
+    @property
+    def client_ids(self):
+        return self.live
+
+
+def _server(**cfg):
+    course = _Course(**cfg)
+    deployment.install(course)
+    for event in ("all_received", "all_joined_in"):
+        course.server_table.register(event, lambda s, _e, ev=event: course.raised.append((ev, s.now)))
+    server = Server(course.server_table, course)
+    server.joined, server.started, server.finished = {1, 2, 3}, True, False
+    server.round, server.selected, server.buffer = 4, {1, 2, 3}, []
+    return course, server
+
+
+def test_lost_client_is_dropped_and_the_round_completes_with_the_others():
+    course, server = _server()
+    server.buffer = ["update from 1", "update from 3"]
+    server.selected = {2}
+    server.trigger("client_lost", {"client_id": 2, "reason": "no heartbeat"})
+    assert server.selected == set() and course.raised == [("all_received", 0.0)]
+    assert course.monitor.extra_summary["dropped"] == [
+        {"round": 4, "clients": [2], "reason": "client 2 no heartbeat"}]
+    assert course.monitor.extra_summary["lost_clients"][0]["client"] == 2
+
+
+def test_round_with_no_one_left_starts_again_and_unsampled_losses_change_nothing():
+    course, server = _server()
+    server.trigger("client_lost", {"client_id": 3, "reason": "left"})
+    assert server.selected == {1, 2} and course.raised == []
+    server.selected = {1}
+    server.trigger("client_lost", {"client_id": 1, "reason": "left"})
+    assert course.raised == [("all_joined_in", 0.0)]  # no update in hand: sample the round again
+
+
+def test_losses_before_the_start_or_after_the_finish_are_not_faults():
+    course, server = _server()
+    server.started = False
+    server.trigger("client_lost", {"client_id": 1, "reason": "restarted"})
+    server.started, server.finished = True, True
+    server.trigger("client_lost", {"client_id": 2, "reason": "left: finished"})
+    assert server.selected == {1, 2, 3} and "lost_clients" not in course.monitor.extra_summary
+
+
+def test_round_deadline_drops_the_clients_that_have_not_replied():
+    course, server = _server(distribute__round_deadline=5.0)
+    server.buffer = ["update from 1"]
+    server.selected = {2, 3}
+    for t in (0.0, 3.0, 5.0):        # the round is first seen at 0; 5 s later is not yet past
+        server.now = t
+        server.trigger("round_check")
+    assert course.raised == [] and server.selected == {2, 3}
+    server.now = 5.5
+    server.trigger("round_check")
+    assert server.selected == set() and course.raised == [("all_received", 5.5)]
+    assert "round_deadline=5s" in course.monitor.extra_summary["dropped"][0]["reason"]
+
+
+def test_min_clients_start_after_the_join_timeout():
+    course, server = _server(distribute__min_clients=2, distribute__join_timeout=10.0,
+                             distribute__heartbeat_interval=1.0)
+    server.started, course.live = False, [2]
+    server.trigger("start")
+    course.scheduler.run(until=10.5)
+    assert course.raised == [] and not server.started   # one of two: keep waiting
+    course.live = [2, 3]
+    course.scheduler.run(until=11.5)
+    assert server.started and course.raised == [("all_joined_in", 11.0)]
