@@ -198,6 +198,7 @@ def _import_plugins(modules: Iterable[str]) -> None:
 def load_builtin_plugins() -> None:
     """Import the packages whose modules declare keys and register plug-ins."""
     import fedcore.algorithms  # noqa: F401
+    import fedcore.executor  # noqa: F401
     import fedcore.handlers  # noqa: F401
     import fedcore.sampling  # noqa: F401
     import fedcore.scenarios  # noqa: F401

@@ -19,6 +19,7 @@ from fedcore import registry
 from fedcore.comm.inprocess import InProcessComm
 from fedcore.completeness import CheckResult, require_complete
 from fedcore.errors import ConfigError, FedcoreError
+from fedcore.executor import install_executor
 from fedcore.monitor import Monitor
 from fedcore.scheduler import PRIORITY_TIMER, Scheduler
 from fedcore.state import make_state_store
@@ -100,6 +101,7 @@ class Course:
         registry.courses.get(cfg["course"])(self)
         for name in cfg["extensions"]:
             registry.behaviours.get(name)(self)
+        install_executor(self)
         self.built = True
         return self
 

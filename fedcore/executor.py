@@ -1,0 +1,48 @@
+"""Executors: how a course runs the local trainings its clients are asked for.
+
+The handlers never change: a client's `receiving_models` handler calls
+`course.trainer.fit(...)` as always. What changes is what stands behind
+`course.trainer`. `sequential` is the trainer itself. `vectorized` and
+`processes` put a batching front in place: when the server sends one model
+to many clients, the front notes the receivers; at the first of those
+deliveries it trains all of them at once (vectorised over stacked parameters,
+or spread over worker processes) and hands each client's handler its own
+result when its delivery comes. Virtual timestamps, byte counts and the
+order of events are untouched, so a course gives the same numbers whichever
+executor runs it.
+"""
+from __future__ import annotations
+
+import logging
+
+from fedcore.config import declare
+
+__all__ = ["EXECUTORS", "install_executor"]
+
+log = logging.getLogger("fedcore.executor")
+
+EXECUTORS = ("sequential", "vectorized", "processes")
+
+declare("executor", str, "sequential",
+        "how local trainings run: sequential (one after another), vectorized (clients that "
+        "receive the same model train together with torch.func over stacked parameters), "
+        "processes (a pool of worker processes, one per core)", choices=EXECUTORS)
+declare("executor_workers", int, None,
+        "processes executor: worker processes (default: the number of usable cores)",
+        check=lambda v: None if v is None or v > 0 else "must be > 0")
+declare("torch_threads", int, None,
+        "torch intra-op threads for this process (default: torch's own choice); small models "
+        "run fastest with 1", check=lambda v: None if v is None or v > 0 else "must be > 0")
+
+
+def install_executor(course) -> None:
+    """Apply `torch_threads` and put the configured executor in front of `course.trainer`."""
+    import torch
+    cfg = course.cfg
+    if cfg["torch_threads"] is not None:
+        torch.set_num_threads(cfg["torch_threads"])
+    kind = cfg["executor"]
+    if kind == "sequential":
+        return
+    from fedcore.batching import BatchingTrainer
+    course.trainer = BatchingTrainer.install(course, kind)
