@@ -8,6 +8,7 @@ without building it, so a simulation can count honest bytes for free.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -146,6 +147,22 @@ def _field(payload: int) -> int:
     return 1 + _varint_size(payload) + payload
 
 
+@functools.lru_cache(maxsize=4096)
+def _tensor_size(dtype: torch.dtype, shape: torch.Size) -> int:
+    """Encoded size of a tensor Value: a function of dtype and shape alone, so cached
+    (a course sends the same few shapes millions of times)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        raise WireError(f"tensor dtype {dtype} is not allowed on the wire")
+    size = _field(len(name))
+    if len(shape):
+        size += _field(sum(_varint_size(d) for d in shape))
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes:
+        size += _field(nbytes)
+    return _field(size)
+
+
 def encoded_size(obj: Any) -> int:
     """Exact length of `to_value(obj).SerializeToString()`, computed without encoding."""
     if obj is None or isinstance(obj, bool):
@@ -159,16 +176,7 @@ def encoded_size(obj: Any) -> int:
     if isinstance(obj, (bytes, bytearray)):
         return _field(len(obj))
     if isinstance(obj, torch.Tensor):
-        name = _DTYPE_NAMES.get(obj.dtype)
-        if name is None:
-            raise WireError(f"tensor dtype {obj.dtype} is not allowed on the wire")
-        size = _field(len(name))
-        if obj.dim():
-            size += _field(sum(_varint_size(d) for d in obj.shape))
-        nbytes = obj.numel() * obj.element_size()
-        if nbytes:
-            size += _field(nbytes)
-        return _field(size)
+        return _tensor_size(obj.dtype, obj.shape)
     if isinstance(obj, (list, tuple)):
         return _field(sum(_field(encoded_size(item)) for item in obj))
     if isinstance(obj, dict):
