@@ -1,0 +1,129 @@
+"""Vectorised local training: many logical clients' SGD in one batched computation.
+
+For a trainer whose local step is a pure function of (parameters, mini-batch)
+- the base `Trainer`'s objective and SGD, on a model with no buffers - the
+clients that received the same model are trained together: their parameters
+are stacked along a new leading dimension and every step computes all their
+gradients at once with `torch.func` (`functional_call`, `grad_and_value`,
+`vmap`). Each client keeps its own seeded mini-batch stream; clients whose
+streams give the same batch sizes step by step are grouped, so every batch
+has one shape. The optimizer update is torch's SGD rule (weight decay,
+momentum started fresh each round, as the sequential trainer does), written
+for stacked tensors.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call, grad_and_value, vmap
+
+from fedcore.algorithms.base import BatchStream, FitResult, Trainer
+from fedcore.batching import Engine
+
+__all__ = ["VectorEngine"]
+
+# Trainer methods whose base behaviour the vectorised step reproduces.
+_PURE_HOOKS = ("fit", "step", "objective", "adjust_gradients", "begin", "payload", "load_global",
+               "shared_state", "num_steps", "_restore_optimizer", "_save_optimizer", "_save_local")
+
+
+class VectorEngine(Engine):
+    name = "vectorized"
+
+    def __init__(self, trainer: Trainer, cfg):
+        self.cfg = cfg
+        self.names = list(trainer.param_names)
+        self.lr = cfg["train.optimizer.lr"]
+        self.momentum = cfg["train.optimizer.momentum"]
+        self.weight_decay = cfg["train.optimizer.weight_decay"]
+        self.batch_size = cfg["train.batch_size"]
+        self.seed = cfg["seed"]
+        model, loss = trainer.model, trainer.loss
+
+        def objective(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor):
+            out = functional_call(model, params, (x,))
+            if loss == "mse":
+                return nn.functional.mse_loss(out.reshape(y.shape), y)
+            return nn.functional.cross_entropy(out, y)
+        self._step = vmap(grad_and_value(objective))
+
+    @staticmethod
+    def unsupported(trainer, cfg) -> str | None:
+        """Why this trainer/config cannot be vectorised, or None if it can."""
+        if not isinstance(trainer, Trainer):
+            return f"trainer {type(trainer).__name__} is not a fedcore Trainer"
+        changed = [h for h in _PURE_HOOKS if getattr(type(trainer), h) is not getattr(Trainer, h)]
+        if changed:
+            return (f"trainer {type(trainer).__name__} changes {', '.join(changed)}; only the base "
+                    "local SGD objective is vectorised")
+        if cfg["train.optimizer.type"] != "sgd":
+            return f"train.optimizer.type={cfg['train.optimizer.type']} (only sgd is vectorised)"
+        if cfg["train.preserve_optimizer_state"]:
+            return "train.preserve_optimizer_state keeps per-client optimizer state"
+        if trainer._local_init:
+            return "federate.share_params keeps some entries local"
+        if any(True for _ in trainer.model.buffers()):
+            return "the model has buffers (per-sample state such as batch norm)"
+        if len(trainer.params) != len(list(trainer.model.parameters())):
+            return "the model has frozen parameters"
+        return None
+
+    # ------------------------------------------------------------ the batch
+    def fit_many(self, trainer, jobs, received, round_):
+        model_in = received["model"]
+        if set(model_in) != set(self.names):
+            return [None] * len(jobs)
+        plans = []
+        groups: dict[tuple, list[int]] = defaultdict(list)
+        for i, (cid, data, state) in enumerate(jobs):
+            train = data.train
+            pos = state.get("sampler", {"epoch": 0, "offset": 0})
+            stream = BatchStream(len(train), self.batch_size, self.seed, cid, pos["epoch"], pos["offset"])
+            steps = trainer.num_steps(len(train)) if len(train) else 0
+            idx = [stream.next() for _ in range(steps)]
+            plans.append((train, idx, stream.position()))
+            groups[(tuple(len(j) for j in idx), tuple(train.x.shape[1:]), train.x.dtype)].append(i)
+        out: list[Any] = [None] * len(jobs)
+        trainer.model.train()
+        for sig, members in groups.items():
+            params, losses = self._train_group(model_in, [plans[i] for i in members], len(sig[0]))
+            work = float(sum(sig[0]))
+            steps = len(sig[0])
+            for j, i in enumerate(members):
+                cid, data, state = jobs[i]
+                train, _, position = plans[i]
+                new_state = dict(state)
+                new_state["sampler"] = position
+                content = {"model": {n: params[n][j] for n in self.names}, "num_samples": len(train)}
+                metrics = {"train_loss": losses[j] / steps} if steps else {}
+                out[i] = (FitResult(content, work, metrics), new_state)
+        return out
+
+    @torch.no_grad()
+    def _train_group(self, model_in: dict[str, torch.Tensor], plans: list, steps: int):
+        c = len(plans)
+        params = {n: model_in[n].detach().unsqueeze(0).repeat((c,) + (1,) * model_in[n].dim())
+                  for n in self.names}
+        bufs: dict[str, torch.Tensor] = {}
+        loss_sum = torch.zeros(c, dtype=torch.float64)
+        for s in range(steps):
+            xb = torch.stack([train.x[idx[s]] for train, idx, _ in plans])
+            yb = torch.stack([train.y[idx[s]] for train, idx, _ in plans])
+            with torch.enable_grad():
+                grads, loss = self._step(params, xb, yb)
+            loss_sum += loss.double()
+            for n in self.names:
+                d = grads[n]
+                if self.weight_decay:
+                    d = d.add(params[n], alpha=self.weight_decay)
+                if self.momentum:
+                    if n in bufs:
+                        bufs[n].mul_(self.momentum).add_(d)
+                    else:
+                        bufs[n] = d.clone()
+                    d = bufs[n]
+                params[n].add_(d, alpha=-self.lr)
+        return params, loss_sum.tolist()
