@@ -18,7 +18,7 @@ from fedcore.wire import fedcore_pb2 as pb
 
 __all__ = [
     "WireError", "ALLOWED_DTYPES", "to_value", "from_value", "encoded_size",
-    "envelope_size", "encode_envelope", "decode_envelope",
+    "envelope_size", "receiver_width", "encode_envelope", "decode_envelope",
 ]
 
 MAX_DEPTH = 64
@@ -165,6 +165,20 @@ def _tensor_size(dtype: torch.dtype, shape: torch.Size) -> int:
 
 def encoded_size(obj: Any) -> int:
     """Exact length of `to_value(obj).SerializeToString()`, computed without encoding."""
+    # Tensors and maps of tensors are by far the most common content: test them first.
+    if isinstance(obj, torch.Tensor):
+        return _tensor_size(obj.dtype, obj.shape)
+    if type(obj) is dict:
+        total = 0
+        for key, item in obj.items():
+            if not isinstance(key, str):
+                raise WireError(f"map keys must be str, got {type(key).__name__}")
+            klen = len(key) if key.isascii() else len(key.encode("utf-8"))
+            size = (_tensor_size(item.dtype, item.shape) if isinstance(item, torch.Tensor)
+                    else encoded_size(item))
+            entry = (_field(klen) if klen else 0) + _field(size)
+            total += _field(entry)
+        return _field(total)
     if obj is None or isinstance(obj, bool):
         return 2
     if isinstance(obj, int):
@@ -189,6 +203,11 @@ def encoded_size(obj: Any) -> int:
             total += _field(entry)
         return _field(total)
     raise WireError(f"type {type(obj).__name__} is not allowed in message content")
+
+
+def receiver_width(receiver: int) -> int:
+    """Bytes of one receiver id in an envelope's packed receiver list (its varint length)."""
+    return _varint_size(_zigzag(receiver))
 
 
 def envelope_size(msg_type: str, sender: int, receivers, round_: int, timestamp: float,

@@ -110,8 +110,8 @@ class VectorEngine(Engine):
         bufs: dict[str, torch.Tensor] = {}
         loss_sum = torch.zeros(c, dtype=torch.float64)
         for s in range(steps):
-            xb = torch.stack([train.x[idx[s]] for train, idx, _ in plans])
-            yb = torch.stack([train.y[idx[s]] for train, idx, _ in plans])
+            xb = torch.stack([train.x.index_select(0, idx[s]) for train, idx, _ in plans])
+            yb = torch.stack([train.y.index_select(0, idx[s]) for train, idx, _ in plans])
             with torch.enable_grad():
                 grads, loss = self._step(params, xb, yb)
             loss_sum += loss.double()
