@@ -130,13 +130,37 @@ def bench_cfg(**dotted) -> object:
 
 
 # ---------------------------------------------------------------- timing
+CLOCK = "cpu"   # "cpu": process CPU seconds (robust on a shared machine); "wall": elapsed seconds
+
+
+class _Clock:
+    """Both clocks at once; per-round differences of either are kept."""
+
+    def __init__(self) -> None:
+        self.wall: list[float] = [time.perf_counter()]
+        self.cpu: list[float] = [time.process_time()]
+
+    def tick(self) -> None:
+        self.wall.append(time.perf_counter())
+        self.cpu.append(time.process_time())
+
+    def rounds(self) -> tuple[list[float], list[float]]:
+        d = lambda v: [b - a for a, b in zip(v, v[1:])]  # noqa: E731
+        return d(self.wall), d(self.cpu)
+
+
 @dataclass
 class RoundTimes:
-    """Wall seconds of each round (round 1 includes the course's start-up)."""
+    """Seconds of each round, wall and CPU (round 1 includes the course's start-up)."""
 
-    rounds: list[float]
+    wall_rounds: list[float]
+    cpu_rounds: list[float]
     final_state: dict[str, torch.Tensor]
     label: str = ""
+
+    @property
+    def rounds(self) -> list[float]:
+        return self.cpu_rounds if CLOCK == "cpu" else self.wall_rounds
 
     @property
     def first(self) -> float:
@@ -147,26 +171,34 @@ class RoundTimes:
         rest = self.rounds[1:] or self.rounds
         return statistics.median(rest)
 
+    @property
+    def steady_wall(self) -> float:
+        rest = self.wall_rounds[1:] or self.wall_rounds
+        return statistics.median(rest)
+
 
 def run_fedcore(cfg, data: FederatedData, before_run: Callable | None = None) -> RoundTimes:
     """Build and run a fedcore course; round times come from its own per-round records."""
     from fedcore.course import Course
-    t0 = time.perf_counter()
+    clock = _Clock()   # the build counts in round 1, like the reference's set-up
     course = Course(cfg, outdir=None).build(data)
     if before_run is not None:
         before_run(course)
-    course.monitor.t0 = t0  # count the build in round 1, like the reference's set-up
+    record_round = course.monitor.record_round
+
+    def timed_record(*args, **kwargs):   # a round ends when its record is opened
+        clock.tick()
+        return record_round(*args, **kwargs)
+    course.monitor.record_round = timed_record
     course.run()
-    walls = [r["wall_time"] for r in course.monitor.records]
-    rounds = [walls[0]] + [b - a for a, b in zip(walls, walls[1:])]
     state = {k: v.detach().clone() for k, v in course.server.aggregator.global_state.items()}
-    return RoundTimes(rounds, state, "fedcore")
+    return RoundTimes(*clock.rounds(), state, "fedcore")
 
 
 def run_plain(cfg, data: FederatedData) -> RoundTimes:
     """The plain-PyTorch FedAvg loop doing exactly what the fedcore course does."""
     from fedcore.scenarios.models import build_model
-    t0 = time.perf_counter()
+    clock = _Clock()
     seed = cfg["seed"]
     n_clients = cfg["federate.client_num"]
     k = cfg["federate.sample_client_num"] or n_clients
@@ -179,7 +211,6 @@ def run_plain(cfg, data: FederatedData) -> RoundTimes:
     rng = np.random.default_rng(seed + 3)        # the uniform sampler's stream
     positions: dict[int, tuple[int, int]] = {}
     ids = list(range(1, n_clients + 1))
-    times = []
     for r in range(1, rounds_n + 1):
         picked = sorted(ids[i] for i in rng.choice(n_clients, size=k, replace=False))
         updates, weights = [], []
@@ -207,10 +238,8 @@ def run_plain(cfg, data: FederatedData) -> RoundTimes:
             model.load_state_dict(global_state)
             evaluate_model(model, data.server_test.x, data.server_test.y, "cross_entropy",
                            cfg["eval.batch_size"])
-        now = time.perf_counter()
-        times.append(now - t0)
-        t0 = now
-    return RoundTimes(times, global_state, "plain")
+        clock.tick()
+    return RoundTimes(*clock.rounds(), global_state, "plain")
 
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -249,8 +278,8 @@ def report(workload: str, results: dict[str, list[RoundTimes]], reference: str =
         ratio = b.steady / ref.steady
         out[name] = b.steady
         print(f"{workload} {name:>12}: first round {b.first:.4f} s, steady {b.steady:.5f} s/round "
-              f"(median of rounds 2..{len(b.rounds)}, best of {len(reps)}), "
-              f"x{ratio:.3f} of {reference}")
+              f"{CLOCK} (wall {b.steady_wall:.5f}; median of rounds 2..{len(b.rounds)}, best of "
+              f"{len(reps)}), x{ratio:.3f} of {reference}")
     p = best(results[primary])
     print(f"fedcore_s_per_round={p.steady:.6f} plain_s_per_round={ref.steady:.6f} "
           f"ratio={p.steady / ref.steady:.3f}")

@@ -131,11 +131,7 @@ def _decode_tensor(t: pb.Tensor) -> torch.Tensor:
 def _varint_size(n: int) -> int:
     if n < 0:
         n += 1 << 64
-    size = 1
-    while n >= 0x80:
-        n >>= 7
-        size += 1
-    return size
+    return (n.bit_length() + 6) // 7 or 1
 
 
 def _zigzag(n: int) -> int:

@@ -102,6 +102,18 @@ class VectorEngine(Engine):
                 out[i] = (FitResult(content, work, metrics), new_state)
         return out
 
+    @staticmethod
+    def _gather(plans: list, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step `s`'s mini-batches of all clients of a group, written straight into one tensor."""
+        x0, y0 = plans[0][0].x, plans[0][0].y
+        b = len(plans[0][1][s])
+        xb = torch.empty((len(plans), b) + tuple(x0.shape[1:]), dtype=x0.dtype)
+        yb = torch.empty((len(plans), b) + tuple(y0.shape[1:]), dtype=y0.dtype)
+        for j, (train, idx, _) in enumerate(plans):
+            torch.index_select(train.x, 0, idx[s], out=xb[j])
+            torch.index_select(train.y, 0, idx[s], out=yb[j])
+        return xb, yb
+
     @torch.no_grad()
     def _train_group(self, model_in: dict[str, torch.Tensor], plans: list, steps: int):
         c = len(plans)
@@ -110,8 +122,7 @@ class VectorEngine(Engine):
         bufs: dict[str, torch.Tensor] = {}
         loss_sum = torch.zeros(c, dtype=torch.float64)
         for s in range(steps):
-            xb = torch.stack([train.x.index_select(0, idx[s]) for train, idx, _ in plans])
-            yb = torch.stack([train.y.index_select(0, idx[s]) for train, idx, _ in plans])
+            xb, yb = self._gather(plans, s)
             with torch.enable_grad():
                 grads, loss = self._step(params, xb, yb)
             loss_sum += loss.double()
