@@ -19,7 +19,7 @@ from fedcore import registry
 from fedcore.comm.inprocess import InProcessComm
 from fedcore.completeness import CheckResult, require_complete
 from fedcore.errors import ConfigError, FedcoreError
-from fedcore.executor import install_executor
+from fedcore.executor import close_executor, install_executor
 from fedcore.monitor import Monitor
 from fedcore.scheduler import PRIORITY_TIMER, Scheduler
 from fedcore.state import make_state_store
@@ -137,6 +137,7 @@ class Course:
         try:
             self.scheduler.run()
         finally:
+            close_executor(self)
             self.store.close()
         if not self.server.finished:
             raise CourseStalled(

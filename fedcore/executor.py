@@ -17,7 +17,7 @@ import logging
 
 from fedcore.config import declare
 
-__all__ = ["EXECUTORS", "install_executor"]
+__all__ = ["EXECUTORS", "install_executor", "close_executor"]
 
 log = logging.getLogger("fedcore.executor")
 
@@ -46,3 +46,10 @@ def install_executor(course) -> None:
         return
     from fedcore.batching import BatchingTrainer
     course.trainer = BatchingTrainer.install(course, kind)
+
+
+def close_executor(course) -> None:
+    """Release the executor's resources (worker processes) at the end of a run."""
+    close = getattr(type(course.trainer), "close", None)
+    if close is not None:
+        close(course.trainer)
