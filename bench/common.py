@@ -281,6 +281,8 @@ def report(workload: str, results: dict[str, list[RoundTimes]], reference: str =
               f"{CLOCK} (wall {b.steady_wall:.5f}; median of rounds 2..{len(b.rounds)}, best of "
               f"{len(reps)}), x{ratio:.3f} of {reference}")
     p = best(results[primary])
+    extra = "".join(f" {name}_s_per_round={out[name]:.6f} {name}_ratio={out[name] / ref.steady:.3f}"
+                    for name in results if name not in (primary, reference))
     print(f"fedcore_s_per_round={p.steady:.6f} plain_s_per_round={ref.steady:.6f} "
-          f"ratio={p.steady / ref.steady:.3f}")
+          f"ratio={p.steady / ref.steady:.3f}{extra} clock={CLOCK}")
     return out
