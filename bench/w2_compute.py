@@ -1,7 +1,7 @@
 """W2 compute: 100 clients x 100 samples, all 100 per round, LeNet-5, one local epoch of
 SGD (batch 32, lr 0.05), 5 rounds.
 
-    python -m bench.w2_compute [--reps 2] [--threads 2] [--executors sequential]
+    python -m bench.w2_compute [--reps 2] [--threads 1] [--executors sequential]
 
 Prints each measurement, then `fedcore_s_per_round=... plain_s_per_round=... ratio=...`
 (sequential executor against the plain loop) as its last line.
@@ -25,7 +25,7 @@ def config(executor: str = "sequential", rounds: int = 5):
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=2)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--executors", default="sequential")
     a = p.parse_args(argv)
