@@ -8,9 +8,10 @@ train all of them at once; each later delivery picks up its own, already
 computed, result. Client states are saved only when a client's result is
 picked up, so a receiver that never gets its delivery keeps its state.
 
-A result is used only if nothing else trained that client in between (a
-per-client count of fits guards this); otherwise, and whenever the engine
-cannot handle a client, the real trainer's `fit` runs as usual. Handlers,
+A model sent to one client alone is trained as usual. A batched result is
+used only if nothing else trained that client in between (a per-client
+count of fits guards this); otherwise, and whenever the engine cannot
+handle a client, the real trainer's `fit` runs as usual. Handlers,
 virtual timestamps and byte counts are the same as with the sequential
 executor.
 """
@@ -137,7 +138,7 @@ class BatchingTrainer:
         key = id(received)
         batch = self._batches.get(key)
         if batch is not None and batch.content is received and batch.round == round_ \
-                and not batch.computed and client_id in batch.waiting:
+                and not batch.computed and client_id in batch.waiting and len(batch.waiting) > 1:
             self._compute(batch, key)
         ready = self._ready.pop((client_id, key), None)
         if self._latest.get(client_id) == key:
