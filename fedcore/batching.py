@@ -84,7 +84,10 @@ class BatchingTrainer:
             return trainer
         if kind == "vectorized":
             from fedcore.vectorized import VectorEngine
-            reason = VectorEngine.unsupported(trainer, course.cfg)
+            try:
+                reason = VectorEngine.unsupported(trainer, course.cfg)
+            except Exception as exc:  # noqa: BLE001 - a trainer without the expected attributes
+                reason = f"cannot inspect trainer {type(trainer).__name__} ({exc})"
             if reason:
                 log.warning("executor vectorized: %s; running sequentially", reason)
                 return trainer

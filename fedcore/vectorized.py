@@ -25,7 +25,8 @@ from fedcore.batching import Engine
 
 __all__ = ["VectorEngine"]
 
-# Trainer methods whose base behaviour the vectorised step reproduces.
+# Trainer methods whose base behaviour the vectorised step reproduces; a subclass that
+# defines anything of its own (a hook, a helper, a constant) is not vectorised.
 _PURE_HOOKS = ("fit", "step", "objective", "adjust_gradients", "begin", "payload", "load_global",
                "shared_state", "num_steps", "_restore_optimizer", "_save_optimizer", "_save_local")
 
@@ -56,6 +57,11 @@ class VectorEngine(Engine):
         if not isinstance(trainer, Trainer):
             return f"trainer {type(trainer).__name__} is not a fedcore Trainer"
         changed = [h for h in _PURE_HOOKS if getattr(type(trainer), h) is not getattr(Trainer, h)]
+        for cls in type(trainer).__mro__:   # anything a subclass defines may change the step
+            if cls is Trainer:
+                break
+            changed += [n for n in vars(cls) if not (n.startswith("__") and n.endswith("__"))
+                        and n not in changed]
         if changed:
             return (f"trainer {type(trainer).__name__} changes {', '.join(changed)}; only the base "
                     "local SGD objective is vectorised")

@@ -117,3 +117,19 @@ def test_torch_threads_key_sets_the_thread_count():
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+class _HelperOnly(Trainer):
+    """Defines only a helper: the vectoriser cannot know whether a hook uses it, so it refuses."""
+
+    def scale(self) -> float:
+        return 1.0
+
+
+def test_a_trainer_defining_anything_of_its_own_is_not_vectorised(caplog):
+    algorithms.register("_test_helper_only", Algorithm(_HelperOnly, Aggregator))
+    with caplog.at_level(logging.WARNING, logger="fedcore.executor"):
+        course = Course(small_cfg(None, executor="vectorized",
+                                  algorithm__name="_test_helper_only")).build()
+    assert not isinstance(course.trainer, BatchingTrainer)
+    assert any("changes scale" in r.getMessage() for r in caplog.records)
