@@ -290,6 +290,8 @@ def report(workload: str, results: dict[str, list[RoundTimes]], reference: str =
     p = best(results[primary])
     extra = "".join(f" {name}_s_per_round={out[name]:.6f} {name}_ratio={ratios[name]:.3f}"
                     for name in results if name not in (primary, reference))
+    if any("processes" in name for name in results):
+        extra += f" plain_wall_s_per_round={min(r.steady_wall for r in results[reference]):.6f}"
     print(f"fedcore_s_per_round={p.steady:.6f} plain_s_per_round={ref.steady:.6f} "
           f"ratio={p.steady / ref.steady:.3f}{extra} clock={CLOCK}")
     return out

@@ -27,6 +27,8 @@ __all__ = ["VectorEngine"]
 
 # Trainer methods whose base behaviour the vectorised step reproduces; a subclass that
 # defines anything of its own (a hook, a helper, a constant) is not vectorised.
+_STACK_BYTES = 256 * 2 ** 20   # stack a group's data when it takes at most this much memory
+
 _PURE_HOOKS = ("fit", "step", "objective", "adjust_gradients", "begin", "payload", "load_global",
                "shared_state", "num_steps", "_restore_optimizer", "_save_optimizer", "_save_local")
 
@@ -91,7 +93,8 @@ class VectorEngine(Engine):
             steps = trainer.num_steps(len(train)) if len(train) else 0
             idx = [stream.next() for _ in range(steps)]
             plans.append((train, idx, stream.position()))
-            groups[(tuple(len(j) for j in idx), tuple(train.x.shape[1:]), train.x.dtype)].append(i)
+            groups[(tuple(len(j) for j in idx), len(train), tuple(train.x.shape[1:]), train.x.dtype,
+                    tuple(train.y.shape[1:]), train.y.dtype)].append(i)
         out: list[Any] = [None] * len(jobs)
         trainer.model.train()
         for sig, members in groups.items():
@@ -107,6 +110,26 @@ class VectorEngine(Engine):
                 metrics = {"train_loss": losses[j] / steps} if steps else {}
                 out[i] = (FitResult(content, work, metrics), new_state)
         return out
+
+    @staticmethod
+    def _batches(plans: list, steps: int):
+        """Each step's mini-batches of all clients of a group, as [clients, batch, ...] tensors.
+
+        Clients of a group hold equally many samples; when their data together are small,
+        they are stacked once and every step is one indexing operation, otherwise each
+        client's batch is gathered into place on its own.
+        """
+        x0 = plans[0][0].x
+        if len(plans) * x0.numel() * x0.element_size() <= _STACK_BYTES:
+            xs = torch.stack([train.x for train, _, _ in plans])
+            ys = torch.stack([train.y for train, _, _ in plans])
+            rows = torch.arange(len(plans)).unsqueeze(1)
+            for s in range(steps):
+                cols = torch.stack([idx[s] for _, idx, _ in plans])
+                yield xs[rows, cols], ys[rows, cols]
+        else:
+            for s in range(steps):
+                yield VectorEngine._gather(plans, s)
 
     @staticmethod
     def _gather(plans: list, s: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,8 +150,7 @@ class VectorEngine(Engine):
                   for n in self.names}
         bufs: dict[str, torch.Tensor] = {}
         loss_sum = torch.zeros(c, dtype=torch.float64)
-        for s in range(steps):
-            xb, yb = self._gather(plans, s)
+        for xb, yb in self._batches(plans, steps):
             with torch.enable_grad():
                 grads, loss = self._step(params, xb, yb)
             loss_sum += loss.double()

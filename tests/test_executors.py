@@ -133,3 +133,12 @@ def test_a_trainer_defining_anything_of_its_own_is_not_vectorised(caplog):
                                   algorithm__name="_test_helper_only")).build()
     assert not isinstance(course.trainer, BatchingTrainer)
     assert any("changes scale" in r.getMessage() for r in caplog.records)
+
+
+def test_vectorized_gathers_per_client_when_data_are_too_big_to_stack(monkeypatch):
+    import fedcore.vectorized as vectorized
+    monkeypatch.setattr(vectorized, "_STACK_BYTES", 0)
+    case = CASES["epochs_momentum_groups"]
+    _, seq, _ = _run("sequential", **case)
+    _, vec, _ = _run("vectorized", **case)
+    assert _max_diff(seq, vec) < 1e-5
