@@ -52,6 +52,7 @@ class VectorEngine(Engine):
                 return nn.functional.mse_loss(out.reshape(y.shape), y)
             return nn.functional.cross_entropy(out, y)
         self._step = vmap(grad_and_value(objective))
+        self._first_step = vmap(grad_and_value(objective), in_dims=(None, 0, 0))
 
     @staticmethod
     def unsupported(trainer, cfg) -> str | None:
@@ -88,12 +89,13 @@ class VectorEngine(Engine):
         groups: dict[tuple, list[int]] = defaultdict(list)
         for i, (cid, data, state) in enumerate(jobs):
             train = data.train
+            n = len(train)
             pos = state.get("sampler", {"epoch": 0, "offset": 0})
-            stream = BatchStream(len(train), self.batch_size, self.seed, cid, pos["epoch"], pos["offset"])
-            steps = trainer.num_steps(len(train)) if len(train) else 0
+            stream = BatchStream(n, self.batch_size, self.seed, cid, pos["epoch"], pos["offset"])
+            steps = trainer.num_steps(n) if n else 0
             idx = [stream.next() for _ in range(steps)]
-            plans.append((train, idx, stream.position()))
-            groups[(tuple(len(j) for j in idx), len(train), tuple(train.x.shape[1:]), train.x.dtype,
+            plans.append((train, idx, stream.position(), n))
+            groups[(tuple(j.numel() for j in idx), n, tuple(train.x.shape[1:]), train.x.dtype,
                     tuple(train.y.shape[1:]), train.y.dtype)].append(i)
         out: list[Any] = [None] * len(jobs)
         trainer.model.train()
@@ -101,12 +103,13 @@ class VectorEngine(Engine):
             params, losses = self._train_group(model_in, [plans[i] for i in members], len(sig[0]))
             work = float(sum(sig[0]))
             steps = len(sig[0])
+            rows = {name: params[name].unbind(0) for name in self.names}   # views, one call each
             for j, i in enumerate(members):
-                cid, data, state = jobs[i]
-                train, _, position = plans[i]
+                state = jobs[i][2]
+                position, n = plans[i][2], plans[i][3]
                 new_state = dict(state)
                 new_state["sampler"] = position
-                content = {"model": {n: params[n][j] for n in self.names}, "num_samples": len(train)}
+                content = {"model": {name: rows[name][j] for name in self.names}, "num_samples": n}
                 metrics = {"train_loss": losses[j] / steps} if steps else {}
                 out[i] = (FitResult(content, work, metrics), new_state)
         return out
@@ -119,14 +122,19 @@ class VectorEngine(Engine):
         they are stacked once and every step is one indexing operation, otherwise each
         client's batch is gathered into place on its own.
         """
+        if steps == 0:
+            return
         x0 = plans[0][0].x
         if len(plans) * x0.numel() * x0.element_size() <= _STACK_BYTES:
-            xs = torch.stack([train.x for train, _, _ in plans])
-            ys = torch.stack([train.y for train, _, _ in plans])
-            rows = torch.arange(len(plans)).unsqueeze(1)
+            c, n = len(plans), plans[0][3]
+            xs = torch.cat([p[0].x for p in plans])          # [clients * n, ...]
+            ys = torch.cat([p[0].y for p in plans])
+            first = torch.arange(0, c * n, n).unsqueeze(1)   # each client's first row
             for s in range(steps):
-                cols = torch.stack([idx[s] for _, idx, _ in plans])
-                yield xs[rows, cols], ys[rows, cols]
+                rows = (torch.stack([p[1][s] for p in plans]) + first).reshape(-1)
+                b = rows.numel() // c
+                yield (xs.index_select(0, rows).reshape((c, b) + tuple(xs.shape[1:])),
+                       ys.index_select(0, rows).reshape((c, b) + tuple(ys.shape[1:])))
         else:
             for s in range(steps):
                 yield VectorEngine._gather(plans, s)
@@ -138,7 +146,7 @@ class VectorEngine(Engine):
         b = len(plans[0][1][s])
         xb = torch.empty((len(plans), b) + tuple(x0.shape[1:]), dtype=x0.dtype)
         yb = torch.empty((len(plans), b) + tuple(y0.shape[1:]), dtype=y0.dtype)
-        for j, (train, idx, _) in enumerate(plans):
+        for j, (train, idx, _, _) in enumerate(plans):
             torch.index_select(train.x, 0, idx[s], out=xb[j])
             torch.index_select(train.y, 0, idx[s], out=yb[j])
         return xb, yb
@@ -146,13 +154,14 @@ class VectorEngine(Engine):
     @torch.no_grad()
     def _train_group(self, model_in: dict[str, torch.Tensor], plans: list, steps: int):
         c = len(plans)
-        params = {n: model_in[n].detach().unsqueeze(0).repeat((c,) + (1,) * model_in[n].dim())
-                  for n in self.names}
+        # The first step starts every client from the same received tensors (not batched,
+        # not copied); its update creates each client's own stacked parameters.
+        params = {n: model_in[n].detach() for n in self.names}
         bufs: dict[str, torch.Tensor] = {}
         loss_sum = torch.zeros(c, dtype=torch.float64)
-        for xb, yb in self._batches(plans, steps):
+        for s, (xb, yb) in enumerate(self._batches(plans, steps)):
             with torch.enable_grad():
-                grads, loss = self._step(params, xb, yb)
+                grads, loss = (self._step if s else self._first_step)(params, xb, yb)
             loss_sum += loss.double()
             for n in self.names:
                 d = grads[n]
@@ -164,5 +173,10 @@ class VectorEngine(Engine):
                     else:
                         bufs[n] = d.clone()
                     d = bufs[n]
-                params[n].add_(d, alpha=-self.lr)
+                if s:
+                    params[n].add_(d, alpha=-self.lr)
+                else:
+                    params[n] = torch.add(params[n], d, alpha=-self.lr)   # broadcasts to [c, ...]
+        if steps == 0:   # clients without training data send the received model back
+            params = {n: p.unsqueeze(0).repeat((c,) + (1,) * p.dim()) for n, p in params.items()}
         return params, loss_sum.tolist()

@@ -38,6 +38,7 @@ CASES = {
                                    train__optimizer__momentum=0.9,
                                    train__optimizer__weight_decay=0.01,
                                    federate__sample_client_num=4, federate__total_round_num=3),
+    "no_training_data": dict(data__splits=[0.0, 0.5, 0.5]),   # every client sends the model back
     "float64_mlp": dict(model__type="mlp", model__hidden=[7], model__dtype="float64",
                         train__local_steps=3),
 }
