@@ -1,7 +1,7 @@
 """W1 overhead: 1000 clients x 10 samples, 100 per round, logistic regression 784->10,
 one SGD step (batch 10, lr 0.05) per client, 5 rounds.
 
-    python -m bench.w1_overhead [--reps 3] [--threads 1] [--executors sequential,vectorized]
+    python -m bench.w1_overhead [--reps 5] [--threads 1] [--executors sequential,vectorized]
 
 Prints each measurement, then `fedcore_s_per_round=... plain_s_per_round=... ratio=...`
 (sequential executor against the plain loop) as its last line.
@@ -25,7 +25,7 @@ def config(executor: str = "sequential"):
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--executors", default="sequential,vectorized")
     a = p.parse_args(argv)

@@ -95,11 +95,13 @@ class VectorEngine(Engine):
             steps = trainer.num_steps(n) if n else 0
             idx = [stream.next() for _ in range(steps)]
             plans.append((train, idx, stream.position(), n))
-            groups[(tuple(j.numel() for j in idx), n, tuple(train.x.shape[1:]), train.x.dtype,
+            groups[(tuple(j.numel() for j in idx), tuple(train.x.shape[1:]), train.x.dtype,
                     tuple(train.y.shape[1:]), train.y.dtype)].append(i)
         out: list[Any] = [None] * len(jobs)
         trainer.model.train()
         for sig, members in groups.items():
+            if len(members) < 2:
+                continue   # nothing to batch with: the trainer itself is faster for one client
             params, losses = self._train_group(model_in, [plans[i] for i in members], len(sig[0]))
             work = float(sum(sig[0]))
             steps = len(sig[0])
@@ -118,18 +120,19 @@ class VectorEngine(Engine):
     def _batches(plans: list, steps: int):
         """Each step's mini-batches of all clients of a group, as [clients, batch, ...] tensors.
 
-        Clients of a group hold equally many samples; when their data together are small,
-        they are stacked once and every step is one indexing operation, otherwise each
-        client's batch is gathered into place on its own.
+        When the group's data together are small they are concatenated once and every
+        step is one indexing operation; otherwise each client's batch is gathered into
+        place on its own.
         """
         if steps == 0:
             return
         x0 = plans[0][0].x
-        if len(plans) * x0.numel() * x0.element_size() <= _STACK_BYTES:
-            c, n = len(plans), plans[0][3]
-            xs = torch.cat([p[0].x for p in plans])          # [clients * n, ...]
+        if sum(p[3] for p in plans) * x0[0].numel() * x0.element_size() <= _STACK_BYTES:
+            c = len(plans)
+            xs = torch.cat([p[0].x for p in plans])          # all clients' samples, one after another
             ys = torch.cat([p[0].y for p in plans])
-            first = torch.arange(0, c * n, n).unsqueeze(1)   # each client's first row
+            sizes = torch.tensor([0] + [p[3] for p in plans[:-1]])
+            first = sizes.cumsum(0).unsqueeze(1)             # each client's first row
             for s in range(steps):
                 rows = (torch.stack([p[1][s] for p in plans]) + first).reshape(-1)
                 b = rows.numel() // c
