@@ -140,7 +140,7 @@ def _zigzag(n: int) -> int:
 
 def _field(payload: int) -> int:
     """Bytes of a length-delimited field with a one-byte tag."""
-    return 1 + _varint_size(payload) + payload
+    return payload + 2 if payload < 0x80 else 1 + _varint_size(payload) + payload
 
 
 @functools.lru_cache(maxsize=4096)
