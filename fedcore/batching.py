@@ -70,6 +70,7 @@ class BatchingTrainer:
         self._latest: dict[int, int] = {}           # client -> id(content) of its newest batch
         self._ready: dict[tuple[int, int], _Ready] = {}
         self._fits: dict[int, int] = {}             # client -> fits so far (the state's version)
+        self._disabled = False                      # set when the engine failed once
         self.batched_fits = 0                       # how many fits came from the engine
         self.sequential_fits = 0
 
@@ -116,6 +117,8 @@ class BatchingTrainer:
     # ------------------------------------------------------------ watching sends
     def _note(self, msg: Message, receiver: int) -> bool:
         """Communicator filter: remember who will receive a broadcast model; never drops."""
+        if self._disabled:
+            return True
         if msg.msg_type in BATCHED_TYPES and receiver != SERVER_ID:
             key = id(msg.content)
             batch = self._batches.get(key)
@@ -140,7 +143,8 @@ class BatchingTrainer:
     def fit(self, client_id: int, data, received: dict, round_: int) -> FitResult:
         key = id(received)
         batch = self._batches.get(key)
-        if batch is not None and batch.content is received and batch.round == round_ \
+        if not self._disabled and batch is not None and batch.content is received \
+                and batch.round == round_ \
                 and not batch.computed and client_id in batch.waiting and len(batch.waiting) > 1:
             self._compute(batch, key)
         ready = self._ready.pop((client_id, key), None)
@@ -173,8 +177,10 @@ class BatchingTrainer:
         try:
             results = self._engine.fit_many(self._trainer, jobs, batch.content, batch.round)
         except Exception as exc:  # noqa: BLE001 - any engine failure means: run these one by one
-            log.warning("executor %s: batch of %d clients failed (%s: %s); running it sequentially",
-                        self._engine.name, len(ids), type(exc).__name__, exc)
+            log.warning("executor %s: batch of %d clients failed (%s: %s); running sequentially "
+                        "from now on", self._engine.name, len(ids), type(exc).__name__, exc)
+            self._disabled = True
+            self._engine.close()
             return
         for cid, out in zip(ids, results):
             if out is not None:
