@@ -1,7 +1,7 @@
 """W3 scale: 100,000 logical clients x 10 samples, 1,000 per round, logistic regression
 with SCAFFOLD (per-client control variates) on the disk-backed state store, 3 rounds.
 
-    python -m bench.w3_scale [--algorithm scaffold] [--clients 100000] [--per-round 1000]
+    python -m bench.w3_scale [--algorithm scaffold] [--clients 100000] [--per-round 1000] [--store disk]
 
 Client data are generated on access from `seed + client_id`, so only the sampled
 clients' shards exist at any time. Reports peak RSS, the state store's disk use and
@@ -32,12 +32,12 @@ def peak_rss_mb() -> float:
 
 
 def config(algorithm: str, clients: int, per_round: int, rounds: int, path: str,
-           executor: str = "sequential"):
+           executor: str = "sequential", store: str = "disk"):
     return bench_cfg(**{
         "federate.client_num": clients, "federate.sample_client_num": per_round,
         "federate.total_round_num": rounds, "model.type": "logreg", "algorithm.name": algorithm,
         "train.local_steps": 1, "train.batch_size": 10, "train.optimizer.lr": 0.05,
-        "state.store": "disk", "state.path": path, "executor": executor})
+        "state.store": store, "state.path": path, "executor": executor})
 
 
 def main(argv=None) -> int:
@@ -48,6 +48,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--executor", default="sequential")
+    p.add_argument("--store", choices=("disk", "memory"), default="disk",
+                   help="the state store (W3 is defined on disk; memory shows what the disk costs)")
     a = p.parse_args(argv)
     if a.algorithm not in registry.algorithms:
         print(f"W3: algorithm '{a.algorithm}' is not registered in this installation "
@@ -59,14 +61,14 @@ def main(argv=None) -> int:
     data = bench_data(a.clients, 10, seed=0, lazy=True)
     path = tempfile.mkdtemp(prefix="fedcore-w3-")
     try:
-        cfg = config(a.algorithm, a.clients, a.per_round, a.rounds, path, a.executor)
+        cfg = config(a.algorithm, a.clients, a.per_round, a.rounds, path, a.executor, a.store)
         fed = run_fedcore(cfg, data)
         rss = peak_rss_mb()
         disk = sum(f.stat().st_size for f in __import__("pathlib").Path(path).glob("client_*.pt"))
         files = len(list(__import__("pathlib").Path(path).glob("client_*.pt")))
     finally:
         shutil.rmtree(path, ignore_errors=True)
-    print(f"W3 {a.algorithm} ({a.executor}): {a.clients:,} clients, {a.per_round:,} per round, "
+    print(f"W3 {a.algorithm} ({a.executor}, {a.store} store): {a.clients:,} clients, {a.per_round:,} per round, "
           f"{a.rounds} rounds: first round {fed.first:.2f} s, steady {fed.steady:.3f} s/round "
           f"(cpu; wall {fed.steady_wall:.3f}), peak RSS {rss:.0f} MB "
           f"(target < 3072 MB: {'met' if rss < 3072 else 'MISSED'}), state store on disk "
