@@ -58,7 +58,7 @@ def main(argv=None) -> int:
                  _met(vr, lambda r: r <= 1 / 3)))
 
     rc, out = _run("bench.w2_compute", (["--reps", "1", "--rounds", "3"] if a.quick else [])
-                   + ["--executors", "sequential,processes"])
+                   + ["--executors", "sequential,processes,vectorized"])
     f = _last_fields(out)
     rows.append(("W2 compute", "sequential", _f(f.get("fedcore_s_per_round")),
                  _f(f.get("plain_s_per_round")), _f(f.get("ratio"), "{:.2f}x"), "<= 1.10x",
@@ -66,6 +66,9 @@ def main(argv=None) -> int:
     pr = f.get("fedcore-processes_ratio")
     rows.append(("W2 compute", "processes (wall clock)", _f(f.get("fedcore-processes_s_per_round")),
                  _f(f.get("plain_wall_s_per_round")), _f(pr, "{:.2f}x"), "-", ""))
+    vr = f.get("fedcore-vectorized_ratio")
+    rows.append(("W2 compute", "vectorized", _f(f.get("fedcore-vectorized_s_per_round")),
+                 _f(f.get("plain_s_per_round")), _f(vr, "{:.2f}x"), "-", ""))
 
     rc, out = _run("bench.w3_scale", [])
     algo = "scaffold"
