@@ -212,6 +212,7 @@ def load_builtin_plugins() -> None:
     import fedcore.algorithms  # noqa: F401
     import fedcore.checkpoint  # noqa: F401
     import fedcore.distributed  # noqa: F401
+    import fedcore.executor  # noqa: F401
     import fedcore.handlers  # noqa: F401
     import fedcore.sampling  # noqa: F401
     import fedcore.scenarios  # noqa: F401

@@ -20,6 +20,7 @@ from fedcore.checkpoint import Checkpointer, resume
 from fedcore.comm.inprocess import InProcessComm
 from fedcore.completeness import CheckResult, require_complete
 from fedcore.errors import ConfigError, FedcoreError
+from fedcore.executor import close_executor, install_executor
 from fedcore.monitor import Monitor
 from fedcore.scheduler import PRIORITY_TIMER, Scheduler
 from fedcore.state import make_state_store
@@ -89,6 +90,7 @@ class Course:
             self.clients[cid] = client
             self.comm.attach(client)
         self.install_handlers()
+        install_executor(self)
         self.resumed_at = resume(self, cfg["resume_from"]) if cfg["resume_from"] else None
         self.built = True
         return self
@@ -166,6 +168,7 @@ class Course:
         try:
             self.scheduler.run()
         finally:
+            close_executor(self)
             self.store.close()
         if not self.server.finished:
             raise CourseStalled(

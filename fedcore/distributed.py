@@ -21,6 +21,7 @@ from typing import Any
 
 from fedcore.config import declare, validator
 from fedcore.course import Course, StartEvent
+from fedcore.executor import apply_torch_threads
 from fedcore.errors import EXIT_OK, ConfigError, FedcoreError
 from fedcore.scheduler import PRIORITY_TIMER, WallClockScheduler
 from fedcore.state import make_state_store
@@ -161,6 +162,7 @@ class ServerCourse(Course):
         self.clients = {}
         self.install_handlers()
         deployment.install(self)
+        apply_torch_threads(cfg)
         self.comm.attach(self.server)
         self.resumed_at = None
         self.built = True
@@ -262,6 +264,7 @@ class ClientCourse(Course):
         self.client.finished = False
         self.clients = {client_id: self.client}
         self.install_handlers()
+        apply_torch_threads(cfg)
         self.built = True
         comm.on_new_server = StartEvent(self.client, "start")
         comm.attach(self.client)

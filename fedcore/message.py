@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from fedcore.serialization import encoded_size, envelope_size
+from fedcore.serialization import encoded_size, envelope_size, receiver_width
 
 __all__ = ["Message", "SERVER_ID", "receiving"]
 
@@ -32,6 +32,7 @@ class Message:
     timestamp: float
     content: Any = None
     _content_size: int = field(default=-1, repr=False)
+    _envelope_sizes: dict | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.receivers, int):
@@ -47,9 +48,20 @@ class Message:
         return self._content_size
 
     def nbytes_to(self, receiver: int) -> int:
-        """Exact bytes of the envelope that carries this message to `receiver`."""
-        return envelope_size(self.msg_type, self.sender, (receiver,), self.round,
-                             self.timestamp, None, content_size=self.content_size)
+        """Exact bytes of the envelope that carries this message to `receiver`.
+
+        Receivers differ only in their id's varint length, so a broadcast computes
+        one size per id length, not one per receiver.
+        """
+        width = receiver_width(receiver)
+        sizes = self._envelope_sizes
+        if sizes is None:
+            sizes = self._envelope_sizes = {}
+        size = sizes.get(width)
+        if size is None:
+            size = sizes[width] = envelope_size(self.msg_type, self.sender, (receiver,), self.round,
+                                                self.timestamp, None, content_size=self.content_size)
+        return size
 
     @property
     def nbytes(self) -> int:

@@ -8,6 +8,7 @@ without building it, so a simulation can count honest bytes for free.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -17,7 +18,7 @@ from fedcore.wire import fedcore_pb2 as pb
 
 __all__ = [
     "WireError", "ALLOWED_DTYPES", "to_value", "from_value", "encoded_size",
-    "envelope_size", "encode_envelope", "decode_envelope",
+    "envelope_size", "receiver_width", "encode_envelope", "decode_envelope",
 ]
 
 MAX_DEPTH = 64
@@ -130,11 +131,7 @@ def _decode_tensor(t: pb.Tensor) -> torch.Tensor:
 def _varint_size(n: int) -> int:
     if n < 0:
         n += 1 << 64
-    size = 1
-    while n >= 0x80:
-        n >>= 7
-        size += 1
-    return size
+    return (n.bit_length() + 6) // 7 or 1
 
 
 def _zigzag(n: int) -> int:
@@ -143,11 +140,41 @@ def _zigzag(n: int) -> int:
 
 def _field(payload: int) -> int:
     """Bytes of a length-delimited field with a one-byte tag."""
-    return 1 + _varint_size(payload) + payload
+    return payload + 2 if payload < 0x80 else 1 + _varint_size(payload) + payload
+
+
+@functools.lru_cache(maxsize=4096)
+def _tensor_size(dtype: torch.dtype, shape: torch.Size) -> int:
+    """Encoded size of a tensor Value: a function of dtype and shape alone, so cached
+    (a course sends the same few shapes millions of times)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        raise WireError(f"tensor dtype {dtype} is not allowed on the wire")
+    size = _field(len(name))
+    if len(shape):
+        size += _field(sum(_varint_size(d) for d in shape))
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes:
+        size += _field(nbytes)
+    return _field(size)
 
 
 def encoded_size(obj: Any) -> int:
     """Exact length of `to_value(obj).SerializeToString()`, computed without encoding."""
+    # Tensors and maps of tensors are by far the most common content: test them first.
+    if isinstance(obj, torch.Tensor):
+        return _tensor_size(obj.dtype, obj.shape)
+    if type(obj) is dict:
+        total = 0
+        for key, item in obj.items():
+            if not isinstance(key, str):
+                raise WireError(f"map keys must be str, got {type(key).__name__}")
+            klen = len(key) if key.isascii() else len(key.encode("utf-8"))
+            size = (_tensor_size(item.dtype, item.shape) if isinstance(item, torch.Tensor)
+                    else encoded_size(item))
+            entry = (_field(klen) if klen else 0) + _field(size)
+            total += _field(entry)
+        return _field(total)
     if obj is None or isinstance(obj, bool):
         return 2
     if isinstance(obj, int):
@@ -159,16 +186,7 @@ def encoded_size(obj: Any) -> int:
     if isinstance(obj, (bytes, bytearray)):
         return _field(len(obj))
     if isinstance(obj, torch.Tensor):
-        name = _DTYPE_NAMES.get(obj.dtype)
-        if name is None:
-            raise WireError(f"tensor dtype {obj.dtype} is not allowed on the wire")
-        size = _field(len(name))
-        if obj.dim():
-            size += _field(sum(_varint_size(d) for d in obj.shape))
-        nbytes = obj.numel() * obj.element_size()
-        if nbytes:
-            size += _field(nbytes)
-        return _field(size)
+        return _tensor_size(obj.dtype, obj.shape)
     if isinstance(obj, (list, tuple)):
         return _field(sum(_field(encoded_size(item)) for item in obj))
     if isinstance(obj, dict):
@@ -181,6 +199,11 @@ def encoded_size(obj: Any) -> int:
             total += _field(entry)
         return _field(total)
     raise WireError(f"type {type(obj).__name__} is not allowed in message content")
+
+
+def receiver_width(receiver: int) -> int:
+    """Bytes of one receiver id in an envelope's packed receiver list (its varint length)."""
+    return _varint_size(_zigzag(receiver))
 
 
 def envelope_size(msg_type: str, sender: int, receivers, round_: int, timestamp: float,

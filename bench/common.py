@@ -1,0 +1,297 @@
+"""Shared pieces of the benchmarks: the synthetic workload data, LeNet-5, a fedcore
+run that reports per-round wall seconds, and the plain-PyTorch reference loop.
+
+The reference loop does the identical work a fedcore FedAvg course does (same
+data tensors, same sampled clients, same mini-batch indices, one reused model,
+the same sample-weighted average in the same order), so its final model must
+equal fedcore's; each benchmark checks that before it prints a ratio.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedcore import registry
+from fedcore.algorithms.base import BatchStream, evaluate_model, weighted_mean
+from fedcore.config import load_config
+from fedcore.scenarios.data import ClientData, FederatedData, Split
+
+__all__ = ["INPUT_SHAPE", "NUM_CLASSES", "client_shard", "bench_data", "LazyClientData",
+           "bench_cfg", "run_fedcore", "run_plain", "RoundTimes", "report", "lenet5"]
+
+INPUT_SHAPE = (1, 28, 28)
+NUM_CLASSES = 10
+
+
+# ---------------------------------------------------------------- data
+def _teacher(seed: int) -> torch.Tensor:
+    """A fixed linear labeller, so the synthetic task is learnable (accuracy means something)."""
+    g = torch.Generator().manual_seed(seed * 7919 + 1)
+    return torch.randn(math.prod(INPUT_SHAPE), NUM_CLASSES, generator=g)
+
+
+def client_shard(seed: int, client_id: int, n: int, teacher: torch.Tensor) -> Split:
+    """Client `client_id`'s n samples, generated from `seed + client_id` alone."""
+    g = torch.Generator().manual_seed(seed + client_id)
+    x = torch.randn((n,) + INPUT_SHAPE, generator=g)
+    y = (x.reshape(n, -1) @ teacher).argmax(1)
+    return Split(x, y)
+
+
+def _empty() -> Split:
+    return Split(torch.empty((0,) + INPUT_SHAPE), torch.empty(0, dtype=torch.long))
+
+
+class LazyClientData:
+    """A client's data made on access from its seed: 10^5 clients need no resident shards."""
+
+    __slots__ = ("seed", "cid", "n", "teacher")
+
+    def __init__(self, seed: int, cid: int, n: int, teacher: torch.Tensor):
+        self.seed, self.cid, self.n, self.teacher = seed, cid, n, teacher
+
+    @property
+    def train(self) -> Split:
+        return client_shard(self.seed, self.cid, self.n, self.teacher)
+
+    @property
+    def val(self) -> Split:
+        return _empty()
+
+    test = val
+
+
+class _LazyClients(dict):
+    def __init__(self, seed: int, n_clients: int, n: int, teacher: torch.Tensor):
+        super().__init__()
+        self.args = (seed, n, teacher)
+        self.n_clients = n_clients
+
+    def __missing__(self, cid: int) -> LazyClientData:
+        seed, n, teacher = self.args
+        return LazyClientData(seed, cid, n, teacher)
+
+    def __len__(self) -> int:
+        return self.n_clients
+
+
+def bench_data(n_clients: int, n_samples: int, seed: int, test_n: int = 500,
+               lazy: bool = False) -> FederatedData:
+    """All of a client's samples are training data; the server tests on a separate shard."""
+    teacher = _teacher(seed)
+    if lazy:
+        clients = _LazyClients(seed, n_clients, n_samples, teacher)
+    else:
+        clients = {cid: ClientData(client_shard(seed, cid, n_samples, teacher), _empty(), _empty())
+                   for cid in range(1, n_clients + 1)}
+    server_test = client_shard(seed, 10_000_000, test_n, teacher)
+    return FederatedData(clients, server_test, INPUT_SHAPE, NUM_CLASSES)
+
+
+# ---------------------------------------------------------------- model
+class LeNet5(nn.Module):
+    """LeNet-5 for 1x28x28 inputs (padding 2 on the first convolution), ReLU and max-pooling."""
+
+    def __init__(self, num_classes: int = NUM_CLASSES):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(1, 6, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(6, 16, 5), nn.ReLU(), nn.MaxPool2d(2))
+        self.classifier = nn.Sequential(
+            nn.Flatten(), nn.Linear(16 * 5 * 5, 120), nn.ReLU(), nn.Linear(120, 84), nn.ReLU(),
+            nn.Linear(84, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
+def lenet5(cfg, input_shape, num_classes: int) -> nn.Module:
+    return LeNet5(num_classes)
+
+
+if "lenet5" not in registry.models:  # the scenarios may provide their own
+    registry.models.register("lenet5", lenet5)
+
+
+# ---------------------------------------------------------------- config
+def bench_cfg(**dotted) -> object:
+    """A config for a benchmark: no output files, no client evaluation, eval at the end only."""
+    base = {"seed": 0, "verbose": False, "data.splits": [1.0, 0.0, 0.0],
+            "eval.clients": False, "eval.freq": 10_000}
+    base.update(dotted)
+    return load_config(None, extra=base)
+
+
+# ---------------------------------------------------------------- timing
+CLOCK = "cpu"   # "cpu": process CPU seconds (robust on a shared machine); "wall": elapsed seconds
+
+
+class _Clock:
+    """Both clocks at once; per-round differences of either are kept."""
+
+    def __init__(self) -> None:
+        self.wall: list[float] = [time.perf_counter()]
+        self.cpu: list[float] = [time.process_time()]
+
+    def tick(self) -> None:
+        self.wall.append(time.perf_counter())
+        self.cpu.append(time.process_time())
+
+    def rounds(self) -> tuple[list[float], list[float]]:
+        d = lambda v: [b - a for a, b in zip(v, v[1:])]  # noqa: E731
+        return d(self.wall), d(self.cpu)
+
+
+@dataclass
+class RoundTimes:
+    """Seconds of each round, wall and CPU (round 1 includes the course's start-up)."""
+
+    wall_rounds: list[float]
+    cpu_rounds: list[float]
+    final_state: dict[str, torch.Tensor]
+    label: str = ""
+
+    @property
+    def rounds(self) -> list[float]:
+        return self.cpu_rounds if CLOCK == "cpu" else self.wall_rounds
+
+    @property
+    def first(self) -> float:
+        return self.rounds[0]
+
+    @property
+    def steady(self) -> float:
+        rest = self.rounds[1:] or self.rounds
+        return statistics.median(rest)
+
+    @property
+    def steady_wall(self) -> float:
+        rest = self.wall_rounds[1:] or self.wall_rounds
+        return statistics.median(rest)
+
+
+def run_fedcore(cfg, data: FederatedData, before_run: Callable | None = None) -> RoundTimes:
+    """Build and run a fedcore course; round times come from its own per-round records."""
+    from fedcore.course import Course
+    clock = _Clock()   # the build counts in round 1, like the reference's set-up
+    course = Course(cfg, outdir=None).build(data)
+    if before_run is not None:
+        before_run(course)
+    record_round = course.monitor.record_round
+
+    def timed_record(*args, **kwargs):   # a round ends when its record is opened
+        clock.tick()
+        return record_round(*args, **kwargs)
+    course.monitor.record_round = timed_record
+    course.run()
+    state = {k: v.detach().clone() for k, v in course.server.aggregator.global_state.items()}
+    return RoundTimes(*clock.rounds(), state, "fedcore")
+
+
+def run_plain(cfg, data: FederatedData) -> RoundTimes:
+    """The plain-PyTorch FedAvg loop doing exactly what the fedcore course does."""
+    from fedcore.scenarios.models import build_model
+    clock = _Clock()
+    seed = cfg["seed"]
+    n_clients = cfg["federate.client_num"]
+    k = cfg["federate.sample_client_num"] or n_clients
+    rounds_n = cfg["federate.total_round_num"]
+    bs, lr = cfg["train.batch_size"], cfg["train.optimizer.lr"]
+    model = build_model(cfg, data.input_shape, data.num_classes)
+    global_state = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    params = dict(model.state_dict(keep_vars=True))
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    rng = np.random.default_rng(seed + 3)        # the uniform sampler's stream
+    positions: dict[int, tuple[int, int]] = {}
+    ids = list(range(1, n_clients + 1))
+    for r in range(1, rounds_n + 1):
+        picked = sorted(ids[i] for i in rng.choice(n_clients, size=k, replace=False))
+        updates, weights = [], []
+        for cid in picked:
+            train = data.clients[cid].train
+            with torch.no_grad():
+                for name, t in global_state.items():
+                    params[name].copy_(t)
+            epoch, offset = positions.get(cid, (0, 0))
+            stream = BatchStream(len(train), bs, seed, cid, epoch, offset)
+            steps = cfg["train.local_steps"] or cfg["train.local_epochs"] * math.ceil(len(train) / bs)
+            model.train()
+            for _ in range(steps):
+                idx = stream.next()
+                opt.zero_grad(set_to_none=True)
+                loss = nn.functional.cross_entropy(model(train.x[idx]), train.y[idx])
+                loss.backward()
+                opt.step()
+                loss.item()
+            positions[cid] = (stream.epoch, stream.offset)
+            updates.append({n: t.detach().clone() for n, t in params.items()})
+            weights.append(float(len(train)))
+        global_state = {n: weighted_mean([u[n] for u in updates], weights) for n in global_state}
+        if r % cfg["eval.freq"] == 0 or r == rounds_n:
+            model.load_state_dict(global_state)
+            evaluate_model(model, data.server_test.x, data.server_test.y, "cross_entropy",
+                           cfg["eval.batch_size"])
+        clock.tick()
+    return RoundTimes(*clock.rounds(), global_state, "plain")
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
+
+def interleave(runs: dict[str, Callable[[], RoundTimes]], reps: int,
+               warmup: bool = True) -> dict[str, list[RoundTimes]]:
+    """Run each measurement `reps` times, alternating, so machine noise hits all alike.
+
+    A first, unrecorded pass (`warmup`) keeps one-off costs (first kernel calls, lazy
+    imports, allocator growth) out of whichever measurement happens to run first.
+    """
+    if warmup:
+        for fn in runs.values():
+            fn()
+    out: dict[str, list[RoundTimes]] = {name: [] for name in runs}
+    for _ in range(reps):
+        for name, fn in runs.items():
+            out[name].append(fn())
+    return out
+
+
+def best(results: list[RoundTimes]) -> RoundTimes:
+    """The repetition with the lowest steady-state round time (the least disturbed one)."""
+    return min(results, key=lambda r: r.steady)
+
+
+def report(workload: str, results: dict[str, list[RoundTimes]], reference: str = "plain",
+           primary: str = "fedcore") -> dict[str, float]:
+    """Print one line per measurement and, last, the primary ratio line."""
+    ref = best(results[reference])
+    out, ratios = {}, {}
+    for name, reps in results.items():
+        b = best(reps)
+        if "processes" in name:   # its work is in other processes: only wall time compares
+            wall_ref = min(r.steady_wall for r in results[reference])
+            b = min(reps, key=lambda r: r.steady_wall)
+            out[name], ratios[name] = b.steady_wall, b.steady_wall / wall_ref
+            print(f"{workload} {name:>12}: first round {b.wall_rounds[0]:.4f} s, steady "
+                  f"{b.steady_wall:.5f} s/round wall (best of {len(reps)}), x{ratios[name]:.3f} "
+                  f"of {reference}'s wall {wall_ref:.5f}")
+            continue
+        out[name], ratios[name] = b.steady, b.steady / ref.steady
+        print(f"{workload} {name:>12}: first round {b.first:.4f} s, steady {b.steady:.5f} s/round "
+              f"{CLOCK} (wall {b.steady_wall:.5f}; median of rounds 2..{len(b.rounds)}, best of "
+              f"{len(reps)}), x{ratios[name]:.3f} of {reference}")
+    p = best(results[primary])
+    extra = "".join(f" {name}_s_per_round={out[name]:.6f} {name}_ratio={ratios[name]:.3f}"
+                    for name in results if name not in (primary, reference))
+    if any("processes" in name for name in results):
+        extra += f" plain_wall_s_per_round={min(r.steady_wall for r in results[reference]):.6f}"
+    print(f"fedcore_s_per_round={p.steady:.6f} plain_s_per_round={ref.steady:.6f} "
+          f"ratio={p.steady / ref.steady:.3f}{extra} clock={CLOCK}")
+    return out

@@ -1,0 +1,110 @@
+"""Run every workload, each in its own process, and print one table.
+
+    bench/run_all [--quick]
+
+Each workload script prints its measurements and, as its last line, `key=value`
+pairs; this collects those lines into a table with the issue's targets.
+`--quick` runs fewer repetitions (a smoke run, not for the record).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import subprocess
+import sys
+import time
+
+
+def _last_fields(text: str) -> dict[str, str]:
+    lines = [ln for ln in text.strip().splitlines() if "=" in ln and " " in ln]
+    if not lines:
+        return {}
+    return dict(kv.split("=", 1) for kv in lines[-1].split() if "=" in kv)
+
+
+def _run(module: str, args: list[str]) -> tuple[int, str]:
+    cmd = [sys.executable, "-m", module, *args]
+    print(f"$ {' '.join(['python', '-m', module, *args])}", flush=True)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    out = proc.stdout + proc.stderr
+    print(out.rstrip() + f"\n  ({time.perf_counter() - t0:.0f} s)\n", flush=True)
+    return proc.returncode, proc.stdout
+
+
+def _f(v: str | None, fmt: str = "{:.4f}") -> str:
+    try:
+        return fmt.format(float(v))
+    except (TypeError, ValueError):
+        return "n/a"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="fewer repetitions: a smoke run")
+    a = p.parse_args(argv)
+    reps = ["--reps", "1"] if a.quick else []
+    rows = []
+
+    rc, out = _run("bench.w1_overhead", reps + ["--executors", "sequential,vectorized"])
+    f = _last_fields(out)
+    rows.append(("W1 overhead", "sequential", _f(f.get("fedcore_s_per_round")),
+                 _f(f.get("plain_s_per_round")), _f(f.get("ratio"), "{:.2f}x"), "<= 2x",
+                 _met(f.get("ratio"), lambda r: r <= 2.0)))
+    vr = f.get("fedcore-vectorized_ratio")
+    rows.append(("W1 overhead", "vectorized", _f(f.get("fedcore-vectorized_s_per_round")),
+                 _f(f.get("plain_s_per_round")), _f(vr, "{:.2f}x"), "<= 0.33x (3x faster)",
+                 _met(vr, lambda r: r <= 1 / 3)))
+
+    rc, out = _run("bench.w2_compute", (["--reps", "1", "--rounds", "3"] if a.quick else [])
+                   + ["--executors", "sequential,processes,vectorized"])
+    f = _last_fields(out)
+    rows.append(("W2 compute", "sequential", _f(f.get("fedcore_s_per_round")),
+                 _f(f.get("plain_s_per_round")), _f(f.get("ratio"), "{:.2f}x"), "<= 1.10x",
+                 _met(f.get("ratio"), lambda r: r <= 1.10)))
+    pr = f.get("fedcore-processes_ratio")
+    rows.append(("W2 compute", "processes (wall clock)", _f(f.get("fedcore-processes_s_per_round")),
+                 _f(f.get("plain_wall_s_per_round")), _f(pr, "{:.2f}x"), "-", ""))
+    vr = f.get("fedcore-vectorized_ratio")
+    rows.append(("W2 compute", "vectorized", _f(f.get("fedcore-vectorized_s_per_round")),
+                 _f(f.get("plain_s_per_round")), _f(vr, "{:.2f}x"), "-", ""))
+
+    rc, out = _run("bench.w3_scale", [])
+    algo = "scaffold"
+    if rc == 2:
+        algo = "fedavg (no scaffold)"
+        rc, out = _run("bench.w3_scale", ["--algorithm", "fedavg"])
+    f = _last_fields(out)
+    rows.append(("W3 scale", algo, _f(f.get("fedcore_s_per_round")), _f(f.get("plain_s_per_round")),
+                 _f(f.get("ratio"), "{:.2f}x"),
+                 f"RSS < 3072 MB (got {f.get('peak_rss_mb', '?')} MB, disk {f.get('disk_mb', '?')} MB)",
+                 _met(f.get("peak_rss_mb"), lambda r: r < 3072)))
+
+    rc, out = _run("bench.w4_events", reps)
+    f = _last_fields(out)
+    rows.append(("W4 events", "dispatch, events/s", _f(f.get("dispatch_events_per_s"), "{:,.0f}"), "-",
+                 "-", ">= 200,000 events/s", _met(f.get("dispatch_events_per_s"),
+                                                   lambda r: r >= 200_000)))
+    rows.append(("W4 events", "send+dispatch, events/s", _f(f.get("send_events_per_s"), "{:,.0f}"),
+                 "-", "-", "-", ""))
+    rows.append(("W5 wire", "not built", "n/a", "n/a", "n/a", ">= 300 MB/s", "not measured"))
+
+    print(f"machine: {platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, "
+          f"python {platform.python_version()}; load average {os.getloadavg()}")
+    head = ("workload", "measurement", "fedcore s/round", "plain s/round", "ratio", "target", "met")
+    widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
+    for r in [head, tuple("-" * w for w in widths)] + rows:
+        print(" | ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+    return 0
+
+
+def _met(v, test) -> str:
+    try:
+        return "yes" if test(float(v)) else "NO"
+    except (TypeError, ValueError):
+        return "?"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

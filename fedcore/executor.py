@@ -1,0 +1,62 @@
+"""Executors: how a course runs the local trainings its clients are asked for.
+
+The handlers never change: a client's `receiving_models` handler calls
+`course.trainer.fit(...)` as always. What changes is what stands behind
+`course.trainer`. `sequential` is the trainer itself. `vectorized` and
+`processes` put a batching front in place: when the server sends one model
+to many clients, the front notes the receivers; at the first of those
+deliveries it trains all of them at once (vectorised over stacked parameters,
+or spread over worker processes) and hands each client's handler its own
+result when its delivery comes. Virtual timestamps, byte counts and the
+order of events are untouched, so a course gives the same numbers whichever
+executor runs it.
+"""
+from __future__ import annotations
+
+import logging
+
+from fedcore.config import declare
+
+__all__ = ["EXECUTORS", "apply_torch_threads", "install_executor", "close_executor"]
+
+log = logging.getLogger("fedcore.executor")
+
+EXECUTORS = ("sequential", "vectorized", "processes")
+
+declare("executor", str, "sequential",
+        "how local trainings run: sequential (one after another), vectorized (clients that "
+        "receive the same model train together with torch.func over stacked parameters), "
+        "processes (a pool of worker processes, one per core)", choices=EXECUTORS)
+declare("executor_workers", int, None,
+        "processes executor: worker processes (default: the number of usable cores)",
+        check=lambda v: None if v is None or v > 0 else "must be > 0")
+declare("torch_threads", int, 1,
+        "torch intra-op threads for this process; 1 suits the small models simulations train one "
+        "client at a time (more threads spin and wait on each other); null leaves torch's own "
+        "choice (all cores), which helps large models", nullable=True,
+        check=lambda v: None if v is None or v > 0 else "must be > 0")
+
+
+def apply_torch_threads(cfg) -> None:
+    """Set torch's intra-op thread count from `torch_threads` (null: leave torch's choice)."""
+    import torch
+    if cfg["torch_threads"] is not None:
+        torch.set_num_threads(cfg["torch_threads"])
+
+
+def install_executor(course) -> None:
+    """Apply `torch_threads` and put the configured executor in front of `course.trainer`."""
+    cfg = course.cfg
+    apply_torch_threads(cfg)
+    kind = cfg["executor"]
+    if kind == "sequential":
+        return
+    from fedcore.batching import BatchingTrainer
+    course.trainer = BatchingTrainer.install(course, kind)
+
+
+def close_executor(course) -> None:
+    """Release the executor's resources (worker processes) at the end of a run."""
+    close = getattr(type(course.trainer), "close", None)
+    if close is not None:
+        close(course.trainer)

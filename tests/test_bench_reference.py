@@ -1,0 +1,30 @@
+"""The benchmarks' plain-PyTorch reference loop does exactly the work of a fedcore FedAvg
+course: same sampled clients, batches and weighted average, hence the same final model."""
+import torch
+
+from bench.common import LazyClientData, bench_cfg, bench_data, client_shard, max_abs_diff, \
+    run_fedcore, run_plain
+
+
+def _cfg(**kw):
+    base = {"federate.client_num": 12, "federate.sample_client_num": 5,
+            "federate.total_round_num": 3, "model.type": "logreg", "train.batch_size": 4,
+            "train.optimizer.lr": 0.05, "torch_threads": 1}
+    base.update(kw)
+    return bench_cfg(**base)
+
+
+def test_plain_reference_equals_fedcore_fedavg():
+    data = bench_data(12, 10, seed=3, test_n=20)
+    for cfg in (_cfg(**{"train.local_steps": 1}), _cfg(**{"train.local_epochs": 2})):
+        fed, plain = run_fedcore(cfg, data), run_plain(cfg, data)
+        assert max_abs_diff(fed.final_state, plain.final_state) == 0.0
+        assert len(fed.wall_rounds) == len(plain.cpu_rounds) == 3
+
+
+def test_client_shards_depend_only_on_seed_plus_id():
+    teacher = torch.randn(784, 10)
+    a, b = client_shard(5, 2, 6, teacher), client_shard(4, 3, 6, teacher)   # 5+2 == 4+3
+    assert torch.equal(a.x, b.x) and torch.equal(a.y, b.y)
+    lazy = LazyClientData(5, 2, 6, teacher)
+    assert torch.equal(lazy.train.x, a.x) and len(lazy.test) == 0

@@ -1,0 +1,163 @@
+"""Executors: `vectorized` and `processes` give the sequential executor's numbers, with the
+same virtual times and byte counts, and fall back to sequential (with a logged reason)
+where they cannot apply."""
+import logging
+
+import pytest
+import torch
+
+from fedcore.algorithms.base import Trainer
+from fedcore.batching import BatchingTrainer
+from fedcore.course import Course
+from fedcore.message import Message
+from fedcore.registry import algorithms
+from fedcore.algorithms.base import Aggregator, Algorithm
+from tests.conftest import small_cfg
+
+TRACE_KEYS = ("round", "virtual_time", "bytes_up", "bytes_down", "num_updates")
+
+
+def _run(executor, **overrides):
+    course = Course(small_cfg(None, executor=executor, torch_threads=1, **overrides)).build()
+    course.run()
+    trace = [tuple(r.get(k) for k in TRACE_KEYS) for r in course.monitor.records]
+    return course, dict(course.server.aggregator.global_state), trace
+
+
+def _max_diff(a, b):
+    assert a.keys() == b.keys()
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
+
+CASES = {
+    "one_step": dict(train__local_steps=1, federate__total_round_num=3),
+    # power-law sizes: clients differ in batch shapes, so several vmap groups per round;
+    # momentum and weight decay exercise the whole SGD rule; sampling leaves clients idle
+    "epochs_momentum_groups": dict(data__synthetic__samples_per_client=None,
+                                   data__synthetic__max_samples=60, train__local_epochs=2,
+                                   train__optimizer__momentum=0.9,
+                                   train__optimizer__weight_decay=0.01,
+                                   federate__sample_client_num=4, federate__total_round_num=3),
+    "no_training_data": dict(data__splits=[0.0, 0.5, 0.5]),   # every client sends the model back
+    "float64_mlp": dict(model__type="mlp", model__hidden=[7], model__dtype="float64",
+                        train__local_steps=3),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_vectorized_equals_sequential(case):
+    _, seq, seq_trace = _run("sequential", **CASES[case])
+    course, vec, vec_trace = _run("vectorized", **CASES[case])
+    assert isinstance(course.trainer, BatchingTrainer)
+    assert course.trainer.batched_fits > 0 and course.trainer.sequential_fits == 0
+    assert _max_diff(seq, vec) < 1e-5
+    assert vec_trace == seq_trace          # same virtual times, bytes and updates per round
+
+
+@pytest.mark.parametrize("case", ["one_step", "epochs_momentum_groups"])
+def test_processes_equal_sequential(case):
+    _, seq, seq_trace = _run("sequential", **CASES[case])
+    course, par, par_trace = _run("processes", executor_workers=2, **CASES[case])
+    assert course.trainer.batched_fits > 0
+    assert _max_diff(seq, par) == 0.0      # the same computation, only in other processes
+    assert par_trace == seq_trace
+    assert course.trainer.engine._procs == []   # the pool is shut down at the end of the run
+
+
+class _ProxLike(Trainer):
+    """A trainer with its own objective: not the base SGD step, so it is not vectorised."""
+
+    def objective(self, x, y):
+        return super().objective(x, y) + 0.0 * sum(p.sum() for p in self.params)
+
+
+algorithms.register("_test_proxlike", Algorithm(_ProxLike, Aggregator))
+
+
+@pytest.mark.parametrize("overrides, reason", [
+    (dict(train__optimizer__type="adam"), "only sgd is vectorised"),
+    (dict(algorithm__name="_test_proxlike"), "changes objective"),
+])
+def test_vectorized_falls_back_with_a_reason(caplog, overrides, reason):
+    _, seq, _ = _run("sequential", **overrides)
+    with caplog.at_level(logging.WARNING, logger="fedcore.executor"):
+        course, vec, _ = _run("vectorized", **overrides)
+    assert not isinstance(course.trainer, BatchingTrainer)
+    assert any(reason in r.getMessage() and "running sequentially" in r.getMessage()
+               for r in caplog.records)
+    assert _max_diff(seq, vec) == 0.0
+
+
+def test_a_result_is_not_used_once_the_client_trained_again():
+    """Between a batch's computation and a client's delivery, another fit of that client
+    makes the batched result stale: the client is then trained from its current state."""
+    course = Course(small_cfg(None, executor="vectorized", train__local_steps=1)).build()
+    front, plain = course.trainer, course.trainer._trainer
+    content = {"model": course.server.aggregator.broadcast(1)["model"]}
+    other = {"model": {k: v + 0.5 for k, v in content["model"].items()}}
+    msg = Message("models", 0, (1, 2), 1, 0.0, content)
+    for r in msg.receivers:
+        front._note(msg, r)
+    data = {c: course.clients[c].data for c in (1, 2)}
+    first = front.fit(1, data[1], content, 1)          # computes the batch for 1 and 2
+    front.fit(2, data[2], other, 1)                    # client 2 trains on something else first
+    state_before = dict(course.store.load(2))
+    late = front.fit(2, data[2], content, 1)
+    assert front.batched_fits == 1 and front.sequential_fits == 2
+    # what the sequential trainer gives from client 2's current state
+    course.store.save(2, state_before)
+    expected = plain.fit(2, data[2], content, 1)
+    assert _max_diff(late.content["model"], expected.content["model"]) == 0.0
+    assert first.content["num_samples"] == len(data[1].train)
+
+
+def test_torch_threads_key_sets_the_thread_count():
+    before = torch.get_num_threads()
+    try:
+        Course(small_cfg(None, torch_threads=1)).build()
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+class _HelperOnly(Trainer):
+    """Defines only a helper: the vectoriser cannot know whether a hook uses it, so it refuses."""
+
+    def scale(self) -> float:
+        return 1.0
+
+
+def test_a_trainer_defining_anything_of_its_own_is_not_vectorised(caplog):
+    algorithms.register("_test_helper_only", Algorithm(_HelperOnly, Aggregator))
+    with caplog.at_level(logging.WARNING, logger="fedcore.executor"):
+        course = Course(small_cfg(None, executor="vectorized",
+                                  algorithm__name="_test_helper_only")).build()
+    assert not isinstance(course.trainer, BatchingTrainer)
+    assert any("changes scale" in r.getMessage() for r in caplog.records)
+
+
+def test_vectorized_gathers_per_client_when_data_are_too_big_to_stack(monkeypatch):
+    import fedcore.vectorized as vectorized
+    monkeypatch.setattr(vectorized, "_STACK_BYTES", 0)
+    case = CASES["epochs_momentum_groups"]
+    _, seq, _ = _run("sequential", **case)
+    _, vec, _ = _run("vectorized", **case)
+    assert _max_diff(seq, vec) < 1e-5
+
+
+class _IntKeyState(Trainer):
+    """Keeps a per-client record with int keys: fine in memory, but it cannot be serialized."""
+
+    def begin(self, client_state, received):
+        client_state["seen"] = {1: client_state.get("seen", {}).get(1, 0) + 1}
+
+
+def test_processes_fall_back_for_good_when_a_state_cannot_travel(caplog):
+    algorithms.register("_test_intkeys", Algorithm(_IntKeyState, Aggregator))
+    _, seq, seq_trace = _run("sequential", algorithm__name="_test_intkeys")
+    with caplog.at_level(logging.WARNING, logger="fedcore.executor"):
+        course, par, par_trace = _run("processes", executor_workers=2,
+                                      algorithm__name="_test_intkeys")
+    assert any("running sequentially from now on" in r.getMessage() for r in caplog.records)
+    assert course.trainer.batched_fits == 0
+    assert _max_diff(seq, par) == 0.0 and par_trace == seq_trace

@@ -1,0 +1,30 @@
+"""Byte counts computed without encoding equal the encoded lengths (fast paths included)."""
+import pytest
+import torch
+
+from fedcore.message import Message
+from fedcore.serialization import encode_envelope, encoded_size, to_value
+
+CONTENTS = [
+    torch.zeros(3, 4), torch.zeros(()), torch.zeros(0, 5, dtype=torch.int64),
+    torch.ones(300, dtype=torch.bool), torch.zeros(2, 70, dtype=torch.float64),
+    {"model": {"w": torch.zeros(784, 10), "b": torch.zeros(10)}, "num_samples": 10},
+    {"é-key": torch.ones(2), "": 1, "nested": {"x": [1, 2.5, None, "s", b"raw"]}},
+    {}, [], {"x": {}}, [torch.zeros(129)], -7, 2 ** 40, "text",
+]
+
+
+@pytest.mark.parametrize("content", CONTENTS, ids=range(len(CONTENTS)))
+def test_encoded_size_is_exact(content):
+    assert encoded_size(content) == len(to_value(content).SerializeToString())
+
+
+@pytest.mark.parametrize("sender", [0, 5, 300])
+def test_envelope_size_per_receiver_is_exact(sender):
+    content = {"model": {"w": torch.zeros(5, 3)}, "num_samples": 3}
+    receivers = (1, 63, 64, 127, 8191, 8192, 100_000)
+    msg = Message("models", sender, receivers, 3, 1.25, content)
+    for r in receivers:   # the cache is per id width: every width must still be exact
+        assert msg.nbytes_to(r) == len(encode_envelope("models", sender, [r], 3, 1.25, content))
+    assert msg.nbytes == sum(len(encode_envelope("models", sender, [r], 3, 1.25, content))
+                             for r in receivers)
