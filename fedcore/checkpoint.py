@@ -37,6 +37,12 @@ def _check_resume(cfg) -> None:
     path = cfg["resume_from"]
     if path and not Path(path).is_file():
         raise ConfigError(f"resume_from: checkpoint '{path}' does not exist")
+    if path and cfg["course"] == "async":
+        # A checkpoint holds no updates in flight, no buffer and no timers: resuming such a
+        # course could not continue it exactly (and the async handlers have no `resume`).
+        raise ConfigError("resume_from: a course on asyn.* strategies (async, over-selection, "
+                          "time_up) cannot be resumed, its in-flight updates are not in the "
+                          "checkpoint; rerun it from the start or resume a synchronous course")
 
 
 class Checkpointer:

@@ -63,3 +63,15 @@ def test_resume_refuses_bad_checkpoints(tmp_path):
     with pytest.raises(ConfigError, match="the course's last"):
         Course(small_cfg(tmp_path / "z", federate__total_round_num=1,
                          resume_from=str(tmp_path / "y" / "checkpoints" / "round_1.pt"))).build()
+
+
+@pytest.mark.parametrize("strategy", [dict(asyn__use=True, asyn__min_received_num=2),
+                                      dict(asyn__overselection=True)])
+def test_resume_of_an_async_course_is_refused_at_config_time(tmp_path, strategy):
+    # In-flight updates, the buffer and timers are not in a checkpoint: refuse, do not stall.
+    common = dict(federate__sample_client_num=3, federate__total_round_num=3, **strategy)
+    Course(small_cfg(tmp_path / "full", checkpoint__every=1, **common)).run()
+    ckpt = tmp_path / "full" / "checkpoints" / "round_1.pt"
+    assert ckpt.is_file()
+    with pytest.raises(ConfigError, match="resume_from: a course on asyn"):
+        small_cfg(tmp_path / "resumed", resume_from=str(ckpt), **common)
