@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from fedcore import registry
@@ -125,6 +126,16 @@ class _Ledger:
         self.central = RdpAccountant()
         self.releases: dict[int, int] = {}
 
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps: the privacy already spent must survive a resume."""
+        return {"rdp": [float(r) for r in self.central._rdp], "steps": self.central.steps,
+                "releases": {int(c): n for c, n in self.releases.items()}}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.central._rdp = np.array(state["rdp"], dtype=float)
+        self.central.steps = int(state["steps"])
+        self.releases = {int(c): int(n) for c, n in state["releases"].items()}
+
     def record(self, client_ids: list[int], noisy: set[int]) -> dict[str, Any]:
         if self.sigma == 0:
             return {"dp_epsilon": None}  # no noise: no finite guarantee
@@ -147,6 +158,8 @@ def install(course) -> None:
     cfg = course.cfg
     clip, sigma, seed = cfg["privacy.dp.clip_norm"], cfg["privacy.dp.noise_multiplier"], cfg["seed"]
     ledger = _Ledger(course)
+    if getattr(course, "checkpointer", None) is not None:   # a deployment's client has none
+        course.checkpointer.register("privacy.dp", ledger.state, ledger.restore)
     aggregator = course.server.aggregator
     if cfg["privacy.dp.mode"] == "central":
         replace_combination(aggregator, central_dp_rule(clip, sigma, seed), "privacy.dp.mode central")

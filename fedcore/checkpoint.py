@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -58,6 +58,14 @@ class Checkpointer:
         self.folder = Path(folder) if folder is not None else None
         if self.every and self.folder is None:
             raise ConfigError("checkpoint.every: set checkpoint.path or outdir so checkpoints have a place")
+        # name -> (get, set): state that plug-ins keep outside the aggregator and the store
+        # (e.g. the privacy ledger); saved with every checkpoint and restored on resume.
+        self.extras: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
+
+    def register(self, name: str, get: Callable[[], Any], set_: Callable[[Any], None]) -> None:
+        """Have `get()` saved in each checkpoint under `name` and `set_(value)` called on resume;
+        values must be loadable with `weights_only=True` (tensors, numbers, lists, dicts)."""
+        self.extras[name] = (get, set_)
 
     def after_aggregation(self, server) -> None:
         if self.every and server.round % self.every == 0:
@@ -74,6 +82,7 @@ class Checkpointer:
             "global_state": server.aggregator.global_state,
             "aggregator": server.aggregator.state_dict(),
             "sampler_rng": server.sampler.rng.bit_generator.state,
+            "sampler_turn": getattr(server.sampler, "turn", None),   # the group sampler's position
             "torch_rng": torch.get_rng_state(),
             "client_states": {cid: store.load(cid) for cid in course.client_ids if cid in store},
             "records": monitor.records,
@@ -81,6 +90,7 @@ class Checkpointer:
             "bytes": [monitor.total_up, monitor.total_down, monitor.total_other],
             "best": [server.best_acc, server.evals_since_best],
             "target": [monitor.time_to_target, monitor.rounds_to_target],
+            "extras": {name: get() for name, (get, _) in self.extras.items()},
         }
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
@@ -106,9 +116,18 @@ def resume(course, path: str) -> float:
     if missing:
         raise ConfigError(f"resume_from: '{path}' was written for another model (entry "
                           f"'{sorted(missing)[0]}' differs)")
+    extras = state.get("extras", {})
+    absent = sorted(set(course.checkpointer.extras) - set(extras))
+    if absent:
+        raise ConfigError(f"resume_from: '{path}' holds no state for '{absent[0]}', which this "
+                          "course keeps; resume with the config that wrote the checkpoint")
     server.aggregator.global_state = state["global_state"]
     server.aggregator.load_state_dict(state["aggregator"])
     server.sampler.rng.bit_generator.state = state["sampler_rng"]
+    if state.get("sampler_turn") is not None:
+        server.sampler.turn = state["sampler_turn"]
+    for name, (_, set_) in course.checkpointer.extras.items():
+        set_(extras[name])
     torch.set_rng_state(state["torch_rng"])
     for cid, client_state in state["client_states"].items():
         course.store.save(int(cid), client_state)

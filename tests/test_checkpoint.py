@@ -75,3 +75,28 @@ def test_resume_of_an_async_course_is_refused_at_config_time(tmp_path, strategy)
     assert ckpt.is_file()
     with pytest.raises(ConfigError, match="resume_from: a course on asyn"):
         small_cfg(tmp_path / "resumed", resume_from=str(ckpt), **common)
+
+
+@pytest.mark.parametrize("extra", [
+    dict(privacy__dp__mode="central"),                     # the privacy spent must not restart
+    dict(privacy__dp__mode="local"),
+    dict(federate__sampler="group", federate__sampler_groups=3),   # the group taken next
+])
+def test_plugin_state_survives_resume(tmp_path, extra):
+    common = dict(federate__sample_client_num=2, federate__total_round_num=4, eval__clients=False,
+                  **extra)
+    Course(small_cfg(tmp_path / "full", checkpoint__every=2, **common)).run()
+    Course(small_cfg(tmp_path / "resumed", resume_from=str(tmp_path / "full" / "checkpoints" / "round_2.pt"),
+                     **common)).run()
+    fields = TRAINING_FIELDS + ("dp_epsilon",)
+    rows = lambda p: [{k: r.get(k) for k in fields}
+                      for r in map(json.loads, (p / "metrics.jsonl").read_text().splitlines())]
+    assert rows(tmp_path / "resumed") == rows(tmp_path / "full")
+
+
+def test_resume_refuses_a_checkpoint_without_a_plugins_state(tmp_path):
+    common = dict(federate__total_round_num=3, eval__clients=False)
+    Course(small_cfg(tmp_path / "full", checkpoint__every=1, **common)).run()
+    with pytest.raises(ConfigError, match="holds no state for 'privacy.dp'"):
+        Course(small_cfg(tmp_path / "dp", privacy__dp__mode="central",
+                         resume_from=str(tmp_path / "full" / "checkpoints" / "round_1.pt"), **common)).build()
