@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from fedcore.algorithms.base import Aggregator, Algorithm, ReceivedUpdate, Trainer, weighted_mean
-from fedcore.config import declare
+from fedcore.config import declare, validator
+from fedcore.errors import ConfigError
 from fedcore.registry import algorithms
 
 __all__ = ["FedDynTrainer", "FedDynAggregator", "FEDDYN"]
@@ -22,6 +23,16 @@ __all__ = ["FedDynTrainer", "FedDynAggregator", "FEDDYN"]
 declare("algorithm.feddyn.alpha", float, 0.01, "feddyn: regularisation coefficient alpha (> 0; "
         "the server divides by it)", check=lambda v: None if v > 0 else "must be > 0 (theta^t "
         "subtracts h/alpha); use algorithm.name=fedavg for no regulariser")
+
+
+@validator
+def _check_feddyn(cfg) -> None:
+    # The server's h and theta^t use theta_k - theta^{t-1} of the round every client started
+    # from; a stale theta_k would be taken against a newer model (and uniform weights ignore
+    # the staleness discount), so asynchronous aggregation is not FedDyn.
+    if cfg["algorithm.name"] == "feddyn" and cfg.get("asyn.use", False):
+        raise ConfigError("asyn.use: algorithm feddyn is synchronous (its server state h needs each "
+                          "model's drift from the round it started from); set asyn.use=false")
 
 
 class FedDynTrainer(Trainer):
