@@ -59,10 +59,15 @@ def _check_dp(cfg) -> None:
         if cfg["aggregator.robust_rule"] != "none":
             raise ConfigError("privacy.dp.mode: central DP replaces the aggregation, so it cannot be "
                               "combined with aggregator.robust_rule; set one of them to none")
-        if cfg["algorithm.name"] in ("scaffold", "feddyn", "fedasync"):
+        if cfg["algorithm.name"] in ("scaffold", "feddyn", "fedasync", "fedbuff"):
             raise ConfigError(f"privacy.dp.mode: central DP cannot wrap algorithm.name "
                               f"{cfg['algorithm.name']} (its aggregation uses more than the mean "
                               "model); use privacy.dp.mode=local")
+    if mode == "local" and cfg["algorithm.name"] == "scaffold":
+        # dc_i = -c - dy_i/(K eta) would release the clipped-and-noised dy_i exactly
+        raise ConfigError("privacy.dp.mode: local DP cannot wrap algorithm.name scaffold (its "
+                          "control-variate update reveals the model delta without noise); use "
+                          "privacy.dp.mode=none or another algorithm")
 
 
 # ---------------------------------------------------------------- the mechanism
@@ -173,9 +178,15 @@ def install(course) -> None:
         def private_fit(client_id, data, received, round_):
             result = fit(client_id, data, received, round_)
             if client_id in noisy:
-                model, norm = privatize(result.content["model"], received["model"], clip, sigma,
-                                        _generator(seed, client_id, round_))
-                result.content = dict(result.content, model=model)
+                gen = _generator(seed, client_id, round_)
+                if "delta" in result.content:  # updates sent as deltas (FedBuff): noise those
+                    delta = result.content["delta"]
+                    zero = {n: torch.zeros_like(t) for n, t in delta.items()}
+                    delta, norm = privatize(delta, zero, clip, sigma, gen)
+                    result.content = dict(result.content, delta=delta)
+                else:
+                    model, norm = privatize(result.content["model"], received["model"], clip, sigma, gen)
+                    result.content = dict(result.content, model=model)
                 result.metrics["dp_update_norm"] = norm
             return result
         trainer.fit = private_fit

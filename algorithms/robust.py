@@ -36,6 +36,7 @@ INCOMPATIBLE = {
     "scaffold": "its control variates are averaged alongside the model",
     "feddyn": "its server state is built from every client's model",
     "fedasync": "it mixes one update at a time, there is nothing to vote on",
+    "fedbuff": "its updates are deltas from each client's own starting model, not models",
 }
 
 declare("aggregator.robust_rule", str, "none", "how updates are combined: none (the algorithm's "
