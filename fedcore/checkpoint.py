@@ -58,6 +58,12 @@ class Checkpointer:
         self.folder = Path(folder) if folder is not None else None
         if self.every and self.folder is None:
             raise ConfigError("checkpoint.every: set checkpoint.path or outdir so checkpoints have a place")
+        if self.every:
+            try:  # now, not at the first checkpoint after a round of training
+                self.folder.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise ConfigError(f"checkpoint.path: cannot create '{self.folder}' "
+                                  f"({exc.strerror or exc}); choose a writable folder") from None
         # name -> (get, set): state that plug-ins keep outside the aggregator and the store
         # (e.g. the privacy ledger); saved with every checkpoint and restored on resume.
         self.extras: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}

@@ -51,6 +51,19 @@ def load_initial_model(model: torch.nn.Module, path: str) -> None:
                           f"({first})") from None
 
 
+def check_share_params(model: torch.nn.Module, cfg) -> None:
+    """Each `federate.share_params` pattern must name some entry: a typo would otherwise keep
+    the whole model local and the course would train nothing together, silently."""
+    import fnmatch
+    patterns = cfg["federate.share_params"] or []
+    names = list(model.state_dict())
+    for p in patterns:
+        if not isinstance(p, str) or not any(fnmatch.fnmatchcase(n, p) for n in names):
+            shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
+            raise ConfigError(f"federate.share_params: pattern {p!r} matches no entry of model.type "
+                              f"{cfg['model.type']} ({shown})")
+
+
 class Course:
     """One federated course in simulation (virtual time, one process)."""
 
@@ -106,6 +119,7 @@ class Course:
         model = build_model(self.cfg, self.data.input_shape, self.data.num_classes)
         if self.cfg["model.init_from"]:
             load_initial_model(model, self.cfg["model.init_from"])
+        check_share_params(model, self.cfg)
         return model
 
     def make_server(self, model: torch.nn.Module, sampled_from: list[int]) -> Server:

@@ -100,3 +100,10 @@ def test_resume_refuses_a_checkpoint_without_a_plugins_state(tmp_path):
     with pytest.raises(ConfigError, match="holds no state for 'privacy.dp'"):
         Course(small_cfg(tmp_path / "dp", privacy__dp__mode="central",
                          resume_from=str(tmp_path / "full" / "checkpoints" / "round_1.pt"), **common)).build()
+
+
+def test_an_unwritable_checkpoint_path_is_a_config_error_before_training(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(ConfigError, match="checkpoint.path: cannot create"):
+        Course(small_cfg(tmp_path / "x", checkpoint__every=1, checkpoint__path=str(blocker / "sub"))).build()

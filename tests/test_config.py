@@ -76,3 +76,13 @@ def test_config_reference_in_docs_is_current():
     assert r.returncode == 0
     assert doc.read_text() == r.stdout, \
         "docs/config.md is stale: python -m fedcore.run --list-keys > docs/config.md"
+
+
+def test_share_params_patterns_that_match_nothing_are_refused():
+    import pytest
+    from fedcore.course import Course
+    from fedcore.errors import ConfigError
+    from tests.conftest import small_cfg
+    with pytest.raises(ConfigError, match="federate.share_params: pattern 'fc.weigth' matches no entry"):
+        Course(small_cfg(federate__share_params=["fc.weigth"])).build()
+    Course(small_cfg(federate__share_params=["*.weight"])).build()   # a pattern that matches is fine
