@@ -41,10 +41,13 @@ class FedDynTrainer(Trainer):
     def __init__(self, model, cfg, store):
         super().__init__(model, cfg, store)
         self.alpha = cfg["algorithm.feddyn.alpha"]
-        self.names = [n for n in self.param_names if self.shared(n)]
-        self._params = [self.entries[n] for n in self.names]
+        self.shared_changed()
         self._anchor: list[torch.Tensor] = []
         self._g: list[torch.Tensor] = []
+
+    def shared_changed(self) -> None:
+        self.names = [n for n in self.param_names if self.shared(n)]
+        self._params = [self.entries[n] for n in self.names]
 
     def begin(self, client_state: dict, received: dict) -> None:
         self._anchor = [received["model"][n] for n in self.names]   # theta^{t-1}, read only
@@ -73,6 +76,9 @@ class FedDynAggregator(Aggregator):
         self.alpha = cfg["algorithm.feddyn.alpha"]
         names = [n for n, p in model.named_parameters() if p.requires_grad and self.shared(n)]
         self.h: dict[str, torch.Tensor] = {n: torch.zeros_like(self.global_state[n]) for n in names}
+
+    def shared_changed(self) -> None:
+        self.h = {n: h for n, h in self.h.items() if self.shared(n)}
 
     def weights(self, updates: list[ReceivedUpdate]) -> list[float]:
         return [1.0] * len(updates)   # Algorithm 1 averages the active clients uniformly

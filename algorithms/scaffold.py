@@ -55,13 +55,16 @@ class ScaffoldTrainer(Trainer):
     def __init__(self, model, cfg, store):
         super().__init__(model, cfg, store)
         self.lr = cfg["train.optimizer.lr"]
-        self.names = [n for n in self.param_names if self.shared(n)]
-        self._corrected = [self.entries[n] for n in self.names]
+        self.shared_changed()
         self._correction: list[torch.Tensor] = []
         if not _plain_sgd(cfg):
             log.warning("scaffold: train.optimizer is not plain SGD (type sgd, momentum 0, "
                         "weight_decay 0); c_i+ = c_i - c + (x - y_i)/(K eta) then no longer "
                         "estimates the client gradient as in the paper")
+
+    def shared_changed(self) -> None:
+        self.names = [n for n in self.param_names if self.shared(n)]
+        self._corrected = [self.entries[n] for n in self.names]
 
     def begin(self, client_state: dict, received: dict) -> None:
         c = received["control"]
@@ -104,6 +107,9 @@ class ScaffoldAggregator(Aggregator):
         self.weighting = cfg["algorithm.scaffold.weighting"]
         names = [n for n, p in model.named_parameters() if p.requires_grad and self.shared(n)]
         self.control: dict[str, torch.Tensor] = {n: torch.zeros_like(self.global_state[n]) for n in names}
+
+    def shared_changed(self) -> None:
+        self.control = {n: c for n, c in self.control.items() if self.shared(n)}
 
     def broadcast(self, round_: int) -> dict:
         content = super().broadcast(round_)
