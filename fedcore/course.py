@@ -88,7 +88,11 @@ class Course:
         cfg = self.cfg
         self.data = data if data is not None else build_federated_data(cfg)
         model = self.make_model()
-        self.store = make_state_store(cfg["state.store"], cfg["state.path"])
+        try:
+            self.store = make_state_store(cfg["state.store"], cfg["state.path"])
+        except OSError as exc:
+            raise ConfigError(f"state.path: cannot use '{cfg['state.path']}' for the disk state store "
+                              f"({exc.strerror or exc}); choose a writable folder") from None
         self.trainer = self.algorithm.trainer(copy.deepcopy(model), cfg, self.store)
         self.timing = TimeModel.from_config(cfg, self.client_ids)
         self.comm = InProcessComm(self.scheduler, self.timing, self.monitor.count_bytes)
