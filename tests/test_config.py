@@ -110,3 +110,13 @@ def test_an_unusable_state_path_is_a_config_error(tmp_path):
     blocker.write_text("")
     with pytest.raises(ConfigError, match="state.path: cannot use"):
         Course(small_cfg(state__store="disk", state__path=str(blocker / "sub"))).build()
+
+
+def test_malformed_yaml_is_one_line_with_its_place(tmp_path):
+    from fedcore.config import load_config
+    from fedcore.errors import ConfigError
+    p = _write(tmp_path, "federate: {client_num: 4\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(p)
+    message = str(info.value)
+    assert "\n" not in message and "is not valid YAML" in message and "line 2" in message
