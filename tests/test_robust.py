@@ -120,3 +120,14 @@ def test_a_rule_that_changes_nothing_keeps_the_algorithms_weights(overrides):
     plain = _final(**overrides)
     bounded = _final(aggregator__robust_rule="norm_bound", aggregator__norm_bound=1e9, **overrides)
     assert max(float((plain[k].double() - bounded[k].double()).abs().max()) for k in plain) < 1e-6
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(asyn__use=True, asyn__min_received_num=2),                            # goal of 2
+    dict(asyn__use=True, asyn__aggregator="time_up", asyn__time_budget=1.0),   # as few as 1
+])
+def test_krum_counts_the_updates_an_async_aggregation_has(overrides):
+    # six clients per round, but each aggregation holds the goal's updates: Krum cannot score 2
+    with pytest.raises(ConfigError, match="an aggregation may have only"):
+        small_cfg(aggregator__robust_rule="krum", **overrides)
+    small_cfg(aggregator__robust_rule="krum", **dict(overrides, asyn__min_received_num=3))
