@@ -71,9 +71,12 @@ class ScaffoldTrainer(Trainer):
         c_i = client_state.get("c_i")
         # c - c_i, fixed for the whole round
         self._correction = [c[n].clone() if c_i is None else c[n] - c_i[n] for n in self.names]
+        self._lr_sum = 0.0
 
     @torch.no_grad()
     def adjust_gradients(self) -> None:
+        # once per optimizer step: the step sizes actually used (an LR schedule changes them)
+        self._lr_sum += self.optimizer.param_groups[0]["lr"]
         for p, corr in zip(self._corrected, self._correction):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -89,7 +92,8 @@ class ScaffoldTrainer(Trainer):
         delta_control, new_c_i = {}, {}
         for n in self.names:
             if steps > 0:
-                new = c_i[n] - c[n] + (x[n] - y[n]) / (steps * self.lr)
+                # (x - y)/(K eta) with constant eta; the sum of the step sizes taken in general
+                new = c_i[n] - c[n] + (x[n] - y[n]) / self._lr_sum
             else:  # no local data: nothing learnt, keep c_i
                 new = c_i[n].clone()
             delta_control[n] = new - c_i[n]
