@@ -182,3 +182,11 @@ def test_a_wrapped_fit_is_run_sequentially_with_a_reason(caplog):
         course, _, _ = _run("vectorized", privacy__dp__mode="local")
     assert not isinstance(course.trainer, BatchingTrainer)
     assert any("wraps the trainer's fit" in r.getMessage() for r in caplog.records)
+
+
+def test_measured_time_runs_sequentially_with_a_reason(caplog):
+    # measured compute time needs each client's own training on the stopwatch, not a batch's
+    with caplog.at_level(logging.WARNING, logger="fedcore.executor"):
+        course, _, _ = _run("vectorized", time__mode="measured")
+    assert not isinstance(course.trainer, BatchingTrainer)
+    assert any("time.mode=measured" in r.getMessage() for r in caplog.records)
