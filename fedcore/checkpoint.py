@@ -122,6 +122,12 @@ def resume(course, path: str) -> float:
     if missing:
         raise ConfigError(f"resume_from: '{path}' was written for another model (entry "
                           f"'{sorted(missing)[0]}' differs)")
+    for name, t in server.aggregator.global_state.items():
+        saved = state["global_state"][name]
+        if saved.shape != t.shape or saved.dtype != t.dtype:
+            raise ConfigError(f"resume_from: '{path}' was written for another model (entry '{name}' "
+                              f"is {saved.dtype} {tuple(saved.shape)}, this course's is {t.dtype} "
+                              f"{tuple(t.shape)}); resume with the model.* keys that wrote it")
     extras = state.get("extras", {})
     absent = sorted(set(course.checkpointer.extras) - set(extras))
     if absent:

@@ -107,3 +107,13 @@ def test_an_unwritable_checkpoint_path_is_a_config_error_before_training(tmp_pat
     blocker.write_text("")
     with pytest.raises(ConfigError, match="checkpoint.path: cannot create"):
         Course(small_cfg(tmp_path / "x", checkpoint__every=1, checkpoint__path=str(blocker / "sub"))).build()
+
+
+@pytest.mark.parametrize("changed", [dict(model__dtype="float64"), dict(model__hidden=[5])])
+def test_resume_refuses_a_checkpoint_of_another_shape_or_dtype(tmp_path, changed):
+    # same entry names, other shapes or dtype: refused, not a crash in round 1 or a mixed-dtype run
+    common = dict(federate__total_round_num=3, model__type="mlp", model__hidden=[4])
+    Course(small_cfg(tmp_path / "full", checkpoint__every=1, **common)).run()
+    with pytest.raises(ConfigError, match="was written for another model"):
+        Course(small_cfg(tmp_path / "r", resume_from=str(tmp_path / "full" / "checkpoints" / "round_1.pt"),
+                         **dict(common, **changed))).build()
