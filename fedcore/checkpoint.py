@@ -84,6 +84,7 @@ class Checkpointer:
         state: dict[str, Any] = {
             "format": FORMAT,
             "round": server.round,
+            "algorithm": course.cfg["algorithm.name"],
             "virtual_time": server.now,
             "global_state": server.aggregator.global_state,
             "aggregator": server.aggregator.state_dict(),
@@ -118,6 +119,10 @@ def resume(course, path: str) -> float:
     if state["round"] >= total:
         raise ConfigError(f"resume_from: '{path}' is of round {state['round']}, the course's last "
                           f"(federate.total_round_num={total}); raise it to train further")
+    algorithm = course.cfg["algorithm.name"]
+    if state.get("algorithm", algorithm) != algorithm:
+        raise ConfigError(f"resume_from: '{path}' was written by algorithm.name {state['algorithm']}, "
+                          f"not {algorithm}; resume with the algorithm that wrote it")
     missing = set(server.aggregator.global_state) ^ set(state["global_state"])
     if missing:
         raise ConfigError(f"resume_from: '{path}' was written for another model (entry "

@@ -117,3 +117,11 @@ def test_resume_refuses_a_checkpoint_of_another_shape_or_dtype(tmp_path, changed
     with pytest.raises(ConfigError, match="was written for another model"):
         Course(small_cfg(tmp_path / "r", resume_from=str(tmp_path / "full" / "checkpoints" / "round_1.pt"),
                          **dict(common, **changed))).build()
+
+
+def test_resume_refuses_a_checkpoint_of_another_algorithm(tmp_path):
+    # FedAvg has no server state: SCAFFOLD resumed from it would start from missing control variates
+    Course(small_cfg(tmp_path / "full", checkpoint__every=1, federate__total_round_num=3)).run()
+    with pytest.raises(ConfigError, match="written by algorithm.name fedavg, not scaffold"):
+        Course(small_cfg(tmp_path / "r", federate__total_round_num=3, algorithm__name="scaffold",
+                         resume_from=str(tmp_path / "full" / "checkpoints" / "round_1.pt"))).build()
