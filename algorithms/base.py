@@ -160,6 +160,11 @@ class Trainer:
         the others start from the initial model and stay in each client's state."""
         self.shared = shared
         self._local_init = {k: v.detach().clone() for k, v in self.entries.items() if not shared(k)}
+        self.shared_changed()
+
+    def shared_changed(self) -> None:
+        """Hook: `self.shared` changed; recompute whatever was derived from it (the entries an
+        algorithm regularises or corrects)."""
 
     # ------------------------------------------------------------ set-up
     def _build_optimizer(self) -> torch.optim.Optimizer:
@@ -319,6 +324,14 @@ class Aggregator:
             k: v.detach().clone() for k, v in model.state_dict().items()}
         # staleness -> weight factor; set by asynchronous courses (None: every update counts fully)
         self.discount: Callable[[int], float] | None = None
+
+    def set_shared(self, shared) -> None:
+        """Change which entries are exchanged (a `ShareFilter`-like callable) before any round."""
+        self.shared = shared
+        self.shared_changed()
+
+    def shared_changed(self) -> None:
+        """Hook: `self.shared` changed; drop server state kept for entries no longer exchanged."""
 
     def broadcast(self, round_: int) -> dict[str, Any]:
         """The content sent to sampled clients (by reference: never mutated afterwards)."""

@@ -59,7 +59,9 @@ def replace_combination(aggregator: Aggregator, rule: CombineRule, label: str) -
         base = aggregator.global_state
         models = [u.content["model"] for u in updates]
         names = float_names(models[0])
-        weights = [float(u.content.get("num_samples", 1.0)) for u in updates]
+        # the aggregator's own weights: its weighting rule (e.g. DiLoCo's uniform) and, in an
+        # asynchronous course, the staleness discount
+        weights = [float(w) for w in aggregator.weights(updates)]
         if sum(weights) <= 0:
             weights = [1.0] * len(updates)
         deltas = [{n: m[n].to(torch.float64) - base[n].to(torch.float64) for n in names} for m in models]

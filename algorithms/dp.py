@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from fedcore import registry
@@ -58,10 +59,15 @@ def _check_dp(cfg) -> None:
         if cfg["aggregator.robust_rule"] != "none":
             raise ConfigError("privacy.dp.mode: central DP replaces the aggregation, so it cannot be "
                               "combined with aggregator.robust_rule; set one of them to none")
-        if cfg["algorithm.name"] in ("scaffold", "feddyn", "fedasync"):
+        if cfg["algorithm.name"] in ("scaffold", "feddyn", "fedasync", "fedbuff"):
             raise ConfigError(f"privacy.dp.mode: central DP cannot wrap algorithm.name "
                               f"{cfg['algorithm.name']} (its aggregation uses more than the mean "
                               "model); use privacy.dp.mode=local")
+    if mode == "local" and cfg["algorithm.name"] == "scaffold":
+        # dc_i = -c - dy_i/(K eta) would release the clipped-and-noised dy_i exactly
+        raise ConfigError("privacy.dp.mode: local DP cannot wrap algorithm.name scaffold (its "
+                          "control-variate update reveals the model delta without noise); use "
+                          "privacy.dp.mode=none or another algorithm")
 
 
 # ---------------------------------------------------------------- the mechanism
@@ -125,6 +131,16 @@ class _Ledger:
         self.central = RdpAccountant()
         self.releases: dict[int, int] = {}
 
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps: the privacy already spent must survive a resume."""
+        return {"rdp": [float(r) for r in self.central._rdp], "steps": self.central.steps,
+                "releases": {int(c): n for c, n in self.releases.items()}}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.central._rdp = np.array(state["rdp"], dtype=float)
+        self.central.steps = int(state["steps"])
+        self.releases = {int(c): int(n) for c, n in state["releases"].items()}
+
     def record(self, client_ids: list[int], noisy: set[int]) -> dict[str, Any]:
         if self.sigma == 0:
             return {"dp_epsilon": None}  # no noise: no finite guarantee
@@ -147,6 +163,8 @@ def install(course) -> None:
     cfg = course.cfg
     clip, sigma, seed = cfg["privacy.dp.clip_norm"], cfg["privacy.dp.noise_multiplier"], cfg["seed"]
     ledger = _Ledger(course)
+    if getattr(course, "checkpointer", None) is not None:   # a deployment's client has none
+        course.checkpointer.register("privacy.dp", ledger.state, ledger.restore)
     aggregator = course.server.aggregator
     if cfg["privacy.dp.mode"] == "central":
         replace_combination(aggregator, central_dp_rule(clip, sigma, seed), "privacy.dp.mode central")
@@ -160,9 +178,15 @@ def install(course) -> None:
         def private_fit(client_id, data, received, round_):
             result = fit(client_id, data, received, round_)
             if client_id in noisy:
-                model, norm = privatize(result.content["model"], received["model"], clip, sigma,
-                                        _generator(seed, client_id, round_))
-                result.content = dict(result.content, model=model)
+                gen = _generator(seed, client_id, round_)
+                if "delta" in result.content:  # updates sent as deltas (FedBuff): noise those
+                    delta = result.content["delta"]
+                    zero = {n: torch.zeros_like(t) for n, t in delta.items()}
+                    delta, norm = privatize(delta, zero, clip, sigma, gen)
+                    result.content = dict(result.content, delta=delta)
+                else:
+                    model, norm = privatize(result.content["model"], received["model"], clip, sigma, gen)
+                    result.content = dict(result.content, model=model)
                 result.metrics["dp_update_norm"] = norm
             return result
         trainer.fit = private_fit

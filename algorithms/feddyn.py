@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from fedcore.algorithms.base import Aggregator, Algorithm, ReceivedUpdate, Trainer, weighted_mean
-from fedcore.config import declare
+from fedcore.config import declare, validator
+from fedcore.errors import ConfigError
 from fedcore.registry import algorithms
 
 __all__ = ["FedDynTrainer", "FedDynAggregator", "FEDDYN"]
@@ -24,16 +25,29 @@ declare("algorithm.feddyn.alpha", float, 0.01, "feddyn: regularisation coefficie
         "subtracts h/alpha); use algorithm.name=fedavg for no regulariser")
 
 
+@validator
+def _check_feddyn(cfg) -> None:
+    # The server's h and theta^t use theta_k - theta^{t-1} of the round every client started
+    # from; a stale theta_k would be taken against a newer model (and uniform weights ignore
+    # the staleness discount), so asynchronous aggregation is not FedDyn.
+    if cfg["algorithm.name"] == "feddyn" and cfg.get("asyn.use", False):
+        raise ConfigError("asyn.use: algorithm feddyn is synchronous (its server state h needs each "
+                          "model's drift from the round it started from); set asyn.use=false")
+
+
 class FedDynTrainer(Trainer):
     """Local training on the dynamically regularised objective; updates g_k."""
 
     def __init__(self, model, cfg, store):
         super().__init__(model, cfg, store)
         self.alpha = cfg["algorithm.feddyn.alpha"]
-        self.names = [n for n in self.param_names if self.shared(n)]
-        self._params = [self.entries[n] for n in self.names]
+        self.shared_changed()
         self._anchor: list[torch.Tensor] = []
         self._g: list[torch.Tensor] = []
+
+    def shared_changed(self) -> None:
+        self.names = [n for n in self.param_names if self.shared(n)]
+        self._params = [self.entries[n] for n in self.names]
 
     def begin(self, client_state: dict, received: dict) -> None:
         self._anchor = [received["model"][n] for n in self.names]   # theta^{t-1}, read only
@@ -62,6 +76,9 @@ class FedDynAggregator(Aggregator):
         self.alpha = cfg["algorithm.feddyn.alpha"]
         names = [n for n, p in model.named_parameters() if p.requires_grad and self.shared(n)]
         self.h: dict[str, torch.Tensor] = {n: torch.zeros_like(self.global_state[n]) for n in names}
+
+    def shared_changed(self) -> None:
+        self.h = {n: h for n, h in self.h.items() if self.shared(n)}
 
     def weights(self, updates: list[ReceivedUpdate]) -> list[float]:
         return [1.0] * len(updates)   # Algorithm 1 averages the active clients uniformly

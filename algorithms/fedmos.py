@@ -78,11 +78,12 @@ class FedMoSTrainer(Trainer):
             work += float(len(y))
             d = [g + (1 - self.a) * (d_old - g_old)
                  for g, d_old, g_old in zip(grads, buf["d"], prev_grads)]
+        lr = self.optimizer.param_groups[0]["lr"]   # eta of this step (an LR schedule moves it)
         with torch.no_grad():
             buf["w_prev"] = [p.detach().clone() for p in self.params] if self.a != 1 else None
             for p, d_p, w_g in zip(self.params, d, self._anchor):
                 pull = p - w_g if (self.mu != 0 and w_g is not None) else None
-                p.add_(d_p, alpha=-self.lr)
+                p.add_(d_p, alpha=-lr)
                 if pull is not None:
                     p.add_(pull, alpha=-self.mu)
         buf["d"] = [t.detach() for t in d]

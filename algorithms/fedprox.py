@@ -51,7 +51,7 @@ class FedProxTrainer(Trainer):
         super().__init__(model, cfg, store)
         self.mu = cfg["algorithm.fedprox.mu"]
         self.fraction = cfg["algorithm.fedprox.straggler_fraction"]
-        self._prox = [(p, n) for p, n in zip(self.params, self.param_names) if self.shared(n)]
+        self.shared_changed()
         self._anchor: list[torch.Tensor] = []
         self._round = 0
         self._client = 0
@@ -66,6 +66,9 @@ class FedProxTrainer(Trainer):
         epochs = None if self.cfg["train.local_steps"] is not None else self.cfg["train.local_epochs"]
         return straggler_steps(self.cfg["seed"], self._round, self._client, self.fraction, epochs,
                                per_epoch, full)
+
+    def shared_changed(self) -> None:
+        self._prox = [(p, n) for p, n in zip(self.params, self.param_names) if self.shared(n)]
 
     def begin(self, client_state: dict, received: dict) -> None:
         # w^t: the received global model (read only; those tensors are never mutated)

@@ -116,7 +116,7 @@ def _install_fedbn(course) -> None:
                           f"model.type {course.cfg['model.type']} has none (try mlp_bn or cnn_bn)")
     rule = ExcludeEntries(trainer.shared, bn)
     trainer.set_shared(rule)
-    aggregator.shared = ExcludeEntries(aggregator.shared, bn)
+    aggregator.set_shared(ExcludeEntries(aggregator.shared, bn))
 
 
 def _install_ditto(course) -> None:

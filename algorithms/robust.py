@@ -36,6 +36,7 @@ INCOMPATIBLE = {
     "scaffold": "its control variates are averaged alongside the model",
     "feddyn": "its server state is built from every client's model",
     "fedasync": "it mixes one update at a time, there is nothing to vote on",
+    "fedbuff": "its updates are deltas from each client's own starting model, not models",
 }
 
 declare("aggregator.robust_rule", str, "none", "how updates are combined: none (the algorithm's "
@@ -63,10 +64,15 @@ def _check_robust(cfg) -> None:
     if rule in ("krum", "multi_krum"):
         from fedcore.schema import clients_per_round
         n, f = clients_per_round(cfg), cfg["aggregator.byzantine_num"]
+        where = "a round has at most"
+        if cfg["course"] == "async":
+            # goal_achieved aggregates exactly the goal; time_up as few as the goal
+            from fedcore.handlers.asyn import resolve_strategy
+            n, where = resolve_strategy(cfg).goal, "an aggregation may have only"
         if n <= f + 2:
             raise ConfigError(f"aggregator.byzantine_num: {rule} needs more than f + 2 = {f + 2} "
-                              f"updates per aggregation, a round has at most {n}; lower "
-                              "byzantine_num or sample more clients")
+                              f"updates per aggregation, {where} {n}; lower "
+                              "byzantine_num or sample more clients (asyn.min_received_num)")
     if rule == "norm_bound" and cfg["aggregator.norm_bound"] is None:
         raise ConfigError("aggregator.norm_bound: robust_rule norm_bound needs a bound, e.g. "
                           "aggregator.norm_bound=1.0")

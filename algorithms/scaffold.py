@@ -55,22 +55,28 @@ class ScaffoldTrainer(Trainer):
     def __init__(self, model, cfg, store):
         super().__init__(model, cfg, store)
         self.lr = cfg["train.optimizer.lr"]
-        self.names = [n for n in self.param_names if self.shared(n)]
-        self._corrected = [self.entries[n] for n in self.names]
+        self.shared_changed()
         self._correction: list[torch.Tensor] = []
         if not _plain_sgd(cfg):
             log.warning("scaffold: train.optimizer is not plain SGD (type sgd, momentum 0, "
                         "weight_decay 0); c_i+ = c_i - c + (x - y_i)/(K eta) then no longer "
                         "estimates the client gradient as in the paper")
 
+    def shared_changed(self) -> None:
+        self.names = [n for n in self.param_names if self.shared(n)]
+        self._corrected = [self.entries[n] for n in self.names]
+
     def begin(self, client_state: dict, received: dict) -> None:
         c = received["control"]
         c_i = client_state.get("c_i")
         # c - c_i, fixed for the whole round
         self._correction = [c[n].clone() if c_i is None else c[n] - c_i[n] for n in self.names]
+        self._lr_sum = 0.0
 
     @torch.no_grad()
     def adjust_gradients(self) -> None:
+        # once per optimizer step: the step sizes actually used (an LR schedule changes them)
+        self._lr_sum += self.optimizer.param_groups[0]["lr"]
         for p, corr in zip(self._corrected, self._correction):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -86,7 +92,8 @@ class ScaffoldTrainer(Trainer):
         delta_control, new_c_i = {}, {}
         for n in self.names:
             if steps > 0:
-                new = c_i[n] - c[n] + (x[n] - y[n]) / (steps * self.lr)
+                # (x - y)/(K eta) with constant eta; the sum of the step sizes taken in general
+                new = c_i[n] - c[n] + (x[n] - y[n]) / self._lr_sum
             else:  # no local data: nothing learnt, keep c_i
                 new = c_i[n].clone()
             delta_control[n] = new - c_i[n]
@@ -104,6 +111,9 @@ class ScaffoldAggregator(Aggregator):
         self.weighting = cfg["algorithm.scaffold.weighting"]
         names = [n for n, p in model.named_parameters() if p.requires_grad and self.shared(n)]
         self.control: dict[str, torch.Tensor] = {n: torch.zeros_like(self.global_state[n]) for n in names}
+
+    def shared_changed(self) -> None:
+        self.control = {n: c for n, c in self.control.items() if self.shared(n)}
 
     def broadcast(self, round_: int) -> dict:
         content = super().broadcast(round_)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -37,6 +37,12 @@ def _check_resume(cfg) -> None:
     path = cfg["resume_from"]
     if path and not Path(path).is_file():
         raise ConfigError(f"resume_from: checkpoint '{path}' does not exist")
+    if path and cfg["course"] == "async":
+        # A checkpoint holds no updates in flight, no buffer and no timers: resuming such a
+        # course could not continue it exactly (and the async handlers have no `resume`).
+        raise ConfigError("resume_from: a course on asyn.* strategies (async, over-selection, "
+                          "time_up) cannot be resumed, its in-flight updates are not in the "
+                          "checkpoint; rerun it from the start or resume a synchronous course")
 
 
 class Checkpointer:
@@ -52,6 +58,20 @@ class Checkpointer:
         self.folder = Path(folder) if folder is not None else None
         if self.every and self.folder is None:
             raise ConfigError("checkpoint.every: set checkpoint.path or outdir so checkpoints have a place")
+        if self.every:
+            try:  # now, not at the first checkpoint after a round of training
+                self.folder.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise ConfigError(f"checkpoint.path: cannot create '{self.folder}' "
+                                  f"({exc.strerror or exc}); choose a writable folder") from None
+        # name -> (get, set): state that plug-ins keep outside the aggregator and the store
+        # (e.g. the privacy ledger); saved with every checkpoint and restored on resume.
+        self.extras: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
+
+    def register(self, name: str, get: Callable[[], Any], set_: Callable[[Any], None]) -> None:
+        """Have `get()` saved in each checkpoint under `name` and `set_(value)` called on resume;
+        values must be loadable with `weights_only=True` (tensors, numbers, lists, dicts)."""
+        self.extras[name] = (get, set_)
 
     def after_aggregation(self, server) -> None:
         if self.every and server.round % self.every == 0:
@@ -64,10 +84,12 @@ class Checkpointer:
         state: dict[str, Any] = {
             "format": FORMAT,
             "round": server.round,
+            "algorithm": course.cfg["algorithm.name"],
             "virtual_time": server.now,
             "global_state": server.aggregator.global_state,
             "aggregator": server.aggregator.state_dict(),
             "sampler_rng": server.sampler.rng.bit_generator.state,
+            "sampler_turn": getattr(server.sampler, "turn", None),   # the group sampler's position
             "torch_rng": torch.get_rng_state(),
             "client_states": {cid: store.load(cid) for cid in course.client_ids if cid in store},
             "records": monitor.records,
@@ -75,6 +97,7 @@ class Checkpointer:
             "bytes": [monitor.total_up, monitor.total_down, monitor.total_other],
             "best": [server.best_acc, server.evals_since_best],
             "target": [monitor.time_to_target, monitor.rounds_to_target],
+            "extras": {name: get() for name, (get, _) in self.extras.items()},
         }
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
@@ -96,13 +119,32 @@ def resume(course, path: str) -> float:
     if state["round"] >= total:
         raise ConfigError(f"resume_from: '{path}' is of round {state['round']}, the course's last "
                           f"(federate.total_round_num={total}); raise it to train further")
+    algorithm = course.cfg["algorithm.name"]
+    if state.get("algorithm", algorithm) != algorithm:
+        raise ConfigError(f"resume_from: '{path}' was written by algorithm.name {state['algorithm']}, "
+                          f"not {algorithm}; resume with the algorithm that wrote it")
     missing = set(server.aggregator.global_state) ^ set(state["global_state"])
     if missing:
         raise ConfigError(f"resume_from: '{path}' was written for another model (entry "
                           f"'{sorted(missing)[0]}' differs)")
+    for name, t in server.aggregator.global_state.items():
+        saved = state["global_state"][name]
+        if saved.shape != t.shape or saved.dtype != t.dtype:
+            raise ConfigError(f"resume_from: '{path}' was written for another model (entry '{name}' "
+                              f"is {saved.dtype} {tuple(saved.shape)}, this course's is {t.dtype} "
+                              f"{tuple(t.shape)}); resume with the model.* keys that wrote it")
+    extras = state.get("extras", {})
+    absent = sorted(set(course.checkpointer.extras) - set(extras))
+    if absent:
+        raise ConfigError(f"resume_from: '{path}' holds no state for '{absent[0]}', which this "
+                          "course keeps; resume with the config that wrote the checkpoint")
     server.aggregator.global_state = state["global_state"]
     server.aggregator.load_state_dict(state["aggregator"])
     server.sampler.rng.bit_generator.state = state["sampler_rng"]
+    if state.get("sampler_turn") is not None:
+        server.sampler.turn = state["sampler_turn"]
+    for name, (_, set_) in course.checkpointer.extras.items():
+        set_(extras[name])
     torch.set_rng_state(state["torch_rng"])
     for cid, client_state in state["client_states"].items():
         course.store.save(int(cid), client_state)

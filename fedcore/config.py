@@ -187,6 +187,13 @@ class _Section:
         raise AttributeError(f"config key '{dotted}' is not declared{nearest_key(dotted)}")
 
 
+def _yaml_problem(exc: Exception) -> str:
+    """A YAML error in one line: the problem and where (PyYAML's message spans several)."""
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    mark = getattr(exc, "problem_mark", None)
+    return f"{problem} (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else problem
+
+
 def parse_override(text: str) -> tuple[str, Any]:
     """'a.b=value' -> ('a.b', YAML-parsed value)."""
     if "=" not in text:
@@ -233,7 +240,7 @@ def load_config(path: str | Path | None, overrides: Iterable[str] = (),
         try:
             tree = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as exc:
-            raise ConfigError(f"--cfg: '{path}' is not valid YAML: {exc}") from None
+            raise ConfigError(f"--cfg: '{path}' is not valid YAML: {_yaml_problem(exc)}") from None
         if not isinstance(tree, dict):
             raise ConfigError(f"--cfg: '{path}' must hold a mapping of config keys")
     _import_plugins(tree.get("plugins") or [])

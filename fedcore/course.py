@@ -51,6 +51,19 @@ def load_initial_model(model: torch.nn.Module, path: str) -> None:
                           f"({first})") from None
 
 
+def check_share_params(model: torch.nn.Module, cfg) -> None:
+    """Each `federate.share_params` pattern must name some entry: a typo would otherwise keep
+    the whole model local and the course would train nothing together, silently."""
+    import fnmatch
+    patterns = cfg["federate.share_params"] or []
+    names = list(model.state_dict())
+    for p in patterns:
+        if not isinstance(p, str) or not any(fnmatch.fnmatchcase(n, p) for n in names):
+            shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
+            raise ConfigError(f"federate.share_params: pattern {p!r} matches no entry of model.type "
+                              f"{cfg['model.type']} ({shown})")
+
+
 class Course:
     """One federated course in simulation (virtual time, one process)."""
 
@@ -75,7 +88,11 @@ class Course:
         cfg = self.cfg
         self.data = data if data is not None else build_federated_data(cfg)
         model = self.make_model()
-        self.store = make_state_store(cfg["state.store"], cfg["state.path"])
+        try:
+            self.store = make_state_store(cfg["state.store"], cfg["state.path"])
+        except OSError as exc:
+            raise ConfigError(f"state.path: cannot use '{cfg['state.path']}' for the disk state store "
+                              f"({exc.strerror or exc}); choose a writable folder") from None
         self.trainer = self.algorithm.trainer(copy.deepcopy(model), cfg, self.store)
         self.timing = TimeModel.from_config(cfg, self.client_ids)
         self.comm = InProcessComm(self.scheduler, self.timing, self.monitor.count_bytes)
@@ -106,6 +123,7 @@ class Course:
         model = build_model(self.cfg, self.data.input_shape, self.data.num_classes)
         if self.cfg["model.init_from"]:
             load_initial_model(model, self.cfg["model.init_from"])
+        check_share_params(model, self.cfg)
         return model
 
     def make_server(self, model: torch.nn.Module, sampled_from: list[int]) -> Server:

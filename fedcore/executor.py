@@ -51,6 +51,18 @@ def install_executor(course) -> None:
     kind = cfg["executor"]
     if kind == "sequential":
         return
+    if cfg["time.mode"] == "measured":
+        # a batch is computed at its first delivery: that client's stopwatch would hold the
+        # whole batch's time and the others' almost none
+        log.warning("executor %s: time.mode=measured times each client's own training; running "
+                    "sequentially", kind)
+        return
+    if "fit" in vars(course.trainer):
+        # A behaviour wrapped this trainer's fit (local DP noise, Ditto's personal model): the
+        # engines compute the plain fit, so its results would silently lack the wrapper's work.
+        log.warning("executor %s: a behaviour (%s) wraps the trainer's fit; running sequentially",
+                    kind, ", ".join(getattr(course, "behaviours", ())) or "extension")
+        return
     from fedcore.batching import BatchingTrainer
     course.trainer = BatchingTrainer.install(course, kind)
 

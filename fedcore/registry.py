@@ -64,7 +64,17 @@ behaviours = Registry("behaviour", "extensions")
 def selected_behaviours(cfg) -> list[str]:
     """The behaviours a course installs: those named in `extensions`, then every registered
     behaviour whose `enabled(cfg)` says its own config keys switch it on (registration order)."""
-    names = list(cfg["extensions"])
+    names: list[str] = []
+    for name in cfg["extensions"]:
+        enabled = getattr(behaviours.get(name), "enabled", None)
+        if enabled is not None and not enabled(cfg):
+            # installing it anyway would run it with its keys saying "off" (e.g. local DP noise
+            # under privacy.dp.mode=none, every client an attacker of type none)
+            raise ConfigError(f"extensions: '{name}' is switched on by its own config keys, which "
+                              "leave it off; set them (e.g. privacy.dp.mode, attack.type, "
+                              "personalization.method) instead of listing it")
+        if name not in names:
+            names.append(name)
     for name in behaviours.names_in_order():
         enabled = getattr(behaviours.get(name), "enabled", None)
         if enabled is not None and name not in names and enabled(cfg):

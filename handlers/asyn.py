@@ -151,6 +151,12 @@ def resolve_strategy(cfg) -> Strategy:
         goal = conc
     if not use and goal > conc:
         raise ConfigError(f"asyn.min_received_num: {goal} exceeds the {conc} clients sampled per round")
+    if use and trigger == "goal_achieved" and cfg["asyn.broadcast_manner"] == "after_aggregating" \
+            and goal > conc:
+        # after_aggregating keeps at most `conc` clients busy until the goal is met: it never is
+        raise ConfigError(f"asyn.min_received_num: a goal of {goal} updates exceeds the {conc} "
+                          "clients kept in flight; lower it, sample more clients or use "
+                          "asyn.broadcast_manner=after_receiving")
     return Strategy(use, trigger, conc, goal, cfg["asyn.time_budget"],
                     cfg["asyn.staleness_toleration"] if use else 0,
                     cfg["asyn.broadcast_manner"] if use else "after_aggregating")

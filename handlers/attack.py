@@ -135,7 +135,11 @@ def install(course) -> None:
     table.register("receiving_models", attack_and_reply, sends=("updates",))
     course.extra_tables.append(table)
     for cid in bad:
-        course.clients[cid].handlers = table
+        client = course.clients[cid]
+        client.handlers = table
+        # The attacker's data is its poisoned data, for whatever trains it: an executor that
+        # batches the fits of one broadcast reads `client.data`, not `attack.data(client)`.
+        client.data = attack.data(client)
     course.monitor.extra_summary.update(attack=attack.kind, attackers=sorted(bad))
     if attack.kind == "backdoor":
         server = course.server

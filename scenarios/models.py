@@ -14,7 +14,7 @@ import math
 import torch
 from torch import nn
 
-from fedcore.config import declare
+from fedcore.config import declare, validator
 from fedcore.errors import ConfigError
 from fedcore.registry import models
 
@@ -29,9 +29,22 @@ declare("model.dropout", float, 0.5, "convnet2: dropout probability before and a
         check=lambda v: None if 0 <= v < 1 else "must be in [0, 1)")
 declare("model.convnet2_hidden", int, 2048, "convnet2: width of the hidden fully connected layer",
         check=lambda v: None if v > 0 else "must be > 0")
-declare("model.lstm.embed", int, 8, "char_lstm: character embedding size")
-declare("model.lstm.hidden", int, 256, "char_lstm: LSTM hidden size")
-declare("model.lstm.layers", int, 2, "char_lstm: stacked LSTM layers")
+declare("model.lstm.embed", int, 8, "char_lstm: character embedding size", check=lambda v: _positive(v))
+declare("model.lstm.hidden", int, 256, "char_lstm: LSTM hidden size", check=lambda v: _positive(v))
+declare("model.lstm.layers", int, 2, "char_lstm: stacked LSTM layers", check=lambda v: _positive(v))
+
+
+def _positive(v) -> str | None:
+    return None if v > 0 else "must be > 0"
+
+
+@validator
+def _check_hidden(cfg) -> None:
+    """Layer widths are positive integers (a zero or negative width fails deep inside torch)."""
+    widths = cfg["model.hidden"]
+    if not all(isinstance(h, int) and not isinstance(h, bool) and h > 0 for h in widths):
+        raise ConfigError(f"model.hidden: {widths} must be a list of positive layer widths, "
+                          "e.g. [64] or [128, 64]")
 
 
 def build_model(cfg, input_shape, num_classes: int) -> nn.Module:

@@ -142,6 +142,13 @@ def test_asyn_use_selects_the_async_course_and_sync_stays_default():
     assert resolve_strategy(small_cfg(asyn__overselection=True, federate__sample_client_num=4)).concurrency == 6
 
 
+def test_a_goal_above_the_concurrency_is_reachable_after_receiving():
+    # after_receiving tops clients up on every arrival, so the buffer grows past the concurrency
+    summary = Course(small_cfg(asyn__use=True, asyn__broadcast_manner="after_receiving",
+                               federate__sample_client_num=2, asyn__min_received_num=3)).run()
+    assert summary["rounds"] == 2
+
+
 def test_goal_from_rate_and_defaults():
     st = resolve_strategy(small_cfg(asyn__use=True, federate__sample_client_num=4,
                                     asyn__min_received_rate=0.5))
@@ -157,6 +164,9 @@ def test_goal_from_rate_and_defaults():
     ({"asyn__use": True, "asyn__staleness_discount": "cubic"}, "not one of"),
     ({"asyn__time_budget": 2.0, "federate__sample_client_num": 2, "asyn__min_received_num": 3},
      "exceeds the 2 clients"),
+    # after_aggregating never has more than the concurrency in flight: the goal cannot be met
+    ({"asyn__use": True, "federate__sample_client_num": 2, "asyn__min_received_num": 3},
+     "exceeds the 2 clients kept in flight"),
 ])
 def test_bad_async_configs_are_refused(overrides, match):
     with pytest.raises(ConfigError, match=match):

@@ -63,3 +63,65 @@ def test_resume_refuses_bad_checkpoints(tmp_path):
     with pytest.raises(ConfigError, match="the course's last"):
         Course(small_cfg(tmp_path / "z", federate__total_round_num=1,
                          resume_from=str(tmp_path / "y" / "checkpoints" / "round_1.pt"))).build()
+
+
+@pytest.mark.parametrize("strategy", [dict(asyn__use=True, asyn__min_received_num=2),
+                                      dict(asyn__overselection=True)])
+def test_resume_of_an_async_course_is_refused_at_config_time(tmp_path, strategy):
+    # In-flight updates, the buffer and timers are not in a checkpoint: refuse, do not stall.
+    common = dict(federate__sample_client_num=3, federate__total_round_num=3, **strategy)
+    Course(small_cfg(tmp_path / "full", checkpoint__every=1, **common)).run()
+    ckpt = tmp_path / "full" / "checkpoints" / "round_1.pt"
+    assert ckpt.is_file()
+    with pytest.raises(ConfigError, match="resume_from: a course on asyn"):
+        small_cfg(tmp_path / "resumed", resume_from=str(ckpt), **common)
+
+
+@pytest.mark.parametrize("extra", [
+    dict(privacy__dp__mode="central"),                     # the privacy spent must not restart
+    dict(privacy__dp__mode="local"),
+    dict(federate__sampler="group", federate__sampler_groups=3),   # the group taken next
+])
+def test_plugin_state_survives_resume(tmp_path, extra):
+    common = dict(federate__sample_client_num=2, federate__total_round_num=4, eval__clients=False,
+                  **extra)
+    Course(small_cfg(tmp_path / "full", checkpoint__every=2, **common)).run()
+    Course(small_cfg(tmp_path / "resumed", resume_from=str(tmp_path / "full" / "checkpoints" / "round_2.pt"),
+                     **common)).run()
+    fields = TRAINING_FIELDS + ("dp_epsilon",)
+    rows = lambda p: [{k: r.get(k) for k in fields}
+                      for r in map(json.loads, (p / "metrics.jsonl").read_text().splitlines())]
+    assert rows(tmp_path / "resumed") == rows(tmp_path / "full")
+
+
+def test_resume_refuses_a_checkpoint_without_a_plugins_state(tmp_path):
+    common = dict(federate__total_round_num=3, eval__clients=False)
+    Course(small_cfg(tmp_path / "full", checkpoint__every=1, **common)).run()
+    with pytest.raises(ConfigError, match="holds no state for 'privacy.dp'"):
+        Course(small_cfg(tmp_path / "dp", privacy__dp__mode="central",
+                         resume_from=str(tmp_path / "full" / "checkpoints" / "round_1.pt"), **common)).build()
+
+
+def test_an_unwritable_checkpoint_path_is_a_config_error_before_training(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(ConfigError, match="checkpoint.path: cannot create"):
+        Course(small_cfg(tmp_path / "x", checkpoint__every=1, checkpoint__path=str(blocker / "sub"))).build()
+
+
+@pytest.mark.parametrize("changed", [dict(model__dtype="float64"), dict(model__hidden=[5])])
+def test_resume_refuses_a_checkpoint_of_another_shape_or_dtype(tmp_path, changed):
+    # same entry names, other shapes or dtype: refused, not a crash in round 1 or a mixed-dtype run
+    common = dict(federate__total_round_num=3, model__type="mlp", model__hidden=[4])
+    Course(small_cfg(tmp_path / "full", checkpoint__every=1, **common)).run()
+    with pytest.raises(ConfigError, match="was written for another model"):
+        Course(small_cfg(tmp_path / "r", resume_from=str(tmp_path / "full" / "checkpoints" / "round_1.pt"),
+                         **dict(common, **changed))).build()
+
+
+def test_resume_refuses_a_checkpoint_of_another_algorithm(tmp_path):
+    # FedAvg has no server state: SCAFFOLD resumed from it would start from missing control variates
+    Course(small_cfg(tmp_path / "full", checkpoint__every=1, federate__total_round_num=3)).run()
+    with pytest.raises(ConfigError, match="written by algorithm.name fedavg, not scaffold"):
+        Course(small_cfg(tmp_path / "r", federate__total_round_num=3, algorithm__name="scaffold",
+                         resume_from=str(tmp_path / "full" / "checkpoints" / "round_1.pt"))).build()

@@ -76,3 +76,47 @@ def test_config_reference_in_docs_is_current():
     assert r.returncode == 0
     assert doc.read_text() == r.stdout, \
         "docs/config.md is stale: python -m fedcore.run --list-keys > docs/config.md"
+
+
+def test_share_params_patterns_that_match_nothing_are_refused():
+    import pytest
+    from fedcore.course import Course
+    from fedcore.errors import ConfigError
+    from tests.conftest import small_cfg
+    with pytest.raises(ConfigError, match="federate.share_params: pattern 'fc.weigth' matches no entry"):
+        Course(small_cfg(federate__share_params=["fc.weigth"])).build()
+    Course(small_cfg(federate__share_params=["*.weight"])).build()   # a pattern that matches is fine
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(model__type="mlp", model__hidden=[-3]), "model.hidden: \\[-3\\] must be a list of positive"),
+    (dict(model__type="mlp", model__hidden=[0]), "model.hidden"),
+    (dict(data__synthetic__dim=0), "data.synthetic.dim: must be > 0"),
+    (dict(data__synthetic__num_classes=1), "data.synthetic.num_classes: must be >= 2"),
+    (dict(model__lstm__hidden=0), "model.lstm.hidden: must be > 0"),
+])
+def test_sizes_that_torch_would_reject_deep_inside_are_config_errors(overrides, match):
+    from fedcore.errors import ConfigError
+    from tests.conftest import small_cfg
+    with pytest.raises(ConfigError, match=match):
+        small_cfg(**overrides)
+
+
+def test_an_unusable_state_path_is_a_config_error(tmp_path):
+    from fedcore.course import Course
+    from fedcore.errors import ConfigError
+    from tests.conftest import small_cfg
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(ConfigError, match="state.path: cannot use"):
+        Course(small_cfg(state__store="disk", state__path=str(blocker / "sub"))).build()
+
+
+def test_malformed_yaml_is_one_line_with_its_place(tmp_path):
+    from fedcore.config import load_config
+    from fedcore.errors import ConfigError
+    p = _write(tmp_path, "federate: {client_num: 4\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(p)
+    message = str(info.value)
+    assert "\n" not in message and "is not valid YAML" in message and "line 2" in message

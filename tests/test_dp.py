@@ -87,3 +87,25 @@ def test_dp_config_errors():
         small_cfg(None, privacy__dp__mode="central", aggregator__robust_rule="median")
     with pytest.raises(ConfigError, match="privacy.dp.clients: \\[9\\] are not client ids"):
         Course(small_cfg(None, privacy__dp__mode="local", privacy__dp__clients=[9])).build()
+
+
+def test_local_dp_clips_fedbuffs_deltas(tmp_path):
+    # FedBuff sends deltas (its "model" holds only non-float entries): those must be clipped.
+    cfg = small_cfg(tmp_path, algorithm__name="fedbuff", privacy__dp__mode="local",
+                    privacy__dp__clip_norm=1e-3, privacy__dp__noise_multiplier=0.0,
+                    federate__sample_client_num=1, federate__total_round_num=1, eval__clients=False)
+    course = Course(cfg).build()
+    before = dict(course.server.aggregator.global_state)
+    course.run()
+    after = course.server.aggregator.global_state
+    moved = torch.cat([(after[k] - before[k]).reshape(-1) for k in before]).norm().item()
+    assert 0 < moved <= 1e-3 * (1 + 1e-5)
+
+
+def test_dp_refuses_algorithms_it_cannot_wrap_at_config_time():
+    with pytest.raises(ConfigError, match="local DP cannot wrap algorithm.name scaffold"):
+        small_cfg(algorithm__name="scaffold", privacy__dp__mode="local")
+    with pytest.raises(ConfigError, match="central DP cannot wrap algorithm.name fedbuff"):
+        small_cfg(algorithm__name="fedbuff", privacy__dp__mode="central")
+    with pytest.raises(ConfigError, match="median cannot be combined with algorithm.name fedbuff"):
+        small_cfg(algorithm__name="fedbuff", aggregator__robust_rule="median")

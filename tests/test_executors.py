@@ -161,3 +161,32 @@ def test_processes_fall_back_for_good_when_a_state_cannot_travel(caplog):
     assert any("running sequentially from now on" in r.getMessage() for r in caplog.records)
     assert course.trainer.batched_fits == 0
     assert _max_diff(seq, par) == 0.0 and par_trace == seq_trace
+
+
+@pytest.mark.parametrize("executor", ["vectorized", "processes"])
+@pytest.mark.parametrize("overrides", [
+    dict(privacy__dp__mode="local", privacy__dp__noise_multiplier=0.5),   # wraps fit: noise
+    dict(personalization__method="ditto"),                                # wraps fit: personal model
+    dict(attack__type="label_flip", attack__clients=[1, 2]),              # attackers' own data
+])
+def test_behaviours_give_the_sequential_numbers_under_every_executor(executor, overrides):
+    # Each executor must give the sequential result, or fall back (with a logged reason).
+    _, seq, seq_trace = _run("sequential", eval__clients=False, **overrides)
+    _, other, trace = _run(executor, executor_workers=2, eval__clients=False, **overrides)
+    assert _max_diff(seq, other) < 1e-5
+    assert trace == seq_trace
+
+
+def test_a_wrapped_fit_is_run_sequentially_with_a_reason(caplog):
+    with caplog.at_level(logging.WARNING, logger="fedcore.executor"):
+        course, _, _ = _run("vectorized", privacy__dp__mode="local")
+    assert not isinstance(course.trainer, BatchingTrainer)
+    assert any("wraps the trainer's fit" in r.getMessage() for r in caplog.records)
+
+
+def test_measured_time_runs_sequentially_with_a_reason(caplog):
+    # measured compute time needs each client's own training on the stopwatch, not a batch's
+    with caplog.at_level(logging.WARNING, logger="fedcore.executor"):
+        course, _, _ = _run("vectorized", time__mode="measured")
+    assert not isinstance(course.trainer, BatchingTrainer)
+    assert any("time.mode=measured" in r.getMessage() for r in caplog.records)

@@ -52,3 +52,12 @@ def test_alpha_must_be_positive():
 def test_feddyn_course_runs(tmp_path):
     summary = Course(small_cfg(tmp_path, algorithm__name="feddyn", algorithm__feddyn__alpha=0.1)).run()
     assert summary["rounds"] == 2 and summary["final_test_acc"] is not None
+
+
+def test_feddyn_under_asynchronous_aggregation_is_refused_at_config_time():
+    import pytest
+    from fedcore.errors import ConfigError
+    from tests.conftest import small_cfg
+    with pytest.raises(ConfigError, match="asyn.use: algorithm feddyn is synchronous"):
+        small_cfg(algorithm__name="feddyn", asyn__use=True, asyn__min_received_num=2)
+    small_cfg(algorithm__name="feddyn", asyn__overselection=True)  # synchronous rounds stay allowed

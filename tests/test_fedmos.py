@@ -87,3 +87,15 @@ def test_server_momentum_is_heavy_ball_on_the_averaged_delta():
 def test_optimizer_must_be_plain_sgd():
     with pytest.raises(ConfigError, match="train.optimizer"):
         small_cfg(None, algorithm__name="fedmos", train__optimizer__momentum=0.9)
+
+
+def test_a_one_mu_zero_is_fedavg_under_an_lr_schedule_too(tmp_path):
+    # the step size is the scheduled one, as for every other trainer
+    sched = dict(train__scheduler__type="cosine", train__scheduler__warmup_steps=2,
+                 train__scheduler__total_steps=8, train__preserve_optimizer_state=True)
+    Course(small_cfg(tmp_path / "m", algorithm__name="fedmos", algorithm__fedmos__a=1.0,
+                     algorithm__fedmos__mu=0.0, **sched)).run()
+    Course(small_cfg(tmp_path / "f", algorithm__name="fedavg", **sched)).run()
+    mm = torch.load(tmp_path / "m" / "final_model.pt", weights_only=True)
+    mf = torch.load(tmp_path / "f" / "final_model.pt", weights_only=True)
+    assert all(torch.allclose(mm[k], mf[k], atol=1e-7) for k in mf)

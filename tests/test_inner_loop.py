@@ -9,6 +9,7 @@ import torch
 from fedcore.algorithms.base import BatchStream
 from fedcore.algorithms.fedavg import FedAvgTrainer
 from fedcore.course import Course
+from fedcore.errors import ConfigError
 from tests.conftest import small_cfg
 
 # small_cfg: 30 samples per client, 80% train -> 24 training samples; batch 10 -> 3 batches/epoch
@@ -216,3 +217,11 @@ def test_a_fit_that_fails_half_way_leaves_the_saved_optimizer_state_as_it_was():
     for i in saved:
         for k in saved[i]:
             assert torch.equal(now[i][k], saved[i][k]), k
+
+
+@pytest.mark.parametrize("algorithm, extra", [("fedmos", {}), ("moon", {"model__type": "moon_mlp"})])
+def test_accumulation_is_refused_for_trainers_with_their_own_step(algorithm, extra):
+    # accumulated_step runs the base objective and optimizer: MOON's and FedMoS's updates would vanish
+    with pytest.raises(ConfigError, match="train.grad_accum_steps: algorithm"):
+        small_cfg(algorithm__name=algorithm, train__grad_accum_steps=2, **extra)
+    small_cfg(algorithm__name="fedprox", train__grad_accum_steps=2)  # hooks compose with accumulation

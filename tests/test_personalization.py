@@ -122,3 +122,25 @@ def test_bn_models_build_and_expose_their_batchnorm_entries():
     assert batchnorm_entries(mlp) == {f"{i}.{n}" for i in (2, 5) for n in
                                       ("weight", "bias", "running_mean", "running_var",
                                        "num_batches_tracked")}
+
+
+@pytest.mark.parametrize("algorithm", ["fedprox", "scaffold", "feddyn"])
+def test_fedbn_composes_with_algorithms_that_keep_per_entry_state(algorithm):
+    # Their regularised / corrected entries and server state follow FedBN's share rule.
+    cfg = small_cfg(None, personalization__method="fedbn", algorithm__name=algorithm,
+                    **dict(SKEWED, federate__total_round_num=2))
+    course = Course(cfg).build()
+    sent = _capture(course)
+    init = {k: v.clone() for k, v in course.server.aggregator.global_state.items()}
+    course.run()
+    bn = batchnorm_entries(course.trainer.model)
+    for m, _ in sent:
+        if m.msg_type in ("models", "updates"):
+            for part in m.content.values():
+                if isinstance(part, dict):
+                    assert not set(part) & bn      # neither the model nor control/delta entries
+    agg = course.server.aggregator
+    assert not set(getattr(agg, "control", {})) & bn and not set(getattr(agg, "h", {})) & bn
+    for k in bn:
+        assert torch.equal(agg.global_state[k], init[k])
+    assert not torch.equal(agg.global_state["1.weight"], init["1.weight"])

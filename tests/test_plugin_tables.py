@@ -1,4 +1,6 @@
 """The plug-ins leave the default handlers untouched: the tables show only additions."""
+import pytest
+
 from fedcore.course import Course
 from tests.conftest import small_cfg
 
@@ -46,3 +48,16 @@ def test_plugin_scenarios_load_and_are_complete(tmp_path):
         cfg = load_config(root / f"{name}.yaml", [f"outdir={tmp_path / name}", "verbose=false"])
         course = Course(cfg).build()
         assert course.behaviours and course.check().complete, name
+
+
+@pytest.mark.parametrize("name", ["differential_privacy", "attack", "personalization"])
+def test_an_extension_its_own_keys_switch_off_is_refused(name):
+    from fedcore.errors import ConfigError
+    with pytest.raises(ConfigError, match=f"extensions: '{name}' is switched on by its own config keys"):
+        Course(small_cfg(None, extensions=[name])).build()
+
+
+def test_an_extension_listed_and_switched_on_is_installed_once():
+    course = Course(small_cfg(None, extensions=["robust_aggregation", "robust_aggregation"],
+                              aggregator__robust_rule="median")).build()
+    assert course.behaviours == ["robust_aggregation"]

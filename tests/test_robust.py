@@ -8,6 +8,7 @@ from fedcore.algorithms.fedavg import FedAvgAggregator, FedAvgTrainer
 from fedcore.algorithms.robust import (clip_to_norm, coordinate_median, krum_scores, krum_select,
                                        make_rule, trimmed_mean)
 from fedcore.algorithms.combine import replace_combination
+from fedcore.course import Course
 from fedcore.errors import ConfigError
 from tests.conftest import small_cfg
 
@@ -96,3 +97,37 @@ def test_bad_robust_keys_fail_at_config_time():
         small_cfg(None, aggregator__robust_rule="krum", aggregator__byzantine_num=4)  # 6 clients
     with pytest.raises(ConfigError, match="did you mean 'median'"):
         small_cfg(None, aggregator__robust_rule="medain")
+
+
+def _final(**overrides):
+    # clients of different sizes, so sample weights differ from uniform ones
+    course = Course(small_cfg(None, eval__clients=False, data__partition="quantity",
+                              data__synthetic__iid=True, **overrides)).build()
+    course.run()
+    return course.server.aggregator.global_state
+
+
+@pytest.mark.parametrize("overrides", [
+    # DiLoCo's uniform weighting (outer SGD, lr 1: the uniform mean of the clients' models)
+    dict(algorithm__name="diloco", train__local_steps=2, train__preserve_optimizer_state=True,
+         algorithm__diloco__outer_optimizer="sgd", algorithm__diloco__outer_learning_rate=1.0),
+    # the staleness discount of an asynchronous course
+    dict(asyn__use=True, asyn__min_received_num=2, federate__sample_client_num=3,
+         asyn__staleness_discount="polynomial", federate__total_round_num=4),
+])
+def test_a_rule_that_changes_nothing_keeps_the_algorithms_weights(overrides):
+    # norm_bound with a bound no update reaches is the plain weighted mean: the aggregator's own
+    plain = _final(**overrides)
+    bounded = _final(aggregator__robust_rule="norm_bound", aggregator__norm_bound=1e9, **overrides)
+    assert max(float((plain[k].double() - bounded[k].double()).abs().max()) for k in plain) < 1e-6
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(asyn__use=True, asyn__min_received_num=2),                            # goal of 2
+    dict(asyn__use=True, asyn__aggregator="time_up", asyn__time_budget=1.0),   # as few as 1
+])
+def test_krum_counts_the_updates_an_async_aggregation_has(overrides):
+    # six clients per round, but each aggregation holds the goal's updates: Krum cannot score 2
+    with pytest.raises(ConfigError, match="an aggregation may have only"):
+        small_cfg(aggregator__robust_rule="krum", **overrides)
+    small_cfg(aggregator__robust_rule="krum", **dict(overrides, asyn__min_received_num=3))

@@ -108,3 +108,24 @@ def test_non_sgd_optimizer_warns(caplog):
     with caplog.at_level("WARNING", logger="fedcore.algorithms.scaffold"):
         P.build(P.config("scaffold", train__optimizer__momentum=0.9))
     assert "not plain SGD" in caplog.text
+
+
+def test_control_variate_divides_by_the_step_sizes_taken_under_an_lr_schedule():
+    # One local step at warmup LR eta/4 from c = c_i = 0: c_i+ = (x - y)/eta_0 is the gradient at x.
+    from fedcore.course import Course
+    from tests.conftest import small_cfg
+    cfg = small_cfg(None, algorithm__name="scaffold", model__dtype="float64", train__local_steps=1,
+                    train__batch_size=1000, train__scheduler__type="cosine",
+                    train__scheduler__warmup_steps=4, train__scheduler__total_steps=10,
+                    federate__total_round_num=1, eval__clients=False)
+    course = Course(cfg).build()
+    x = {k: v.clone() for k, v in course.server.aggregator.global_state.items()}
+    course.run()
+    model = course.trainer.model
+    model.load_state_dict(x)
+    train = course.data.clients[1].train
+    loss = torch.nn.functional.cross_entropy(model(train.x), train.y)
+    grads = dict(zip([n for n, _ in model.named_parameters()], torch.autograd.grad(loss, list(model.parameters()))))
+    c_i = course.store.load(1)["c_i"]
+    for n, g in grads.items():
+        assert torch.allclose(c_i[n], g, atol=1e-10)
