@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -272,7 +273,9 @@ class Trainer:
                 idxs = [stream.next() for _ in range(self.grad_accum)]
                 loss, w = self.accumulated_step([(train.x[i], train.y[i]) for i in idxs])
             if self.scheduler is not None:
-                self.scheduler.step()
+                with warnings.catch_warnings():  # trainers that step by hand (FedMoS) skip optimizer.step
+                    warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+                    self.scheduler.step()
             loss_sum += loss
             work += w
         state["sampler"] = stream.position()
