@@ -241,6 +241,7 @@ class ClientCourse(Course):
     def __init__(self, cfg, scheduler: WallClockScheduler):
         super().__init__(cfg.with_overrides(outdir=None), None, False)  # a client writes no outputs
         self.scheduler = scheduler
+        self.server = None  # the server lives in its own process (plug-ins install their client half)
 
     def build(self, client_id: int, comm) -> "ClientCourse":
         from fedcore.scenarios.data import FederatedData, Split, build_federated_data

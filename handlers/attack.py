@@ -129,15 +129,16 @@ def install(course) -> None:
     """Behaviour: move the malicious clients to the `attacker` role."""
     cfg = course.cfg
     course.attack = attack = _Attack(course)
-    bad = chosen_clients(course.client_ids, cfg["attack.clients"], cfg["attack.fraction"],
+    bad = chosen_clients(list(range(1, course.num_clients + 1)), cfg["attack.clients"], cfg["attack.fraction"],
                          cfg["seed"], 6007, "attack")
     table = DerivedTable("attacker", course.client_table)
     table.register("receiving_models", attack_and_reply, sends=("updates",))
     course.extra_tables.append(table)
     for cid in bad:
-        course.clients[cid].handlers = table
+        if cid in course.clients:  # a deployed client process holds only itself
+            course.clients[cid].handlers = table
     course.monitor.extra_summary.update(attack=attack.kind, attackers=sorted(bad))
-    if attack.kind == "backdoor":
+    if attack.kind == "backdoor" and course.server is not None:
         server = course.server
         aggregate = server.aggregator.aggregate
 
