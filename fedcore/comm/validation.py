@@ -78,6 +78,9 @@ def check_updates(content: Any, server) -> str | None:
         return f"updates content must be a map with {keys} of tensors"
     if not _is_int(content.get("num_samples")) or content["num_samples"] < 0:
         return "updates content needs 'num_samples', a non-negative int"
+    missing = [k for k in layout if k not in content]
+    if missing:
+        return f"updates content needs a '{missing[0]}' map of tensors"
     extra = sorted(set(content) - set(layout) - {"num_samples"})
     if extra:
         return f"updates content has unexpected entries {extra[:3]} (expected {sorted(layout)} and num_samples)"
