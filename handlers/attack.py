@@ -129,7 +129,8 @@ def install(course) -> None:
     """Behaviour: move the malicious clients to the `attacker` role."""
     cfg = course.cfg
     course.attack = attack = _Attack(course)
-    bad = chosen_clients(list(range(1, course.num_clients + 1)), cfg["attack.clients"], cfg["attack.fraction"],
+    everyone = list(range(1, course.num_clients + 1))  # a deployed client knows only itself
+    bad = chosen_clients(everyone, cfg["attack.clients"], cfg["attack.fraction"],
                          cfg["seed"], 6007, "attack")
     table = DerivedTable("attacker", course.client_table)
     table.register("receiving_models", attack_and_reply, sends=("updates",))

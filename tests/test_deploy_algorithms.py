@@ -101,7 +101,8 @@ def test_async_course_finishes_over_grpc_with_a_client_killed(tmp_path, procs, n
     records = _records(out / "metrics.jsonl")
     assert [r["round"] for r in records] == list(range(1, ROUNDS + 1))
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["strategy"] == f"async {name} {ASYNC_COURSES[name].get('asyn.broadcast_manner', 'after_aggregating')}"
+    manner = ASYNC_COURSES[name].get("asyn.broadcast_manner", "after_aggregating")
+    assert summary["strategy"] == f"async {name} {manner}"
     assert any(e["client"] == 2 for e in summary["lost_clients"])
     assert summary["deployment"]["clients"]["2"]["state"] == "lost"
     for k in (1, 3):

@@ -83,7 +83,8 @@ def check_updates(content: Any, server) -> str | None:
         return f"updates content needs a '{missing[0]}' map of tensors"
     extra = sorted(set(content) - set(layout) - {"num_samples"})
     if extra:
-        return f"updates content has unexpected entries {extra[:3]} (expected {sorted(layout)} and num_samples)"
+        return (f"updates content has unexpected entries {extra[:3]} "
+                f"(expected {sorted(layout)} and num_samples)")
     for key, expected in layout.items():
         problem = _check_map(key, content.get(key), expected)
         if problem:
