@@ -162,16 +162,18 @@ def install(course) -> None:
     """Behaviour: local DP on the chosen clients' trainer output, or central DP on the server."""
     cfg = course.cfg
     clip, sigma, seed = cfg["privacy.dp.clip_norm"], cfg["privacy.dp.noise_multiplier"], cfg["seed"]
-    ledger = _Ledger(course)
-    if getattr(course, "checkpointer", None) is not None:   # a deployment's client has none
-        course.checkpointer.register("privacy.dp", ledger.state, ledger.restore)
-    aggregator = course.server.aggregator
+    # In a deployment a client process has no server and the server process no trainer:
+    # each installs its own half. The noisy clients are drawn over the whole federation.
+    server = course.server
     if cfg["privacy.dp.mode"] == "central":
-        replace_combination(aggregator, central_dp_rule(clip, sigma, seed), "privacy.dp.mode central")
+        if server is not None:
+            replace_combination(server.aggregator, central_dp_rule(clip, sigma, seed),
+                                "privacy.dp.mode central")
         noisy: set[int] = set()
     else:
-        noisy = chosen_clients(course.client_ids, cfg["privacy.dp.clients"], cfg["privacy.dp.fraction"],
-                               seed, 8101, "privacy.dp")
+        noisy = chosen_clients(list(range(1, course.num_clients + 1)), cfg["privacy.dp.clients"],
+                               cfg["privacy.dp.fraction"], seed, 8101, "privacy.dp")
+    if cfg["privacy.dp.mode"] == "local" and course.trainer is not None:
         trainer = course.trainer
         fit = trainer.fit
 
@@ -190,6 +192,11 @@ def install(course) -> None:
                 result.metrics["dp_update_norm"] = norm
             return result
         trainer.fit = private_fit
+    if server is None:
+        return
+    ledger = _Ledger(course)
+    course.checkpointer.register("privacy.dp", ledger.state, ledger.restore)
+    aggregator = server.aggregator
     aggregate = aggregator.aggregate
 
     def accounted(updates, round_):

@@ -14,6 +14,7 @@ deltas: they are averaged like FedAvg.
 from __future__ import annotations
 
 from fedcore.algorithms.base import Aggregator, Algorithm, ReceivedUpdate, Trainer, weighted_mean
+from fedcore.comm.validation import UPDATE_LAYOUTS
 from fedcore.config import declare
 from fedcore.registry import algorithms
 
@@ -60,4 +61,12 @@ class FedBuffAggregator(Aggregator):
         return {"fedbuff_weight_sum": float(sum(factors))}
 
 
+def update_layout(server) -> dict:
+    """What a deployed server accepts: deltas of the floating entries, the others as weights."""
+    shared = server.aggregator.broadcast(server.round)["model"]
+    return {"delta": {k: v for k, v in shared.items() if v.is_floating_point()},
+            "model": {k: v for k, v in shared.items() if not v.is_floating_point()}}
+
+
 FEDBUFF = algorithms.register("fedbuff", Algorithm(FedBuffTrainer, FedBuffAggregator))
+UPDATE_LAYOUTS["fedbuff"] = update_layout

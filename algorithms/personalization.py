@@ -109,14 +109,17 @@ def _snapshot(trainer: Trainer) -> dict[str, torch.Tensor]:
 
 
 def _install_fedbn(course) -> None:
-    trainer, aggregator = course.trainer, course.server.aggregator
-    bn = batchnorm_entries(trainer.model)
+    # A deployed client has only the trainer, the server only the aggregator.
+    trainer, server = course.trainer, course.server
+    model = trainer.model if trainer is not None else server.model
+    bn = batchnorm_entries(model)
     if not bn:
         raise ConfigError(f"personalization.method: fedbn needs a model with BatchNorm layers; "
                           f"model.type {course.cfg['model.type']} has none (try mlp_bn or cnn_bn)")
-    rule = ExcludeEntries(trainer.shared, bn)
-    trainer.set_shared(rule)
-    aggregator.set_shared(ExcludeEntries(aggregator.shared, bn))
+    if trainer is not None:
+        trainer.set_shared(ExcludeEntries(trainer.shared, bn))
+    if server is not None:
+        server.aggregator.set_shared(ExcludeEntries(server.aggregator.shared, bn))
 
 
 def _install_ditto(course) -> None:
@@ -172,6 +175,8 @@ def _install_finetune(course) -> None:
 def install(course) -> None:
     """Behaviour: the configured personalization (trainer and aggregator level only)."""
     method = course.cfg["personalization.method"]
+    if method != "fedbn" and course.trainer is None:
+        return  # a deployed server: ditto and finetune act on the clients' trainer only
     {"fedbn": _install_fedbn, "ditto": _install_ditto, "finetune": _install_finetune}[method](course)
     course.monitor.extra_summary["personalization"] = method
 

@@ -18,6 +18,7 @@ import logging
 import torch
 
 from fedcore.algorithms.base import Aggregator, Algorithm, ReceivedUpdate, Trainer, weighted_mean
+from fedcore.comm.validation import UPDATE_LAYOUTS
 from fedcore.config import declare, validator
 from fedcore.errors import ConfigError
 from fedcore.registry import algorithms
@@ -152,4 +153,11 @@ class ScaffoldAggregator(Aggregator):
         self.control = dict(state["control"])
 
 
+def update_layout(server) -> dict:
+    """What a deployed server accepts from a client: dy_i over the model, dc_i over c."""
+    agg = server.aggregator
+    return {"delta": agg.broadcast(server.round)["model"], "delta_control": agg.control}
+
+
 SCAFFOLD = algorithms.register("scaffold", Algorithm(ScaffoldTrainer, ScaffoldAggregator))
+UPDATE_LAYOUTS["scaffold"] = update_layout

@@ -89,6 +89,14 @@ def _check_distribute(cfg) -> None:
     role = cfg["distribute.role"]
     if role is None:  # a role makes the run distributed, whatever federate.mode says
         return
+    # Client state (control variates, optimizer moments, personal models) lives in the clients'
+    # processes, so a server-side checkpoint would not be a complete course: refuse both ends.
+    if cfg["resume_from"]:
+        raise ConfigError("resume_from: a distributed course cannot resume from a checkpoint; "
+                          "drop resume_from (resume the checkpoint in simulation instead)")
+    if cfg["checkpoint.every"]:
+        raise ConfigError("checkpoint.every: a distributed course writes no checkpoints (client state "
+                          "lives in the client processes); set checkpoint.every=0")
     cert, key, ca = cfg["distribute.tls.cert"], cfg["distribute.tls.key"], cfg["distribute.tls.ca"]
     insecure = cfg["distribute.insecure"]
     if bool(cert) != bool(key):
@@ -241,6 +249,7 @@ class ClientCourse(Course):
     def __init__(self, cfg, scheduler: WallClockScheduler):
         super().__init__(cfg.with_overrides(outdir=None), None, False)  # a client writes no outputs
         self.scheduler = scheduler
+        self.server = None  # the server lives in its own process (plug-ins install their client half)
 
     def build(self, client_id: int, comm) -> "ClientCourse":
         from fedcore.scenarios.data import FederatedData, Split, build_federated_data

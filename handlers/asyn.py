@@ -293,16 +293,23 @@ def on_reply_timeout(server, _event=None) -> None:
     """`reply_timeout`: clients silent since a full timeout are presumed lost and replaced."""
     if server.finished:
         return
-    st = server.strategy
     cutoff = server.now - server.reply_timeout * (1 - 1e-9)
     lost = [c for c, (_, t) in server.in_flight.items() if t <= cutoff]
+    if lost:
+        release(server, lost, f"silent for {server.reply_timeout:.3g}s")
+
+
+def release(server, lost: list[int], why: str) -> None:
+    """Clients in flight that will not reply (silent too long, or gone from a deployment) go
+    back to the idle pool and are replaced, so the round can still reach its condition."""
+    lost = [c for c in lost if c in server.in_flight]
     if not lost:
         return
+    st = server.strategy
     for c in lost:
         del server.in_flight[c]
     server.stats.presumed_lost += len(lost)
-    server.course.log.info("round %d: %d client(s) silent for %.3gs presumed lost",
-                           server.round, len(lost), server.reply_timeout)
+    server.course.log.info("round %d: %d client(s) %s presumed lost", server.round, len(lost), why)
     if st.asynchronous:
         _top_up(server)
     elif st.trigger == "all_received":
@@ -314,6 +321,16 @@ def on_reply_timeout(server, _event=None) -> None:
         # over-selection / deadline: sample enough to make the goal reachable again
         hoping = sum(1 for r, _ in server.in_flight.values() if r == server.round)
         _dispatch(server, st.goal - len(server.buffer) - hoping)
+
+
+def restart_idle(server) -> None:
+    """No client in flight (all were lost) and some connected again: send them the model."""
+    if server.finished or server.in_flight:
+        return
+    if server.strategy.asynchronous:
+        _top_up(server)
+    else:
+        server.waiting = set(_dispatch(server, server.strategy.concurrency))
 
 
 def finish(server, event) -> None:
@@ -368,13 +385,20 @@ def install(course) -> None:
     training.install(course)
     evaluation.install(course)
     st = resolve_strategy(course.cfg)
-    server = course.server
+    server = getattr(course, "server", None)
+    if server is None:  # a deployed client's process: the server's state lives elsewhere
+        _register(course, st)
+        return
     server.strategy = st
     server.in_flight, server.waiting, server.buffer = {}, set(), []
     server.round_start, server.deadline_gen = 0.0, 0
     server.stats = _Stats(course.client_ids)
     server.reply_timeout = _auto_reply_timeout(course)
     server.aggregator.discount = discount_function(course.cfg) if st.asynchronous else None
+    _register(course, st)
+
+
+def _register(course, st: Strategy) -> None:
     timers = ("time_up", "reply_timeout") if st.trigger == "time_up" else ("reply_timeout",)
     after = ("models",) + timers + ("eval_request", "max_rounds_reached", "early_stop")
     s = course.server_table

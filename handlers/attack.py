@@ -129,19 +129,22 @@ def install(course) -> None:
     """Behaviour: move the malicious clients to the `attacker` role."""
     cfg = course.cfg
     course.attack = attack = _Attack(course)
-    bad = chosen_clients(course.client_ids, cfg["attack.clients"], cfg["attack.fraction"],
+    everyone = list(range(1, course.num_clients + 1))  # a deployed client knows only itself
+    bad = chosen_clients(everyone, cfg["attack.clients"], cfg["attack.fraction"],
                          cfg["seed"], 6007, "attack")
     table = DerivedTable("attacker", course.client_table)
     table.register("receiving_models", attack_and_reply, sends=("updates",))
     course.extra_tables.append(table)
     for cid in bad:
-        client = course.clients[cid]
+        client = course.clients.get(cid)
+        if client is None:
+            continue  # a deployed client process holds only itself
         client.handlers = table
         # The attacker's data is its poisoned data, for whatever trains it: an executor that
         # batches the fits of one broadcast reads `client.data`, not `attack.data(client)`.
         client.data = attack.data(client)
     course.monitor.extra_summary.update(attack=attack.kind, attackers=sorted(bad))
-    if attack.kind == "backdoor":
+    if attack.kind == "backdoor" and course.server is not None:
         server = course.server
         aggregate = server.aggregator.aggregate
 

@@ -6,13 +6,17 @@ these handlers decide what that means for the course. In a synchronous
 course a lost client is dropped from the round it was sampled for, so the
 round completes with the others (`all_received`); a round with no one left to
 wait for starts again with the clients now connected. Other courses keep
-going under their own condition events (goal, time_up); a lost client is
-simply no longer sampled. Every drop is logged and listed in the summary.
+going under their own condition events (goal, time_up): a lost client that
+was sent a model is released as if its reply had timed out (it is replaced
+by an idle client, and no longer sampled), and when every client in flight
+was lost the clients that connect again are sent the current model. Every
+drop is logged and listed in the summary.
 """
 from __future__ import annotations
 
 import logging
 
+from fedcore.handlers import asyn
 from fedcore.registry import behaviours
 
 __all__ = ["arm", "join_timeout", "client_lost", "round_check", "install"]
@@ -48,6 +52,10 @@ def _sync(server) -> bool:
     return server.course.cfg["course"] == "sync" and isinstance(getattr(server, "selected", None), set)
 
 
+def _async(server) -> bool:
+    return server.course.cfg["course"] == "async" and hasattr(server, "in_flight")
+
+
 def _drop(server, ids: list[int], why: str) -> None:
     """Stop waiting for `ids` this round; complete or restart the round if no one is left."""
     hit = sorted(c for c in ids if c in server.selected)
@@ -75,11 +83,19 @@ def client_lost(server, info) -> None:
         {"client": cid, "round": server.round, "time": round(server.now, 3), "reason": reason})
     if _sync(server):
         _drop(server, [cid], f"client {cid} {reason}")
+    elif _async(server):
+        asyn.release(server, [cid], f"lost ({reason})")
 
 
 def round_check(server, _event=None) -> None:
     """Periodic: enforce `distribute.round_deadline`; restart a round no one was sampled for."""
-    if not server.started or server.finished or not _sync(server):
+    if not server.started or server.finished:
+        return
+    if _async(server):
+        if not server.in_flight and server.course.client_ids:
+            asyn.restart_idle(server)
+        return
+    if not _sync(server):
         return
     seen_round, since = getattr(server, "deploy_round", (None, 0.0))
     if seen_round != server.round:
@@ -97,7 +113,11 @@ def round_check(server, _event=None) -> None:
 @behaviours.register("deployment")
 def install(course) -> None:
     s = course.server_table
+    if course.cfg["course"] == "async":  # lost clients are released to the async strategy
+        again = ("models", "reply_timeout")
+    else:
+        again = ("all_received", "all_joined_in")
     s.register("start", arm, sends=("join_timeout", "client_lost", "round_check"))
     s.register("join_timeout", join_timeout, sends=("all_joined_in", "join_timeout"))
-    s.register("client_lost", client_lost, sends=("all_received", "all_joined_in"))
-    s.register("round_check", round_check, sends=("all_received", "all_joined_in"))
+    s.register("client_lost", client_lost, sends=again)
+    s.register("round_check", round_check, sends=again)

@@ -59,7 +59,7 @@ def note_performance_drop(client, info) -> None:
 def install(course) -> None:
     """Behaviour: clients check each received model and raise `performance_drop`."""
     trainer, margin = course.trainer, course.cfg["personalization.drop_margin"]
-    fit = trainer.fit
+    fit = trainer.fit if trainer is not None else None  # None: a deployed server
 
     def checked_fit(client_id, data, received, round_):
         info = global_is_worse(trainer, client_id, data, received, margin)
@@ -71,7 +71,8 @@ def install(course) -> None:
             state["own_model"] = {k: v.detach().clone() for k, v in trainer.entries.items()}
             trainer.store.save(client_id, state)
         return result
-    trainer.fit = checked_fit
+    if trainer is not None:
+        trainer.fit = checked_fit
     course.client_table.register("performance_drop", note_performance_drop)
     for table in course.tables:  # clients, and roles derived from them that train their own way
         if table is course.server_table or (isinstance(table, DerivedTable)

@@ -1,4 +1,4 @@
-"""A FedAvg whose clients pause before training, so fault tests can act mid-round.
+"""FedAvg and FedAsync whose clients pause before training, so fault tests can act mid-round.
 
 Loaded by deployment tests through `plugins: [tests.slow_plugin]`; the pause
 is a sleep, so a slow round costs no CPU.
@@ -22,3 +22,8 @@ class PausingTrainer(FedAvgTrainer):
 
 
 algorithms.register("fedavg_pausing", Algorithm(PausingTrainer, FedAvgAggregator))
+
+
+from fedcore.algorithms.fedasync import FedAsyncAggregator  # noqa: E402
+
+algorithms.register("fedasync_pausing", Algorithm(PausingTrainer, FedAsyncAggregator))

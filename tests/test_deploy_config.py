@@ -62,3 +62,15 @@ def test_distributed_mode_needs_a_role(tmp_path):
     from fedcore.distributed import run_distributed
     with pytest.raises(ConfigError, match="distribute.role"):
         run_distributed(_cfg(), tmp_path)
+
+
+@pytest.mark.parametrize("role", ["server", "client"])
+def test_checkpoints_are_refused_in_a_distributed_course(tmp_path, role):
+    ckpt = tmp_path / "round_1.pt"
+    ckpt.write_bytes(b"x")
+    with pytest.raises(ConfigError, match="^resume_from: a distributed course cannot resume"):
+        _cfg(distribute__role=role, distribute__insecure=True, resume_from=str(ckpt))
+    with pytest.raises(ConfigError, match="^checkpoint.every: a distributed course writes no"):
+        _cfg(distribute__role=role, distribute__insecure=True, checkpoint__every=1)
+    # the same keys stay valid in simulation
+    assert small_cfg(None, checkpoint__every=1)["checkpoint.every"] == 1

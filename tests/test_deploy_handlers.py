@@ -87,3 +87,41 @@ def test_min_clients_start_after_the_join_timeout():
     course.live = [2, 3]
     course.scheduler.run(until=11.5)
     assert server.started and course.raised == [("all_joined_in", 11.0)]
+
+
+def _async_course(tmp_path):
+    """A built async course (2 of 3 clients in flight) with the deployment's handlers added."""
+    from fedcore.course import Course
+    course = Course(small_cfg(tmp_path, federate__client_num=3, federate__sample_client_num=2,
+                              asyn__use=True, asyn__min_received_num=1,
+                              asyn__broadcast_manner="after_receiving")).build()
+    deployment.install(course)
+    server = course.server
+    server.started = True
+    server.in_flight = {1: (1, 0.0), 2: (1, 0.0)}
+    return course, server
+
+
+def test_async_lost_client_in_flight_is_released_and_replaced_by_an_idle_one(tmp_path):
+    course, server = _async_course(tmp_path)
+    course.client_ids = [1, 3]  # in deployment: the clients still connected
+    server.trigger("client_lost", {"client_id": 2, "reason": "no heartbeat"})
+    assert set(server.in_flight) == {1, 3} and server.in_flight[3][0] == server.round
+    assert server.stats.presumed_lost == 1
+    assert course.monitor.extra_summary["lost_clients"][0]["client"] == 2
+    # a client lost while idle changes nothing in flight
+    course.client_ids = [1]
+    server.in_flight.pop(3)
+    server.trigger("client_lost", {"client_id": 3, "reason": "left"})
+    assert set(server.in_flight) == {1} and server.stats.presumed_lost == 1
+
+
+def test_async_round_with_everyone_lost_restarts_with_the_clients_that_return(tmp_path):
+    course, server = _async_course(tmp_path)
+    server.in_flight = {}
+    course.client_ids = []
+    server.trigger("round_check")
+    assert server.in_flight == {}
+    course.client_ids = [2]  # a client reconnects
+    server.trigger("round_check")
+    assert set(server.in_flight) == {2}

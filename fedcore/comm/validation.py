@@ -4,8 +4,10 @@ Decoding already refuses anything outside the allowed content types. These
 checks refuse well-typed content of the wrong shape for its message type, so
 a hostile or broken peer cannot make a handler raise (which would stop the
 course): an update must carry exactly the global model's shared entries, with
-their shapes and dtypes, finite values and a sample count. Algorithms that
-send more may register a check for their own message types in `CHECKS`.
+their shapes and dtypes, finite values and a sample count. An algorithm
+whose update carries other maps of tensors (deltas, control variates)
+declares their layout in `UPDATE_LAYOUTS` under its name; one that sends
+other message types registers a check for them in `CHECKS`.
 """
 from __future__ import annotations
 
@@ -13,9 +15,13 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["CHECKS", "check_content", "check_join_in", "check_updates", "check_metrics"]
+__all__ = ["CHECKS", "UPDATE_LAYOUTS", "check_content", "check_join_in", "check_updates",
+           "check_metrics", "model_layout"]
 
 Check = Callable[[Any, Any], "str | None"]  # (content, server worker) -> problem or None
+# (server worker) -> {content key: {entry name: reference tensor}}: the tensor maps an update
+# must carry, each with exactly these entries, shapes and dtypes (besides 'num_samples').
+Layout = Callable[[Any], "dict[str, dict[str, torch.Tensor]]"]
 
 
 def _is_int(v: Any) -> bool:
@@ -32,24 +38,57 @@ def check_join_in(content: Any, server) -> str | None:
     return None
 
 
-def check_updates(content: Any, server) -> str | None:
-    if not isinstance(content, dict) or not isinstance(content.get("model"), dict):
-        return "updates content must be a map with a 'model' map of tensors"
-    if not _is_int(content.get("num_samples")) or content["num_samples"] < 0:
-        return "updates content needs 'num_samples', a non-negative int"
-    expected = server.aggregator.broadcast(server.round).get("model", {})
-    model = content["model"]
-    if set(model) != set(expected):
-        missing = sorted(set(expected) - set(model))[:3]
-        extra = sorted(set(model) - set(expected))[:3]
-        return f"update's model entries differ from the global model's (missing {missing}, extra {extra})"
-    for name, t in model.items():
+def model_layout(server) -> dict[str, dict[str, torch.Tensor]]:
+    """The default update: the global model's shared entries under 'model'."""
+    return {"model": server.aggregator.broadcast(server.round).get("model", {})}
+
+
+UPDATE_LAYOUTS: dict[str, Layout] = {}  # algorithm name -> its update's layout
+
+
+def _check_map(key: str, got: Any, expected: dict[str, torch.Tensor]) -> str | None:
+    if not isinstance(got, dict):
+        return f"update entry '{key}' must be a map of tensors"
+    if set(got) != set(expected):
+        missing = sorted(set(expected) - set(got))[:3]
+        extra = sorted(set(got) - set(expected))[:3]
+        what = "model" if key == "model" else f"'{key}'"
+        return f"update's {what} entries differ from the global model's (missing {missing}, extra {extra})"
+    for name, t in got.items():
         ref = expected[name]
         if not isinstance(t, torch.Tensor) or t.shape != ref.shape or t.dtype != ref.dtype:
-            got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
-            return f"update entry '{name}' is {got}, expected {tuple(ref.shape)} {ref.dtype}"
+            got_s = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            where = name if key == "model" else f"{key}.{name}"
+            return f"update entry '{where}' is {got_s}, expected {tuple(ref.shape)} {ref.dtype}"
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            return f"update entry '{name}' has non-finite values"
+            where = name if key == "model" else f"{key}.{name}"
+            return f"update entry '{where}' has non-finite values"
+    return None
+
+
+def _algorithm(server) -> str | None:
+    course = getattr(server, "course", None)
+    return course.cfg["algorithm.name"] if course is not None else None
+
+
+def check_updates(content: Any, server) -> str | None:
+    layout = UPDATE_LAYOUTS.get(_algorithm(server), model_layout)(server)
+    if not isinstance(content, dict) or ("model" in layout and not isinstance(content.get("model"), dict)):
+        keys = " and ".join(f"a '{k}' map" for k in layout)
+        return f"updates content must be a map with {keys} of tensors"
+    if not _is_int(content.get("num_samples")) or content["num_samples"] < 0:
+        return "updates content needs 'num_samples', a non-negative int"
+    missing = [k for k in layout if k not in content]
+    if missing:
+        return f"updates content needs a '{missing[0]}' map of tensors"
+    extra = sorted(set(content) - set(layout) - {"num_samples"})
+    if extra:
+        return (f"updates content has unexpected entries {extra[:3]} "
+                f"(expected {sorted(layout)} and num_samples)")
+    for key, expected in layout.items():
+        problem = _check_map(key, content.get(key), expected)
+        if problem:
+            return problem
     return None
 
 
