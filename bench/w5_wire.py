@@ -151,6 +151,18 @@ class _Server:
             raise RuntimeError(f"only {len(self.replies)} of {self.n} replies")
         return dt
 
+    def cpu(self) -> tuple[float, float]:
+        """CPU seconds so far of this process and of all client processes (Linux /proc)."""
+        ticks = os.sysconf("SC_CLK_TCK")
+        clients = 0.0
+        for p in self.procs:
+            try:
+                fields = Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()
+                clients += (int(fields[11]) + int(fields[12])) / ticks
+            except (OSError, IndexError, ValueError):
+                pass
+        return time.process_time(), clients
+
     def close(self) -> None:
         for p in self.procs:
             p.kill()
@@ -175,13 +187,16 @@ def throughput(mb: float, clients: int, reps: int, chunk: int, tls: dict | None,
         srv.spawn(1, chunk, tls_dir)
         times = []
         for r in range(reps + 1):   # the first is a warm-up (allocations, first connections' windows)
+            c0 = srv.cpu()
             dt = srv.round_trip(model, r + 1)
+            c1 = srv.cpu()
             _check_echo(model, srv.replies)
             srv.replies.clear()
             if r:
                 times.append(dt)
             print(f"W5 {mb:g} MB x {clients} clients, rep {r}{' (warm-up)' if r == 0 else ''}: "
-                  f"{dt:.2f} s, {2 * clients * mb / dt:.0f} MB/s", flush=True)
+                  f"{dt:.2f} s, {2 * clients * mb / dt:.0f} MB/s; CPU seconds: server {c1[0] - c0[0]:.2f}, "
+                  f"clients {c1[1] - c0[1]:.2f}", flush=True)
     finally:
         srv.close()
     best = min(times)
