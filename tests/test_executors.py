@@ -41,6 +41,17 @@ CASES = {
     "no_training_data": dict(data__splits=[0.0, 0.5, 0.5]),   # every client sends the model back
     "float64_mlp": dict(model__type="mlp", model__hidden=[7], model__dtype="float64",
                         train__local_steps=3),
+    # algorithms with an extra gradient term and per-client state, over rounds that resample
+    "fedprox_stragglers": dict(algorithm__name="fedprox", algorithm__fedprox__mu=0.5,
+                               algorithm__fedprox__straggler_fraction=0.5, train__local_epochs=2,
+                               federate__total_round_num=3),
+    "scaffold": dict(algorithm__name="scaffold", train__local_steps=3, federate__sample_client_num=2,
+                     federate__total_round_num=4),
+    "scaffold_momentum_mlp": dict(algorithm__name="scaffold", model__type="mlp", model__hidden=[5],
+                                  train__optimizer__momentum=0.5, train__local_steps=2,
+                                  federate__total_round_num=3),
+    "feddyn": dict(algorithm__name="feddyn", algorithm__feddyn__alpha=0.3, train__local_steps=3,
+                   federate__sample_client_num=2, federate__total_round_num=4),
 }
 
 
