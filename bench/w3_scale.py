@@ -66,7 +66,7 @@ def main(argv=None) -> int:
         cfg = config(a.algorithm, a.clients, a.per_round, a.rounds, path, a.executor, a.store)
         fed = run_fedcore(cfg, data)
         rss = peak_rss_mb()
-        files = [f for f in Path(path).glob("client_*") if f.suffix in (".fcs", ".pt")]
+        files = [f for f in Path(path).iterdir() if f.is_file()]
         disk = sum(f.stat().st_size for f in files)
         files = len(files)
     finally:

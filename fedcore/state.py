@@ -3,11 +3,13 @@ moments, sampler positions, history buffers, keyed by client id.
 
 Trainers are shared by many logical clients, so anything a client must keep
 between rounds lives here, never on the trainer. `MemoryStateStore` keeps
-it in a dict; `DiskStateStore` keeps one file per client so N can be large.
+it in a dict; `DiskStateStore` keeps them on disk so N can be large.
 """
 from __future__ import annotations
 
 import os
+import struct
+import zlib
 import shutil
 import tempfile
 from pathlib import Path
@@ -58,7 +60,9 @@ class MemoryStateStore(StateStore):
         return client_id in self._states
 
 
-_MAGIC = b"FCS1"   # a fedcore.serialization Value follows
+_RECORD = struct.Struct("<4sqQI")   # magic, client id, payload length, CRC-32 of the payload
+_MAGIC = b"FCR1"
+_LOG = "states.log"
 
 
 def _plain(obj: Any, depth: int = 0) -> bool:
@@ -70,80 +74,154 @@ def _plain(obj: Any, depth: int = 0) -> bool:
 
 
 class DiskStateStore(StateStore):
-    """One file per client, written atomically (a temporary file, then a rename).
+    """Client states on disk, so that N can be far larger than memory allows.
 
     States made of tensors and integers under string keys (control variates,
-    dual variables, sampler positions) are written as one `fedcore.serialization`
-    message (`client_<id>.fcs`): no pickle, and reading it back is a parse of
-    a few buffers. Anything else (optimizer state with integer keys, scheduler
-    floats) is written with `torch.save` (`client_<id>.pt`) and read with
-    `weights_only=True`.
+    dual variables, sampler positions) are appended as records to one log file,
+    `states.log`: a header (client id, length, CRC-32) and the state as one
+    `fedcore.serialization` message - no pickle, and no file created per client
+    (creating files is what costs most on many file systems). An index in
+    memory points at each client's newest record; it is rebuilt by scanning the
+    log when a store opens an existing folder, and a record cut short by a crash
+    ends the scan (the log is truncated there). Superseded records are garbage;
+    the log is compacted when they outweigh the live ones.
 
-    The store keeps an index of the files it holds (read from the folder when it
-    opens), so a client without state costs no file-system call; the folder
-    belongs to one store at a time.
+    Other states (optimizer state with integer keys, scheduler floats) go to one
+    `torch.save` file per client, `client_<id>.pt`, written atomically and read
+    with `weights_only=True`. The folder belongs to one store at a time.
     """
+
+    COMPACT_MIN_BYTES = 64 * 2 ** 20   # never compact a log smaller than this
 
     def __init__(self, path: str | None = None) -> None:
         self._tmp = path is None
         self.path = Path(path if path is not None else tempfile.mkdtemp(prefix="fedcore-state-"))
         self.path.mkdir(parents=True, exist_ok=True)
-        self._kind: dict[int, str] = {}     # client id -> ".fcs" or ".pt"
+        self._where: dict[int, tuple[int, int] | str] = {}   # id -> (offset, length) or ".pt"
+        self._live = 0                                       # bytes of the records in use
         with os.scandir(self.path) as entries:
             for e in entries:
-                stem, dot, ext = e.name.rpartition(".")
-                if stem.startswith("client_") and stem[7:].isdigit() and ext in ("fcs", "pt"):
-                    self._kind.setdefault(int(stem[7:]), dot + ext)   # both: the first seen
+                stem, _, ext = e.name.rpartition(".")
+                if ext == "pt" and stem.startswith("client_") and stem[7:].isdigit():
+                    self._where[int(stem[7:])] = ".pt"
+        self._fd = os.open(self.path / _LOG, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
+        self._end = self._scan()
 
-    def _file(self, client_id: int, suffix: str = ".pt") -> Path:
-        return self.path / f"client_{client_id}{suffix}"
+    # ------------------------------------------------------------ the log
+    def _scan(self) -> int:
+        """Index the log's records; truncate a torn last record; return the log's length.
 
+        A client's last log entry decides: a record is its state (a `.pt` file left
+        beside it is an older one); an empty record (tombstone) defers to its `.pt`.
+        """
+        size = os.fstat(self._fd).st_size
+        off = 0
+        last: dict[int, tuple[int, int] | None] = {}
+        while off + _RECORD.size <= size:
+            magic, cid, n, crc = _RECORD.unpack(os.pread(self._fd, _RECORD.size, off))
+            body = off + _RECORD.size
+            if magic != _MAGIC or body + n > size or zlib.crc32(os.pread(self._fd, n, body)) != crc:
+                break
+            last[cid] = (body, n) if n else None
+            off = body + n
+        if off < size:
+            os.ftruncate(self._fd, off)
+        for cid, loc in last.items():
+            if loc is None:
+                continue
+            if self._where.get(cid) == ".pt":
+                self._pt(cid).unlink(missing_ok=True)
+            self._where[cid] = loc
+            self._live += _RECORD.size + loc[1]
+        return off
+
+    def _forget(self, client_id: int) -> None:
+        """Drop the index entry (its record becomes garbage); never touches files."""
+        old = self._where.pop(client_id, None)
+        if isinstance(old, tuple):
+            self._live -= _RECORD.size + old[1]
+
+    def _append(self, client_id: int, payload: bytes) -> None:
+        os.write(self._fd, _RECORD.pack(_MAGIC, client_id, len(payload), zlib.crc32(payload)) + payload)
+        if payload:
+            self._where[client_id] = (self._end + _RECORD.size, len(payload))
+            self._live += _RECORD.size + len(payload)
+        self._end += _RECORD.size + len(payload)
+
+    def _maybe_compact(self) -> None:
+        """Rewrite the log with only the records in use, once garbage outweighs them."""
+        if self._live == 0 and self._end:    # nothing in use: the log empties
+            os.ftruncate(self._fd, 0)
+            self._end = 0
+            return
+        if self._end < self.COMPACT_MIN_BYTES or self._end < 2 * self._live:
+            return
+        tmp = self.path / (_LOG + ".tmp")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
+        end, where = 0, {}
+        for cid, loc in self._where.items():
+            if isinstance(loc, tuple):
+                payload = os.pread(self._fd, loc[1], loc[0])
+                os.write(fd, _RECORD.pack(_MAGIC, cid, len(payload), zlib.crc32(payload)) + payload)
+                where[cid] = (end + _RECORD.size, len(payload))
+                end += _RECORD.size + len(payload)
+        os.replace(tmp, self.path / _LOG)
+        os.close(self._fd)
+        self._fd, self._end, self._live = fd, end, end
+        self._where.update(where)
+
+    def _pt(self, client_id: int) -> Path:
+        return self.path / f"client_{client_id}.pt"
+
+    # ------------------------------------------------------------ the interface
     def load(self, client_id: int) -> dict[str, Any]:
-        kind = self._kind.get(client_id)
-        if kind is None:
+        loc = self._where.get(client_id)
+        if loc is None:
             return {}
-        if kind == ".pt":
-            return torch.load(self._file(client_id), weights_only=True)
-        with open(self._file(client_id, ".fcs"), "rb") as fh:
-            data = fh.read()
-        if not data.startswith(_MAGIC):
-            raise WireError(f"{self._file(client_id, '.fcs')} is not a fedcore state file")
+        if loc == ".pt":
+            return torch.load(self._pt(client_id), weights_only=True)
         v = pb.Value()
         try:
-            v.ParseFromString(memoryview(data)[len(_MAGIC):])
+            v.ParseFromString(os.pread(self._fd, loc[1], loc[0]))
         except Exception as exc:  # noqa: BLE001 - protobuf's parse errors vary by backend
-            raise WireError(f"{self._file(client_id, '.fcs')} is damaged: {exc}") from None
+            raise WireError(f"{self.path / _LOG}: the state of client {client_id} is damaged: "
+                            f"{exc}") from None
         return from_value(v)
 
     def save(self, client_id: int, state: dict[str, Any]) -> None:
-        old = self._kind.pop(client_id, None)
-        if not state:
-            if old is not None:
-                self._file(client_id, old).unlink(missing_ok=True)
+        was = self._where.get(client_id)
+        if state and _plain(state):
+            payload = to_value(state).SerializeToString()
+            self._forget(client_id)
+            self._append(client_id, payload)       # the new record supersedes everything older
+            if was == ".pt":
+                self._pt(client_id).unlink(missing_ok=True)
+            self._maybe_compact()
             return
-        compact = _plain(state)
-        kind = ".fcs" if compact else ".pt"
-        f = self._file(client_id, kind)
-        tmp = f.with_suffix(".tmp")
-        if compact:
-            with open(tmp, "wb") as fh:
-                fh.write(_MAGIC)
-                fh.write(to_value(state).SerializeToString())
-        else:
+        f = self._pt(client_id)
+        if state:
+            tmp = f.with_suffix(".tmp")
             torch.save(state, tmp)
-        os.replace(tmp, f)  # atomic: a crash never leaves a half-written state
-        self._kind[client_id] = kind
-        if old is not None and old != kind:
-            self._file(client_id, old).unlink(missing_ok=True)
+            os.replace(tmp, f)  # atomic: a crash never leaves a half-written state
+        else:
+            f.unlink(missing_ok=True)
+        self._forget(client_id)
+        if isinstance(was, tuple):
+            self._append(client_id, b"")           # a tombstone: the log's record no longer counts
+            self._maybe_compact()
+        if state:
+            self._where[client_id] = ".pt"
 
     def __contains__(self, client_id: int) -> bool:
-        return client_id in self._kind
+        return client_id in self._where
 
     def disk_bytes(self) -> int:
-        return sum(f.stat().st_size for pattern in ("client_*.pt", "client_*.fcs")
-                   for f in self.path.glob(pattern))
+        return self._end + sum(f.stat().st_size for f in self.path.glob("client_*.pt"))
 
     def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
         if self._tmp:
             shutil.rmtree(self.path, ignore_errors=True)
 
