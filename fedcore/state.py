@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from fedcore.serialization import WireError, from_value, to_value
+from fedcore.serialization import WireError, encode_value, from_value
 from fedcore.wire import fedcore_pb2 as pb
 
 __all__ = ["StateStore", "MemoryStateStore", "DiskStateStore", "make_state_store"]
@@ -191,7 +191,7 @@ class DiskStateStore(StateStore):
     def save(self, client_id: int, state: dict[str, Any]) -> None:
         was = self._where.get(client_id)
         if state and _plain(state):
-            payload = to_value(state).SerializeToString()
+            payload = encode_value(state)
             self._forget(client_id)
             self._append(client_id, payload)       # the new record supersedes everything older
             if was == ".pt":
