@@ -95,7 +95,7 @@ class VectorEngine(Engine):
             train = data.train
             n = len(train)
             pos = state.get("sampler", {"epoch": 0, "offset": 0})
-            stream = BatchStream(n, self.batch_size, self.seed, cid, pos["epoch"], pos["offset"])
+            stream = _LazyStream(n, self.batch_size, self.seed, cid, pos["epoch"], pos["offset"])
             steps = self.term.num_steps(trainer, cid, n, round_) if n else 0
             idx = [stream.next() for _ in range(steps)]
             plans.append((train, idx, stream.position(), n))
@@ -188,6 +188,29 @@ class VectorEngine(Engine):
         if steps == 0:   # clients without training data send the received model back
             params = {n: p.unsqueeze(0).repeat((c,) + (1,) * p.dim()) for n, p in params.items()}
         return params, loss_sum.tolist()
+
+
+class _LazyStream(BatchStream):
+    """`BatchStream`'s batches, with each epoch's permutation drawn only when a batch needs it
+    (a client resumed at the end of an epoch would otherwise draw one it never uses)."""
+
+    def __init__(self, n: int, batch_size: int, seed: int, client_id: int,
+                 epoch: int = 0, offset: int = 0):
+        self.n, self.batch_size = n, batch_size
+        self.seed, self.client_id = seed, client_id
+        self.epoch, self.offset = epoch, offset
+        self._perm = None
+
+    def next(self) -> torch.Tensor:
+        if self.offset >= self.n:
+            self.epoch += 1
+            self.offset = 0
+            self._perm = None
+        if self._perm is None:
+            self._perm = self._permutation(self.epoch)
+        idx = self._perm[self.offset:self.offset + self.batch_size]
+        self.offset += len(idx)
+        return idx
 
 
 # ---------------------------------------------------------------- algorithm terms

@@ -172,3 +172,14 @@ def test_processes_fall_back_for_good_when_a_state_cannot_travel(caplog):
     assert any("running sequentially from now on" in r.getMessage() for r in caplog.records)
     assert course.trainer.batched_fits == 0
     assert _max_diff(seq, par) == 0.0 and par_trace == seq_trace
+
+
+@pytest.mark.parametrize("n, bs, epoch, offset", [(10, 10, 0, 0), (10, 10, 3, 10), (7, 3, 1, 6),
+                                                  (7, 3, 2, 7), (5, 8, 0, 0)])
+def test_the_vectorized_stream_gives_the_batch_streams_batches(n, bs, epoch, offset):
+    from fedcore.algorithms.base import BatchStream
+    from fedcore.vectorized import _LazyStream
+    a, b = BatchStream(n, bs, 4, 9, epoch, offset), _LazyStream(n, bs, 4, 9, epoch, offset)
+    for _ in range(6):
+        assert torch.equal(a.next(), b.next())
+        assert a.position() == b.position()
