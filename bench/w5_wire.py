@@ -129,12 +129,17 @@ class _Server:
                     str(self.port), "--total", str(self.n), "--chunk-size", str(chunk)]
             if tls_dir:
                 args += ["--tls-dir", tls_dir]
-            self.procs.append(subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                               stderr=subprocess.STDOUT, text=True))
+            log = tempfile.TemporaryFile()    # a file, not a pipe: a chatty client never blocks
+            proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+            proc.log = log    # type: ignore[attr-defined]
+            self.procs.append(proc)
         deadline = time.monotonic() + 300
         while len(self.comm.live_ids()) < self.n:
             if time.monotonic() > deadline or any(p.poll() is not None for p in self.procs):
-                out = "".join(p.stdout.read() for p in self.procs if p.poll() is not None)
+                out = ""
+                for p in self.procs:
+                    p.log.seek(0)
+                    out += p.log.read().decode(errors="replace")
                 raise RuntimeError(f"clients did not connect: {out[-2000:]}")
             time.sleep(0.05)
 
@@ -168,6 +173,7 @@ class _Server:
             p.kill()
         for p in self.procs:
             p.wait()
+            p.log.close()
         self.comm.stop(0.5)
 
 
