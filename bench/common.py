@@ -196,7 +196,8 @@ def run_fedcore(cfg, data: FederatedData, before_run: Callable | None = None) ->
 
 
 def run_plain(cfg, data: FederatedData) -> RoundTimes:
-    """The plain-PyTorch FedAvg loop doing exactly what the fedcore course does."""
+    """The plain-PyTorch loop doing exactly what the fedcore course does (FedAvg, or SCAFFOLD
+    when `algorithm.name` is scaffold: each client's control variate c_i kept in a dict)."""
     from fedcore.scenarios.models import build_model
     clock = _Clock()
     seed = cfg["seed"]
@@ -204,16 +205,25 @@ def run_plain(cfg, data: FederatedData) -> RoundTimes:
     k = cfg["federate.sample_client_num"] or n_clients
     rounds_n = cfg["federate.total_round_num"]
     bs, lr = cfg["train.batch_size"], cfg["train.optimizer.lr"]
+    scaffold = cfg["algorithm.name"] == "scaffold"
+    if cfg["algorithm.name"] not in ("fedavg", "scaffold"):
+        raise ValueError(f"the plain reference has no {cfg['algorithm.name']}")
+    if scaffold and (cfg["algorithm.scaffold.weighting"] != "uniform"
+                     or cfg["algorithm.scaffold.global_lr"] != 1.0):
+        raise ValueError("the plain SCAFFOLD reference is the paper's: uniform mean, global_lr 1")
     model = build_model(cfg, data.input_shape, data.num_classes)
     global_state = {name: t.detach().clone() for name, t in model.state_dict().items()}
     params = dict(model.state_dict(keep_vars=True))
+    trainable = {n: p for n, p in model.named_parameters()}
+    control = {n: torch.zeros_like(p) for n, p in trainable.items()}     # SCAFFOLD's c
+    c_clients: dict[int, dict[str, torch.Tensor]] = {}                  # SCAFFOLD's c_i
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     rng = np.random.default_rng(seed + 3)        # the uniform sampler's stream
     positions: dict[int, tuple[int, int]] = {}
     ids = list(range(1, n_clients + 1))
     for r in range(1, rounds_n + 1):
         picked = sorted(ids[i] for i in rng.choice(n_clients, size=k, replace=False))
-        updates, weights = [], []
+        updates, weights, d_controls = [], [], []
         for cid in picked:
             train = data.clients[cid].train
             with torch.no_grad():
@@ -222,18 +232,42 @@ def run_plain(cfg, data: FederatedData) -> RoundTimes:
             epoch, offset = positions.get(cid, (0, 0))
             stream = BatchStream(len(train), bs, seed, cid, epoch, offset)
             steps = cfg["train.local_steps"] or cfg["train.local_epochs"] * math.ceil(len(train) / bs)
+            if scaffold:
+                c_i = c_clients.get(cid)
+                corr = {n: control[n].clone() if c_i is None else control[n] - c_i[n] for n in trainable}
             model.train()
             for _ in range(steps):
                 idx = stream.next()
                 opt.zero_grad(set_to_none=True)
                 loss = nn.functional.cross_entropy(model(train.x[idx]), train.y[idx])
                 loss.backward()
+                if scaffold:
+                    with torch.no_grad():
+                        for n, p in trainable.items():
+                            p.grad.add_(corr[n])
                 opt.step()
                 loss.item()
             positions[cid] = (stream.epoch, stream.offset)
-            updates.append({n: t.detach().clone() for n, t in params.items()})
-            weights.append(float(len(train)))
-        global_state = {n: weighted_mean([u[n] for u in updates], weights) for n in global_state}
+            y = {n: t.detach().clone() for n, t in params.items()}
+            if scaffold:
+                with torch.no_grad():
+                    x = global_state
+                    c_i = c_i or {n: torch.zeros_like(control[n]) for n in trainable}
+                    new = {n: c_i[n] - control[n] + (x[n] - y[n]) / (steps * lr) for n in trainable}
+                    d_controls.append({n: new[n] - c_i[n] for n in trainable})
+                    c_clients[cid] = new
+                    updates.append({n: y[n] - x[n] for n in y})
+                weights.append(1.0)
+            else:
+                updates.append(y)
+                weights.append(float(len(train)))
+        if scaffold:
+            global_state = {n: global_state[n] + weighted_mean([u[n] for u in updates], weights)
+                            for n in global_state}
+            control = {n: c + torch.stack([d[n] for d in d_controls]).sum(0) / n_clients
+                       for n, c in control.items()}
+        else:
+            global_state = {n: weighted_mean([u[n] for u in updates], weights) for n in global_state}
         if r % cfg["eval.freq"] == 0 or r == rounds_n:
             model.load_state_dict(global_state)
             evaluate_model(model, data.server_test.x, data.server_test.y, "cross_entropy",

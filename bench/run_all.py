@@ -71,15 +71,16 @@ def main(argv=None) -> int:
                  _f(f.get("plain_s_per_round")), _f(vr, "{:.2f}x"), "-", ""))
 
     rc, out = _run("bench.w3_scale", [])
-    algo = "scaffold"
-    if rc == 2:
-        algo = "fedavg (no scaffold)"
-        rc, out = _run("bench.w3_scale", ["--algorithm", "fedavg"])
     f = _last_fields(out)
-    rows.append(("W3 scale", algo, _f(f.get("fedcore_s_per_round")), _f(f.get("plain_s_per_round")),
-                 _f(f.get("ratio"), "{:.2f}x"),
-                 f"RSS < 3072 MB (got {f.get('peak_rss_mb', '?')} MB, disk {f.get('disk_mb', '?')} MB)",
-                 _met(f.get("peak_rss_mb"), lambda r: r < 3072)))
+    rows.append(("W3 scale", "SCAFFOLD, disk store", _f(f.get("fedcore_s_per_round")),
+                 _f(f.get("plain_s_per_round")), _f(f.get("ratio"), "{:.2f}x"),
+                 f"completes; RSS < 3072 MB (got {f.get('peak_rss_mb', '?')} MB, disk "
+                 f"{f.get('disk_mb', '?')} MB)", _met(f.get("peak_rss_mb"), lambda r: r < 3072)))
+    rc, out = _run("bench.w3_scale", ["--executor", "vectorized"])
+    f = _last_fields(out)
+    rows.append(("W3 scale", "SCAFFOLD, disk store, vectorized", _f(f.get("fedcore_s_per_round")),
+                 _f(f.get("plain_s_per_round")), _f(f.get("ratio"), "{:.2f}x"),
+                 f"RSS {f.get('peak_rss_mb', '?')} MB", ""))
 
     rc, out = _run("bench.w4_events", reps)
     f = _last_fields(out)
@@ -88,7 +89,15 @@ def main(argv=None) -> int:
                                                    lambda r: r >= 200_000)))
     rows.append(("W4 events", "send+dispatch, events/s", _f(f.get("send_events_per_s"), "{:,.0f}"),
                  "-", "-", "-", ""))
-    rows.append(("W5 wire", "not built", "n/a", "n/a", "n/a", ">= 300 MB/s", "not measured"))
+    rc, out = _run("bench.w5_wire", (["--reps", "1", "--latency-rounds", "5"] if a.quick else [])
+                   + ["--tls"])
+    f = _last_fields(out)
+    for suffix, mode in (("", "insecure"), ("_tls", "TLS")):
+        rows.append(("W5 wire", f"100 MB to 4 processes and back, {mode}, MB/s",
+                     _f(f.get(f"w5_mb_per_s{suffix}"), "{:.0f}"), "-", "-", ">= 300 MB/s",
+                     _met(f.get(f"w5_mb_per_s{suffix}"), lambda r: r >= 300)))
+        rows.append(("W5 wire", f"round latency, 50 clients, tiny model, {mode}, s",
+                     _f(f.get(f"w5_round_latency_s{suffix}")), "-", "-", "-", ""))
 
     print(f"machine: {platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, "
           f"python {platform.python_version()}; load average {os.getloadavg()}")

@@ -48,7 +48,7 @@ class Engine:
 class _Batch:
     content: Any                                   # kept alive, so its id cannot be reused
     round: int
-    waiting: list[int] = field(default_factory=list)
+    waiting: dict[int, None] = field(default_factory=dict)   # receivers, in order (O(1) removal)
     computed: bool = False
 
 
@@ -128,14 +128,14 @@ class BatchingTrainer:
             if old is not None and old != key:
                 self._forget(receiver, old)
             self._latest[receiver] = key
-            batch.waiting.append(receiver)
+            batch.waiting[receiver] = None
         return True
 
     def _forget(self, client_id: int, key: int) -> None:
         self._ready.pop((client_id, key), None)
         batch = self._batches.get(key)
         if batch is not None and client_id in batch.waiting:
-            batch.waiting.remove(client_id)
+            del batch.waiting[client_id]
             if not batch.waiting and not batch.computed:
                 del self._batches[key]
 
@@ -164,14 +164,13 @@ class BatchingTrainer:
         batch = self._batches.get(key)
         if batch is None:
             return
-        if client_id in batch.waiting:
-            batch.waiting.remove(client_id)
+        batch.waiting.pop(client_id, None)
         if not batch.waiting:
             del self._batches[key]
 
     def _compute(self, batch: _Batch, key: int) -> None:
         batch.computed = True
-        ids = list(dict.fromkeys(batch.waiting))
+        ids = list(batch.waiting)
         store, clients = self._trainer.store, self._course.clients
         jobs = [(cid, clients[cid].data, store.load(cid)) for cid in ids]
         try:

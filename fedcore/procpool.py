@@ -22,7 +22,7 @@ import torch
 
 from fedcore.algorithms.base import FitResult
 from fedcore.batching import Engine
-from fedcore.serialization import WireError, from_value, to_value
+from fedcore.serialization import WireError, encode_value, from_value
 from fedcore.state import MemoryStateStore
 from fedcore.wire import fedcore_pb2 as pb
 
@@ -39,7 +39,7 @@ def usable_cores() -> int:
 
 
 def _encode(obj: Any) -> bytes:
-    return to_value(obj).SerializeToString()
+    return encode_value(obj)
 
 
 def _decode(data: bytes) -> Any:

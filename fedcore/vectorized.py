@@ -10,6 +10,14 @@ streams give the same batch sizes step by step are grouped, so every batch
 has one shape. The optimizer update is torch's SGD rule (weight decay,
 momentum started fresh each round, as the sequential trainer does), written
 for stacked tensors.
+
+FedProx, SCAFFOLD and FedDyn add to each step a gradient term that is a pure
+function of the parameters, the received content and the client's state
+(mu (w - w^t); c - c_i; -g_k + alpha (theta - theta^{t-1})). Each has a
+`_Term` here that computes that term and the client's payload and new state
+for all clients of a group at once, in the same floating-point operations as
+the trainer's own hooks. A trainer class is vectorised only if it is one of
+these classes (or a subclass that defines nothing of its own).
 """
 from __future__ import annotations
 
@@ -25,13 +33,7 @@ from fedcore.batching import Engine
 
 __all__ = ["VectorEngine"]
 
-# Trainer methods whose base behaviour the vectorised step reproduces; a subclass that
-# defines anything of its own (a hook, a helper, a constant) is not vectorised.
 _STACK_BYTES = 256 * 2 ** 20   # stack a group's data when it takes at most this much memory
-
-_PURE_HOOKS = ("fit", "step", "objective", "adjust_gradients", "begin", "payload", "load_global",
-               "shared_state", "num_steps", "_restore_optimizer", "_save_optimizer", "_save_local")
-
 
 class VectorEngine(Engine):
     name = "vectorized"
@@ -44,6 +46,7 @@ class VectorEngine(Engine):
         self.weight_decay = cfg["train.optimizer.weight_decay"]
         self.batch_size = cfg["train.batch_size"]
         self.seed = cfg["seed"]
+        self.term = _term_for(type(trainer))[0] or _Term()
         model, loss = trainer.model, trainer.loss
 
         def objective(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor):
@@ -59,25 +62,26 @@ class VectorEngine(Engine):
         """Why this trainer/config cannot be vectorised, or None if it can."""
         if not isinstance(trainer, Trainer):
             return f"trainer {type(trainer).__name__} is not a fedcore Trainer"
-        changed = [h for h in _PURE_HOOKS if getattr(type(trainer), h) is not getattr(Trainer, h)]
-        for cls in type(trainer).__mro__:   # anything a subclass defines may change the step
-            if cls is Trainer:
-                break
-            changed += [n for n in vars(cls) if not (n.startswith("__") and n.endswith("__"))
-                        and n not in changed]
-        if changed:
+        term, changed = _term_for(type(trainer))
+        if term is None:
             return (f"trainer {type(trainer).__name__} changes {', '.join(changed)}; only the base "
-                    "local SGD objective is vectorised")
+                    "local SGD objective and FedProx's, SCAFFOLD's and FedDyn's terms are vectorised")
         if cfg["train.optimizer.type"] != "sgd":
             return f"train.optimizer.type={cfg['train.optimizer.type']} (only sgd is vectorised)"
         if cfg["train.preserve_optimizer_state"]:
             return "train.preserve_optimizer_state keeps per-client optimizer state"
+        if cfg["train.grad_accum_steps"] != 1:
+            return "train.grad_accum_steps > 1 (micro-batches are not vectorised)"
+        if getattr(trainer, "scheduler", None) is not None:
+            return "train.scheduler changes the learning rate step by step"
         if trainer._local_init:
             return "federate.share_params keeps some entries local"
         if any(True for _ in trainer.model.buffers()):
             return "the model has buffers (per-sample state such as batch norm)"
         if len(trainer.params) != len(list(trainer.model.parameters())):
             return "the model has frozen parameters"
+        if term.names(trainer) != list(trainer.param_names):
+            return "some trainable parameters are not shared"
         return None
 
     # ------------------------------------------------------------ the batch
@@ -91,8 +95,8 @@ class VectorEngine(Engine):
             train = data.train
             n = len(train)
             pos = state.get("sampler", {"epoch": 0, "offset": 0})
-            stream = BatchStream(n, self.batch_size, self.seed, cid, pos["epoch"], pos["offset"])
-            steps = trainer.num_steps(n) if n else 0
+            stream = _LazyStream(n, self.batch_size, self.seed, cid, pos["epoch"], pos["offset"])
+            steps = self.term.num_steps(trainer, cid, n, round_) if n else 0
             idx = [stream.next() for _ in range(steps)]
             plans.append((train, idx, stream.position(), n))
             groups[(tuple(j.numel() for j in idx), tuple(train.x.shape[1:]), train.x.dtype,
@@ -102,16 +106,16 @@ class VectorEngine(Engine):
         for sig, members in groups.items():
             if len(members) < 2:
                 continue   # nothing to batch with: the trainer itself is faster for one client
-            params, losses = self._train_group(model_in, [plans[i] for i in members], len(sig[0]))
-            work = float(sum(sig[0]))
+            states = [jobs[i][2] for i in members]
+            ctx = self.term.prepare(trainer, received, states)
             steps = len(sig[0])
-            rows = {name: params[name].unbind(0) for name in self.names}   # views, one call each
+            params, losses = self._train_group(model_in, [plans[i] for i in members], steps, ctx)
+            work = float(sum(sig[0]))
+            results = self.term.finish(trainer, ctx, received, params, steps, states,
+                                       [plans[i][3] for i in members])
             for j, i in enumerate(members):
-                state = jobs[i][2]
-                position, n = plans[i][2], plans[i][3]
-                new_state = dict(state)
-                new_state["sampler"] = position
-                content = {"model": {name: rows[name][j] for name in self.names}, "num_samples": n}
+                content, new_state = results[j]
+                new_state["sampler"] = plans[i][2]
                 metrics = {"train_loss": losses[j] / steps} if steps else {}
                 out[i] = (FitResult(content, work, metrics), new_state)
         return out
@@ -155,8 +159,9 @@ class VectorEngine(Engine):
         return xb, yb
 
     @torch.no_grad()
-    def _train_group(self, model_in: dict[str, torch.Tensor], plans: list, steps: int):
+    def _train_group(self, model_in: dict[str, torch.Tensor], plans: list, steps: int, ctx=None):
         c = len(plans)
+        term = self.term
         # The first step starts every client from the same received tensors (not batched,
         # not copied); its update creates each client's own stacked parameters.
         params = {n: model_in[n].detach() for n in self.names}
@@ -167,7 +172,7 @@ class VectorEngine(Engine):
                 grads, loss = (self._step if s else self._first_step)(params, xb, yb)
             loss_sum += loss.double()
             for n in self.names:
-                d = grads[n]
+                d = term.adjust(ctx, n, grads[n], params[n])
                 if self.weight_decay:
                     d = d.add(params[n], alpha=self.weight_decay)
                 if self.momentum:
@@ -183,3 +188,177 @@ class VectorEngine(Engine):
         if steps == 0:   # clients without training data send the received model back
             params = {n: p.unsqueeze(0).repeat((c,) + (1,) * p.dim()) for n, p in params.items()}
         return params, loss_sum.tolist()
+
+
+class _LazyStream(BatchStream):
+    """`BatchStream`'s batches, with each epoch's permutation drawn only when a batch needs it
+    (a client resumed at the end of an epoch would otherwise draw one it never uses)."""
+
+    def __init__(self, n: int, batch_size: int, seed: int, client_id: int,
+                 epoch: int = 0, offset: int = 0):
+        self.n, self.batch_size = n, batch_size
+        self.seed, self.client_id = seed, client_id
+        self.epoch, self.offset = epoch, offset
+        self._perm = None
+
+    def next(self) -> torch.Tensor:
+        if self.offset >= self.n:
+            self.epoch += 1
+            self.offset = 0
+            self._perm = None
+        if self._perm is None:
+            self._perm = self._permutation(self.epoch)
+        idx = self._perm[self.offset:self.offset + self.batch_size]
+        self.offset += len(idx)
+        return idx
+
+
+# ---------------------------------------------------------------- algorithm terms
+class _Term:
+    """The base local step: no extra gradient term; sends the trained model."""
+
+    def names(self, trainer) -> list[str]:
+        """The parameters the term covers, in the trainer's order."""
+        return list(trainer.param_names)
+
+    def num_steps(self, trainer, client_id: int, n: int, round_: int) -> int:
+        return trainer.num_steps(n)
+
+    def prepare(self, trainer, received: dict, states: list[dict]) -> Any:
+        """Per-group constants (stacked per-client tensors) for `adjust` and `finish`."""
+        return None
+
+    def adjust(self, ctx, name: str, grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+        """The gradient of every client of the group after the trainer's `adjust_gradients`."""
+        return grad
+
+    def finish(self, trainer, ctx, received: dict, params: dict[str, torch.Tensor], steps: int,
+               states: list[dict], sizes: list[int]) -> list[tuple[dict, dict]]:
+        """Each client's (content, new state) from the stacked trained parameters."""
+        rows = {name: t.unbind(0) for name, t in params.items()}   # views, one call each
+        return [({"model": {name: r[j] for name, r in rows.items()}, "num_samples": n}, dict(st))
+                for j, (st, n) in enumerate(zip(states, sizes))]
+
+
+def _stack_state(states: list[dict], key: str, names: list[str], like: dict[str, torch.Tensor]):
+    """Each client's `state[key][name]` stacked along a new first dimension (zeros where absent)."""
+    out = {}
+    for n in names:
+        zero = None
+        rows = []
+        for st in states:
+            saved = st.get(key)
+            if saved is None:
+                if zero is None:
+                    zero = torch.zeros_like(like[n])
+                rows.append(zero)
+            else:
+                rows.append(saved[n])
+        out[n] = torch.stack(rows)
+    return out
+
+
+class _ProxTerm(_Term):
+    """FedProx: + mu (w - w^t), w^t the received model; stragglers' step counts as drawn."""
+
+    def num_steps(self, trainer, client_id, n, round_):
+        trainer._round, trainer._client = round_, client_id   # what FedProxTrainer.fit sets
+        return trainer.num_steps(n)
+
+    def prepare(self, trainer, received, states):
+        return trainer.mu, received["model"]
+
+    def adjust(self, ctx, name, grad, param):
+        mu, anchor = ctx
+        if mu == 0:
+            return grad
+        return grad.add(param - anchor[name], alpha=mu)
+
+
+class _ScaffoldTerm(_Term):
+    """SCAFFOLD: + (c - c_i); sends (y - x, c_i+ - c_i) and keeps c_i+."""
+
+    def names(self, trainer):
+        return list(trainer.names)
+
+    def prepare(self, trainer, received, states):
+        c = received["control"]
+        c_i = _stack_state(states, "c_i", trainer.names, c)
+        fresh = torch.tensor([st.get("c_i") is None for st in states])
+        corr = {}
+        for n in trainer.names:
+            # c - c_i; a client without c_i uses c itself (c - 0 would be the same numbers)
+            corr[n] = torch.where(fresh.reshape((-1,) + (1,) * c[n].dim()), c[n], c[n] - c_i[n])
+        return corr, c_i
+
+    def adjust(self, ctx, name, grad, param):
+        return grad + ctx[0][name]
+
+    def finish(self, trainer, ctx, received, params, steps, states, sizes):
+        x, c = received["model"], received["control"]
+        _, c_i = ctx
+        delta = {n: params[n] - x[n] for n in params}
+        dc, new_c = {}, {}
+        for n in trainer.names:
+            if steps > 0:
+                new = c_i[n] - c[n] + (x[n] - params[n]) / (steps * trainer.lr)
+            else:
+                new = c_i[n].clone()
+            dc[n] = new - c_i[n]
+            new_c[n] = new
+        rows = {k: {n: t.unbind(0) for n, t in d.items()} for k, d in
+                (("delta", delta), ("dc", dc), ("c", new_c))}
+        out = []
+        for j, (st, size) in enumerate(zip(states, sizes)):
+            new_state = dict(st)
+            new_state["c_i"] = {n: r[j].clone() for n, r in rows["c"].items()}   # its own storage
+            content = {"delta": {n: r[j] for n, r in rows["delta"].items()},
+                       "delta_control": {n: r[j] for n, r in rows["dc"].items()},
+                       "num_samples": size}
+            out.append((content, new_state))
+        return out
+
+
+class _DynTerm(_Term):
+    """FedDyn: - g_k + alpha (theta - theta^{t-1}); keeps g_k - alpha (theta_k - theta^{t-1})."""
+
+    def names(self, trainer):
+        return list(trainer.names)
+
+    def prepare(self, trainer, received, states):
+        anchor = received["model"]
+        return trainer.alpha, anchor, _stack_state(states, "g", trainer.names, anchor)
+
+    def adjust(self, ctx, name, grad, param):
+        alpha, anchor, g = ctx
+        return grad.sub(g[name]).add(param - anchor[name], alpha=alpha)
+
+    def finish(self, trainer, ctx, received, params, steps, states, sizes):
+        alpha, anchor, g = ctx
+        new_g = {n: g[n] - alpha * (params[n] - anchor[n]) for n in trainer.names}
+        rows = {n: t.unbind(0) for n, t in new_g.items()}
+        out = super().finish(trainer, ctx, received, params, steps, states, sizes)
+        for j, (_, new_state) in enumerate(out):
+            new_state["g"] = {n: r[j].clone() for n, r in rows.items()}
+        return out
+
+
+def _terms() -> dict[type, _Term]:
+    from fedcore.algorithms.feddyn import FedDynTrainer
+    from fedcore.algorithms.fedprox import FedProxTrainer
+    from fedcore.algorithms.scaffold import ScaffoldTrainer
+    return {Trainer: _Term(), FedProxTrainer: _ProxTerm(), ScaffoldTrainer: _ScaffoldTerm(),
+            FedDynTrainer: _DynTerm()}
+
+
+def _term_for(cls: type) -> tuple[_Term | None, list[str]]:
+    """The term of the nearest supported class in `cls`'s ancestry, provided nothing between
+    them defines anything of its own; else (None, the names defined in between)."""
+    terms = _terms()
+    changed: list[str] = []
+    for klass in cls.__mro__:
+        if klass in terms:
+            return (terms[klass], []) if not changed else (None, changed)
+        changed += [n for n in vars(klass) if not (n.startswith("__") and n.endswith("__"))
+                    and n not in changed]
+    return None, changed

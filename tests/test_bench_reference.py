@@ -22,6 +22,15 @@ def test_plain_reference_equals_fedcore_fedavg():
         assert len(fed.wall_rounds) == len(plain.cpu_rounds) == 3
 
 
+def test_plain_reference_equals_fedcore_scaffold_on_both_stores(tmp_path):
+    data = bench_data(12, 10, seed=3, test_n=20)
+    for store in ("memory", "disk"):
+        cfg = _cfg(**{"train.local_steps": 2, "algorithm.name": "scaffold", "state.store": store,
+                      "state.path": str(tmp_path / store)})
+        fed, plain = run_fedcore(cfg, data), run_plain(cfg, data)
+        assert max_abs_diff(fed.final_state, plain.final_state) == 0.0
+
+
 def test_client_shards_depend_only_on_seed_plus_id():
     teacher = torch.randn(784, 10)
     a, b = client_shard(5, 2, 6, teacher), client_shard(4, 3, 6, teacher)   # 5+2 == 4+3

@@ -41,6 +41,17 @@ CASES = {
     "no_training_data": dict(data__splits=[0.0, 0.5, 0.5]),   # every client sends the model back
     "float64_mlp": dict(model__type="mlp", model__hidden=[7], model__dtype="float64",
                         train__local_steps=3),
+    # algorithms with an extra gradient term and per-client state, over rounds that resample
+    "fedprox_stragglers": dict(algorithm__name="fedprox", algorithm__fedprox__mu=0.5,
+                               algorithm__fedprox__straggler_fraction=0.5, train__local_epochs=2,
+                               federate__total_round_num=3),
+    "scaffold": dict(algorithm__name="scaffold", train__local_steps=3, federate__sample_client_num=2,
+                     federate__total_round_num=4),
+    "scaffold_momentum_mlp": dict(algorithm__name="scaffold", model__type="mlp", model__hidden=[5],
+                                  train__optimizer__momentum=0.5, train__local_steps=2,
+                                  federate__total_round_num=3),
+    "feddyn": dict(algorithm__name="feddyn", algorithm__feddyn__alpha=0.3, train__local_steps=3,
+                   federate__sample_client_num=2, federate__total_round_num=4),
 }
 
 
@@ -190,3 +201,14 @@ def test_measured_time_runs_sequentially_with_a_reason(caplog):
         course, _, _ = _run("vectorized", time__mode="measured")
     assert not isinstance(course.trainer, BatchingTrainer)
     assert any("time.mode=measured" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("n, bs, epoch, offset", [(10, 10, 0, 0), (10, 10, 3, 10), (7, 3, 1, 6),
+                                                  (7, 3, 2, 7), (5, 8, 0, 0)])
+def test_the_vectorized_stream_gives_the_batch_streams_batches(n, bs, epoch, offset):
+    from fedcore.algorithms.base import BatchStream
+    from fedcore.vectorized import _LazyStream
+    a, b = BatchStream(n, bs, 4, 9, epoch, offset), _LazyStream(n, bs, 4, 9, epoch, offset)
+    for _ in range(6):
+        assert torch.equal(a.next(), b.next())
+        assert a.position() == b.position()

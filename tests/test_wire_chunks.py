@@ -82,3 +82,18 @@ def test_backoff_doubles_up_to_its_cap_with_jitter():
         delays = [backoff_delay(attempt, 0.5, 10.0, rng) for _ in range(200)]
         assert all(cap / 2 <= d <= cap for d in delays)
         assert max(delays) - min(delays) > cap / 4  # jittered, not a constant
+
+
+@pytest.mark.parametrize("n,size,mid", [(0, 10, 1), (1, 10, 7), (25, 10, 300), (200, 64, 2**40), (130, 128, 5)])
+def test_hand_encoded_frames_are_protobufs_canonical_bytes(n, size, mid):
+    data = bytes(random.Random(n).randrange(256) for _ in range(n))
+    a = min(3, n)
+    b = max(a, n // 2)
+    parts = (data[:a], b"", data[a:b], data[b:])
+    frames = list(chunk_frames(parts, mid, size))
+    sha = hashlib.sha256(data).digest()
+    for k, raw in enumerate(frames):
+        piece = data[k * size:(k + 1) * size]
+        expected = pb.Frame(chunk=pb.Chunk(message_id=mid, offset=k * size, total_size=n,
+                                           sha256=sha if k == 0 else b"", data=piece))
+        assert raw == expected.SerializeToString()

@@ -28,3 +28,12 @@ def test_envelope_size_per_receiver_is_exact(sender):
         assert msg.nbytes_to(r) == len(encode_envelope("models", sender, [r], 3, 1.25, content))
     assert msg.nbytes == sum(len(encode_envelope("models", sender, [r], 3, 1.25, content))
                              for r in receivers)
+
+
+@pytest.mark.parametrize("content", CONTENTS + [True, False, None, 0, -2 ** 63, 2 ** 63 - 1, 1e-300,
+                                                 torch.arange(12.0).reshape(3, 4).t(),
+                                                 [[{"a": []}], ()], {"k": b""}],
+                         ids=range(len(CONTENTS) + 10))
+def test_direct_encoding_is_protobufs_encoding(content):
+    from fedcore.serialization import encode_value
+    assert encode_value(content) == to_value(content).SerializeToString()

@@ -42,29 +42,60 @@ def envelope_parts(header: pb.Envelope, content: bytes) -> tuple[bytes, bytes, b
     return header.SerializeToString(), b"\x3a" + _varint(len(content)), content
 
 
+def _field(number: int, wire_type: int) -> bytes:
+    return _varint(number << 3 | wire_type)
+
+
+def _chunk_head(message_id: int, offset: int, total: int, sha: bytes, n: int) -> tuple[bytes, int]:
+    """The bytes of a `Frame` holding a `Chunk` up to its data's bytes, and the frame's length.
+
+    Hand-encoded in protobuf's canonical layout (fields in number order, defaults
+    omitted), so `head + data` is byte for byte `Frame(chunk=Chunk(...)).SerializeToString()`
+    while the chunk's data are copied only once, into the frame itself.
+    """
+    inner = bytearray()
+    for number, value in ((1, message_id), (2, offset), (3, total)):
+        if value:
+            inner += _field(number, 0) + _varint(value)
+    if sha:
+        inner += _field(4, 2) + _varint(len(sha)) + sha
+    if n:
+        inner += _field(5, 2) + _varint(n)
+    inner_len = len(inner) + n
+    head = _field(1, 2) + _varint(inner_len) + bytes(inner)
+    return head, len(head) + n
+
+
 def chunk_frames(parts: Sequence[bytes], message_id: int, chunk_size: int) -> Iterator[bytes]:
-    """Serialized `Frame`s carrying the concatenation of `parts`, `chunk_size` bytes at a time."""
+    """Serialized `Frame`s carrying the concatenation of `parts`, `chunk_size` bytes at a time.
+
+    Each frame is assembled with one copy of its slice of `parts` (no intermediate
+    buffer, no protobuf message holding the data).
+    """
     total = sum(len(p) for p in parts)
     digest = hashlib.sha256()
     for p in parts:
         digest.update(p)
     sha = digest.digest()
-    views = [memoryview(p) for p in parts if len(p)]
+    views = [memoryview(p).cast("B") for p in parts if len(p)]
     offset, first = 0, True
-    buf = bytearray()
     while first or offset < total:
-        buf.clear()
-        while views and len(buf) < chunk_size:
-            take = chunk_size - len(buf)
-            buf += views[0][:take]
-            if take >= len(views[0]):
+        pieces: list = []
+        n = 0
+        while views and n < chunk_size:
+            take = chunk_size - n
+            v = views[0]
+            if take >= len(v):
+                pieces.append(v)
+                n += len(v)
                 views.pop(0)
             else:
-                views[0] = views[0][take:]
-        frame = pb.Frame(chunk=pb.Chunk(message_id=message_id, offset=offset, total_size=total,
-                                        sha256=sha if first else b"", data=bytes(buf)))
-        yield frame.SerializeToString()
-        offset += len(buf)
+                pieces.append(v[:take])
+                n += take
+                views[0] = v[take:]
+        head, _ = _chunk_head(message_id, offset, total, sha if first else b"", n)
+        yield b"".join([head, *pieces])
+        offset += n
         first = False
 
 

@@ -23,7 +23,7 @@ from fedcore.comm.stream import (METHOD, MD_CLIENT_ID, MD_SESSION, MD_TOKEN, Out
                                  channel_credentials, grpc_options, heartbeat_frame, parse_frame)
 from fedcore.errors import ConfigError, FedcoreError
 from fedcore.message import SERVER_ID, Message
-from fedcore.serialization import WireError, decode_envelope, from_value, to_value
+from fedcore.serialization import WireError, decode_envelope, encode_value, from_value
 from fedcore.wire import fedcore_pb2 as pb
 
 __all__ = ["GrpcClientComm", "ServerUnreachable", "EXIT_SERVER_GONE", "backoff_delay"]
@@ -132,7 +132,7 @@ class GrpcClientComm:
             raise WireError(f"in deployment a client sends only to the server, not to {msg.receivers}")
         header = pb.Envelope(msg_type=msg.msg_type, sender=msg.sender, receivers=[SERVER_ID],
                              round=msg.round, timestamp=msg.timestamp)
-        self.outbox.put_message(envelope_parts(header, to_value(msg.content).SerializeToString()))
+        self.outbox.put_message(envelope_parts(header, encode_value(msg.content)))
 
     # ------------------------------------------------------------ the connection loop
     def _channel(self) -> grpc.Channel:

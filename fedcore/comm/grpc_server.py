@@ -28,7 +28,7 @@ from fedcore.comm.stream import (MD_CLIENT_ID, MD_SESSION, MD_TOKEN, Outbox, grp
 from fedcore.comm.validation import check_content
 from fedcore.errors import ConfigError
 from fedcore.message import SERVER_ID, Message
-from fedcore.serialization import WireError, decode_envelope, from_value, to_value
+from fedcore.serialization import WireError, decode_envelope, encode_value, from_value
 from fedcore.wire import fedcore_pb2 as pb
 
 __all__ = ["GrpcServerComm", "Session"]
@@ -160,7 +160,7 @@ class GrpcServerComm:
     # ------------------------------------------------------------ sending
     def send(self, msg: Message) -> None:
         """Queue `msg` for each receiver's stream; one encoding of the content for all of them."""
-        content = to_value(msg.content).SerializeToString()
+        content = encode_value(msg.content)
         for receiver in msg.receivers:
             if receiver == SERVER_ID:
                 self.scheduler.call_soon(_Arrival(self, msg, 0))
