@@ -22,7 +22,7 @@ from fedcore.completeness import CheckResult, require_complete
 from fedcore.errors import ConfigError, FedcoreError
 from fedcore.executor import close_executor, install_executor
 from fedcore.monitor import Monitor
-from fedcore.scheduler import PRIORITY_TIMER, Scheduler
+from fedcore.scheduler import PRIORITY_TIMER, Scheduler, WallClockScheduler
 from fedcore.state import make_state_store
 from fedcore.timing import TimeModel
 from fedcore.worker import Client, HandlerTable, Server
@@ -194,6 +194,28 @@ class Course:
                 f"(waiting for {len(self.server.selected)} update(s)); a sync course needs every "
                 "sampled client to reply: use over-selection, time_up or an async strategy")
         return self.monitor.finalize(self.finish_time, self.server.aggregator.global_state)
+
+    def check_or_run(self, check_only: bool) -> int:
+        """What `python -m fedcore.run` does with a built course: `--check`, or run it; one line out."""
+        if check_only:
+            self.write_header()
+            result = self.check()
+            where = f"; graph in {self.outdir / 'message_flow.graphml'}" if self.outdir else ""
+            print(f"complete: a path leads from start to finish ({result.graph.number_of_nodes()} "
+                  f"nodes, {result.graph.number_of_edges()} edges){where}")
+            return 0
+        summary = self.run()
+        acc = summary.get("final_test_acc")
+        acc_s = f", final test_acc {acc:.4f}" if acc is not None else ""
+        virtual = "" if self.wall_clock else f"{summary['virtual_time']:.1f}s virtual, "
+        print(f"finished {summary['rounds']} rounds in {virtual}{summary['wall_time']:.1f}s wall{acc_s}; "
+              f"outputs in {self.outdir}")
+        return 0
+
+    @property
+    def wall_clock(self) -> bool:
+        """True where time is real seconds (deployment), False in virtual-time simulation."""
+        return isinstance(self.scheduler, WallClockScheduler)
 
     @property
     def finish_time(self) -> float:

@@ -337,16 +337,4 @@ def run_distributed(cfg, outdir, check_only: bool = False) -> int:
     if role == "client":
         return run_client(cfg)
     progress = cfg["verbose"] and sys.stderr.isatty()
-    course = ServerCourse(cfg, outdir, progress=progress).build()
-    if check_only:
-        course.write_header()
-        result = course.check()
-        print(f"complete: a path leads from start to finish ({result.graph.number_of_nodes()} nodes, "
-              f"{result.graph.number_of_edges()} edges); graph in {Path(outdir) / 'message_flow.graphml'}")
-        return EXIT_OK
-    summary = course.run()
-    acc = summary.get("final_test_acc")
-    acc_s = f", final test_acc {acc:.4f}" if acc is not None else ""
-    print(f"finished {summary['rounds']} rounds in {summary['wall_time']:.1f}s wall{acc_s}; "
-          f"outputs in {outdir}")
-    return EXIT_OK
+    return ServerCourse(cfg, outdir, progress=progress).build().check_or_run(check_only)

@@ -62,19 +62,7 @@ def _run(args) -> int:
         return run_distributed(cfg, outdir, check_only=args.check)
     from fedcore.course import Course
     progress = cfg["verbose"] and sys.stderr.isatty()
-    course = Course(cfg, outdir, progress=progress).build()
-    if args.check:
-        course.write_header()
-        result = course.check()
-        print(f"complete: a path leads from start to finish ({result.graph.number_of_nodes()} nodes, "
-              f"{result.graph.number_of_edges()} edges); graph in {outdir / 'message_flow.graphml'}")
-        return EXIT_OK
-    summary = course.run()
-    acc = summary.get("final_test_acc")
-    acc_s = f", final test_acc {acc:.4f}" if acc is not None else ""
-    print(f"finished {summary['rounds']} rounds in {summary['virtual_time']:.1f}s virtual, "
-          f"{summary['wall_time']:.1f}s wall{acc_s}; outputs in {outdir}")
-    return EXIT_OK
+    return Course(cfg, outdir, progress=progress).build().check_or_run(args.check)
 
 
 def main(argv: list[str] | None = None) -> int:

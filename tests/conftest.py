@@ -26,3 +26,12 @@ def small_cfg(tmp_path=None, **overrides):
         base["outdir"] = str(tmp_path)
     base.update({k.replace("__", "."): v for k, v in overrides.items()})
     return load_config(None, extra=base)
+
+
+@pytest.fixture
+def procs(tmp_path):
+    """Real processes started by a test, always killed at its end."""
+    from tests.deploy_helpers import Procs
+    p = Procs(tmp_path)
+    yield p
+    p.cleanup()

@@ -16,16 +16,9 @@ import torch
 
 from fedcore.course import Course
 from tests.conftest import small_cfg
-from tests.deploy_helpers import Procs, server_port, text, wait_exit, wait_for, write_cfg
+from tests.deploy_helpers import server_port, text, wait_exit, wait_for, write_cfg
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def procs(tmp_path):
-    p = Procs(tmp_path)
-    yield p
-    p.cleanup()
 
 
 def _records(path):

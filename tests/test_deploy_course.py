@@ -13,16 +13,9 @@ import torch
 
 from fedcore.course import Course
 from tests.conftest import small_cfg
-from tests.deploy_helpers import Procs, make_certs, text, wait_exit, write_cfg
+from tests.deploy_helpers import make_certs, text, wait_exit, write_cfg
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def procs(tmp_path):
-    p = Procs(tmp_path)
-    yield p
-    p.cleanup()
 
 
 def _records(path):

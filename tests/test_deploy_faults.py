@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tests.deploy_helpers import Procs, interrupt, server_port, text, wait_exit, wait_for, write_cfg
+from tests.deploy_helpers import interrupt, server_port, text, wait_exit, wait_for, write_cfg
 
 pytestmark = pytest.mark.slow
 
@@ -18,13 +18,6 @@ FAST_FAULTS = {
     "distribute.heartbeat_interval": 0.2, "distribute.heartbeat_timeout": 3.0,
     "distribute.retry_timeout": 2.0, "distribute.backoff_initial": 0.1, "distribute.backoff_max": 0.5,
 }
-
-
-@pytest.fixture
-def procs(tmp_path):
-    p = Procs(tmp_path)
-    yield p
-    p.cleanup()
 
 
 def _records(out):

@@ -18,20 +18,13 @@ from fedcore.comm.chunking import chunk_frames
 from fedcore.comm.stream import MD_CLIENT_ID, MD_SESSION, MD_TOKEN, METHOD, heartbeat_frame
 from fedcore.serialization import encode_envelope
 from fedcore.wire import fedcore_pb2 as pb
-from tests.deploy_helpers import Procs, server_port, text, wait_exit, write_cfg
+from tests.deploy_helpers import server_port, text, wait_exit, write_cfg
 
 pytestmark = pytest.mark.slow
 
 CHUNK = 64 * 1024
 MAX_MESSAGE = 1024 * 1024
 OK, INVALID = grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT
-
-
-@pytest.fixture
-def procs(tmp_path):
-    p = Procs(tmp_path)
-    yield p
-    p.cleanup()
 
 
 class Fuzzer:

@@ -1,16 +1,9 @@
 """Transport security between real processes: TLS required, tokens checked, refusals clean."""
 import pytest
 
-from tests.deploy_helpers import Procs, make_certs, server_port, text, wait_exit, write_cfg
+from tests.deploy_helpers import make_certs, server_port, text, wait_exit, write_cfg
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def procs(tmp_path):
-    p = Procs(tmp_path)
-    yield p
-    p.cleanup()
 
 
 def test_plaintext_client_and_wrong_token_are_refused_by_a_tls_server(tmp_path, procs):
