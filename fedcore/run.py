@@ -1,8 +1,9 @@
 """`python -m fedcore.run --cfg FILE.yaml [KEY=VALUE ...]`: run a course.
 
-Also `--check` (completeness check only) and `--help-key KEY`. Exit codes:
-0 success, 2 bad configuration or usage, 3 incomplete course, 1 anything
-else (the cause in one line before any traceback).
+Also `--check` (completeness check only), `--help-key KEY` and `--list-keys`.
+Exit codes: 0 success, 2 bad configuration or usage, 3 incomplete course, 4 a
+deployed client lost its server, 130 interrupted, 1 anything else (the cause
+in one line before any traceback).
 """
 from __future__ import annotations
 
