@@ -55,7 +55,7 @@ def _stop(procs: list[subprocess.Popen], sig: int, wait: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parser().parse_intermixed_args(argv)  # overrides may follow --check etc.
     from fedcore.config import load_config
     from fedcore.run import resolve_outdir
     try:

@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="also write the rows as JSON to this file")
     p.add_argument("--threads", type=int, default=1, help="torch threads (tiny models: 1 is fastest)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)
     overrides = list(args.overrides)
     if args.rounds is not None:
         overrides.append(f"federate.total_round_num={args.rounds}")

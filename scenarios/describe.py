@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cfg", help="the course's YAML config (omit to use defaults and overrides)")
     p.add_argument("--png", metavar="FILE", help="write a clients x labels heat map")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)
     try:
         from fedcore.config import load_config
         from fedcore.scenarios.data import build_federated_data

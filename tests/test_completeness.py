@@ -73,3 +73,14 @@ def test_cli_check_exits_3_for_an_incomplete_course(tmp_path):
                            capture_output=True, text=True, env=env, timeout=120)
         assert r.returncode == 3, r.stderr
         assert "all_received" in r.stderr
+
+
+def test_cli_overrides_may_follow_check(tmp_path):
+    """`--cfg X --check KEY=VALUE`: the override applies (here: where the graph is written)."""
+    from fedcore.run import main
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("federate: {client_num: 3, total_round_num: 1}\n"
+                   "data: {synthetic: {samples_per_client: 20}}\n")
+    out = tmp_path / "out"
+    assert main(["--cfg", str(cfg), "--check", f"outdir={out}"]) == 0
+    assert (out / "message_flow.graphml").is_file()
