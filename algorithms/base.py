@@ -78,8 +78,13 @@ class BatchStream:
         self._perm = self._permutation(epoch)
 
     def _permutation(self, epoch: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed((self.seed * 1_000_003 + self.client_id) * 10_007 + epoch)
+        g = torch.Generator().manual_seed(self.epoch_seed(self.seed, self.client_id, epoch))
         return torch.randperm(self.n, generator=g)
+
+    @staticmethod
+    def epoch_seed(seed: int, client_id: int, epoch: int) -> int:
+        """The seed of client `client_id`'s permutation in `epoch`."""
+        return (seed * 1_000_003 + client_id) * 10_007 + epoch
 
     @property
     def batches_per_epoch(self) -> int:

@@ -91,32 +91,35 @@ class VectorEngine(Engine):
             return [None] * len(jobs)
         plans = []
         groups: dict[tuple, list[int]] = defaultdict(list)
+        term, batch_size, seed = self.term, self.batch_size, self.seed
+        generator = torch.Generator()   # re-seeded for each permutation: one object, not one per client
+        start = {"epoch": 0, "offset": 0}
         for i, (cid, data, state) in enumerate(jobs):
             train = data.train
             n = len(train)
-            pos = state.get("sampler", {"epoch": 0, "offset": 0})
-            stream = _LazyStream(n, self.batch_size, self.seed, cid, pos["epoch"], pos["offset"])
-            steps = self.term.num_steps(trainer, cid, n, round_) if n else 0
+            pos = state.get("sampler", start)
+            stream = _LazyStream(n, batch_size, seed, cid, pos["epoch"], pos["offset"], generator)
+            steps = term.num_steps(trainer, cid, n, round_) if n else 0
             idx = [stream.next() for _ in range(steps)]
             plans.append((train, idx, stream.position(), n))
-            groups[(tuple(j.numel() for j in idx), tuple(train.x.shape[1:]), train.x.dtype,
-                    tuple(train.y.shape[1:]), train.y.dtype)].append(i)
+            x, y = train.x, train.y
+            groups[(tuple(stream.sizes), x.shape[1:], x.dtype, y.shape[1:], y.dtype)].append(i)
         out: list[Any] = [None] * len(jobs)
         trainer.model.train()
         for sig, members in groups.items():
             if len(members) < 2:
                 continue   # nothing to batch with: the trainer itself is faster for one client
             states = [jobs[i][2] for i in members]
-            ctx = self.term.prepare(trainer, received, states)
+            ctx = term.prepare(trainer, received, states)
             steps = len(sig[0])
-            params, losses = self._train_group(model_in, [plans[i] for i in members], steps, ctx)
+            group_plans = [plans[i] for i in members]
+            params, losses = self._train_group(model_in, group_plans, steps, ctx)
             work = float(sum(sig[0]))
-            results = self.term.finish(trainer, ctx, received, params, steps, states,
-                                       [plans[i][3] for i in members])
-            for j, i in enumerate(members):
-                content, new_state = results[j]
-                new_state["sampler"] = plans[i][2]
-                metrics = {"train_loss": losses[j] / steps} if steps else {}
+            results = term.finish(trainer, ctx, received, params, steps, states,
+                                  [p[3] for p in group_plans])
+            for i, plan, (content, new_state), loss in zip(members, group_plans, results, losses):
+                new_state["sampler"] = plan[2]
+                metrics = {"train_loss": loss / steps} if steps else {}
                 out[i] = (FitResult(content, work, metrics), new_state)
         return out
 
@@ -183,6 +186,10 @@ class VectorEngine(Engine):
                     d = bufs[n]
                 if s:
                     params[n].add_(d, alpha=-self.lr)
+                elif d is grads[n]:
+                    # the gradients' own fresh [c, ...] buffer takes the new parameters: no
+                    # second buffer of the group's size to allocate (and fault in) each batch
+                    params[n] = torch.add(params[n], d, alpha=-self.lr, out=d)
                 else:
                     params[n] = torch.add(params[n], d, alpha=-self.lr)   # broadcasts to [c, ...]
         if steps == 0:   # clients without training data send the received model back
@@ -192,14 +199,22 @@ class VectorEngine(Engine):
 
 class _LazyStream(BatchStream):
     """`BatchStream`'s batches, with each epoch's permutation drawn only when a batch needs it
-    (a client resumed at the end of an epoch would otherwise draw one it never uses)."""
+    (a client resumed at the end of an epoch would otherwise draw one it never uses), from a
+    generator the caller may share between streams (it is re-seeded for every permutation).
+    `sizes` lists the sizes of the batches drawn so far."""
 
     def __init__(self, n: int, batch_size: int, seed: int, client_id: int,
-                 epoch: int = 0, offset: int = 0):
+                 epoch: int = 0, offset: int = 0, generator: torch.Generator | None = None):
         self.n, self.batch_size = n, batch_size
         self.seed, self.client_id = seed, client_id
         self.epoch, self.offset = epoch, offset
         self._perm = None
+        self._generator = generator if generator is not None else torch.Generator()
+        self.sizes: list[int] = []
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        g = self._generator.manual_seed(self.epoch_seed(self.seed, self.client_id, epoch))
+        return torch.randperm(self.n, generator=g)
 
     def next(self) -> torch.Tensor:
         if self.offset >= self.n:
@@ -208,9 +223,11 @@ class _LazyStream(BatchStream):
             self._perm = None
         if self._perm is None:
             self._perm = self._permutation(self.epoch)
-        idx = self._perm[self.offset:self.offset + self.batch_size]
-        self.offset += len(idx)
-        return idx
+        start = self.offset
+        size = min(self.batch_size, self.n - start)
+        self.offset = start + size
+        self.sizes.append(size)
+        return self._perm[start:start + size]
 
 
 # ---------------------------------------------------------------- algorithm terms
@@ -235,9 +252,10 @@ class _Term:
     def finish(self, trainer, ctx, received: dict, params: dict[str, torch.Tensor], steps: int,
                states: list[dict], sizes: list[int]) -> list[tuple[dict, dict]]:
         """Each client's (content, new state) from the stacked trained parameters."""
-        rows = {name: t.unbind(0) for name, t in params.items()}   # views, one call each
-        return [({"model": {name: r[j] for name, r in rows.items()}, "num_samples": n}, dict(st))
-                for j, (st, n) in enumerate(zip(states, sizes))]
+        names = list(params)
+        rows = zip(*[params[name].unbind(0) for name in names])   # views, one call per entry
+        return [({"model": dict(zip(names, row)), "num_samples": n}, dict(st))
+                for row, st, n in zip(rows, states, sizes)]
 
 
 def _stack_state(states: list[dict], key: str, names: list[str], like: dict[str, torch.Tensor]):
