@@ -30,6 +30,7 @@ from torch.func import functional_call, grad_and_value, vmap
 
 from fedcore.algorithms.base import BatchStream, FitResult, Trainer
 from fedcore.batching import Engine
+from fedcore.serialization import encoded_size
 
 __all__ = ["VectorEngine"]
 
@@ -117,10 +118,14 @@ class VectorEngine(Engine):
             work = float(sum(sig[0]))
             results = term.finish(trainer, ctx, received, params, steps, states,
                                   [p[3] for p in group_plans])
+            sizes: dict[int, int] = {}   # a group's contents differ only in num_samples
             for i, plan, (content, new_state), loss in zip(members, group_plans, results, losses):
                 new_state["sampler"] = plan[2]
                 metrics = {"train_loss": loss / steps} if steps else {}
-                out[i] = (FitResult(content, work, metrics), new_state)
+                size = sizes.get(plan[3])
+                if size is None:
+                    size = sizes[plan[3]] = encoded_size(content)
+                out[i] = (FitResult(content, work, metrics, (content, size)), new_state)
         return out
 
     @staticmethod
@@ -251,7 +256,9 @@ class _Term:
 
     def finish(self, trainer, ctx, received: dict, params: dict[str, torch.Tensor], steps: int,
                states: list[dict], sizes: list[int]) -> list[tuple[dict, dict]]:
-        """Each client's (content, new state) from the stacked trained parameters."""
+        """Each client's (content, new state) from the stacked trained parameters. The contents
+        of one group have one structure (keys, dtypes, shapes) and differ only in `num_samples`:
+        their encoded sizes are computed once per sample count."""
         names = list(params)
         rows = zip(*[params[name].unbind(0) for name in names])   # views, one call per entry
         return [({"model": dict(zip(names, row)), "num_samples": n}, dict(st))
