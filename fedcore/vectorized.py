@@ -21,6 +21,7 @@ these classes (or a subclass that defines nothing of its own).
 """
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import Any
 
@@ -35,12 +36,14 @@ from fedcore.serialization import encoded_size
 __all__ = ["VectorEngine"]
 
 _STACK_BYTES = 256 * 2 ** 20   # stack a group's data when it takes at most this much memory
+_SCRATCH_BYTES = 32 * 2 ** 20  # the most memory one of the engine's reused buffers keeps
 
 class VectorEngine(Engine):
     name = "vectorized"
 
     def __init__(self, trainer: Trainer, cfg):
         self.cfg = cfg
+        self._buffers: dict[str, torch.Tensor] = {}
         self.names = list(trainer.param_names)
         self.lr = cfg["train.optimizer.lr"]
         self.momentum = cfg["train.optimizer.momentum"]
@@ -128,31 +131,47 @@ class VectorEngine(Engine):
                 out[i] = (FitResult(content, work, metrics, (content, size)), new_state)
         return out
 
-    @staticmethod
-    def _batches(plans: list, steps: int):
+    def _batches(self, plans: list, steps: int):
         """Each step's mini-batches of all clients of a group, as [clients, batch, ...] tensors.
 
         When the group's data together are small they are concatenated once and every
         step is one indexing operation; otherwise each client's batch is gathered into
-        place on its own.
+        place on its own. The concatenated samples and each step's gathered inputs are
+        written into buffers the engine keeps (up to `_SCRATCH_BYTES` each) rather than
+        into fresh allocations, which the OS would zero-fill page by page every round.
         """
         if steps == 0:
             return
         x0 = plans[0][0].x
         if sum(p[3] for p in plans) * x0[0].numel() * x0.element_size() <= _STACK_BYTES:
             c = len(plans)
-            xs = torch.cat([p[0].x for p in plans])          # all clients' samples, one after another
+            xs = [p[0].x for p in plans]
+            xs = torch.cat(xs, out=self._scratch("xs", (sum(p[3] for p in plans),) + x0.shape[1:],
+                                                 x0.dtype))   # all clients' samples, in turn
             ys = torch.cat([p[0].y for p in plans])
             sizes = torch.tensor([0] + [p[3] for p in plans[:-1]])
             first = sizes.cumsum(0).unsqueeze(1)             # each client's first row
             for s in range(steps):
                 rows = (torch.stack([p[1][s] for p in plans]) + first).reshape(-1)
                 b = rows.numel() // c
-                yield (xs.index_select(0, rows).reshape((c, b) + tuple(xs.shape[1:])),
+                xb = torch.index_select(xs, 0, rows, out=self._scratch("xb", (len(rows),) + xs.shape[1:],
+                                                                       xs.dtype))
+                yield (xb.reshape((c, b) + tuple(xs.shape[1:])),
                        ys.index_select(0, rows).reshape((c, b) + tuple(ys.shape[1:])))
         else:
             for s in range(steps):
                 yield VectorEngine._gather(plans, s)
+
+    def _scratch(self, slot: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised tensor of `shape`, in a buffer kept for `slot` when it is small
+        enough (its contents are overwritten by the next use of the slot)."""
+        numel = math.prod(shape)
+        if numel * dtype.itemsize > _SCRATCH_BYTES:
+            return torch.empty(shape, dtype=dtype)
+        buf = self._buffers.get(slot)
+        if buf is None or buf.dtype != dtype or buf.numel() < numel:
+            buf = self._buffers[slot] = torch.empty(numel, dtype=dtype)
+        return buf[:numel].view(shape)
 
     @staticmethod
     def _gather(plans: list, s: int) -> tuple[torch.Tensor, torch.Tensor]:
