@@ -57,7 +57,13 @@ class VectorEngine(Engine):
             out = functional_call(model, params, (x,))
             if loss == "mse":
                 return nn.functional.mse_loss(out.reshape(y.shape), y)
-            return nn.functional.cross_entropy(out, y)
+            if y.is_floating_point() or out.dim() != 2:
+                return nn.functional.cross_entropy(out, y)
+            # Class indices: cross_entropy's own operations (log-softmax, pick, sum, divide by
+            # the batch size), the same numbers, in operations that have batching rules - vmap
+            # would run nll_loss's decomposition op by op in Python. A label outside
+            # [0, classes) (ignore_index) raises here, and the executor falls back to sequential.
+            return -torch.log_softmax(out, 1).gather(1, y.unsqueeze(1)).sum() / y.shape[0]
         self._step = vmap(grad_and_value(objective))
         self._first_step = vmap(grad_and_value(objective), in_dims=(None, 0, 0))
 
