@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import operator
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -42,6 +43,15 @@ class FitResult:
     content: dict[str, Any]      # exactly what the client sends
     work: float                  # gradient evaluations (samples through forward+backward)
     metrics: dict[str, float] = field(default_factory=dict)
+    # (content, its encoded size) where the maker knew the size without walking the content
+    sized: tuple[Any, int] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def content_size(self) -> int | None:
+        """The encoded size of `content` if its maker knew it, else None. It holds only for
+        the very object it was given with: a wrapper that replaces `content` drops it."""
+        sized = self.sized
+        return sized[1] if sized is not None and sized[0] is self.content else None
 
 
 @dataclass
@@ -78,8 +88,13 @@ class BatchStream:
         self._perm = self._permutation(epoch)
 
     def _permutation(self, epoch: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed((self.seed * 1_000_003 + self.client_id) * 10_007 + epoch)
+        g = torch.Generator().manual_seed(self.epoch_seed(self.seed, self.client_id, epoch))
         return torch.randperm(self.n, generator=g)
+
+    @staticmethod
+    def epoch_seed(seed: int, client_id: int, epoch: int) -> int:
+        """The seed of client `client_id`'s permutation in `epoch`."""
+        return (seed * 1_000_003 + client_id) * 10_007 + epoch
 
     @property
     def batches_per_epoch(self) -> int:
@@ -98,15 +113,58 @@ class BatchStream:
         return {"epoch": self.epoch, "offset": self.offset}
 
 
+_STACK_LIMIT = 64 * 2 ** 20   # bytes: updates are stacked for one matrix-vector product up to this
+
+
 def weighted_mean(tensors: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
-    """sum_i w_i t_i / sum_i w_i; integer tensors are averaged in float64 and rounded back."""
+    """sum_i w_i t_i / sum_i w_i; integer tensors are averaged in float64 and rounded back.
+
+    Floating-point tensors are taken as the rows of one matrix and averaged with one
+    matrix-vector product: a view of their common storage when they are consecutive rows
+    of one tensor (a vectorised group's updates), else a stacked copy (up to `_STACK_LIMIT`
+    bytes; beyond that, one fused add per tensor, without the copy). Both matrices hold the
+    same numbers in the same layout, so the result does not depend on how the updates were made.
+    """
     total = float(sum(weights))
     ref = tensors[0]
-    acc_dtype = ref.dtype if ref.is_floating_point() else torch.float64
-    acc = torch.zeros(ref.shape, dtype=acc_dtype)
-    for t, w in zip(tensors, weights):
-        acc.add_(t.to(acc_dtype), alpha=w / total)
-    return acc if ref.is_floating_point() else acc.round().to(ref.dtype)
+    if not ref.is_floating_point():
+        acc = torch.zeros(ref.shape, dtype=torch.float64)
+        for t, w in zip(tensors, weights):
+            acc.add_(t.to(torch.float64), alpha=w / total)
+        return acc.round().to(ref.dtype)
+    rows = _rows(tensors)
+    if rows is None:
+        acc = torch.zeros(ref.shape, dtype=ref.dtype)
+        for t, w in zip(tensors, weights):
+            acc.add_(t.to(ref.dtype), alpha=w / total)
+        return acc
+    coef = torch.tensor([w / total for w in weights], dtype=ref.dtype)
+    return (coef @ rows).reshape(ref.shape)
+
+
+def _rows(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The tensors as the rows of one [k, numel] matrix, or None where that would need a copy
+    of more than `_STACK_LIMIT` bytes (or they differ in dtype or shape)."""
+    ref = tensors[0]
+    k, m = len(tensors), ref.numel()
+    dtype, shape = ref.dtype, ref.shape
+    base = ref._base
+    if base is not None and m > 0 and base.is_contiguous():
+        # consecutive rows of one tensor: the matrix is a view of it (checked with one
+        # C-level pass per property: this runs for every entry of every aggregation)
+        start = ref.storage_offset()
+        if list(map(_STORAGE_OFFSET, tensors)) == list(range(start, start + k * m, m)) \
+                and all(b is base for b in map(_BASE, tensors)) \
+                and all(map(_CONTIGUOUS, tensors)) and all(s == shape for s in map(_SHAPE, tensors)):
+            return base.view(-1)[start - base.storage_offset():][:k * m].view(k, m)
+    if any(t.dtype != dtype or t.shape != shape for t in tensors) \
+            or k * m * ref.element_size() > _STACK_LIMIT:
+        return None
+    return torch.stack(tensors).view(k, m)
+
+
+_STORAGE_OFFSET, _CONTIGUOUS = torch.Tensor.storage_offset, torch.Tensor.is_contiguous
+_BASE, _SHAPE = operator.attrgetter("_base"), operator.attrgetter("shape")
 
 
 def evaluate_model(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str,

@@ -21,6 +21,7 @@ these classes (or a subclass that defines nothing of its own).
 """
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import Any
 
@@ -30,16 +31,19 @@ from torch.func import functional_call, grad_and_value, vmap
 
 from fedcore.algorithms.base import BatchStream, FitResult, Trainer
 from fedcore.batching import Engine
+from fedcore.serialization import encoded_size
 
 __all__ = ["VectorEngine"]
 
 _STACK_BYTES = 256 * 2 ** 20   # stack a group's data when it takes at most this much memory
+_SCRATCH_BYTES = 32 * 2 ** 20  # the most memory one of the engine's reused buffers keeps
 
 class VectorEngine(Engine):
     name = "vectorized"
 
     def __init__(self, trainer: Trainer, cfg):
         self.cfg = cfg
+        self._buffers: dict[str, torch.Tensor] = {}
         self.names = list(trainer.param_names)
         self.lr = cfg["train.optimizer.lr"]
         self.momentum = cfg["train.optimizer.momentum"]
@@ -53,7 +57,13 @@ class VectorEngine(Engine):
             out = functional_call(model, params, (x,))
             if loss == "mse":
                 return nn.functional.mse_loss(out.reshape(y.shape), y)
-            return nn.functional.cross_entropy(out, y)
+            if y.is_floating_point() or out.dim() != 2:
+                return nn.functional.cross_entropy(out, y)
+            # Class indices: cross_entropy's own operations (log-softmax, pick, sum, divide by
+            # the batch size), the same numbers, in operations that have batching rules - vmap
+            # would run nll_loss's decomposition op by op in Python. A label outside
+            # [0, classes) (ignore_index) raises here, and the executor falls back to sequential.
+            return -torch.log_softmax(out, 1).gather(1, y.unsqueeze(1)).sum() / y.shape[0]
         self._step = vmap(grad_and_value(objective))
         self._first_step = vmap(grad_and_value(objective), in_dims=(None, 0, 0))
 
@@ -91,60 +101,83 @@ class VectorEngine(Engine):
             return [None] * len(jobs)
         plans = []
         groups: dict[tuple, list[int]] = defaultdict(list)
+        term, batch_size, seed = self.term, self.batch_size, self.seed
+        generator = torch.Generator()   # re-seeded for each permutation: one object, not one per client
+        start = {"epoch": 0, "offset": 0}
         for i, (cid, data, state) in enumerate(jobs):
             train = data.train
             n = len(train)
-            pos = state.get("sampler", {"epoch": 0, "offset": 0})
-            stream = _LazyStream(n, self.batch_size, self.seed, cid, pos["epoch"], pos["offset"])
-            steps = self.term.num_steps(trainer, cid, n, round_) if n else 0
+            pos = state.get("sampler", start)
+            stream = _LazyStream(n, batch_size, seed, cid, pos["epoch"], pos["offset"], generator)
+            steps = term.num_steps(trainer, cid, n, round_) if n else 0
             idx = [stream.next() for _ in range(steps)]
             plans.append((train, idx, stream.position(), n))
-            groups[(tuple(j.numel() for j in idx), tuple(train.x.shape[1:]), train.x.dtype,
-                    tuple(train.y.shape[1:]), train.y.dtype)].append(i)
+            x, y = train.x, train.y
+            groups[(tuple(stream.sizes), x.shape[1:], x.dtype, y.shape[1:], y.dtype)].append(i)
         out: list[Any] = [None] * len(jobs)
         trainer.model.train()
         for sig, members in groups.items():
             if len(members) < 2:
                 continue   # nothing to batch with: the trainer itself is faster for one client
             states = [jobs[i][2] for i in members]
-            ctx = self.term.prepare(trainer, received, states)
+            ctx = term.prepare(trainer, received, states)
             steps = len(sig[0])
-            params, losses = self._train_group(model_in, [plans[i] for i in members], steps, ctx)
+            group_plans = [plans[i] for i in members]
+            params, losses = self._train_group(model_in, group_plans, steps, ctx)
             work = float(sum(sig[0]))
-            results = self.term.finish(trainer, ctx, received, params, steps, states,
-                                       [plans[i][3] for i in members])
-            for j, i in enumerate(members):
-                content, new_state = results[j]
-                new_state["sampler"] = plans[i][2]
-                metrics = {"train_loss": losses[j] / steps} if steps else {}
-                out[i] = (FitResult(content, work, metrics), new_state)
+            results = term.finish(trainer, ctx, received, params, steps, states,
+                                  [p[3] for p in group_plans])
+            sizes: dict[int, int] = {}   # a group's contents differ only in num_samples
+            for i, plan, (content, new_state), loss in zip(members, group_plans, results, losses):
+                new_state["sampler"] = plan[2]
+                metrics = {"train_loss": loss / steps} if steps else {}
+                size = sizes.get(plan[3])
+                if size is None:
+                    size = sizes[plan[3]] = encoded_size(content)
+                out[i] = (FitResult(content, work, metrics, (content, size)), new_state)
         return out
 
-    @staticmethod
-    def _batches(plans: list, steps: int):
+    def _batches(self, plans: list, steps: int):
         """Each step's mini-batches of all clients of a group, as [clients, batch, ...] tensors.
 
         When the group's data together are small they are concatenated once and every
         step is one indexing operation; otherwise each client's batch is gathered into
-        place on its own.
+        place on its own. The concatenated samples and each step's gathered inputs are
+        written into buffers the engine keeps (up to `_SCRATCH_BYTES` each) rather than
+        into fresh allocations, which the OS would zero-fill page by page every round.
         """
         if steps == 0:
             return
         x0 = plans[0][0].x
         if sum(p[3] for p in plans) * x0[0].numel() * x0.element_size() <= _STACK_BYTES:
             c = len(plans)
-            xs = torch.cat([p[0].x for p in plans])          # all clients' samples, one after another
+            xs = [p[0].x for p in plans]
+            xs = torch.cat(xs, out=self._scratch("xs", (sum(p[3] for p in plans),) + x0.shape[1:],
+                                                 x0.dtype))   # all clients' samples, in turn
             ys = torch.cat([p[0].y for p in plans])
             sizes = torch.tensor([0] + [p[3] for p in plans[:-1]])
             first = sizes.cumsum(0).unsqueeze(1)             # each client's first row
             for s in range(steps):
                 rows = (torch.stack([p[1][s] for p in plans]) + first).reshape(-1)
                 b = rows.numel() // c
-                yield (xs.index_select(0, rows).reshape((c, b) + tuple(xs.shape[1:])),
+                xb = torch.index_select(xs, 0, rows, out=self._scratch("xb", (len(rows),) + xs.shape[1:],
+                                                                       xs.dtype))
+                yield (xb.reshape((c, b) + tuple(xs.shape[1:])),
                        ys.index_select(0, rows).reshape((c, b) + tuple(ys.shape[1:])))
         else:
             for s in range(steps):
                 yield VectorEngine._gather(plans, s)
+
+    def _scratch(self, slot: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised tensor of `shape`, in a buffer kept for `slot` when it is small
+        enough (its contents are overwritten by the next use of the slot)."""
+        numel = math.prod(shape)
+        if numel * dtype.itemsize > _SCRATCH_BYTES:
+            return torch.empty(shape, dtype=dtype)
+        buf = self._buffers.get(slot)
+        if buf is None or buf.dtype != dtype or buf.numel() < numel:
+            buf = self._buffers[slot] = torch.empty(numel, dtype=dtype)
+        return buf[:numel].view(shape)
 
     @staticmethod
     def _gather(plans: list, s: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,6 +216,10 @@ class VectorEngine(Engine):
                     d = bufs[n]
                 if s:
                     params[n].add_(d, alpha=-self.lr)
+                elif d is grads[n]:
+                    # the gradients' own fresh [c, ...] buffer takes the new parameters: no
+                    # second buffer of the group's size to allocate (and fault in) each batch
+                    params[n] = torch.add(params[n], d, alpha=-self.lr, out=d)
                 else:
                     params[n] = torch.add(params[n], d, alpha=-self.lr)   # broadcasts to [c, ...]
         if steps == 0:   # clients without training data send the received model back
@@ -192,14 +229,22 @@ class VectorEngine(Engine):
 
 class _LazyStream(BatchStream):
     """`BatchStream`'s batches, with each epoch's permutation drawn only when a batch needs it
-    (a client resumed at the end of an epoch would otherwise draw one it never uses)."""
+    (a client resumed at the end of an epoch would otherwise draw one it never uses), from a
+    generator the caller may share between streams (it is re-seeded for every permutation).
+    `sizes` lists the sizes of the batches drawn so far."""
 
     def __init__(self, n: int, batch_size: int, seed: int, client_id: int,
-                 epoch: int = 0, offset: int = 0):
+                 epoch: int = 0, offset: int = 0, generator: torch.Generator | None = None):
         self.n, self.batch_size = n, batch_size
         self.seed, self.client_id = seed, client_id
         self.epoch, self.offset = epoch, offset
         self._perm = None
+        self._generator = generator if generator is not None else torch.Generator()
+        self.sizes: list[int] = []
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        g = self._generator.manual_seed(self.epoch_seed(self.seed, self.client_id, epoch))
+        return torch.randperm(self.n, generator=g)
 
     def next(self) -> torch.Tensor:
         if self.offset >= self.n:
@@ -208,9 +253,11 @@ class _LazyStream(BatchStream):
             self._perm = None
         if self._perm is None:
             self._perm = self._permutation(self.epoch)
-        idx = self._perm[self.offset:self.offset + self.batch_size]
-        self.offset += len(idx)
-        return idx
+        start = self.offset
+        size = min(self.batch_size, self.n - start)
+        self.offset = start + size
+        self.sizes.append(size)
+        return self._perm[start:start + size]
 
 
 # ---------------------------------------------------------------- algorithm terms
@@ -234,10 +281,13 @@ class _Term:
 
     def finish(self, trainer, ctx, received: dict, params: dict[str, torch.Tensor], steps: int,
                states: list[dict], sizes: list[int]) -> list[tuple[dict, dict]]:
-        """Each client's (content, new state) from the stacked trained parameters."""
-        rows = {name: t.unbind(0) for name, t in params.items()}   # views, one call each
-        return [({"model": {name: r[j] for name, r in rows.items()}, "num_samples": n}, dict(st))
-                for j, (st, n) in enumerate(zip(states, sizes))]
+        """Each client's (content, new state) from the stacked trained parameters. The contents
+        of one group have one structure (keys, dtypes, shapes) and differ only in `num_samples`:
+        their encoded sizes are computed once per sample count."""
+        names = list(params)
+        rows = zip(*[params[name].unbind(0) for name in names])   # views, one call per entry
+        return [({"model": dict(zip(names, row)), "num_samples": n}, dict(st))
+                for row, st, n in zip(rows, states, sizes)]
 
 
 def _stack_state(states: list[dict], key: str, names: list[str], like: dict[str, torch.Tensor]):

@@ -138,10 +138,11 @@ class Worker:
         return seconds
 
     def send(self, msg_type: str, receivers: int | Iterable[int], content: Any = None,
-             round_: int | None = None) -> Message:
-        """Send a message stamped with this worker's current time."""
+             round_: int | None = None, content_size: int | None = None) -> Message:
+        """Send a message stamped with this worker's current time (`content_size`: the
+        content's encoded size where the caller already knows it, e.g. `FitResult.content_size`)."""
         msg = Message(msg_type, self.id, receivers, self.round if round_ is None else round_,
-                      self.now, content)
+                      self.now, content, -1 if content_size is None else content_size)
         self.course.comm.send(msg)
         return msg
 

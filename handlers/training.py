@@ -13,7 +13,8 @@ def train_and_reply(client, msg) -> None:
     with Stopwatch() as sw:
         result = client.course.trainer.fit(client.id, client.data, msg.content, msg.round)
     client.spend(result.work, sw.seconds)
-    client.send("updates", SERVER_ID, result.content, round_=msg.round)
+    client.send("updates", SERVER_ID, result.content, round_=msg.round,
+                content_size=result.content_size)
 
 
 def leave_course(client, msg) -> None:

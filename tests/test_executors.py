@@ -212,3 +212,26 @@ def test_the_vectorized_stream_gives_the_batch_streams_batches(n, bs, epoch, off
     for _ in range(6):
         assert torch.equal(a.next(), b.next())
         assert a.position() == b.position()
+
+
+def test_vectorized_results_carry_their_exact_encoded_size():
+    # the engine computes one size per sample count; each must be the content's real size
+    from fedcore.algorithms.base import FitResult
+    from fedcore.scenarios.data import ClientData, Split
+    from fedcore.serialization import encoded_size
+    course = Course(small_cfg(None, executor="vectorized", torch_threads=1, train__local_steps=1,
+                              train__batch_size=2)).build()
+    front = course.trainer
+    jobs = []
+    for k, cid in enumerate(course.client_ids):   # 2, 3, 4, ... samples: one group, several counts
+        d = course.clients[cid].data
+        jobs.append((cid, ClientData(Split(d.train.x[:2 + k], d.train.y[:2 + k]), d.val, d.test), {}))
+    results = front.engine.fit_many(front._trainer, jobs, course.server.aggregator.broadcast(1), 1)
+    assert all(r is not None for r in results)
+    sized = [r[0] for r in results]
+    assert all(r.content_size == encoded_size(r.content) for r in sized)
+    assert len({r.content["num_samples"] for r in sized}) == len(jobs)
+    r = sized[0]
+    r.content = dict(r.content)          # a wrapper that replaces the content drops the size
+    assert r.content_size is None
+    assert FitResult({"num_samples": 3}, 1.0).content_size is None

@@ -39,6 +39,21 @@ def test_integer_buffers_are_averaged_and_rounded_back():
     assert out.dtype == torch.int64 and out.tolist() == [2, 17]  # 5/3 -> 2, 50/3 -> 17
 
 
+def test_weighted_mean_of_rows_of_one_tensor_equals_that_of_separate_tensors(monkeypatch):
+    import fedcore.algorithms.base as base
+    stacked = torch.tensor([[[1.0, 2.0]], [[3.0, -2.0]], [[5.0, 0.5]]])   # three 1x2 updates
+    rows, copies, w = list(stacked.unbind(0)), [t.clone() for t in stacked], [1.0, 3.0, 4.0]
+    # (1*[1,2] + 3*[3,-2] + 4*[5,0.5]) / 8 = [30/8, -2/8]
+    expected = torch.tensor([[3.75, -0.25]])
+    assert torch.equal(weighted_mean(rows, w), expected)        # a view of `stacked`
+    assert torch.equal(weighted_mean(copies, w), expected)      # stacked copies
+    assert torch.equal(weighted_mean(rows[1:], w[1:]), weighted_mean(copies[1:], w[1:]))
+    # not consecutive rows: stacked; (1*[1,2] + 4*[5,0.5]) / 5 = [4.2, 0.8]
+    assert torch.allclose(weighted_mean(rows[::2], w[::2]), torch.tensor([[4.2, 0.8]]))
+    monkeypatch.setattr(base, "_STACK_LIMIT", 0)                # too big to stack: one add per update
+    assert torch.allclose(weighted_mean(copies, w), expected)
+
+
 def test_broadcast_tensors_are_never_mutated_by_aggregation():
     cfg = small_cfg()
     agg = FedAvgAggregator(nn.Linear(2, 1), cfg, num_clients=1)

@@ -29,16 +29,29 @@ class InProcessComm:
         self.workers[worker.id] = worker
 
     def send(self, msg: Message) -> None:
+        # names looked up once per message, not once per receiver of a broadcast
+        workers, filters, count = self.workers, self.filters, self.count_bytes
+        transfer, schedule = self.timing.transfer_time, self.scheduler.schedule
+        sender, sent = msg.sender, msg.timestamp
         for receiver in msg.receivers:
-            worker = self.workers.get(receiver)
+            worker = workers.get(receiver)
             if worker is None:
-                raise KeyError(f"message '{msg.msg_type}' from {msg.sender} to unknown worker {receiver}")
-            if any(not keep(msg, receiver) for keep in self.filters):
+                raise KeyError(f"message '{msg.msg_type}' from {sender} to unknown worker {receiver}")
+            if filters and not _kept(filters, msg, receiver):
                 continue  # e.g. a dropped-out client's reply never arrives
             nbytes = msg.nbytes_to(receiver)
-            self.count_bytes(msg, receiver, nbytes)
-            arrival = msg.timestamp + self.timing.transfer_time(msg.sender, receiver, nbytes, SERVER_ID)
-            self.scheduler.schedule(arrival, PRIORITY_MESSAGE, _Delivery(worker, msg))
+            count(msg, receiver, nbytes)
+            schedule(sent + transfer(sender, receiver, nbytes, SERVER_ID), PRIORITY_MESSAGE,
+                     _Delivery(worker, msg))
+
+
+def _kept(filters: list, msg: Message, receiver: int) -> bool:
+    """Whether every filter lets `msg` reach `receiver` (all of them are asked, in order, until
+    one drops it: a filter may note the message as it passes)."""
+    for keep in filters:
+        if not keep(msg, receiver):
+            return False
+    return True
 
 
 class _Delivery:
