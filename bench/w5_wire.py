@@ -36,21 +36,10 @@ import torch
 
 from fedcore.config import load_config
 from fedcore.message import Message
+from fedcore.scheduler import ImmediateScheduler
 
 TOKEN = "bench-token"
 ROOT = Path(__file__).resolve().parents[1]
-
-
-class _Now:
-    """Runs each event at once on the I/O thread that produced it (no course, no scheduler)."""
-
-    now = 0.0
-
-    def call_soon(self, action, priority=1):
-        action()
-
-    def stop(self):
-        pass
 
 
 class _Endpoint:
@@ -88,7 +77,7 @@ def echo_clients(port: int, ids: list[int], n: int, chunk: int, tls: dict | None
     torch.set_num_threads(1)
     comms = []
     for cid in ids:
-        comm = GrpcClientComm(_cfg("client", n, port, chunk, tls, cid), _Now())
+        comm = GrpcClientComm(_cfg("client", n, port, chunk, tls, cid), ImmediateScheduler())
 
         def echo(msg: Message, comm=comm, cid=cid) -> None:
             comm.send(Message("blob", cid, (0,), msg.round, msg.timestamp, msg.content))
@@ -107,7 +96,7 @@ class _Server:
         from fedcore.comm.grpc_server import GrpcServerComm
         self.replies: list[Message] = []
         self.cond = threading.Condition()
-        self.comm = GrpcServerComm(_cfg("server", n, 0, chunk, tls), _Now(), lambda *a: None,
+        self.comm = GrpcServerComm(_cfg("server", n, 0, chunk, tls), ImmediateScheduler(), lambda *a: None,
                                    lambda *a: None)
         self.comm.attach(_Endpoint(0, self._got))
         self.port = self.comm.start()

@@ -14,7 +14,7 @@ import threading
 import time as _time
 from typing import Callable
 
-__all__ = ["Scheduler", "WallClockScheduler", "PRIORITY_TIMER", "PRIORITY_MESSAGE", "HandlerError"]
+__all__ = ["Scheduler", "WallClockScheduler", "ImmediateScheduler", "PRIORITY_TIMER", "PRIORITY_MESSAGE", "HandlerError"]
 
 # Lower runs first at equal time: a timer due at t fires before messages arriving at t.
 PRIORITY_TIMER = 0
@@ -122,3 +122,18 @@ class WallClockScheduler(Scheduler):
                 else:
                     self._cond.wait()
             return None
+
+
+class ImmediateScheduler:
+    """Runs each action at once on the thread that schedules it: no queue, no clock.
+
+    For driving a communicator without a course (wire benchmarks, transport tests).
+    """
+
+    now = 0.0
+
+    def call_soon(self, action: Callable[[], None], priority: int = PRIORITY_MESSAGE) -> None:
+        action()
+
+    def stop(self) -> None:
+        pass

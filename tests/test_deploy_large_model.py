@@ -11,21 +11,10 @@ import torch
 from fedcore.comm.grpc_client import GrpcClientComm
 from fedcore.comm.grpc_server import GrpcServerComm
 from fedcore.message import Message
+from fedcore.scheduler import ImmediateScheduler
 from tests.conftest import small_cfg
 
 MB100 = 25_000_000  # float32 elements
-
-
-class _Now:
-    """Runs each event at once on the I/O thread that produced it."""
-
-    now = 0.0
-
-    def call_soon(self, action, priority=1):
-        action()
-
-    def stop(self):
-        pass
 
 
 class _Recorder:
@@ -46,12 +35,12 @@ def test_a_100_mb_model_round_trips_through_chunking(tmp_path):
                   distribute__token="t", distribute__chunk_size=4 * 1024 * 1024,
                   distribute__heartbeat_interval=0.5, distribute__heartbeat_timeout=30.0)
     server_cfg = small_cfg(None, distribute__role="server", distribute__server_port=0, **common)
-    server = GrpcServerComm(server_cfg, _Now(), lambda *a: None, lambda *a: None)
+    server = GrpcServerComm(server_cfg, ImmediateScheduler(), lambda *a: None, lambda *a: None)
     at_server = _Recorder(0)
     server.attach(at_server)
     port = server.start()
     client = GrpcClientComm(small_cfg(None, distribute__role="client", distribute__client_id=1,
-                                      distribute__server_port=port, **common), _Now())
+                                      distribute__server_port=port, **common), ImmediateScheduler())
     at_client = _Recorder(1)
     try:
         client.start()

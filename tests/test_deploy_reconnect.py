@@ -7,17 +7,8 @@ import torch
 from fedcore.comm.grpc_client import GrpcClientComm
 from fedcore.comm.grpc_server import GrpcServerComm
 from fedcore.message import Message
+from fedcore.scheduler import ImmediateScheduler
 from tests.conftest import small_cfg
-
-
-class _Now:
-    now = 0.0
-
-    def call_soon(self, action, priority=1):
-        action()
-
-    def stop(self):
-        pass
 
 
 class _Recorder:
@@ -45,7 +36,7 @@ def _cfg(role, **kw):
 
 
 def _server(port=0):
-    comm = GrpcServerComm(_cfg("server", distribute__server_port=port), _Now(),
+    comm = GrpcServerComm(_cfg("server", distribute__server_port=port), ImmediateScheduler(),
                           lambda *a: None, lambda *a: None)
     inbox = _Recorder()
     comm.attach(inbox)
@@ -54,7 +45,7 @@ def _server(port=0):
 
 def test_a_session_expired_by_the_server_resumes_and_loses_no_message():
     server, at_server, port = _server()
-    client = GrpcClientComm(_cfg("client", distribute__server_port=port, distribute__client_id=2), _Now())
+    client = GrpcClientComm(_cfg("client", distribute__server_port=port, distribute__client_id=2), ImmediateScheduler())
     at_client = _Recorder()
     try:
         client.start()
@@ -82,7 +73,7 @@ def test_a_session_expired_by_the_server_resumes_and_loses_no_message():
 
 def test_a_restarted_server_is_noticed_and_the_client_joins_again():
     server, _, port = _server()
-    client = GrpcClientComm(_cfg("client", distribute__server_port=port, distribute__client_id=1), _Now())
+    client = GrpcClientComm(_cfg("client", distribute__server_port=port, distribute__client_id=1), ImmediateScheduler())
     rejoined = threading.Event()
     client.on_new_server = rejoined.set
     second = None
