@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from fedcore.algorithms.base import Aggregator, Algorithm, ReceivedUpdate, Trainer, weighted_mean
-from fedcore.config import declare, validator
+from fedcore.config import declare, positive, validator
 from fedcore.errors import ConfigError
 from fedcore.registry import algorithms
 from fedcore.schema import clients_per_round
@@ -32,7 +32,7 @@ declare("algorithm.diloco.outer_optimizer", str, "nesterov",
         "nesterov = Nesterov momentum SGD; PyTorch conventions, no dampening)",
         choices=("sgd", "sgdm", "nesterov"))
 declare("algorithm.diloco.outer_learning_rate", float, 0.7, "diloco: outer learning rate",
-        check=lambda v: None if v > 0 else "must be > 0")
+        check=positive)
 declare("algorithm.diloco.outer_momentum", float, 0.9, "diloco: outer momentum (sgdm, nesterov)",
         check=lambda v: None if 0 <= v < 1 else "must be in [0, 1)")
 declare("algorithm.diloco.aggregation_weighting", str, "uniform",

@@ -25,7 +25,7 @@ from fedcore import registry
 from fedcore.algorithms.combine import Deltas, flatten, float_names, replace_combination, unflatten
 from fedcore.algorithms.dp_accountant import RdpAccountant
 from fedcore.algorithms.participants import chosen_clients
-from fedcore.config import declare, validator
+from fedcore.config import declare, non_negative, positive, validator
 from fedcore.errors import ConfigError
 from fedcore.schema import clients_per_round
 
@@ -35,9 +35,9 @@ declare("privacy.dp.mode", str, "none", "differential privacy of updates: none, 
         "clip and add noise before sending) or central (the server clips each update and adds "
         "noise to the aggregate)", choices=("none", "local", "central"))
 declare("privacy.dp.clip_norm", float, 1.0, "C: largest L2 norm of an update delta",
-        check=lambda v: None if v > 0 else "must be > 0")
+        check=positive)
 declare("privacy.dp.noise_multiplier", float, 1.0, "sigma: Gaussian noise std is sigma * C",
-        check=lambda v: None if v >= 0 else "must be >= 0")
+        check=non_negative)
 declare("privacy.dp.clients", list, None, "local: ids of the clients that add noise (default all)")
 declare("privacy.dp.fraction", float, None, "local: fraction of clients (seeded draw) that add noise",
         check=lambda v: None if 0 <= v <= 1 else "must be in [0, 1]")

@@ -14,13 +14,13 @@ from the last update mixed in.
 from __future__ import annotations
 
 from fedcore.algorithms.base import Aggregator, Algorithm, ReceivedUpdate, Trainer
-from fedcore.config import declare
+from fedcore.config import declare, fraction
 from fedcore.registry import algorithms
 
 __all__ = ["FedAsyncAggregator", "FEDASYNC"]
 
 declare("algorithm.fedasync.alpha", float, 0.6, "FedAsync: mixing weight alpha of a fresh update",
-        check=lambda v: None if 0 < v <= 1 else "must be in (0, 1]")
+        check=fraction)
 
 
 class FedAsyncAggregator(Aggregator):

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 from fedcore.algorithms.base import Aggregator, Algorithm, ReceivedUpdate, Trainer, weighted_mean
 from fedcore.comm.validation import UPDATE_LAYOUTS
-from fedcore.config import declare
+from fedcore.config import declare, positive
 from fedcore.registry import algorithms
 
 __all__ = ["FedBuffTrainer", "FedBuffAggregator", "FEDBUFF"]
 
 declare("algorithm.fedbuff.server_lr", float, 1.0, "FedBuff: server learning rate eta_g applied to "
-        "the mean buffered delta", check=lambda v: None if v > 0 else "must be > 0")
+        "the mean buffered delta", check=positive)
 
 
 class FedBuffTrainer(Trainer):

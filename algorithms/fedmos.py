@@ -17,14 +17,14 @@ import torch
 from torch.func import functional_call
 
 from fedcore.algorithms.base import Aggregator, Algorithm, ReceivedUpdate, Trainer
-from fedcore.config import declare, validator
+from fedcore.config import declare, fraction, validator
 from fedcore.errors import ConfigError
 from fedcore.registry import algorithms
 
 __all__ = ["FedMoSTrainer", "FedMoSAggregator", "FEDMOS"]
 
 declare("algorithm.fedmos.a", float, 0.1, "fedmos: momentum parameter a in (0, 1]; a = 1 is plain SGD",
-        check=lambda v: None if 0 < v <= 1 else "must be in (0, 1]")
+        check=fraction)
 declare("algorithm.fedmos.mu", float, 0.001, "fedmos: coefficient of the pull mu (w - w_g) to the "
         "global model", check=lambda v: None if 0 <= v < 1 else "must be in [0, 1)")
 declare("algorithm.fedmos.server_momentum", float, 0.0, "fedmos: heavy-ball momentum beta on the "

@@ -18,13 +18,13 @@ import math
 import torch
 
 from fedcore.algorithms.base import Aggregator, Algorithm, FitResult, Trainer
-from fedcore.config import declare
+from fedcore.config import declare, non_negative
 from fedcore.registry import algorithms
 
 __all__ = ["FedProxTrainer", "FedProxAggregator", "FEDPROX", "straggler_steps"]
 
 declare("algorithm.fedprox.mu", float, 0.01, "fedprox: proximal coefficient mu (0 gives FedAvg)",
-        check=lambda v: None if v >= 0 else "must be >= 0")
+        check=non_negative)
 declare("algorithm.fedprox.straggler_fraction", float, 0.0,
         "fedprox: probability that a sampled client is a straggler doing a random number of local "
         "epochs in [1, E] (steps in [1, K] with train.local_steps)",

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from fedcore.config import declare, validator
+from fedcore.config import declare, non_negative, validator
 from fedcore.errors import ConfigError
 
 __all__ = ["build_scheduler", "lr_factor"]
@@ -23,7 +23,7 @@ declare("train.scheduler.type", str, "none", "client LR schedule over the client
         "steps: none, or cosine (linear warmup, then cosine decay to min_lr_ratio x lr)",
         choices=("none", "cosine"))
 declare("train.scheduler.warmup_steps", int, 0, "cosine: optimizer steps of linear warmup",
-        check=lambda v: None if v >= 0 else "must be >= 0")
+        check=non_negative)
 declare("train.scheduler.total_steps", int, None, "cosine: optimizer steps (warmup included) "
         "after which the LR stays at min_lr_ratio x lr",
         check=lambda v: None if v >= 1 else "must be >= 1")

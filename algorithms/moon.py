@@ -23,20 +23,20 @@ from torch import nn
 
 from fedcore import registry
 from fedcore.algorithms.base import Aggregator, Algorithm, Trainer
-from fedcore.config import declare, validator
+from fedcore.config import declare, non_negative, positive, validator
 from fedcore.errors import ConfigError
 from fedcore.registry import algorithms
 
 __all__ = ["MoonTrainer", "MoonAggregator", "MOON", "contrastive_loss"]
 
 declare("algorithm.moon.mu", float, 1.0, "moon: weight of the model-contrastive term (0 gives FedAvg)",
-        check=lambda v: None if v >= 0 else "must be >= 0")
+        check=non_negative)
 declare("algorithm.moon.temperature", float, 0.5, "moon: temperature tau of the contrastive term",
-        check=lambda v: None if v > 0 else "must be > 0")
+        check=positive)
 declare("algorithm.moon.buffer_size", int, 1, "moon: previous local models kept per client as negatives",
         check=lambda v: None if v >= 1 else "must be >= 1")
 declare("algorithm.moon.forward_cost", float, 1 / 3, "moon: gradient evaluations charged per sample "
-        "for a forward-only pass of a frozen model", check=lambda v: None if v >= 0 else "must be >= 0")
+        "for a forward-only pass of a frozen model", check=non_negative)
 
 
 @validator

@@ -24,7 +24,7 @@ from torch import nn
 
 from fedcore import registry
 from fedcore.algorithms.base import BatchStream, Trainer, evaluate_model
-from fedcore.config import declare, validator
+from fedcore.config import declare, non_negative, positive, validator
 from fedcore.errors import ConfigError
 
 __all__ = ["batchnorm_entries", "ExcludeEntries", "local_train", "install"]
@@ -33,16 +33,16 @@ declare("personalization.method", str, "none", "none, fedbn (BatchNorm stays loc
         "(a personal model regularised toward the global one) or finetune (local fine-tuning "
         "before evaluation)", choices=("none", "fedbn", "ditto", "finetune"))
 declare("personalization.ditto_lambda", float, 0.1, "ditto: lambda, the pull of the personal model "
-        "toward the global one", check=lambda v: None if v >= 0 else "must be >= 0")
+        "toward the global one", check=non_negative)
 declare("personalization.local_steps", int, None, "ditto: personal steps per round; finetune: "
         "fine-tuning steps (default: the round's local steps)",
-        check=lambda v: None if v > 0 else "must be > 0")
+        check=positive)
 declare("personalization.finetune_on", str, "always", "finetune: every client (always) or only "
         "clients that raised performance_drop", choices=("always", "performance_drop"))
 declare("personalization.drop_check", bool, False, "clients compare the received global model with "
         "their own on local validation and raise performance_drop when it is worse")
 declare("personalization.drop_margin", float, 0.0, "performance_drop: how much worse (accuracy, or "
-        "loss for mse) the global model must be", check=lambda v: None if v >= 0 else "must be >= 0")
+        "loss for mse) the global model must be", check=non_negative)
 
 
 @validator

@@ -25,7 +25,7 @@ import torch
 
 from fedcore import registry
 from fedcore.algorithms.combine import Deltas, flatten, replace_combination, unflatten
-from fedcore.config import declare, validator
+from fedcore.config import declare, non_negative, positive, validator
 from fedcore.errors import ConfigError
 
 __all__ = ["RULES", "INCOMPATIBLE", "krum_scores", "krum_select", "coordinate_median",
@@ -42,13 +42,13 @@ INCOMPATIBLE = {
 declare("aggregator.robust_rule", str, "none", "how updates are combined: none (the algorithm's "
         "weighted mean), krum, multi_krum, median, trimmed_mean, norm_bound", choices=RULES)
 declare("aggregator.byzantine_num", int, 0, "krum/multi_krum: assumed number f of Byzantine updates "
-        "per aggregation", check=lambda v: None if v >= 0 else "must be >= 0")
+        "per aggregation", check=non_negative)
 declare("aggregator.krum_m", int, None, "krum/multi_krum: how many best-scored updates are averaged "
-        "(krum: 1, multi_krum: n - f)", check=lambda v: None if v > 0 else "must be > 0")
+        "(krum: 1, multi_krum: n - f)", check=positive)
 declare("aggregator.trim_ratio", float, 0.1, "trimmed_mean: fraction trimmed at each end per "
         "coordinate", check=lambda v: None if 0 <= v < 0.5 else "must be in [0, 0.5)")
 declare("aggregator.norm_bound", float, None, "norm_bound: largest L2 norm of an update delta",
-        check=lambda v: None if v > 0 else "must be > 0")
+        check=positive)
 
 
 @validator

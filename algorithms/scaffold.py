@@ -19,14 +19,14 @@ import torch
 
 from fedcore.algorithms.base import Aggregator, Algorithm, ReceivedUpdate, Trainer, weighted_mean
 from fedcore.comm.validation import UPDATE_LAYOUTS
-from fedcore.config import declare, validator
+from fedcore.config import declare, positive, validator
 from fedcore.errors import ConfigError
 from fedcore.registry import algorithms
 
 __all__ = ["ScaffoldTrainer", "ScaffoldAggregator", "SCAFFOLD"]
 
 declare("algorithm.scaffold.global_lr", float, 1.0, "scaffold: server learning rate eta_g",
-        check=lambda v: None if v > 0 else "must be > 0")
+        check=positive)
 declare("algorithm.scaffold.weighting", str, "uniform",
         "scaffold: how client deltas dy_i are averaged: uniform (the paper) or num_samples",
         choices=("uniform", "num_samples"))

@@ -15,13 +15,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-from fedcore.config import declare
+from fedcore.config import declare, non_negative
 
 __all__ = ["polynomial", "hinge", "discount_function", "DISCOUNTS"]
-
-
-def _non_negative(v):
-    return None if v >= 0 else "must be >= 0"
 
 
 declare("asyn.staleness_discount", str, "none",
@@ -29,11 +25,11 @@ declare("asyn.staleness_discount", str, "none",
         "a = asyn.staleness_exponent) or hinge (1 up to tau = b, then 1/(a(tau-b)+1))",
         choices=("none", "polynomial", "hinge"))
 declare("asyn.staleness_exponent", float, 0.5, "polynomial discount: the exponent a",
-        check=_non_negative)
+        check=non_negative)
 declare("asyn.staleness_hinge_a", float, 10.0, "hinge discount: the slope a after the hinge",
-        check=_non_negative)
+        check=non_negative)
 declare("asyn.staleness_hinge_b", float, 4.0, "hinge discount: staleness b up to which updates "
-        "count fully", check=_non_negative)
+        "count fully", check=non_negative)
 
 
 def polynomial(tau: int, a: float) -> float:

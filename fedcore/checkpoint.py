@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from fedcore.config import declare, validator
+from fedcore.config import declare, non_negative, validator
 from fedcore.errors import ConfigError
 
 __all__ = ["Checkpointer", "resume"]
@@ -27,7 +27,7 @@ log = logging.getLogger("fedcore.checkpoint")
 FORMAT = 1
 
 declare("checkpoint.every", int, 0, "write a checkpoint every k rounds (0: off)",
-        check=lambda v: None if v >= 0 else "must be >= 0")
+        check=non_negative)
 declare("checkpoint.path", str, None, "folder for checkpoints (default: <outdir>/checkpoints)")
 declare("resume_from", str, None, "a checkpoint file (round_<k>.pt) to resume a course from")
 

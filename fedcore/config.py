@@ -19,7 +19,7 @@ import yaml
 
 from fedcore.errors import ConfigError
 
-__all__ = ["Key", "Config", "declare", "validator", "resolver", "load_config", "parse_override",
+__all__ = ["Key", "Config", "declare", "validator", "resolver", "positive", "non_negative", "fraction", "load_config", "parse_override",
            "describe_key", "reference_markdown", "SCHEMA"]
 
 _TYPE_NAMES = {int: "int", float: "float", bool: "bool", str: "str", list: "list", dict: "mapping"}
@@ -58,6 +58,21 @@ def declare(name: str, type: type, default: Any, help: str, *, choices=None,
               nullable if nullable is not None else default is None, check, origin)
     SCHEMA[name] = key
     return key
+
+
+def positive(v) -> str | None:
+    """A `check` for numbers that must be > 0."""
+    return None if v > 0 else "must be > 0"
+
+
+def non_negative(v) -> str | None:
+    """A `check` for numbers that must be >= 0."""
+    return None if v >= 0 else "must be >= 0"
+
+
+def fraction(v) -> str | None:
+    """A `check` for rates in (0, 1]."""
+    return None if 0 < v <= 1 else "must be in (0, 1]"
 
 
 def validator(fn: Callable[["Config"], None]) -> Callable[["Config"], None]:

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fedcore.config import declare, validator
+from fedcore.config import declare, non_negative, positive, validator
 from fedcore.course import Course, StartEvent
 from fedcore.executor import apply_torch_threads
 from fedcore.errors import EXIT_OK, ConfigError, FedcoreError
@@ -33,10 +33,6 @@ __all__ = ["ServerCourse", "ClientCourse", "run_distributed", "run_client", "own
 log = logging.getLogger("fedcore.deploy")
 
 
-def _positive(v):
-    return None if v > 0 else "must be > 0"
-
-
 declare("distribute.role", str, None, "this process's part in a distributed course (setting it "
         "implies federate.mode: distributed)",
         choices=("server", "client"))
@@ -46,14 +42,14 @@ declare("distribute.server_port", int, 50051, "server: port to listen on (0 pick
         "writes host:port to <outdir>/server_address); client: the server's port",
         check=lambda v: None if 0 <= v <= 65535 else "must be in 0..65535")
 declare("distribute.client_id", int, 0, "client: the id to join as (1..federate.client_num; its data "
-        "partition), or 0 to be assigned one", check=lambda v: None if v >= 0 else "must be >= 0")
+        "partition), or 0 to be assigned one", check=non_negative)
 declare("distribute.own_data", bool, False, "client: all of this machine's data.root is its own data "
         "(split train/val/test by data.splits) instead of partition distribute.client_id of the "
         "shared dataset")
 declare("distribute.min_clients", int, None, "server: start once this many clients have joined and "
-        "distribute.join_timeout has passed (default: wait for federate.client_num)", check=_positive)
+        "distribute.join_timeout has passed (default: wait for federate.client_num)", check=positive)
 declare("distribute.join_timeout", float, 60.0, "server: seconds to wait for all clients before "
-        "starting with distribute.min_clients", check=_positive)
+        "starting with distribute.min_clients", check=positive)
 declare("distribute.token", str, None, "shared secret a client presents (server: the one it accepts)")
 declare("distribute.tokens", dict, None, "server: per-client tokens {client_id: token}; a client "
         "with its own token must present it (and may omit distribute.client_id)")
@@ -69,19 +65,19 @@ declare("distribute.insecure", bool, False, "allow plaintext gRPC without TLS (t
 declare("distribute.chunk_size", int, 2 * 1024 * 1024, "bytes per chunk of a streamed message",
         check=lambda v: None if 1024 <= v <= 64 * 1024 * 1024 else "must be in 1 KiB..64 MiB")
 declare("distribute.max_message_bytes", int, 1024 ** 3, "largest encoded message accepted; larger "
-        "ones are refused (INVALID_ARGUMENT) before being buffered", check=_positive)
+        "ones are refused (INVALID_ARGUMENT) before being buffered", check=positive)
 declare("distribute.heartbeat_interval", float, 2.0, "seconds between heartbeats on an idle stream",
-        check=_positive)
+        check=positive)
 declare("distribute.heartbeat_timeout", float, 10.0, "seconds without any frame after which a peer "
-        "counts as dead", check=_positive)
+        "counts as dead", check=positive)
 declare("distribute.round_deadline", float, None, "server, sync course: seconds after a round starts "
-        "after which clients that have not replied are dropped from it", check=_positive)
+        "after which clients that have not replied are dropped from it", check=positive)
 declare("distribute.retry_timeout", float, 60.0, "client: seconds without a server before giving up "
-        "(exit code 4)", check=_positive)
+        "(exit code 4)", check=positive)
 declare("distribute.backoff_initial", float, 0.5, "client: first reconnect delay in seconds (doubles "
-        "on each failure, with jitter)", check=_positive)
+        "on each failure, with jitter)", check=positive)
 declare("distribute.backoff_max", float, 10.0, "client: longest reconnect delay in seconds",
-        check=_positive)
+        check=positive)
 
 
 @validator

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 
-from fedcore.config import declare
+from fedcore.config import declare, positive
 
 __all__ = ["EXECUTORS", "apply_torch_threads", "install_executor", "close_executor"]
 
@@ -29,12 +29,12 @@ declare("executor", str, "sequential",
         "processes (a pool of worker processes, one per core)", choices=EXECUTORS)
 declare("executor_workers", int, None,
         "processes executor: worker processes (default: the number of usable cores)",
-        check=lambda v: None if v is None or v > 0 else "must be > 0")
+        check=positive)
 declare("torch_threads", int, 1,
         "torch intra-op threads for this process; 1 suits the small models simulations train one "
         "client at a time (more threads spin and wait on each other); null leaves torch's own "
         "choice (all cores), which helps large models", nullable=True,
-        check=lambda v: None if v is None or v > 0 else "must be > 0")
+        check=positive)
 
 
 def apply_torch_threads(cfg) -> None:

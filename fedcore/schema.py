@@ -2,20 +2,8 @@
 from __future__ import annotations
 
 from fedcore import registry
-from fedcore.config import declare, validator
+from fedcore.config import declare, fraction, non_negative, positive, validator
 from fedcore.errors import ConfigError
-
-
-def _positive(v):
-    return None if v > 0 else "must be > 0"
-
-
-def _non_negative(v):
-    return None if v >= 0 else "must be >= 0"
-
-
-def _rate(v):
-    return None if 0 < v <= 1 else "must be in (0, 1]"
 
 
 declare("seed", int, 0, "one integer that drives all randomness (sampling, data, profiles, init)")
@@ -31,11 +19,11 @@ declare("course", str, "sync", "the default handler set: sync (all_received)",
 
 declare("federate.mode", str, "standalone", "standalone (simulation, one process) or distributed (gRPC)",
         choices=("standalone", "distributed"))
-declare("federate.client_num", int, 100, "number of logical clients N", check=_positive)
+declare("federate.client_num", int, 100, "number of logical clients N", check=positive)
 declare("federate.sample_client_num", int, None, "clients sampled per round (default: all, or "
-        "sample_client_rate)", check=_positive)
-declare("federate.sample_client_rate", float, None, "fraction of clients sampled per round", check=_rate)
-declare("federate.total_round_num", int, 10, "rounds (aggregations) before finishing", check=_positive)
+        "sample_client_rate)", check=positive)
+declare("federate.sample_client_rate", float, None, "fraction of clients sampled per round", check=fraction)
+declare("federate.total_round_num", int, 10, "rounds (aggregations) before finishing", check=positive)
 declare("federate.share_params", list, None, "parameter-name patterns (fnmatch) that are exchanged; "
         "the rest stay local to each client")
 declare("federate.sampler", str, "uniform", "how clients are sampled each round",
@@ -47,9 +35,9 @@ declare("data.label_column", str, "label", "csv: the label column")
 declare("data.client_column", str, None, "csv: the column naming each row's client (partition: natural)")
 declare("data.partition", str, "iid", "how samples are split across clients",
         choices=lambda: registry.partitioners.names())
-declare("data.alpha", float, 0.5, "Dirichlet concentration (partition: dirichlet)", check=_positive)
+declare("data.alpha", float, 0.5, "Dirichlet concentration (partition: dirichlet)", check=positive)
 declare("data.min_size", int, 1, "dirichlet, quantity: every client gets at least this many samples",
-        check=_non_negative)
+        check=non_negative)
 declare("data.splits", list, [0.8, 0.1, 0.1], "per-client train/val/test fractions")
 declare("data.test_size", float, 0.2, "csv, digits, LEAF without test/: fraction of samples held "
         "out as the server's test set (datasets with an official test set use that)",
@@ -63,29 +51,29 @@ declare("model.init_from", str, None, "path to a state_dict file (torch.save) us
 declare("model.hidden", list, [64], "mlp: hidden layer widths")
 
 declare("train.local_epochs", int, 1, "local epochs per round (ignored when local_steps is set)",
-        check=_positive)
+        check=positive)
 declare("train.local_steps", int, None, "local optimizer steps per round (overrides local_epochs)",
-        check=_positive)
-declare("train.batch_size", int, 32, "local mini-batch size", check=_positive)
+        check=positive)
+declare("train.batch_size", int, 32, "local mini-batch size", check=positive)
 declare("train.loss", str, "cross_entropy", "local objective's data term", choices=("cross_entropy", "mse"))
 declare("train.optimizer.type", str, "sgd", "client (inner) optimizer", choices=("sgd", "adam", "adamw"))
-declare("train.optimizer.lr", float, 0.01, "client learning rate", check=_positive)
-declare("train.optimizer.momentum", float, 0.0, "sgd momentum", check=_non_negative)
-declare("train.optimizer.weight_decay", float, 0.0, "weight decay", check=_non_negative)
+declare("train.optimizer.lr", float, 0.01, "client learning rate", check=positive)
+declare("train.optimizer.momentum", float, 0.0, "sgd momentum", check=non_negative)
+declare("train.optimizer.weight_decay", float, 0.0, "weight decay", check=non_negative)
 declare("train.preserve_optimizer_state", bool, False, "keep each logical client's optimizer state "
         "(moments, step counters) across rounds in its state store; never sent")
 
 declare("algorithm.name", str, "fedavg", "the algorithm (trainer + aggregator pair)",
         choices=lambda: registry.algorithms.names())
 
-declare("eval.freq", int, 1, "evaluate every k rounds (and after the last)", check=_positive)
+declare("eval.freq", int, 1, "evaluate every k rounds (and after the last)", check=positive)
 declare("eval.target_acc", float, None, "target accuracy; the summary reports the virtual time it "
-        "was first reached", check=_rate)
+        "was first reached", check=fraction)
 declare("eval.clients", bool, True, "also evaluate on clients' local test splits (mean and spread)")
-declare("eval.batch_size", int, 1024, "evaluation batch size", check=_positive)
+declare("eval.batch_size", int, 1024, "evaluation batch size", check=positive)
 
 declare("early_stop.patience", int, 0, "stop after this many evaluations without a better test "
-        "accuracy (0: off)", check=_non_negative)
+        "accuracy (0: off)", check=non_negative)
 
 declare("state.store", str, "memory", "per-client state store", choices=("memory", "disk"))
 declare("state.path", str, None, "folder of the disk state store (default: a temporary folder)")

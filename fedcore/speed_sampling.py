@@ -17,16 +17,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedcore.config import declare
+from fedcore.config import declare, non_negative, positive
 from fedcore.registry import samplers
 from fedcore.sampling import Sampler
 
 __all__ = ["SpeedAwareSampler", "ResponsivenessSampler", "GroupSampler"]
 
 declare("federate.sampler_power", float, 1.0, "responsiveness sampler: probability proportional to "
-        "(modelled round time) ** -power", check=lambda v: None if v >= 0 else "must be >= 0")
+        "(modelled round time) ** -power", check=non_negative)
 declare("federate.sampler_groups", int, 5, "group sampler: number of speed groups taken in turn",
-        check=lambda v: None if v > 0 else "must be > 0")
+        check=positive)
 
 
 class SpeedAwareSampler(Sampler):

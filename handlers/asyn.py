@@ -4,7 +4,7 @@ for every sampled client (over-selection, a round deadline).
 The server aggregates when a condition event fires:
 
 - `all_received`  every client sampled for the round replied (synchronous);
-- `goal_achieved` `asyn.min_received_num` (or `_rate`) tolerable updates are in;
+- `goal_achieved` `asyn.min_received_num` (or `fraction`) tolerable updates are in;
 - `time_up`       `asyn.time_budget` seconds passed since the round began (a timer).
   With too few updates (`min_received_num`, default 1) the budget is extended
   and more clients are sampled: the remedial measure, logged and counted.
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from fedcore.algorithms.base import ReceivedUpdate
 from fedcore.algorithms.staleness import discount_function
-from fedcore.config import declare, resolver, validator
+from fedcore.config import declare, fraction, non_negative, positive, resolver, validator
 from fedcore.errors import ConfigError
 from fedcore.handlers import evaluation, join, rounds, training
 from fedcore.registry import courses
@@ -43,14 +43,6 @@ from fedcore.timing import expected_work
 __all__ = ["Strategy", "resolve_strategy", "install", "ASYNC_KEYS"]
 
 
-def _positive(v):
-    return None if v > 0 else "must be > 0"
-
-
-def _non_negative(v):
-    return None if v >= 0 else "must be >= 0"
-
-
 declare("asyn.use", bool, False, "asynchronous training: aggregate on goal_achieved or time_up "
         "without waiting for every sampled client; stale updates are tolerated (selects course async)")
 declare("asyn.aggregator", str, "goal_achieved", "the condition that triggers aggregation: "
@@ -58,23 +50,23 @@ declare("asyn.aggregator", str, "goal_achieved", "the condition that triggers ag
         choices=("goal_achieved", "time_up"))
 declare("asyn.min_received_num", int, None, "goal_achieved: updates that trigger an aggregation "
         "(default: the clients per round); time_up: the fewest updates worth aggregating (default 1)",
-        check=_positive)
+        check=positive)
 declare("asyn.min_received_rate", float, None, "the same goal as a fraction of the clients per round",
-        check=lambda v: None if 0 < v <= 1 else "must be in (0, 1]")
+        check=fraction)
 declare("asyn.time_budget", float, 0.0, "seconds of (virtual or wall) time per round for time_up; "
-        "in a synchronous course a budget > 0 is a round deadline (time_up)", check=_non_negative)
+        "in a synchronous course a budget > 0 is a round deadline (time_up)", check=non_negative)
 declare("asyn.staleness_toleration", int, 10, "asynchronous: updates staler than this many rounds "
-        "are dropped (synchronous strategies drop every stale update)", check=_non_negative)
+        "are dropped (synchronous strategies drop every stale update)", check=non_negative)
 declare("asyn.broadcast_manner", str, "after_aggregating", "when the server sends the current "
         "model to newly sampled clients: after_aggregating or after_receiving (asynchronous only)",
         choices=("after_aggregating", "after_receiving"))
 declare("asyn.overselection", bool, False, "over-selection: sample (1 + asyn.overselection_rate) x "
         "the clients per round, aggregate the first ones to reply, drop the rest")
 declare("asyn.overselection_rate", float, 0.3, "over-selection: the extra fraction of clients sampled",
-        check=_positive)
+        check=positive)
 declare("asyn.reply_timeout", float, None, "seconds after which a client that was sent a model and "
         "stayed silent is presumed lost and replaced; default: twice the slowest device's modelled "
-        "round time when devices can drop out, else off; 0: off", check=_non_negative)
+        "round time when devices can drop out, else off; 0: off", check=non_negative)
 
 ASYNC_KEYS = ("asyn.use", "asyn.aggregator", "asyn.min_received_num", "asyn.min_received_rate",
               "asyn.time_budget", "asyn.staleness_toleration", "asyn.broadcast_manner",

@@ -16,7 +16,7 @@ from fedcore import registry
 from fedcore.algorithms.attacks import (add_trigger, flip_labels, gaussian_update, poison_backdoor,
                                         scale_update, sign_flip)
 from fedcore.algorithms.participants import chosen_clients
-from fedcore.config import declare, validator
+from fedcore.config import declare, fraction, positive, validator
 from fedcore.errors import ConfigError
 from fedcore.handlers.derived_role import DerivedTable
 from fedcore.handlers.rounds import is_eval_round
@@ -34,14 +34,14 @@ declare("attack.fraction", float, None, "fraction of clients (seeded draw) that 
         check=lambda v: None if 0 <= v <= 1 else "must be in [0, 1]")
 declare("attack.scale", float, None, "sign_flip: sent w - scale*delta (default 1); "
         "scaled_replacement and backdoor: sent w + scale*delta (default: clients per round, "
-        "resp. 1)", check=lambda v: None if v > 0 else "must be > 0")
+        "resp. 1)", check=positive)
 declare("attack.noise_std", float, 1.0, "gaussian: std of the noise sent as an update",
-        check=lambda v: None if v > 0 else "must be > 0")
+        check=positive)
 declare("attack.target_label", int, 0, "backdoor: the label triggered inputs should get")
 declare("attack.poison_ratio", float, 0.5, "backdoor: share of an attacker's training samples "
-        "that are triggered and relabelled", check=lambda v: None if 0 < v <= 1 else "must be in (0, 1]")
+        "that are triggered and relabelled", check=fraction)
 declare("attack.trigger_size", int, 3, "backdoor: side of the pixel patch (or number of trailing "
-        "features) set by the trigger", check=lambda v: None if v > 0 else "must be > 0")
+        "features) set by the trigger", check=positive)
 declare("attack.trigger_value", float, 3.0, "backdoor: value written by the trigger")
 
 

@@ -14,7 +14,7 @@ import math
 import torch
 from torch import nn
 
-from fedcore.config import declare, validator
+from fedcore.config import declare, positive, validator
 from fedcore.errors import ConfigError
 from fedcore.registry import models
 
@@ -24,18 +24,14 @@ __all__ = ["build_model", "logreg", "mlp", "LeNet5", "ConvNet2", "ResNet18", "Ch
 declare("model.norm", str, "batch", "convnet2/resnet18: normalisation layers (group: GroupNorm, "
         "which needs no running statistics)", choices=("batch", "group", "none"))
 declare("model.norm_groups", int, 2, "GroupNorm groups when model.norm=group",
-        check=lambda v: None if v > 0 else "must be > 0")
+        check=positive)
 declare("model.dropout", float, 0.5, "convnet2: dropout probability before and after the hidden layer",
         check=lambda v: None if 0 <= v < 1 else "must be in [0, 1)")
 declare("model.convnet2_hidden", int, 2048, "convnet2: width of the hidden fully connected layer",
-        check=lambda v: None if v > 0 else "must be > 0")
-declare("model.lstm.embed", int, 8, "char_lstm: character embedding size", check=lambda v: _positive(v))
-declare("model.lstm.hidden", int, 256, "char_lstm: LSTM hidden size", check=lambda v: _positive(v))
-declare("model.lstm.layers", int, 2, "char_lstm: stacked LSTM layers", check=lambda v: _positive(v))
-
-
-def _positive(v) -> str | None:
-    return None if v > 0 else "must be > 0"
+        check=positive)
+declare("model.lstm.embed", int, 8, "char_lstm: character embedding size", check=lambda v: positive(v))
+declare("model.lstm.hidden", int, 256, "char_lstm: LSTM hidden size", check=lambda v: positive(v))
+declare("model.lstm.layers", int, 2, "char_lstm: stacked LSTM layers", check=lambda v: positive(v))
 
 
 @validator

@@ -14,13 +14,13 @@ import math
 import torch
 from torch import nn
 
-from fedcore.config import declare
+from fedcore.config import declare, positive
 from fedcore.registry import models
 
 __all__ = ["MoonNet", "moon_mlp", "moon_cnn"]
 
 declare("model.moon.proj_dim", int, 256, "moon_mlp/moon_cnn: width of the projection output z",
-        check=lambda v: None if v > 0 else "must be > 0")
+        check=positive)
 
 
 class MoonNet(nn.Module):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedcore.config import declare
+from fedcore.config import declare, non_negative, positive
 from fedcore.errors import ConfigError
 from fedcore.registry import partitioners
 from fedcore.scenarios.data import RawDataset
@@ -16,13 +16,13 @@ from fedcore.scenarios.data import RawDataset
 __all__ = ["iid", "dirichlet", "natural", "shards", "quantity", "allocate_sizes"]
 
 declare("data.shards_per_client", int, 2, "shards: how many distinct labels each client holds "
-        "(McMahan et al. use 2)", check=lambda v: None if v > 0 else "must be > 0")
+        "(McMahan et al. use 2)", check=positive)
 declare("data.quantity.dist", str, "lognormal", "quantity: distribution of client sizes",
         choices=("lognormal", "powerlaw"))
 declare("data.quantity.sigma", float, 1.0, "quantity: lognormal sigma of the size weights "
-        "(0 gives equal sizes)", check=lambda v: None if v >= 0 else "must be >= 0")
+        "(0 gives equal sizes)", check=non_negative)
 declare("data.quantity.exponent", float, 1.5, "quantity: Pareto tail exponent of the size weights "
-        "(smaller is more skewed)", check=lambda v: None if v > 0 else "must be > 0")
+        "(smaller is more skewed)", check=positive)
 
 
 @partitioners.register("iid")

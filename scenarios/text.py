@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedcore.config import declare
+from fedcore.config import declare, positive
 from fedcore.errors import ConfigError
 from fedcore.registry import datasets, models
 from fedcore.scenarios.data import RawDataset
@@ -24,24 +24,20 @@ from fedcore.scenarios.data import RawDataset
 __all__ = ["char_windows", "python_text", "CharLSTM", "char_lstm_tiny", "CHARACTER_DATASETS"]
 
 
-def _positive(v):
-    return None if v > 0 else "must be > 0"
-
-
 declare("data.python_text.modules", list,
         ["json", "argparse", "collections", "functools", "itertools", "pathlib", "textwrap",
          "string", "random", "statistics", "heapq", "bisect", "difflib", "csv", "logging"],
         "python_text: standard-library modules whose docstrings make the corpus")
 declare("data.python_text.seq_len", int, 32, "python_text: characters of context per sample",
-        check=_positive)
+        check=positive)
 declare("data.python_text.stride", int, 8, "python_text: characters between consecutive windows",
-        check=_positive)
+        check=positive)
 declare("data.python_text.max_chars", int, 60000, "python_text: characters of the corpus used "
-        "(from its start)", check=_positive)
+        "(from its start)", check=positive)
 declare("model.char_lstm_tiny.embed_dim", int, 16, "char_lstm_tiny: character embedding width",
-        check=_positive)
+        check=positive)
 declare("model.char_lstm_tiny.hidden_size", int, 64, "char_lstm_tiny: LSTM hidden width",
-        check=_positive)
+        check=positive)
 
 # Datasets whose inputs are character indices in [0, num_classes) (add yours).
 CHARACTER_DATASETS: set[str] = {"python_text"}

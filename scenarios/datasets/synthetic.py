@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedcore.config import declare
+from fedcore.config import declare, positive
 from fedcore.registry import datasets
 from fedcore.scenarios.data import RawDataset
 
@@ -17,14 +17,14 @@ declare("data.synthetic.beta", float, 0.0, "synthetic: how much local inputs dif
 declare("data.synthetic.iid", bool, False, "synthetic: one global model and input distribution "
         "(FedProx's synthetic_iid)")
 declare("data.synthetic.dim", int, 60, "synthetic: input dimension",
-        check=lambda v: None if v > 0 else "must be > 0")
+        check=positive)
 declare("data.synthetic.num_classes", int, 10, "synthetic: number of classes",
         check=lambda v: None if v >= 2 else "must be >= 2")
 declare("data.synthetic.samples_per_client", int, None, "synthetic: a fixed sample count per device "
         "(default: power law, lognormal(4, 2) + 50 as in LEAF, capped at max_samples)",
-        check=lambda v: None if v > 0 else "must be > 0")
+        check=positive)
 declare("data.synthetic.max_samples", int, 1000, "synthetic: cap on a device's power-law sample count",
-        check=lambda v: None if v > 0 else "must be > 0")
+        check=positive)
 
 
 def softmax_synthetic(num_devices: int, alpha: float, beta: float, iid: bool, dim: int,
