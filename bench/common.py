@@ -12,7 +12,7 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -24,7 +24,8 @@ from fedcore.config import load_config
 from fedcore.scenarios.data import ClientData, FederatedData, Split
 
 __all__ = ["INPUT_SHAPE", "NUM_CLASSES", "client_shard", "bench_data", "LazyClientData",
-           "bench_cfg", "run_fedcore", "run_plain", "RoundTimes", "report", "lenet5"]
+           "bench_cfg", "run_fedcore", "run_plain", "RoundTimes", "report", "lenet5",
+           "compare_with_plain"]
 
 INPUT_SHAPE = (1, 28, 28)
 NUM_CLASSES = 10
@@ -329,3 +330,19 @@ def report(workload: str, results: dict[str, list[RoundTimes]], reference: str =
     print(f"fedcore_s_per_round={p.steady:.6f} plain_s_per_round={ref.steady:.6f} "
           f"ratio={p.steady / ref.steady:.3f}{extra} clock={CLOCK}")
     return out
+
+
+def compare_with_plain(workload: str, config: Callable[[str], Any], data, executors: str,
+                       reps: int) -> None:
+    """Run the plain loop and fedcore under each executor, alternating; print how far each
+    final model is from the plain loop's, then the timing lines (`report`)."""
+    runs = {"plain": lambda: run_plain(config("sequential"), data)}
+    for ex in executors.split(","):
+        runs["fedcore" if ex == "sequential" else f"fedcore-{ex}"] = (
+            lambda ex=ex: run_fedcore(config(ex), data))
+    results = interleave(runs, reps)
+    ref = results["plain"][0].final_state
+    for name, results_of in results.items():
+        print(f"{workload} {name:>12}: final model max |diff| vs plain = "
+              f"{max_abs_diff(results_of[0].final_state, ref):.2e}")
+    report(workload, results)

@@ -12,7 +12,7 @@ import argparse
 
 import torch
 
-from bench.common import bench_cfg, bench_data, interleave, max_abs_diff, report, run_fedcore, run_plain
+from bench.common import bench_cfg, bench_data, compare_with_plain
 
 
 def config(executor: str = "sequential"):
@@ -30,17 +30,7 @@ def main(argv=None) -> None:
     p.add_argument("--executors", default="sequential,vectorized")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
-    data = bench_data(1000, 10, seed=0)
-    runs = {"plain": lambda: run_plain(config(), data)}
-    for ex in a.executors.split(","):
-        runs["fedcore" if ex == "sequential" else f"fedcore-{ex}"] = (
-            lambda ex=ex: run_fedcore(config(ex), data))
-    results = interleave(runs, a.reps)
-    ref = results["plain"][0].final_state
-    for name, reps in results.items():
-        print(f"W1 {name:>12}: final model max |diff| vs plain = "
-              f"{max_abs_diff(reps[0].final_state, ref):.2e}")
-    report("W1", results)
+    compare_with_plain("W1", config, bench_data(1000, 10, seed=0), a.executors, a.reps)
 
 
 if __name__ == "__main__":

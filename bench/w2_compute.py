@@ -12,7 +12,7 @@ import argparse
 
 import torch
 
-from bench.common import bench_cfg, bench_data, interleave, max_abs_diff, report, run_fedcore, run_plain
+from bench.common import bench_cfg, bench_data, compare_with_plain
 
 
 def config(executor: str = "sequential", rounds: int = 5):
@@ -30,17 +30,8 @@ def main(argv=None) -> None:
     p.add_argument("--executors", default="sequential")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
-    data = bench_data(100, 100, seed=0)
-    runs = {"plain": lambda: run_plain(config(rounds=a.rounds), data)}
-    for ex in a.executors.split(","):
-        runs["fedcore" if ex == "sequential" else f"fedcore-{ex}"] = (
-            lambda ex=ex: run_fedcore(config(ex, a.rounds), data))
-    results = interleave(runs, a.reps)
-    ref = results["plain"][0].final_state
-    for name, reps in results.items():
-        print(f"W2 {name:>12}: final model max |diff| vs plain = "
-              f"{max_abs_diff(reps[0].final_state, ref):.2e}")
-    report("W2", results)
+    compare_with_plain("W2", lambda ex: config(ex, a.rounds), bench_data(100, 100, seed=0),
+                       a.executors, a.reps)
 
 
 if __name__ == "__main__":
