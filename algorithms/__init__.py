@@ -2,7 +2,7 @@
 from fedcore.algorithms import (diloco, fedasync, fedavg, fedbuff, feddyn, fedmos, fedprox,  # noqa: F401
                                 moon, scaffold, staleness)
 from fedcore.algorithms import dp, personalization, robust  # noqa: F401  (behaviour plug-ins)
-from fedcore.algorithms.base import Aggregator, Algorithm, Trainer
+from fedcore.contract import Aggregator, Algorithm, Trainer
 
 __all__ = ["Aggregator", "Algorithm", "Trainer", "diloco", "dp", "fedasync", "fedavg", "fedbuff", "feddyn",
            "fedmos", "fedprox", "moon", "personalization", "robust", "scaffold", "staleness"]

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from fedcore.algorithms.base import Aggregator, ReceivedUpdate, weighted_mean
+from fedcore.contract import Aggregator, ReceivedUpdate, weighted_mean
 
 __all__ = ["Deltas", "CombineRule", "replace_combination", "flatten", "unflatten", "float_names"]
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fedcore.algorithms.base import Aggregator, Algorithm, ReceivedUpdate, Trainer, weighted_mean
+from fedcore.contract import Aggregator, Algorithm, ReceivedUpdate, Trainer, weighted_mean
 from fedcore.config import declare, positive, validator
 from fedcore.errors import ConfigError
 from fedcore.registry import algorithms

@@ -13,7 +13,7 @@ from the last update mixed in.
 """
 from __future__ import annotations
 
-from fedcore.algorithms.base import Aggregator, Algorithm, ReceivedUpdate, Trainer
+from fedcore.contract import Aggregator, Algorithm, ReceivedUpdate, Trainer
 from fedcore.config import declare, fraction
 from fedcore.registry import algorithms
 

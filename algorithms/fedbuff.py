@@ -13,7 +13,7 @@ deltas: they are averaged like FedAvg.
 """
 from __future__ import annotations
 
-from fedcore.algorithms.base import Aggregator, Algorithm, ReceivedUpdate, Trainer, weighted_mean
+from fedcore.contract import Aggregator, Algorithm, ReceivedUpdate, Trainer, weighted_mean
 from fedcore.comm.validation import UPDATE_LAYOUTS
 from fedcore.config import declare, positive
 from fedcore.registry import algorithms

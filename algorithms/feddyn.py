@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from fedcore.algorithms.base import Aggregator, Algorithm, ReceivedUpdate, Trainer, weighted_mean
+from fedcore.contract import Aggregator, Algorithm, ReceivedUpdate, Trainer, weighted_mean
 from fedcore.config import declare, validator
 from fedcore.errors import ConfigError
 from fedcore.registry import algorithms

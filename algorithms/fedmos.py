@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch.func import functional_call
 
-from fedcore.algorithms.base import Aggregator, Algorithm, ReceivedUpdate, Trainer
+from fedcore.contract import Aggregator, Algorithm, ReceivedUpdate, Trainer
 from fedcore.config import declare, fraction, validator
 from fedcore.errors import ConfigError
 from fedcore.registry import algorithms

@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from fedcore.algorithms.base import Aggregator, Algorithm, FitResult, Trainer
+from fedcore.contract import Aggregator, Algorithm, FitResult, Trainer
 from fedcore.config import declare, non_negative
 from fedcore.registry import algorithms
 

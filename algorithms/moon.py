@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from fedcore import registry
-from fedcore.algorithms.base import Aggregator, Algorithm, Trainer
+from fedcore.contract import Aggregator, Algorithm, Trainer
 from fedcore.config import declare, non_negative, positive, validator
 from fedcore.errors import ConfigError
 from fedcore.registry import algorithms

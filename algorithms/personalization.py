@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from fedcore import registry
-from fedcore.algorithms.base import BatchStream, Trainer, evaluate_model
+from fedcore.contract import BatchStream, Trainer, evaluate_model
 from fedcore.config import declare, non_negative, positive, validator
 from fedcore.errors import ConfigError
 

@@ -17,7 +17,7 @@ import logging
 
 import torch
 
-from fedcore.algorithms.base import Aggregator, Algorithm, ReceivedUpdate, Trainer, weighted_mean
+from fedcore.contract import Aggregator, Algorithm, ReceivedUpdate, Trainer, weighted_mean
 from fedcore.comm.validation import UPDATE_LAYOUTS
 from fedcore.config import declare, positive, validator
 from fedcore.errors import ConfigError

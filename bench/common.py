@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from fedcore import registry
-from fedcore.algorithms.base import BatchStream, evaluate_model, weighted_mean
+from fedcore.contract import BatchStream, evaluate_model, weighted_mean
 from fedcore.config import load_config
 from fedcore.scenarios.data import ClientData, FederatedData, Split
 

@@ -21,7 +21,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from fedcore.algorithms.base import FitResult
+from fedcore.contract import FitResult
 from fedcore.message import SERVER_ID, Message
 
 __all__ = ["BatchingTrainer", "Engine"]

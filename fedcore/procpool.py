@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from fedcore.algorithms.base import FitResult
+from fedcore.contract import FitResult
 from fedcore.batching import Engine
 from fedcore.serialization import WireError, encode_value, from_value
 from fedcore.state import MemoryStateStore

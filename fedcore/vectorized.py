@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
-from fedcore.algorithms.base import BatchStream, FitResult, Trainer
+from fedcore.contract import BatchStream, FitResult, Trainer
 from fedcore.batching import Engine
 from fedcore.serialization import encoded_size
 

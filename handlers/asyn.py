@@ -30,7 +30,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
-from fedcore.algorithms.base import ReceivedUpdate
+from fedcore.contract import ReceivedUpdate
 from fedcore.algorithms.staleness import discount_function
 from fedcore.config import declare, fraction, non_negative, positive, resolver, validator
 from fedcore.errors import ConfigError

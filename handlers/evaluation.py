@@ -1,7 +1,7 @@
 """Evaluation: the global model on the server's test set, and on clients' own test splits."""
 from __future__ import annotations
 
-from fedcore.algorithms.base import evaluate_model
+from fedcore.contract import evaluate_model
 from fedcore.message import SERVER_ID
 
 __all__ = ["evaluate_global", "request_client_evaluation", "evaluate_and_reply", "collect_metrics",

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from fedcore import registry
-from fedcore.algorithms.base import evaluate_model
+from fedcore.contract import evaluate_model
 from fedcore.handlers.derived_role import DerivedTable
 
 __all__ = ["global_is_worse", "note_performance_drop", "install"]

@@ -7,7 +7,7 @@ restored from a checkpoint.
 """
 from __future__ import annotations
 
-from fedcore.algorithms.base import ReceivedUpdate
+from fedcore.contract import ReceivedUpdate
 from fedcore.handlers.evaluation import evaluate_global, request_client_evaluation
 
 __all__ = ["aggregate", "finish_course", "is_eval_round", "resume_course", "install"]

@@ -1,7 +1,7 @@
 """The synchronous course: sample, broadcast, wait for `all_received`, aggregate, repeat."""
 from __future__ import annotations
 
-from fedcore.algorithms.base import ReceivedUpdate
+from fedcore.contract import ReceivedUpdate
 from fedcore.handlers import evaluation, join, rounds, training
 from fedcore.registry import courses
 from fedcore.schema import clients_per_round

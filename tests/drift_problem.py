@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from fedcore import registry
-from fedcore.algorithms.base import ReceivedUpdate
+from fedcore.contract import ReceivedUpdate
 from fedcore.scenarios.data import ClientData, Split
 from fedcore.state import MemoryStateStore
 from tests.conftest import small_cfg

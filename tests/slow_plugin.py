@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 
-from fedcore.algorithms.base import Algorithm
+from fedcore.contract import Algorithm
 from fedcore.algorithms.fedavg import FedAvgAggregator, FedAvgTrainer
 from fedcore.config import declare
 from fedcore.registry import algorithms

@@ -6,12 +6,12 @@ import logging
 import pytest
 import torch
 
-from fedcore.algorithms.base import Trainer
+from fedcore.contract import Trainer
 from fedcore.batching import BatchingTrainer
 from fedcore.course import Course
 from fedcore.message import Message
 from fedcore.registry import algorithms
-from fedcore.algorithms.base import Aggregator, Algorithm
+from fedcore.contract import Aggregator, Algorithm
 from tests.conftest import small_cfg
 
 TRACE_KEYS = ("round", "virtual_time", "bytes_up", "bytes_down", "num_updates")
@@ -206,7 +206,7 @@ def test_measured_time_runs_sequentially_with_a_reason(caplog):
 @pytest.mark.parametrize("n, bs, epoch, offset", [(10, 10, 0, 0), (10, 10, 3, 10), (7, 3, 1, 6),
                                                   (7, 3, 2, 7), (5, 8, 0, 0)])
 def test_the_vectorized_stream_gives_the_batch_streams_batches(n, bs, epoch, offset):
-    from fedcore.algorithms.base import BatchStream
+    from fedcore.contract import BatchStream
     from fedcore.vectorized import _LazyStream
     a, b = BatchStream(n, bs, 4, 9, epoch, offset), _LazyStream(n, bs, 4, 9, epoch, offset)
     for _ in range(6):
@@ -216,7 +216,7 @@ def test_the_vectorized_stream_gives_the_batch_streams_batches(n, bs, epoch, off
 
 def test_vectorized_results_carry_their_exact_encoded_size():
     # the engine computes one size per sample count; each must be the content's real size
-    from fedcore.algorithms.base import FitResult
+    from fedcore.contract import FitResult
     from fedcore.scenarios.data import ClientData, Split
     from fedcore.serialization import encoded_size
     course = Course(small_cfg(None, executor="vectorized", torch_threads=1, train__local_steps=1,

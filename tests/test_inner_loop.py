@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from fedcore.algorithms.base import BatchStream
+from fedcore.contract import BatchStream
 from fedcore.algorithms.fedavg import FedAvgTrainer
 from fedcore.course import Course
 from fedcore.errors import ConfigError

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from fedcore import registry
-from fedcore.algorithms.base import Algorithm, ReceivedUpdate
+from fedcore.contract import Algorithm, ReceivedUpdate
 from fedcore.algorithms.fedavg import FedAvgAggregator, FedAvgTrainer
 from fedcore.algorithms.robust import (clip_to_norm, coordinate_median, krum_scores, krum_select,
                                        make_rule, trimmed_mean)

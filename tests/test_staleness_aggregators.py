@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from fedcore.algorithms.base import Aggregator, ReceivedUpdate
+from fedcore.contract import Aggregator, ReceivedUpdate
 from fedcore.algorithms.fedasync import FedAsyncAggregator
 from fedcore.algorithms.fedbuff import FedBuffAggregator, FedBuffTrainer
 from fedcore.algorithms.staleness import discount_function, hinge, polynomial

@@ -51,7 +51,7 @@ def _check_accumulation(cfg) -> None:
     if cfg["train.grad_accum_steps"] == 1:
         return
     from fedcore import registry
-    from fedcore.algorithms.base import Trainer
+    from fedcore.contract import Trainer
     cls = registry.algorithms.get(cfg["algorithm.name"]).trainer
     if cls.step is not Trainer.step and cls.accumulated_step is Trainer.accumulated_step:
         raise ConfigError(f"train.grad_accum_steps: algorithm {cfg['algorithm.name']} defines its own "

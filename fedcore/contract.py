@@ -1,0 +1,440 @@
+"""The plug-in interfaces: `Trainer` (client side) and `Aggregator` (server side).
+
+A `Trainer` serves many logical clients with one model instance: for each
+client it loads the received global state in place, restores that client's
+own state from the state store, runs the local objective for exactly the
+configured number of optimizer steps, and returns the payload to send. Hooks
+(`begin`, `objective`, `adjust_gradients`, `step`, `payload`) are where an
+algorithm changes the local objective or the update it sends.
+
+An `Aggregator` owns the global state and turns received updates into the
+next one. It never mutates a tensor it has broadcast: each aggregation
+builds new tensors, so in-flight messages stay valid.
+"""
+from __future__ import annotations
+
+import fnmatch
+import math
+import operator
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from fedcore.inner_loop import build_scheduler
+from fedcore.state import StateStore
+
+__all__ = ["Algorithm", "Trainer", "Aggregator", "FitResult", "ReceivedUpdate", "BatchStream",
+           "ShareFilter", "weighted_mean", "evaluate_model"]
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """A named pair of plug-ins."""
+
+    trainer: type
+    aggregator: type
+
+
+@dataclass
+class FitResult:
+    content: dict[str, Any]      # exactly what the client sends
+    work: float                  # gradient evaluations (samples through forward+backward)
+    metrics: dict[str, float] = field(default_factory=dict)
+    # (content, its encoded size) where the maker knew the size without walking the content
+    sized: tuple[Any, int] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def content_size(self) -> int | None:
+        """The encoded size of `content` if its maker knew it, else None. It holds only for
+        the very object it was given with: a wrapper that replaces `content` drops it."""
+        sized = self.sized
+        return sized[1] if sized is not None and sized[0] is self.content else None
+
+
+@dataclass
+class ReceivedUpdate:
+    client_id: int
+    content: dict[str, Any]
+    round: int                   # the round of the global model the client started from
+    staleness: int = 0           # rounds between that model and the current one
+
+
+class ShareFilter:
+    """Which state entries are exchanged (`federate.share_params` patterns; all by default)."""
+
+    def __init__(self, patterns: list[str] | None):
+        self.patterns = list(patterns) if patterns else None
+
+    def __call__(self, name: str) -> bool:
+        return self.patterns is None or any(fnmatch.fnmatchcase(name, p) for p in self.patterns)
+
+
+class BatchStream:
+    """A client's persistent, seeded mini-batch stream.
+
+    Each epoch is a fresh permutation drawn from `(seed, client, epoch)`; the
+    position (epoch, offset) is kept in the client's state, so the stream
+    advances across rounds instead of replaying the first batches.
+    """
+
+    def __init__(self, n: int, batch_size: int, seed: int, client_id: int,
+                 epoch: int = 0, offset: int = 0):
+        self.n, self.batch_size = n, batch_size
+        self.seed, self.client_id = seed, client_id
+        self.epoch, self.offset = epoch, offset
+        self._perm = self._permutation(epoch)
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.epoch_seed(self.seed, self.client_id, epoch))
+        return torch.randperm(self.n, generator=g)
+
+    @staticmethod
+    def epoch_seed(seed: int, client_id: int, epoch: int) -> int:
+        """The seed of client `client_id`'s permutation in `epoch`."""
+        return (seed * 1_000_003 + client_id) * 10_007 + epoch
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return math.ceil(self.n / self.batch_size)
+
+    def next(self) -> torch.Tensor:
+        if self.offset >= self.n:
+            self.epoch += 1
+            self.offset = 0
+            self._perm = self._permutation(self.epoch)
+        idx = self._perm[self.offset:self.offset + self.batch_size]
+        self.offset += len(idx)
+        return idx
+
+    def position(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "offset": self.offset}
+
+
+_STACK_LIMIT = 64 * 2 ** 20   # bytes: updates are stacked for one matrix-vector product up to this
+
+
+def weighted_mean(tensors: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+    """sum_i w_i t_i / sum_i w_i; integer tensors are averaged in float64 and rounded back.
+
+    Floating-point tensors are taken as the rows of one matrix and averaged with one
+    matrix-vector product: a view of their common storage when they are consecutive rows
+    of one tensor (a vectorised group's updates), else a stacked copy (up to `_STACK_LIMIT`
+    bytes; beyond that, one fused add per tensor, without the copy). Both matrices hold the
+    same numbers in the same layout, so the result does not depend on how the updates were made.
+    """
+    total = float(sum(weights))
+    ref = tensors[0]
+    if not ref.is_floating_point():
+        acc = torch.zeros(ref.shape, dtype=torch.float64)
+        for t, w in zip(tensors, weights):
+            acc.add_(t.to(torch.float64), alpha=w / total)
+        return acc.round().to(ref.dtype)
+    rows = _rows(tensors)
+    if rows is None:
+        acc = torch.zeros(ref.shape, dtype=ref.dtype)
+        for t, w in zip(tensors, weights):
+            acc.add_(t.to(ref.dtype), alpha=w / total)
+        return acc
+    coef = torch.tensor([w / total for w in weights], dtype=ref.dtype)
+    return (coef @ rows).reshape(ref.shape)
+
+
+def _rows(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The tensors as the rows of one [k, numel] matrix, or None where that would need a copy
+    of more than `_STACK_LIMIT` bytes (or they differ in dtype or shape)."""
+    ref = tensors[0]
+    k, m = len(tensors), ref.numel()
+    dtype, shape = ref.dtype, ref.shape
+    base = ref._base
+    if base is not None and m > 0 and base.is_contiguous():
+        # consecutive rows of one tensor: the matrix is a view of it (checked with one
+        # C-level pass per property: this runs for every entry of every aggregation)
+        start = ref.storage_offset()
+        if list(map(_STORAGE_OFFSET, tensors)) == list(range(start, start + k * m, m)) \
+                and all(b is base for b in map(_BASE, tensors)) \
+                and all(map(_CONTIGUOUS, tensors)) and all(s == shape for s in map(_SHAPE, tensors)):
+            return base.view(-1)[start - base.storage_offset():][:k * m].view(k, m)
+    if any(t.dtype != dtype or t.shape != shape for t in tensors) \
+            or k * m * ref.element_size() > _STACK_LIMIT:
+        return None
+    return torch.stack(tensors).view(k, m)
+
+
+_STORAGE_OFFSET, _CONTIGUOUS = torch.Tensor.storage_offset, torch.Tensor.is_contiguous
+_BASE, _SHAPE = operator.attrgetter("_base"), operator.attrgetter("shape")
+
+
+def evaluate_model(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str,
+                   batch_size: int = 1024) -> dict[str, float]:
+    """Mean loss and (for classification) accuracy of `model` on (x, y)."""
+    n = len(y)
+    if n == 0:
+        return {}
+    was_training = model.training
+    model.eval()
+    total_loss, correct = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, n, batch_size):
+            xb, yb = x[start:start + batch_size], y[start:start + batch_size]
+            out = model(xb)
+            if loss == "mse":
+                total_loss += nn.functional.mse_loss(out.reshape(yb.shape), yb, reduction="sum").item()
+            else:
+                total_loss += nn.functional.cross_entropy(out, yb, reduction="sum").item()
+                correct += (out.argmax(1) == yb).sum().item()
+    model.train(was_training)
+    result = {"loss": total_loss / n, "n": n}
+    if loss != "mse":
+        result["acc"] = correct / n
+    return result
+
+
+class Trainer:
+    """Client-side local training shared by logical clients (FedAvg's local SGD by default)."""
+
+    def __init__(self, model: nn.Module, cfg, store: StateStore):
+        self.model = model
+        self.cfg = cfg
+        self.store = store
+        self.loss = cfg["train.loss"]
+        self.shared = ShareFilter(cfg["federate.share_params"])
+        self.entries: dict[str, torch.Tensor] = dict(model.state_dict(keep_vars=True))
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.param_names = [n for n, p in model.named_parameters() if p.requires_grad]
+        # Entries that stay local start from the initial model for every client.
+        self._local_init = {k: v.detach().clone() for k, v in self.entries.items() if not self.shared(k)}
+        self.optimizer = self._build_optimizer()
+        self.scheduler = build_scheduler(self.optimizer, cfg)
+        self.grad_accum = cfg["train.grad_accum_steps"]
+        # What a client without saved state starts from (another client may have changed the LR).
+        self._fresh_groups = [{k: v for k, v in g.items() if k != "params"}
+                              for g in self.optimizer.param_groups]
+        self._fresh_scheduler = self.scheduler.state_dict() if self.scheduler is not None else None
+
+    def set_shared(self, shared) -> None:
+        """Change which entries are exchanged (a `ShareFilter`-like callable) before any round;
+        the others start from the initial model and stay in each client's state."""
+        self.shared = shared
+        self._local_init = {k: v.detach().clone() for k, v in self.entries.items() if not shared(k)}
+        self.shared_changed()
+
+    def shared_changed(self) -> None:
+        """Hook: `self.shared` changed; recompute whatever was derived from it (the entries an
+        algorithm regularises or corrects)."""
+
+    # ------------------------------------------------------------ set-up
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        o = self.cfg.section("train.optimizer")
+        if o["type"] == "sgd":
+            return torch.optim.SGD(self.params, lr=o["lr"], momentum=o["momentum"],
+                                   weight_decay=o["weight_decay"])
+        cls = torch.optim.Adam if o["type"] == "adam" else torch.optim.AdamW
+        return cls(self.params, lr=o["lr"], weight_decay=o["weight_decay"])
+
+    def num_steps(self, n_train: int) -> int:
+        """Optimizer steps this round: `train.local_steps`, or epochs x batches per epoch
+        (divided by `train.grad_accum_steps`, rounded up)."""
+        if self.cfg["train.local_steps"] is not None:
+            return self.cfg["train.local_steps"]
+        batches = self.cfg["train.local_epochs"] * math.ceil(n_train / self.cfg["train.batch_size"])
+        return math.ceil(batches / self.grad_accum)
+
+    # ------------------------------------------------------------ state in and out
+    @torch.no_grad()
+    def load_global(self, model_state: dict[str, torch.Tensor], client_state: dict) -> None:
+        """Copy received entries into the shared model in place; restore local entries."""
+        for name, t in model_state.items():
+            self.entries[name].copy_(t)
+        if self._local_init:
+            local = client_state.get("local_params", self._local_init)
+            for name, t in local.items():
+                self.entries[name].copy_(t)
+
+    def shared_state(self) -> dict[str, torch.Tensor]:
+        """Fresh copies of the exchanged entries (the model is reused by the next client)."""
+        return {k: v.detach().clone() for k, v in self.entries.items() if self.shared(k)}
+
+    def _save_local(self, client_state: dict) -> None:
+        if self._local_init:
+            client_state["local_params"] = {k: self.entries[k].detach().clone() for k in self._local_init}
+
+    # ------------------------------------------------------------ hooks
+    def begin(self, client_state: dict, received: dict) -> None:
+        """Called after the global state is loaded, before the first step."""
+
+    def objective(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The local loss on one mini-batch."""
+        out = self.model(x)
+        if self.loss == "mse":
+            return nn.functional.mse_loss(out.reshape(y.shape), y)
+        return nn.functional.cross_entropy(out, y)
+
+    def adjust_gradients(self) -> None:
+        """Called between backward and the optimizer step (gradient corrections)."""
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+        """One optimizer step; returns (loss, gradient evaluations spent)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.objective(x, y)
+        loss.backward()
+        self.adjust_gradients()
+        self.optimizer.step()
+        return loss.item(), float(len(y))
+
+    def accumulated_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
+        """One optimizer step on several micro-batches (`train.grad_accum_steps` > 1).
+
+        Each micro-batch loss is weighted by its share of the samples, so the gradient is
+        that of the mean loss over their union; returns (that loss, gradient evaluations).
+        """
+        self.optimizer.zero_grad(set_to_none=True)
+        total = sum(len(y) for _, y in batches)
+        loss_sum = 0.0
+        for x, y in batches:
+            loss = self.objective(x, y) * (len(y) / total)
+            loss.backward()
+            loss_sum += loss.item()
+        self.adjust_gradients()
+        self.optimizer.step()
+        return loss_sum, float(total)
+
+    def end(self, client_state: dict, received: dict, steps: int) -> None:
+        """Called once after the last of the round's `steps` optimizer steps, before the
+        payload is built and the client's state saved (also when `steps` is 0)."""
+
+    def payload(self, client_state: dict, received: dict, steps: int, n_train: int) -> dict[str, Any]:
+        """What the client sends after local training."""
+        return {"model": self.shared_state(), "num_samples": n_train}
+
+    # ------------------------------------------------------------ the round
+    def fit(self, client_id: int, data, received: dict, round_: int) -> FitResult:
+        """Train logical client `client_id` from `received` and return what it sends."""
+        state = self.store.load(client_id)
+        self.load_global(received["model"], state)
+        self._restore_optimizer(state)
+        self.begin(state, received)
+        train = data.train
+        pos = state.get("sampler", {"epoch": 0, "offset": 0})
+        stream = BatchStream(len(train), self.cfg["train.batch_size"], self.cfg["seed"], client_id,
+                             pos["epoch"], pos["offset"])
+        steps = self.num_steps(len(train)) if len(train) else 0
+        work, loss_sum = 0.0, 0.0
+        self.model.train()
+        for _ in range(steps):
+            if self.grad_accum == 1:
+                idx = stream.next()
+                loss, w = self.step(train.x[idx], train.y[idx])
+            else:
+                idxs = [stream.next() for _ in range(self.grad_accum)]
+                loss, w = self.accumulated_step([(train.x[i], train.y[i]) for i in idxs])
+            if self.scheduler is not None:
+                with warnings.catch_warnings():  # trainers that step by hand (FedMoS) skip optimizer.step
+                    warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+                    self.scheduler.step()
+            loss_sum += loss
+            work += w
+        state["sampler"] = stream.position()
+        self.end(state, received, steps)
+        content = self.payload(state, received, steps, len(train))
+        self._save_optimizer(state)
+        self._save_local(state)
+        self.store.save(client_id, state)
+        metrics = {"train_loss": loss_sum / steps} if steps else {}
+        return FitResult(content, work, metrics)
+
+    def _restore_optimizer(self, state: dict) -> None:
+        """Swap in this client's optimizer (and scheduler) state, or a fresh one."""
+        self.optimizer.state.clear()
+        for group, fresh in zip(self.optimizer.param_groups, self._fresh_groups):
+            group.update(fresh)
+        keep = self.cfg["train.preserve_optimizer_state"]
+        # Load copies: the optimizer updates its state in place, and the stored snapshot must
+        # stay as saved if this fit fails half-way.
+        if keep and "optimizer" in state:
+            self.optimizer.load_state_dict(_cloned(state["optimizer"]))
+        if self.scheduler is not None:
+            saved = state.get("scheduler") if keep else None
+            self.scheduler.load_state_dict(_cloned(saved if saved is not None else self._fresh_scheduler))
+
+    def _save_optimizer(self, state: dict) -> None:
+        """Keep a snapshot (cloned tensors: the optimizer's own are reused by the next client)."""
+        if self.cfg["train.preserve_optimizer_state"]:
+            state["optimizer"] = _cloned(self.optimizer.state_dict())
+            if self.scheduler is not None:
+                state["scheduler"] = _cloned(self.scheduler.state_dict())
+
+    def evaluate(self, client_id: int, data, received: dict) -> dict[str, float]:
+        """Evaluate the received global model (with this client's local entries) on its test split."""
+        state = self.store.load(client_id)
+        self.load_global(received["model"], state)
+        return evaluate_model(self.model, data.test.x, data.test.y, self.loss,
+                              self.cfg["eval.batch_size"])
+
+
+class Aggregator:
+    """Server side: owns the global state; FedAvg's sample-weighted average by default."""
+
+    def __init__(self, model: nn.Module, cfg, num_clients: int):
+        self.cfg = cfg
+        self.num_clients = num_clients
+        self.shared = ShareFilter(cfg["federate.share_params"])
+        self.global_state: dict[str, torch.Tensor] = {
+            k: v.detach().clone() for k, v in model.state_dict().items()}
+        # staleness -> weight factor; set by asynchronous courses (None: every update counts fully)
+        self.discount: Callable[[int], float] | None = None
+
+    def set_shared(self, shared) -> None:
+        """Change which entries are exchanged (a `ShareFilter`-like callable) before any round."""
+        self.shared = shared
+        self.shared_changed()
+
+    def shared_changed(self) -> None:
+        """Hook: `self.shared` changed; drop server state kept for entries no longer exchanged."""
+
+    def broadcast(self, round_: int) -> dict[str, Any]:
+        """The content sent to sampled clients (by reference: never mutated afterwards)."""
+        return {"model": {k: v for k, v in self.global_state.items() if self.shared(k)}}
+
+    def evaluation_content(self, round_: int) -> dict[str, Any]:
+        """What an evaluation request carries: the model only, not auxiliary training state."""
+        return {"model": self.broadcast(round_)["model"]}
+
+    def weights(self, updates: list[ReceivedUpdate]) -> list[float]:
+        """Sample counts, down-weighted by `discount(staleness)` when a course sets one."""
+        if self.discount is None:
+            return [float(u.content["num_samples"]) for u in updates]
+        return [float(u.content["num_samples"]) * self.discount(u.staleness) for u in updates]
+
+    def aggregate(self, updates: list[ReceivedUpdate], round_: int) -> dict[str, float]:
+        """Replace the global state from `updates`; return metrics for the round's record."""
+        weights = self.weights(updates)
+        if sum(weights) <= 0:
+            weights = [1.0] * len(updates)
+        new_state = dict(self.global_state)
+        for name in updates[0].content["model"]:
+            new_state[name] = weighted_mean([u.content["model"][name] for u in updates], weights)
+        self.global_state = new_state
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Server-owned algorithm state beyond the model (for checkpoints)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned (when resuming from a checkpoint)."""
+        if state:  # an aggregator with state must restore it: never resume with it silently reset
+            raise NotImplementedError(f"{type(self).__name__} keeps server state but cannot restore it")
+
+
+def _cloned(obj: Any) -> Any:
+    """A copy of a state_dict tree whose tensors share no storage with the original."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _cloned(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cloned(v) for v in obj)
+    return obj
