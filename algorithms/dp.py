@@ -29,7 +29,7 @@ from fedcore.config import declare, non_negative, positive, validator
 from fedcore.errors import ConfigError
 from fedcore.schema import clients_per_round
 
-__all__ = ["clip_delta", "gaussian_noise", "privatize", "central_dp_rule", "install"]
+__all__ = ["clip_delta", "gaussian_noise", "noise_generator", "privatize", "central_dp_rule", "install"]
 
 declare("privacy.dp.mode", str, "none", "differential privacy of updates: none, local (clients "
         "clip and add noise before sending) or central (the server clips each update and adds "
@@ -85,6 +85,9 @@ def gaussian_noise(numel: int, std: float, generator: torch.Generator) -> torch.
 
 def _generator(seed: int, client_id: int, round_: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + client_id) * 100_003 + round_ + 7)
+
+
+noise_generator = _generator  # the same noise for a plain and a secure course with central DP
 
 
 def privatize(model: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], clip_norm: float,
@@ -166,7 +169,9 @@ def install(course) -> None:
     # each installs its own half. The noisy clients are drawn over the whole federation.
     server = course.server
     if cfg["privacy.dp.mode"] == "central":
-        if server is not None:
+        # Under secure aggregation the clients clip and the noise goes on the unmasked sum
+        # (handlers/secure_aggregation.py): the server has no single update to clip.
+        if server is not None and not cfg["secure_aggregation.enabled"]:
             replace_combination(server.aggregator, central_dp_rule(clip, sigma, seed),
                                 "privacy.dp.mode central")
         noisy: set[int] = set()
@@ -201,7 +206,9 @@ def install(course) -> None:
 
     def accounted(updates, round_):
         out = dict(aggregate(updates, round_) or {})
-        out.update(ledger.record([u.client_id for u in updates], noisy))
+        # an update that stands for several clients (a secure sum) names them in `contributors`
+        ids = [c for u in updates for c in getattr(u, "contributors", (u.client_id,))]
+        out.update(ledger.record(ids, noisy))
         course.monitor.extra_summary.update(dp_epsilon=out["dp_epsilon"], dp_delta=ledger.delta,
                                             dp_mode=ledger.mode, dp_noisy_clients=len(noisy))
         return out

@@ -24,7 +24,8 @@ def aggregate(server, updates: list[ReceivedUpdate], extra: dict | None = None) 
     course = server.course
     updates = sorted(updates, key=lambda u: (u.client_id, u.round))
     fields = {"num_updates": len(updates)}
-    fields.update(server.aggregator.aggregate(updates, server.round) or {})
+    if updates:  # a round with nothing to aggregate (a skipped secure round) keeps the model
+        fields.update(server.aggregator.aggregate(updates, server.round) or {})
     fields.update(extra or {})
     expected = 0
     if is_eval_round(server):
