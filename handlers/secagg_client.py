@@ -44,7 +44,7 @@ class ClientRound:
 
 
 def _settings(client):
-    from fedcore.handlers.secure_aggregation import Settings
+    from fedcore.algorithms.secagg_settings import Settings
     return Settings.of(client.course.cfg)
 
 

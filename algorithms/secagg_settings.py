@@ -1,0 +1,129 @@
+"""Secure aggregation's parameters (`secure_aggregation.*`), what they may be combined with,
+and the neighbour graph; both ends of the protocol compute them from the same config.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from fedcore.config import declare, positive, validator
+from fedcore.errors import ConfigError
+from fedcore.schema import clients_per_round
+
+__all__ = ["MERSENNE_61", "Settings", "neighbour_graph"]
+
+MERSENNE_61 = 2 ** 61 - 1
+
+declare("secure_aggregation.enabled", bool, False, "secure aggregation (SecAgg+): the server learns "
+        "only the sum of each round's updates")
+declare("secure_aggregation.num_neighbours", int, 0, "k: the clients each client shares secrets and "
+        "pairwise masks with (even; 0: all others of the round, the full graph)",
+        check=lambda v: None if v >= 0 and v % 2 == 0 else "must be an even number >= 0")
+declare("secure_aggregation.threshold", int, None, "t: shares needed to rebuild a client's secret, "
+        "and the fewest survivors a round may have (default: half the neighbours, plus one)",
+        check=positive)
+declare("secure_aggregation.clip", float, 1.0, "c: each coordinate of an update delta is clipped to "
+        "[-c, c] before quantization", check=positive)
+declare("secure_aggregation.bits", int, 16, "quantization levels 2^bits over [-c, c]; the sum is exact "
+        "to c / (2^bits - 1) per coordinate of the mean",
+        check=lambda v: None if 1 <= v <= 30 else "must be in 1..30")
+declare("secure_aggregation.modulus", int, MERSENNE_61, "p: the prime field of masked inputs (< 2^62)",
+        check=lambda v: None if 2 < v < 2 ** 62 else "must be a prime below 2^62")
+declare("secure_aggregation.stage_timeout", float, None, "seconds the server waits for a stage's "
+        "replies before going on without the silent clients (default: in simulation with device "
+        "dropouts, twice the slowest modelled round trip; otherwise wait, or distribute.round_deadline)",
+        check=positive)
+
+# algorithms whose server rule needs more than the weighted mean of the models
+_REFUSED = {"scaffold": "its control variates are averaged alongside the model",
+            "feddyn": "its server state is built from every client's model",
+            "fedasync": "it mixes single updates asynchronously",
+            "fedbuff": "it buffers single updates asynchronously"}
+
+
+@validator
+def _check(cfg) -> None:
+    if not cfg["secure_aggregation.enabled"]:
+        return
+    off = "or set secure_aggregation.enabled=false"
+    try:
+        import cryptography  # noqa: F401
+    except ImportError:
+        raise ConfigError("secure_aggregation.enabled: needs the 'cryptography' package: "
+                          "pip install 'fedcore[secagg]'") from None
+    if cfg["aggregator.robust_rule"] != "none":
+        raise ConfigError("aggregator.robust_rule: robust rules need each update, which secure "
+                          f"aggregation hides from the server; set aggregator.robust_rule=none {off}")
+    name = cfg["algorithm.name"]
+    if name in _REFUSED:
+        raise ConfigError(f"algorithm.name: {name} cannot be aggregated securely ({_REFUSED[name]}); "
+                          f"use fedavg, fedprox, moon, fedmos or diloco {off}")
+    if cfg["asyn.use"]:
+        raise ConfigError(f"asyn.use: secure aggregation needs synchronous rounds; set asyn.use=false {off}")
+    from fedcore.algorithms.secagg_crypto import is_prime
+    if not is_prime(cfg["secure_aggregation.modulus"]):
+        raise ConfigError(f"secure_aggregation.modulus: {cfg['secure_aggregation.modulus']} is not prime "
+                          f"(e.g. {MERSENNE_61} = 2^61 - 1)")
+    m = clients_per_round(cfg)
+    k = cfg["secure_aggregation.num_neighbours"]
+    k_eff = m - 1 if k == 0 or k >= m - 1 else k
+    t = Settings.of(cfg).threshold(k_eff)
+    if m < 2 or t > k_eff:
+        raise ConfigError(f"secure_aggregation.threshold: {t} exceeds the {k_eff} neighbour(s) a client "
+                          f"has with {m} clients per round; lower it or sample more clients")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The protocol's parameters, as both ends compute them from the same config."""
+
+    neighbours: int
+    fixed_threshold: int | None
+    clip: float
+    bits: int
+    modulus: int
+    per_round: int
+    uniform: bool             # every client weighs 1 (central DP; DiLoCo's uniform weighting)
+    dp_clip: float | None     # central DP: the L2 bound each client applies to its delta
+
+    @classmethod
+    def of(cls, cfg) -> "Settings":
+        central = cfg["privacy.dp.mode"] == "central"
+        uniform = central or (cfg["algorithm.name"] == "diloco"
+                              and cfg["algorithm.diloco.aggregation_weighting"] == "uniform")
+        return cls(cfg["secure_aggregation.num_neighbours"], cfg["secure_aggregation.threshold"],
+                   cfg["secure_aggregation.clip"], cfg["secure_aggregation.bits"],
+                   cfg["secure_aggregation.modulus"], clients_per_round(cfg), uniform,
+                   cfg["privacy.dp.clip_norm"] if central else None)
+
+    def threshold(self, neighbours: int) -> int:
+        return self.fixed_threshold if self.fixed_threshold is not None else neighbours // 2 + 1
+
+    @staticmethod
+    def names(model: dict[str, torch.Tensor]) -> list[str]:
+        """The entries that travel masked, in one order both ends agree on."""
+        return sorted(n for n, t in model.items() if t.is_floating_point())
+
+    def client_weight(self, num_samples: int) -> int:
+        return 1 if self.uniform else int(num_samples)
+
+    def check_headroom(self, weight: int) -> None:
+        """The field must hold the round's largest possible sum, or it would wrap around."""
+        if weight * ((1 << self.bits) - 1) * self.per_round >= self.modulus:
+            raise ValueError(f"secure_aggregation: a weight of {weight} with {self.bits} bits and "
+                             f"{self.per_round} clients may overflow the field; lower "
+                             "secure_aggregation.bits or raise secure_aggregation.modulus")
+
+
+def neighbour_graph(ids: list[int], k: int, seed: int, round_: int) -> dict[int, list[int]]:
+    """Each client's neighbours: all others (k = 0 or k >= n - 1), else the k nearest on a ring
+    in a seeded random order (a k-regular graph, as in SecAgg+)."""
+    ids = sorted(ids)
+    n = len(ids)
+    if k == 0 or k >= n - 1:
+        return {u: [v for v in ids if v != u] for u in ids}
+    ring = [ids[i] for i in np.random.default_rng([seed % 2 ** 32, 0x5EC, round_]).permutation(n)]
+    pos = {u: i for i, u in enumerate(ring)}
+    return {u: sorted(ring[(pos[u] + d) % n] for d in range(-(k // 2), k // 2 + 1) if d) for u in ids}
