@@ -37,6 +37,7 @@ from fedcore.algorithms.secagg_settings import Settings, neighbour_graph
 from fedcore.handlers import rounds, secagg_checks, secagg_client, sync  # noqa: F401  (checks register)
 from fedcore.message import SERVER_ID
 from fedcore.registry import behaviours
+from fedcore.scheduler import PRIORITY_TIMER
 
 __all__ = ["install", "STAGES"]
 
@@ -89,9 +90,18 @@ def _send(server, sr: ServerRound, msg_type: str, receiver: int, content: Any) -
 def _next_stage(server, sr: ServerRound, stage: str, expected) -> None:
     sr.stage = stage
     server.selected, server.buffer = set(expected), []
-    timeout = server.secagg_timeout
-    if timeout:
-        server.set_timer(timeout, "secagg_stage_timeout", (sr.serial, stage))
+    if server.secagg_timeout:
+        _arm_timeout(server, sr, stage)
+
+
+def _arm_timeout(server, sr: ServerRound, stage: str) -> None:
+    """Raise `secagg_stage_timeout` after `secure_aggregation.stage_timeout` if the stage is
+    still waiting then; a stage that completed in time leaves the server's clock alone."""
+    def fire() -> None:
+        if server.secagg is sr and sr.stage == stage and server.selected:
+            server.now = server.course.scheduler.now
+            server.trigger("secagg_stage_timeout", (sr.serial, stage))
+    server.course.scheduler.schedule(server.now + server.secagg_timeout, PRIORITY_TIMER, fire)
 
 
 def start_secure_round(server, _event=None) -> None:

@@ -290,3 +290,21 @@ def test_the_completeness_checker_draws_the_protocol(tmp_path):
     handlers = (tmp_path / "handlers.txt").read_text()
     assert "receiving_secagg_masked_input -> fedcore.handlers.secure_aggregation.collect_masked_input" in handlers
     assert "secure_aggregation" in handlers.split("[behaviours]")[1]
+
+
+def test_a_deployed_server_refuses_malformed_protocol_messages():
+    from fedcore.comm.validation import check_content
+    course = Course(small_cfg(None, **SECURE)).build()
+    server = course.server
+    length = sum(t.numel() for t in server.aggregator.broadcast(1)["model"].values()) + 1
+    good = {"masked": torch.zeros(length, dtype=torch.int64)}
+    assert check_content("secagg_masked_input", good, server) is None
+    bad = [("secagg_masked_input", {"masked": torch.zeros(length, dtype=torch.float32)}, "int64 tensor"),
+           ("secagg_masked_input", {"masked": torch.full((length,), -1, dtype=torch.int64)}, "in the field"),
+           ("secagg_masked_input", {"masked": torch.zeros(length - 1, dtype=torch.int64)}, "int64 tensor"),
+           ("secagg_public_keys", {"cipher_key": b"x" * 31, "mask_key": b"y" * 32}, "32 bytes each"),
+           ("secagg_encrypted_shares", {"to": [1, 99], "ciphertexts": [b"c" * 168] * 2}, "client ids"),
+           ("secagg_unmask_shares", {"ids": [2], "shares": [b"s" * 65]}, "66 bytes each")]
+    for msg_type, content, needle in bad:
+        problem = check_content(msg_type, content, server)
+        assert problem is not None and needle in problem, (msg_type, problem)
