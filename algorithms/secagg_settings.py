@@ -60,6 +60,9 @@ def _check(cfg) -> None:
     if name in _REFUSED:
         raise ConfigError(f"algorithm.name: {name} cannot be aggregated securely ({_REFUSED[name]}); "
                           f"use fedavg, fedprox, moon, fedmos or diloco {off}")
+    if cfg["attack.type"] != "none":
+        raise ConfigError(f"attack.type: simulated attackers send plain updates, which a secure course "
+                          f"refuses; set attack.type=none {off}")
     if cfg["asyn.use"]:
         raise ConfigError(f"asyn.use: secure aggregation needs synchronous rounds; set asyn.use=false {off}")
     from fedcore.algorithms.secagg_crypto import is_prime

@@ -263,6 +263,7 @@ def test_secure_equals_plain_for_weighted_sum_algorithms_and_dp(extra):
     ({"aggregator__robust_rule": "median"}, "aggregator.robust_rule: robust rules need each update"),
     ({"algorithm__name": "scaffold"}, "algorithm.name: scaffold cannot be aggregated securely"),
     ({"asyn__use": True}, "asyn.use: secure aggregation needs synchronous rounds"),
+    ({"attack__type": "sign_flip"}, "attack.type: simulated attackers send plain updates"),
     ({"secure_aggregation__modulus": 2 ** 61}, "is not prime"),
     ({"secure_aggregation__threshold": 9}, "secure_aggregation.threshold: 9 exceeds the 5 neighbour(s)"),
 ])
