@@ -247,7 +247,8 @@ def test_no_plain_update_ever_reaches_the_server():
     {"privacy__dp__mode": "local", "privacy__dp__noise_multiplier": 0.5, "privacy__dp__clip_norm": 0.5},
 ], ids=["fedprox", "central_dp", "local_dp"])
 def test_secure_equals_plain_for_weighted_sum_algorithms_and_dp(extra):
-    common = dict(model__dtype="float64", eval__clients=False, federate__total_round_num=1, **extra)
+    common = dict(model__dtype="float64", eval__clients=False, federate__total_round_num=1)
+    common.update(extra)
     plain = Course(small_cfg(None, **common))
     plain.run()
     secure_cfg = small_cfg(None, secure_aggregation__enabled=True, **common)
@@ -257,6 +258,34 @@ def test_secure_equals_plain_for_weighted_sum_algorithms_and_dp(extra):
     assert diff <= _bound(secure_cfg) + 1e-12
     if "privacy__dp__mode" in extra:
         assert secure.monitor.records[0]["dp_epsilon"] == pytest.approx(plain.monitor.records[0]["dp_epsilon"])
+
+
+@pytest.mark.parametrize("extra, uniform", [
+    ({"algorithm__name": "fedmos", "algorithm__fedmos__server_momentum": 0.5}, False),
+    ({"algorithm__name": "diloco", "train__local_steps": 3, "train__preserve_optimizer_state": True}, True),
+], ids=["fedmos", "diloco"])
+def test_server_rules_after_the_mean_receive_the_unmasked_mean(extra, uniform):
+    """Server momentum and DiLoCo's outer optimizer act on what they receive: one update whose
+    delta is the clients' (sample- or uniformly-) weighted mean delta, within the bound."""
+    cfg = small_cfg(None, federate__total_round_num=2, **SECURE, **extra)
+    course = Course(cfg).build()
+    spy = Spy(course)
+    received = {}
+    agg = course.server.aggregator
+    aggregate = agg.aggregate
+
+    def seen(updates, round_):
+        (one,) = updates
+        received[round_] = {k: (one.content["model"][k] - agg.global_state[k]).double()
+                            for k in one.content["model"]}
+        return aggregate(updates, round_)
+    agg.aggregate = seen
+    course.run()
+    for r in (1, 2):
+        assert _max_diff(received[r], spy.expected_delta(r, range(1, 7), weigh=not uniform)) \
+            <= _bound(cfg) + 1e-12
+    # and the rule did act after the mean: the global step differs from the mean in round 2
+    assert _max_diff(spy.actual_delta(2), received[2]) > 1e-3
 
 
 @pytest.mark.parametrize("override, needle", [
