@@ -329,18 +329,19 @@ def install(course) -> None:
     c.register("receiving_secagg_routed_shares", secagg_client.mask_input, sends=("secagg_masked_input",))
     c.register("receiving_secagg_unmask_request", secagg_client.reveal_shares,
                sends=("secagg_unmask_shares",))
+    # every stage arms the stage timer; a skipped or finished round goes on as a plain round does
     next_round = ("models", "secagg_stage_timeout", "eval_request", "max_rounds_reached", "early_stop")
     s.register("all_joined_in", start_secure_round, sends=("models", "secagg_stage_timeout"))
     s.register("receiving_updates", refuse_plain_update)
     s.register("receiving_secagg_public_keys", collect_keys, sends=("secagg_keys_collected",))
     s.register("secagg_keys_collected", advertise_keys,
-               sends=("secagg_neighbour_keys", "secagg_stage_timeout") + next_round)
+               sends=("secagg_neighbour_keys",) + next_round)
     s.register("receiving_secagg_encrypted_shares", collect_shares, sends=("secagg_shares_collected",))
     s.register("secagg_shares_collected", route_shares,
-               sends=("secagg_routed_shares", "secagg_stage_timeout") + next_round)
+               sends=("secagg_routed_shares",) + next_round)
     s.register("receiving_secagg_masked_input", collect_masked_input, sends=("secagg_inputs_collected",))
     s.register("secagg_inputs_collected", request_unmasking,
-               sends=("secagg_unmask_request", "secagg_stage_timeout") + next_round)
+               sends=("secagg_unmask_request",) + next_round)
     s.register("receiving_secagg_unmask_shares", collect_unmask_shares, sends=("secagg_shares_revealed",))
     s.register("secagg_shares_revealed", unmask_and_aggregate, sends=next_round)
     events = tuple(e for _, _, e in STAGES)
