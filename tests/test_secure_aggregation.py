@@ -142,10 +142,10 @@ def test_prg_is_deterministic_and_within_the_field():
 
 
 # ---------------------------------------------------------------- whole courses
-@pytest.mark.parametrize("bits", [8, 20])
-def test_unmasked_sum_equals_the_plain_weighted_sum_within_the_quantization_bound(bits):
-    cfg = small_cfg(None, secure_aggregation__bits=bits, secure_aggregation__num_neighbours=2,
-                    federate__total_round_num=2, **SECURE)
+@pytest.mark.parametrize("bits, modulus", [(8, MERSENNE_61), (20, MERSENNE_61), (12, 1_000_000_007)])
+def test_unmasked_sum_equals_the_plain_weighted_sum_within_the_quantization_bound(bits, modulus):
+    cfg = small_cfg(None, secure_aggregation__bits=bits, secure_aggregation__modulus=modulus,
+                    secure_aggregation__num_neighbours=2, federate__total_round_num=2, **SECURE)
     course = Course(cfg).build()
     spy = Spy(course)
     course.run()
@@ -338,3 +338,10 @@ def test_a_deployed_server_refuses_malformed_protocol_messages():
     for msg_type, content, needle in bad:
         problem = check_content(msg_type, content, server)
         assert problem is not None and needle in problem, (msg_type, problem)
+
+
+def test_a_field_too_small_for_the_sum_stops_the_course_with_the_fix():
+    from fedcore.scheduler import HandlerError
+    course = Course(small_cfg(None, secure_aggregation__modulus=1_000_003, **SECURE))
+    with pytest.raises(HandlerError, match="may overflow the field; lower secure_aggregation.bits"):
+        course.run()
