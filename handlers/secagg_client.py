@@ -123,6 +123,7 @@ def share_keys(client, msg) -> None:
 def mask_input(client, msg) -> None:
     """`receiving_secagg_routed_shares`: keep the neighbours' shares, then send the input masked
     by the self mask and one pairwise mask per neighbour that shared."""
+    from cryptography.exceptions import InvalidTag
     from fedcore.algorithms.secagg_crypto import agree, decrypt, field_add, field_sub, prg_field
     st = _current(client, msg, "routed shares")
     if st is None or st.vector is None or not st.seed:
@@ -134,15 +135,18 @@ def mask_input(client, msg) -> None:
         key = agree(st.cipher_key, st.neighbours[v][0], SHARE_INFO)
         try:
             plain = decrypt(key, ct, _aad(msg.round, v, client.id))
-        except Exception:
+        except (InvalidTag, ValueError):
             log.warning("client %d: round %d: the share from client %d does not decrypt; ignored",
                         client.id, msg.round, v)
             continue
-        if len(plain) != _PAIR.size + 2 * SHARE_BYTES or _PAIR.unpack_from(plain) != (v, client.id):
-            log.warning("client %d: round %d: malformed share from client %d ignored", client.id, msg.round, v)
-            continue
         body = plain[_PAIR.size:]
-        st.held[v] = (share_from_bytes(body[:SHARE_BYTES]), share_from_bytes(body[SHARE_BYTES:]))
+        try:
+            if len(plain) != _PAIR.size + 2 * SHARE_BYTES or _PAIR.unpack_from(plain) != (v, client.id):
+                raise ValueError("wrong length or ids")
+            st.held[v] = (share_from_bytes(body[:SHARE_BYTES]), share_from_bytes(body[SHARE_BYTES:]))
+        except ValueError as exc:
+            log.warning("client %d: round %d: malformed share from client %d ignored (%s)",
+                        client.id, msg.round, v, exc)
     p = _settings(client).modulus
     n = st.vector.size
     y = field_add(st.vector, prg_field(st.seed, n, p), p)

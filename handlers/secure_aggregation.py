@@ -238,12 +238,12 @@ def unmask_and_aggregate(server, _event=None) -> None:
     survivors = sorted(sr.masked)
     wanted = set(survivors) | set(sr.dropped)
     shares: dict[int, dict[int, int]] = {v: {} for v in wanted}
-    for holder, revealed in sr.revealed.items():
-        for v, share in revealed.items():
-            if v in wanted and holder in sr.shares.get(v, {}):   # only a holder v gave a share to
-                shares[v][holder] = share_from_bytes(share)
     receivers = {v: sorted(sr.shares[v]) for v in sr.dropped}
     try:
+        for holder, revealed in sr.revealed.items():
+            for v, share in revealed.items():
+                if v in wanted and holder in sr.shares.get(v, {}):   # only a holder v gave a share to
+                    shares[v][holder] = share_from_bytes(share)
         total = unmask(sr.masked, sr.dropped, receivers, {u: sr.keys[u][1] for u in survivors},
                        {v: shares[v] for v in survivors}, {v: shares[v] for v in sr.dropped},
                        sr.threshold, s.modulus)
