@@ -83,11 +83,9 @@ def gaussian_noise(numel: int, std: float, generator: torch.Generator) -> torch.
     return torch.randn(numel, generator=generator, dtype=torch.float64) * std
 
 
-def _generator(seed: int, client_id: int, round_: int) -> torch.Generator:
+def noise_generator(seed: int, client_id: int, round_: int) -> torch.Generator:
+    """The seeded source of one client's (or, id 0, the server's) noise in one round."""
     return torch.Generator().manual_seed((seed * 1_000_003 + client_id) * 100_003 + round_ + 7)
-
-
-noise_generator = _generator  # the same noise for a plain and a secure course with central DP
 
 
 def privatize(model: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], clip_norm: float,
@@ -114,7 +112,7 @@ def central_dp_rule(clip_norm: float, noise_multiplier: float, seed: int):
         total = torch.stack(clipped).sum(dim=0)
         if noise_multiplier > 0:
             total = total + gaussian_noise(total.numel(), noise_multiplier * clip_norm,
-                                           _generator(seed, 0, round_))
+                                           noise_generator(seed, 0, round_))
         mean = total / len(deltas)
         return unflatten(mean, deltas[0], names), {
             "dp_clipped": sum(1 for n in norms if n > clip_norm)}
@@ -185,7 +183,7 @@ def install(course) -> None:
         def private_fit(client_id, data, received, round_):
             result = fit(client_id, data, received, round_)
             if client_id in noisy:
-                gen = _generator(seed, client_id, round_)
+                gen = noise_generator(seed, client_id, round_)
                 if "delta" in result.content:  # updates sent as deltas (FedBuff): noise those
                     delta = result.content["delta"]
                     zero = {n: torch.zeros_like(t) for n, t in delta.items()}
