@@ -34,10 +34,12 @@ SYNC_COURSES = {
     "feddyn": {"algorithm.name": "feddyn"},
     "diloco": {"algorithm.name": "diloco", "train.local_steps": 3,
                "train.preserve_optimizer_state": True, "train.optimizer.type": "adamw"},
-    # FedAdam on FedNova's aggregate: unequal local work (quantity partition), the normalizing
-    # factor crossing the wire, the optimizer's moments staying with the server
+    # FedAdam on FedNova's aggregate: unequal local work (time-budgeted on unequal devices,
+    # quantity partition), the normalizing factor crossing the wire, the optimizer's moments
+    # staying with the server
     "fednova_fedadam": {"algorithm.name": "fednova", "data.partition": "quantity",
-                        "data.synthetic.samples_per_client": None,
+                        "data.synthetic.samples_per_client": None, "train.local_time_budget": 0.3,
+                        "time.profiles": {"type": "lognormal", "median": 100, "sigma": 0.7},
                         "server_optimizer.type": "adam", "server_optimizer.lr": 0.05},
     "local_dp_median": {"privacy.dp.mode": "local", "privacy.dp.noise_multiplier": 0.1,
                         "aggregator.robust_rule": "median"},
