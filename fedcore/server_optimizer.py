@@ -18,7 +18,7 @@ unless `server_optimizer.bias_correction` asks for Adam's (m / (1 - β1^t), and
 v / (1 - β2^t) for adam and yogi). The optimizer acts on the shared trainable
 floating parameters; buffers and integer entries take the aggregate as it is.
 Its state (m, v, t) is saved with every checkpoint. The alignment note is
-docs/algorithms/fedopt.md.
+docs/algorithms/server_optimizers.md.
 """
 from __future__ import annotations
 

@@ -5,9 +5,9 @@
 
 Runs `scenarios/<name>.yaml` for each algorithm and, for each distinct
 model/data/training setup among them, the same YAML with
-`algorithm.name=fedavg` and no server optimizer as the baseline. Prints a markdown report: the
-virtual time, rounds and bytes each run needed to reach `--target` test
-accuracy; the accuracy at a common virtual-time budget and at a common byte
+`algorithm.name=fedavg` and no server optimizer as the baseline. Prints a
+markdown report: the virtual time, rounds and bytes each run needed to reach
+`--target` test accuracy; the accuracy at a common virtual-time budget and at a common byte
 budget (the smaller totals of the algorithm and its baseline); and
 accuracy per evaluated round. Every run's outputs (metrics.jsonl, summary.json) stay under --out.
 """
