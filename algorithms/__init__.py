@@ -1,8 +1,8 @@
 """Plug-in trainers and aggregators, one module per algorithm."""
-from fedcore.algorithms import (diloco, fedasync, fedavg, fedbuff, feddyn, fedmos, fedprox,  # noqa: F401
-                                moon, scaffold, staleness)
-from fedcore.algorithms import dp, personalization, robust  # noqa: F401  (behaviour plug-ins)
+from fedcore.algorithms import (diloco, fedasync, fedavg, fedbuff, feddyn, fedmos, fednova,  # noqa: F401
+                                fedprox, moon, scaffold, staleness)
+from fedcore.algorithms import dp, local_budget, personalization, robust  # noqa: F401  (behaviour plug-ins)
 from fedcore.contract import Aggregator, Algorithm, Trainer
 
 __all__ = ["Aggregator", "Algorithm", "Trainer", "diloco", "dp", "fedasync", "fedavg", "fedbuff", "feddyn",
-           "fedmos", "fedprox", "moon", "personalization", "robust", "scaffold", "staleness"]
+           "fedmos", "fednova", "fedprox", "local_budget", "moon", "personalization", "robust", "scaffold", "staleness"]

@@ -4,14 +4,14 @@ Each round every selected client runs exactly H = `train.local_steps` optimizer 
 of its own inner optimizer from the global model θ and sends its weights θ_k (the
 FedAvg payload). The server forms the outer gradient g = −Σ_k p_k (θ_k − θ) / Σ_k p_k
 and applies SGD, momentum SGD or Nesterov momentum SGD to θ (PyTorch's recurrences,
-no dampening); the momentum buffers are server state that persists across rounds.
+no dampening) through the server-optimizer mechanism (`fedcore.server_optimizer`);
+the momentum buffers are server state that persists across rounds.
 Inner optimizer and scheduler state stay in each client's state store. The alignment
 note docs/algorithms/diloco.md maps the contract to this code and its tests.
 """
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any
 
 import torch
@@ -22,6 +22,7 @@ from fedcore.config import declare, positive, validator
 from fedcore.errors import ConfigError
 from fedcore.registry import algorithms
 from fedcore.schema import clients_per_round
+from fedcore.server_optimizer import ServerOptimizer, l2_norm
 
 __all__ = ["DiLoCoTrainer", "DiLoCoAggregator", "DILOCO", "reset_warnings"]
 
@@ -130,13 +131,15 @@ class DiLoCoAggregator(Aggregator):
         self.kind = o["outer_optimizer"]
         self.lr = o["outer_learning_rate"]
         self.mu = o["outer_momentum"]
+        # the outer step x <- x + u(Δ) with Δ = -g: the server-optimizer mechanism's sgd, sgdm
+        # or nesterov (PyTorch's recurrences on g, negated exactly)
+        self.outer = ServerOptimizer(self.kind, self.lr, momentum=self.mu)
         self.weighting = o["aggregation_weighting"]
         if o["apply_outer_optimizer_to"] == "parameters":
             self.outer_names = {n for n, p in model.named_parameters(remove_duplicate=False)
                                 if p.requires_grad and p.is_floating_point()}
         else:
             self.outer_names = {n for n, v in self.global_state.items() if v.is_floating_point()}
-        self.momentum: dict[str, torch.Tensor] = {}
         self.rounds = 0
 
     def weights(self, updates: list[ReceivedUpdate]) -> list[float]:
@@ -158,47 +161,37 @@ class DiLoCoAggregator(Aggregator):
                                  "DiLoCo clients send only model weights and num_samples (optimizer "
                                  "state stays on the client)")
 
-    def _direction(self, name: str, grad: torch.Tensor) -> torch.Tensor:
-        """The outer optimizer's step direction for one entry (a new tensor; buffers updated)."""
-        if self.kind == "sgd":
-            return grad
-        buf = self.momentum.get(name)
-        buf = grad.clone() if buf is None else buf * self.mu + grad
-        self.momentum[name] = buf
-        return grad + self.mu * buf if self.kind == "nesterov" else buf
-
     def aggregate(self, updates: list[ReceivedUpdate], round_: int) -> dict[str, float]:
         self._check(updates)
         weights = self.weights(updates)
         new_state = dict(self.global_state)
-        grad_sq = step_sq = mom_sq = 0.0
+        deltas: dict[str, torch.Tensor] = {}
         for name in updates[0].content["model"]:
             old = self.global_state[name]
             received = [u.content["model"][name] for u in updates]
             if name not in self.outer_names:
                 new_state[name] = weighted_mean(received, weights)     # rounded back if integer
                 continue
-            delta = weighted_mean([t.to(old.dtype) - old for t in received], weights)
-            grad = -delta
-            step = self.lr * self._direction(name, grad)
-            new_state[name] = old - step
-            grad_sq += float(grad.double().square().sum())
-            step_sq += float(step.double().square().sum())
-            if name in self.momentum:
-                mom_sq += float(self.momentum[name].double().square().sum())
+            deltas[name] = weighted_mean([t.to(old.dtype) - old for t in received], weights)
+        steps = self.outer.updates(deltas)
+        for name, step in steps.items():
+            new_state[name] = self.global_state[name] + step
         self.global_state = new_state
         self.rounds += 1
-        return {"outer_lr": self.lr, "outer_grad_norm": math.sqrt(grad_sq),
-                "mean_delta_norm": math.sqrt(grad_sq), "outer_update_norm": math.sqrt(step_sq),
-                "outer_momentum_norm": math.sqrt(mom_sq)}
+        grad_norm = l2_norm(deltas.values())
+        return {"outer_lr": self.lr, "outer_grad_norm": grad_norm,
+                "mean_delta_norm": grad_norm, "outer_update_norm": l2_norm(steps.values()),
+                "outer_momentum_norm": l2_norm(self.outer.m.values())}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"outer_momentum": {k: v.clone() for k, v in self.momentum.items()},
+        # the momentum buffer on the outer gradient g = -Δ (PyTorch's sign)
+        return {"outer_momentum": {k: -v for k, v in self.outer.m.items()},
                 "outer_rounds": self.rounds}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the outer optimizer's state (from `state_dict`, e.g. a checkpoint)."""
-        self.momentum = {k: v.clone() for k, v in state.get("outer_momentum", {}).items()}
+        self.outer.load_state_dict({"m": {k: -v for k, v in state.get("outer_momentum", {}).items()},
+                                    "t": int(state.get("outer_rounds", 0))})
         self.rounds = int(state.get("outer_rounds", 0))
 
 

@@ -239,6 +239,7 @@ def load_builtin_plugins() -> None:
     import fedcore.sampling  # noqa: F401
     import fedcore.scenarios  # noqa: F401
     import fedcore.schema  # noqa: F401
+    import fedcore.server_optimizer  # noqa: F401
     import fedcore.speed_sampling  # noqa: F401
     import fedcore.timing  # noqa: F401
 

@@ -23,6 +23,7 @@ from fedcore.errors import ConfigError, FedcoreError
 from fedcore.executor import close_executor, install_executor
 from fedcore.monitor import Monitor
 from fedcore.scheduler import PRIORITY_TIMER, Scheduler, WallClockScheduler
+from fedcore.server_optimizer import install as install_server_optimizer
 from fedcore.state import make_state_store
 from fedcore.timing import TimeModel
 from fedcore.worker import Client, HandlerTable, Server
@@ -139,6 +140,7 @@ class Course:
         server.round, server.selected, server.buffer = 1, set(), []
         server.best_acc, server.evals_since_best = None, 0
         self.checkpointer = Checkpointer(self)
+        install_server_optimizer(server, self.checkpointer)
         return server
 
     def install_handlers(self) -> None:

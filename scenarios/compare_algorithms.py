@@ -5,9 +5,9 @@
 
 Runs `scenarios/<name>.yaml` for each algorithm and, for each distinct
 model/data/training setup among them, the same YAML with
-`algorithm.name=fedavg` as the baseline. Prints a markdown report: the
-virtual time, rounds and bytes each run needed to reach `--target` test
-accuracy; the accuracy at a common virtual-time budget and at a common byte
+`algorithm.name=fedavg` and no server optimizer as the baseline. Prints a
+markdown report: the virtual time, rounds and bytes each run needed to reach
+`--target` test accuracy; the accuracy at a common virtual-time budget and at a common byte
 budget (the smaller totals of the algorithm and its baseline); and
 accuracy per evaluated round. Every run's outputs (metrics.jsonl, summary.json) stay under --out.
 """
@@ -41,10 +41,17 @@ def run_one(yaml_path: Path, outdir: Path, overrides: list[str]) -> list[dict]:
     return records
 
 
+# what makes a run's algorithm: the baseline resets these, runs differing only in them share it
+ALGORITHM_SECTIONS = ("algorithm", "server_optimizer")
+BASELINE = ["algorithm.name=fedavg", "server_optimizer.type=sgd", "server_optimizer.lr=1"]
+
+
 def _baseline_key(yaml_path: Path, overrides: list[str]) -> str:
-    """Runs whose config differs only in algorithm.* keys share one FedAvg baseline."""
+    """Runs whose config differs only in algorithm.* and server_optimizer.* keys share one
+    FedAvg baseline."""
     cfg = load_config(yaml_path, overrides)
-    tree = {k: v for k, v in cfg.as_tree().items() if k not in ("algorithm", "name", "outdir")}
+    tree = {k: v for k, v in cfg.as_tree().items()
+            if k not in (*ALGORITHM_SECTIONS, "name", "outdir")}
     return json.dumps(tree, sort_keys=True, default=str)
 
 
@@ -134,8 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         if key not in baselines:
             label = f"fedavg ({name} setup)" if baselines else "fedavg"
             baselines[key] = label
-            runs[label] = run_one(yaml_path, out / f"fedavg_for_{name}",
-                                  args.overrides + ["algorithm.name=fedavg"])
+            runs[label] = run_one(yaml_path, out / f"fedavg_for_{name}", args.overrides + BASELINE)
         baseline_of[name] = baselines[key]
         print(f"done: {name}", file=sys.stderr)
     text = report(runs, args.target, baseline_of)

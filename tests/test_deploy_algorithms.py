@@ -4,8 +4,10 @@ Synchronous courses with fixed seeds and full participation must end with the
 simulation's final model (to 1e-6) and count the same bytes per round:
 SCAFFOLD (its updates carry control-variate deltas, its broadcast the server's
 control variate), FedDyn, DiLoCo (inner optimizer state stays with each client
-and is never sent) and FedAvg with local DP noise combined by the coordinate
-median (two behaviour plug-ins, each process installing its own half).
+and is never sent), FedAdam on FedNova (the normalizing factor crosses the
+wire, the server optimizer's moments stay with the server) and FedAvg with
+local DP noise combined by the coordinate median (two behaviour plug-ins, each
+process installing its own half).
 Asynchronous courses (goal_achieved with after_receiving, time_up with a wall
 budget) must finish over gRPC even when a client is SIGKILLed mid-course.
 """
@@ -32,6 +34,13 @@ SYNC_COURSES = {
     "feddyn": {"algorithm.name": "feddyn"},
     "diloco": {"algorithm.name": "diloco", "train.local_steps": 3,
                "train.preserve_optimizer_state": True, "train.optimizer.type": "adamw"},
+    # FedAdam on FedNova's aggregate: unequal local work (time-budgeted on unequal devices,
+    # quantity partition), the normalizing factor crossing the wire, the optimizer's moments
+    # staying with the server
+    "fednova_fedadam": {"algorithm.name": "fednova", "data.partition": "quantity",
+                        "data.synthetic.samples_per_client": None, "train.local_time_budget": 0.3,
+                        "time.profiles": {"type": "lognormal", "median": 100, "sigma": 0.7},
+                        "server_optimizer.type": "adam", "server_optimizer.lr": 0.05},
     "local_dp_median": {"privacy.dp.mode": "local", "privacy.dp.noise_multiplier": 0.1,
                         "aggregator.robust_rule": "median"},
 }

@@ -36,3 +36,19 @@ def test_comparison_report_has_time_and_bytes(tmp_path, capsys):
         lines = (tmp_path / "runs" / run / "metrics.jsonl").read_text().splitlines()
         return sum(r["bytes_up"] + r["bytes_down"] for r in map(json.loads, lines))
     assert 1.9 < total("scaffold") / total("fedavg_for_scaffold") < 2.1
+
+
+UNEQUAL_WORK = {"fednova": ("fednova", "sgd"), "fedavgm": ("fedavg", "sgdm"),
+                "fedadagrad": ("fedavg", "adagrad"), "fedadam": ("fedavg", "adam"),
+                "fedyogi": ("fedavg", "yogi")}
+
+
+def test_fednova_and_server_optimizer_scenarios_share_fedavgs_baseline():
+    key = compare_algorithms._baseline_key(SCENARIOS / "fedprox.yaml", [])
+    for name, (algorithm, kind) in UNEQUAL_WORK.items():
+        cfg = load_config(SCENARIOS / f"{name}.yaml")
+        assert (cfg["algorithm.name"], cfg["server_optimizer.type"]) == (algorithm, kind)
+        assert compare_algorithms._baseline_key(SCENARIOS / f"{name}.yaml", []) == key, name
+    base = load_config(SCENARIOS / "fedadam.yaml", compare_algorithms.BASELINE)
+    assert (base["algorithm.name"], base["server_optimizer.type"], base["server_optimizer.lr"]) == \
+        ("fedavg", "sgd", 1.0)
