@@ -245,7 +245,9 @@ def test_no_plain_update_ever_reaches_the_server():
     {"algorithm__name": "fedprox"},
     {"privacy__dp__mode": "central", "privacy__dp__noise_multiplier": 0.5, "privacy__dp__clip_norm": 0.5},
     {"privacy__dp__mode": "local", "privacy__dp__noise_multiplier": 0.5, "privacy__dp__clip_norm": 0.5},
-], ids=["fedprox", "central_dp", "local_dp"])
+    # a server optimizer steps on the unmasked sum (a linear step: lr 0.5 scales the error too)
+    {"server_optimizer__type": "sgdm", "server_optimizer__lr": 0.5, "server_optimizer__momentum": 0.9},
+], ids=["fedprox", "central_dp", "local_dp", "server_optimizer"])
 def test_secure_equals_plain_for_weighted_sum_algorithms_and_dp(extra):
     common = dict(model__dtype="float64", eval__clients=False, federate__total_round_num=1)
     common.update(extra)
@@ -256,6 +258,9 @@ def test_secure_equals_plain_for_weighted_sum_algorithms_and_dp(extra):
     secure.run()
     diff = _max_diff(plain.server.aggregator.global_state, secure.server.aggregator.global_state)
     assert diff <= _bound(secure_cfg) + 1e-12
+    if "server_optimizer__type" in extra:
+        assert secure.monitor.records[0]["server_update_norm"] == pytest.approx(
+            0.5 * secure.monitor.records[0]["server_pseudo_grad_norm"])
     if "privacy__dp__mode" in extra:
         assert secure.monitor.records[0]["dp_epsilon"] == pytest.approx(plain.monitor.records[0]["dp_epsilon"])
 
