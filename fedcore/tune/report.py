@@ -38,7 +38,7 @@ def write_outputs(study: Study, method: str) -> dict[str, Any]:
         "evaluations": len({(r.trial, r.budget) for r in study.rows}),
         "rounds_spent": study.rounds_spent,
         "best_trial": best.trial if best else None,
-        "best_params": best.params if best else None,
+        "best_params": best.extra.get("best_params", best.params) if best else None,
         "best_objective": best.objective if best else None,
         "best_budget": best.budget if best else None,
         "best_config": str(out / "best_config.yaml"),

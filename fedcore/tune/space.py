@@ -127,10 +127,11 @@ def load_space(path: str | Path | dict) -> SearchSpace:
 
 
 def _flatten(tree: dict, prefix: str, out: dict, where: str) -> None:
-    """Nested sections (train: {optimizer: {lr: {...}}}) or dotted keys; a leaf has `type`."""
+    """Nested sections (train: {optimizer: {lr: {...}}}) or dotted keys; a leaf is a declared
+    key, or has a string `type` (a section may hold a key named `type`, as train.optimizer does)."""
     for name, value in tree.items():
         dotted = f"{prefix}{name}"
-        if isinstance(value, dict) and "type" not in value and dotted not in SCHEMA:
+        if isinstance(value, dict) and not isinstance(value.get("type"), str) and dotted not in SCHEMA:
             _flatten(value, dotted + ".", out, where)
         else:
             out[dotted] = value

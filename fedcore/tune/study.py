@@ -247,9 +247,9 @@ class Study:
             rows = sorted(by_trial[trial], key=lambda r: r.budget)
             last = rows[-1]
             status = last.status if last.status == "failed" or last.budget >= top else "stopped"
-            out.append({"trial": trial, "params": last.params, "objective": last.objective,
-                        "budget": last.budget, "rounds": sum(r.rounds for r in rows),
-                        "status": status, "outdir": last.outdir, **last.extra})
+            out.append({"trial": trial, "params": last.extra.get("best_params", last.params),
+                        "objective": last.objective, "budget": last.budget,
+                        "rounds": sum(r.rounds for r in rows), "status": status, "outdir": last.outdir})
         return out
 
     def best_config(self) -> dict:
@@ -260,12 +260,11 @@ class Study:
         if best is None:
             return tree
         values = {k: v for k, v in self._fixed().items() if k != "verbose"}
-        values.update(best.params)
+        values.update(best.extra.get("best_params", best.params))
         if self.unit == "rounds":
             values["federate.total_round_num"] = int(best.budget)
         else:
             values["federate.time_limit"] = float(best.budget)
-        values.update(best.extra.get("config", {}))
         for key, value in values.items():
             _set_dotted(tree, key, value)
         return tree
