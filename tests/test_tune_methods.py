@@ -64,6 +64,10 @@ def test_successive_halving_reaches_grids_best_region_with_fewer_rounds(grid, tm
     assert spent == 81 > sha.rounds_spent
     stopped = [t for t in sha.trials if t["status"] == "stopped"]
     assert len(stopped) == 12
+    # from 9 random draws (rungs 1, 3, 9): 9 + 3*2 + 1*6 rounds
+    drawn = tune(BASE, SPACE, "sha", trials=9, seed=0, outdir=tmp_path / "random")
+    assert GOOD[0] <= drawn.best_params["train.optimizer.lr"] <= GOOD[1] and drawn.best_objective >= 0.9
+    assert drawn.rounds_spent == 21
 
 
 def test_a_promoted_trial_continues_its_course_from_its_checkpoint(grid, tmp_path):

@@ -1,7 +1,7 @@
 """Hyper-parameter search over federated courses (`python -m fedcore.tune`, or `tune(...)`).
 
     from fedcore.tune import tune
-    result = tune("scenarios/tune_lr.yaml", "scenarios/tune_lr_space.yaml", method="sha",
+    result = tune("scenarios/tune_lr.yaml", "scenarios/spaces/tune_lr.yaml", method="sha",
                   trials=27, budget=27, outdir="runs/tune_lr")
 
 Methods: random, grid, sha (successive halving), hyperband, tpe (Optuna), and
