@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from fedcore.config import load_config
-from fedcore.tune import load_space, tune
+from fedcore.tune import tune
 from fedcore.tune.runner import read_run
 
 GOOD = (0.5, 4.0)

@@ -14,11 +14,22 @@ from typing import Any
 import numpy as np
 
 from fedcore.errors import ConfigError
-from fedcore.tune.study import Study, rung_budgets
+from fedcore.tune.study import Study
 
-__all__ = ["METHODS", "random_search", "grid_search", "successive_halving", "hyperband", "tpe"]
+__all__ = ["METHODS", "rung_budgets", "random_search", "grid_search", "successive_halving", "hyperband", "tpe"]
 
 log = logging.getLogger("fedcore.tune")
+
+
+def rung_budgets(max_budget: float, min_budget: float, eta: int, integral: bool) -> list[float]:
+    """Budgets min_budget * eta^k up to max_budget (the last is max_budget itself)."""
+    if not 0 < min_budget <= max_budget:
+        raise ConfigError(f"--min-budget: must be in (0, --budget={max_budget}]")
+    s = int(math.floor(math.log(max_budget / min_budget, eta) + 1e-9))
+    budgets = [max_budget / eta ** (s - k) for k in range(s + 1)]
+    if integral:
+        budgets = sorted({max(1, int(round(b))) for b in budgets})
+    return [float(b) for b in budgets]
 
 
 def random_search(study: Study, trials: int, budget: float, **_: Any) -> None:

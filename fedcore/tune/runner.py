@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedcore.errors import ConfigError, FedcoreError
+from fedcore.errors import ConfigError
 
 __all__ = ["CourseRun", "Job", "run_jobs", "read_run"]
 
@@ -82,7 +82,7 @@ def _guarded(run, job: Job) -> CourseRun:
         return run(job)
     except ConfigError:
         raise  # the base config or the space is wrong: every trial would fail the same way
-    except (FedcoreError, Exception) as exc:  # one failed trial does not end the study
+    except Exception as exc:  # one failed trial does not end the study (the error is in its row)
         return CourseRun([], {}, job.outdir, f"{type(exc).__name__}: {exc}")
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -301,15 +300,4 @@ def _set_dotted(tree: dict, key: str, value: Any) -> None:
         if not isinstance(node, dict):
             raise ConfigError(f"config key '{key}': '{part}' is not a section in the base config")
     node[parts[-1]] = value
-
-
-def rung_budgets(max_budget: float, min_budget: float, eta: int, integral: bool) -> list[float]:
-    """Budgets min_budget * eta^k up to max_budget (the last is max_budget itself)."""
-    if not 0 < min_budget <= max_budget:
-        raise ConfigError(f"--min-budget: must be in (0, --budget={max_budget}]")
-    s = int(math.floor(math.log(max_budget / min_budget, eta) + 1e-9))
-    budgets = [max_budget / eta ** (s - k) for k in range(s + 1)]
-    if integral:
-        budgets = sorted({max(1, int(round(b))) for b in budgets})
-    return [float(b) for b in budgets]
 
