@@ -100,6 +100,14 @@ def test_fedex_settles_on_the_good_learning_rate():
     assert [r["fedex_mle_arm"] for r in course.monitor.records][-1] == 1
 
 
+def test_fedex_inside_an_asynchronous_course():
+    cands = [{"train.optimizer.lr": 0.001}, {"train.optimizer.lr": 0.5}]
+    course, summary = _run(**{"fedex.candidates": cands, "asyn.use": True, "asyn.min_received_num": 3,
+                              "federate.sample_client_num": 4, "federate.total_round_num": 6})
+    assert summary["rounds"] == 6 and summary["fedex_best"] == {"train.optimizer.lr": 0.5}
+    assert all(r["num_updates"] == 3 for r in course.monitor.records)
+
+
 def test_a_resumed_fedex_course_continues_exactly(tmp_path):
     cands = [{"train.optimizer.lr": 0.05}, {"train.optimizer.lr": 0.5}, {"train.optimizer.lr": 5.0}]
     whole, s_whole = _run(tmp_path / "whole", **{"fedex.candidates": cands, "checkpoint.every": 2})

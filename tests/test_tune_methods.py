@@ -117,11 +117,34 @@ def test_parallel_trials_give_the_same_results(tmp_path):
 
 
 def test_tpe_finds_the_good_region(tmp_path):
-    result = tune(BASE, SPACE, "tpe", trials=12, seed=0, outdir=tmp_path)
+    result = tune(BASE, SPACE, "tpe", trials=6, seed=0, outdir=tmp_path)
     found = [t for t in result.trials if GOOD[0] <= t["params"]["train.optimizer.lr"] <= GOOD[1]]
-    assert found and found[0]["trial"] < 12
+    assert found and found[0]["trial"] < 6
     assert GOOD[0] <= result.best_params["train.optimizer.lr"] <= GOOD[1]
     assert (tmp_path / "optuna.db").is_file()
+    # resumed from Optuna's storage and the study's rows: two more trials, the first 6 kept
+    more = tune(BASE, SPACE, "tpe", trials=8, seed=0, outdir=tmp_path)
+    assert [t["params"] for t in more.trials][:6] == [t["params"] for t in result.trials]
+    assert len(more.trials) == 8 and more.rounds_spent == 8 * 9
+    assert len((tmp_path / "trials.jsonl").read_text().splitlines()) == 8
+
+
+def test_the_command_line_runs_a_study(tmp_path, capsys):
+    import yaml as _yaml
+    from fedcore.tune.__main__ import main
+    base, space = tmp_path / "base.yaml", tmp_path / "space.yaml"
+    tree = {}
+    for k, v in dict(BASE, **{"federate.total_round_num": 2}).items():
+        node = tree
+        for part in k.split(".")[:-1]:
+            node = node.setdefault(part, {})
+        node[k.split(".")[-1]] = v
+    base.write_text(_yaml.safe_dump(tree))
+    space.write_text("train:\n  optimizer:\n    lr: {type: choice, values: [0.01, 1.0]}\n")
+    rc = main(["--cfg", str(base), "--space", str(space), "--method", "grid", "--outdir", str(tmp_path / "s")])
+    out = capsys.readouterr().out
+    assert rc == 0 and "grid: best val_acc" in out and "{'train.optimizer.lr': 1.0}" in out
+    assert load_config(tmp_path / "s/best_config.yaml")["federate.total_round_num"] == 2
 
 
 def test_virtual_time_budget_and_test_metric_warning(tmp_path, caplog):

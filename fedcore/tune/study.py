@@ -106,6 +106,7 @@ class Study:
                 if line.strip():
                     row = Row(**json.loads(line))
                     self._cache[(row.trial, row.budget)] = row
+                    self.rows.append(row)   # the study's outputs cover its earlier runs too
 
     # ------------------------------------------------------------ configs
     def _check_base(self) -> None:
@@ -145,7 +146,6 @@ class Study:
                     raise ConfigError(f"--outdir: {self.outdir} holds a study whose trial {trial} had "
                                       f"{cached.params}, not {params}; use a new --outdir")
                 out[i] = cached
-                self.rows.append(cached)
                 continue
             job, start = self._job(trial, params, float(budget), continue_runs)
             if job is None:  # nothing left to run: the course already reached its last round
