@@ -68,12 +68,13 @@ def plot_study(study: Study, path: Path) -> Path | None:
         if study.objective.better(r.objective, best):
             best = r.objective
         bests.append(best)
-    ax1.scatter([r.trial for r in rows], ys, c=[r.budget for r in rows], cmap="viridis", s=18)
+    dots = ax1.scatter([r.trial for r in rows], ys, c=[r.budget for r in rows], cmap="viridis", s=18)
+    fig.colorbar(dots, ax=ax1, label=f"budget ({study.unit.replace('_', ' ')})")
     ax1.set_xlabel("trial")
     ax1.set_ylabel(study.objective.metric)
-    ax1.set_title("objective of each evaluation (colour: budget)")
+    ax1.set_title("each evaluation")
     ax2.scatter(xs, ys, s=12, alpha=0.6, label="evaluation")
-    ax2.step(xs, bests, where="post", color="C3", label="best so far")
+    ax2.step(xs, bests, where="post", color="C3", label="best so far (any budget)")
     ax2.set_xlabel("rounds spent by the study")
     ax2.set_ylabel(study.objective.metric)
     ax2.legend()
