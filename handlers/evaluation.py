@@ -1,11 +1,26 @@
 """Evaluation: the global model on the server's test set, and on clients' own test splits."""
 from __future__ import annotations
 
+import torch
+
+from fedcore.config import declare, validator
 from fedcore.contract import evaluate_model
+from fedcore.errors import ConfigError
 from fedcore.message import SERVER_ID
 
 __all__ = ["evaluate_global", "request_client_evaluation", "evaluate_and_reply", "collect_metrics",
            "install"]
+
+declare("eval.val", bool, False, "also evaluate the global model on the union of the clients' "
+        "validation splits (val_loss, val_acc in the records; simulation only: a deployed server "
+        "holds no client data)")
+
+
+@validator
+def _check_val(cfg) -> None:
+    if cfg["eval.val"] and (cfg["federate.mode"] == "distributed" or cfg.get("distribute.role")):
+        raise ConfigError("eval.val: a deployed server holds no client validation data; set "
+                          "eval.val=false (clients still report their own test metrics)")
 
 
 def evaluate_global(server) -> dict[str, float]:
@@ -15,7 +30,25 @@ def evaluate_global(server) -> dict[str, float]:
     server.model.load_state_dict(server.aggregator.global_state, strict=False)
     result = evaluate_model(server.model, test.x, test.y, course.cfg["train.loss"],
                             course.cfg["eval.batch_size"])
-    return {f"test_{k}": v for k, v in result.items() if k != "n"}
+    metrics = {f"test_{k}": v for k, v in result.items() if k != "n"}
+    if course.cfg["eval.val"]:
+        val = _validation_split(course)
+        result = evaluate_model(server.model, val[0], val[1], course.cfg["train.loss"],
+                                course.cfg["eval.batch_size"])
+        metrics.update({f"val_{k}": v for k, v in result.items() if k != "n"})
+    return metrics
+
+
+def _validation_split(course) -> tuple[torch.Tensor, torch.Tensor]:
+    """The clients' validation splits, concatenated once: scores on it are the sample-weighted
+    mean of the clients' own validation scores, data no client trains on and the test set
+    does not hold."""
+    val = getattr(course, "_validation_split", None)
+    if val is None:
+        splits = [course.data.clients[c].val for c in sorted(course.data.clients)]
+        val = (torch.cat([s.x for s in splits]), torch.cat([s.y for s in splits]))
+        course._validation_split = val
+    return val
 
 
 def request_client_evaluation(server) -> int:

@@ -7,15 +7,26 @@ restored from a checkpoint.
 """
 from __future__ import annotations
 
+from fedcore.config import declare, positive
 from fedcore.contract import ReceivedUpdate
 from fedcore.handlers.evaluation import evaluate_global, request_client_evaluation
 
 __all__ = ["aggregate", "finish_course", "is_eval_round", "resume_course", "install"]
 
+declare("federate.time_limit", float, None, "finish at the first aggregation at or after this "
+        "time (seconds of the course's clock: virtual in simulation); null: rounds only",
+        check=positive)
+
+
+def _out_of_time(server) -> bool:
+    limit = server.course.cfg["federate.time_limit"]
+    return limit is not None and server.now >= limit
+
 
 def is_eval_round(server) -> bool:
     cfg = server.course.cfg
-    return server.round % cfg["eval.freq"] == 0 or server.round >= cfg["federate.total_round_num"]
+    return (server.round % cfg["eval.freq"] == 0 or server.round >= cfg["federate.total_round_num"]
+            or _out_of_time(server))
 
 
 def aggregate(server, updates: list[ReceivedUpdate], extra: dict | None = None) -> bool:
@@ -35,7 +46,7 @@ def aggregate(server, updates: list[ReceivedUpdate], extra: dict | None = None) 
     course.monitor.record_round(server.round, server.now, fields, expected)
     course.checkpointer.after_aggregation(server)
     _track_best(server, fields.get("test_acc"))
-    if server.round >= course.cfg["federate.total_round_num"]:
+    if server.round >= course.cfg["federate.total_round_num"] or _out_of_time(server):
         server.trigger("max_rounds_reached")
         return False
     patience = course.cfg["early_stop.patience"]
@@ -58,8 +69,10 @@ def _track_best(server, acc) -> None:
 def finish_course(server, _event) -> None:
     """`max_rounds_reached` / `early_stop`: tell every client the course is over."""
     server.finished = True
+    cfg = server.course.cfg
     server.course.monitor.extra_summary["stopped_by"] = (
-        "early_stop" if server.round < server.course.cfg["federate.total_round_num"] else "max_rounds")
+        "max_rounds" if server.round >= cfg["federate.total_round_num"]
+        else "time_limit" if _out_of_time(server) else "early_stop")
     server.send("finish", server.course.client_ids, {})
 
 

@@ -1,0 +1,95 @@
+"""Running one trial's course: in this process, or as `python -m fedcore.run` in another.
+
+Everything a tuner learns about a course it reads back from the run's own
+outputs (metrics.jsonl, summary.json), so both ways give the same records and
+nothing crosses a process boundary but a command line and JSON files.
+`_run_course` is the one place that starts a course in this process.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fedcore.errors import ConfigError
+
+__all__ = ["CourseRun", "Job", "run_jobs", "read_run"]
+
+
+@dataclass
+class CourseRun:
+    """What a finished course left in its outdir."""
+
+    records: list[dict[str, Any]]
+    summary: dict[str, Any]
+    outdir: Path
+    error: str | None = None
+
+
+@dataclass
+class Job:
+    """One course to run: the base config, the trial's dotted overrides, where it writes."""
+
+    base: Path
+    overrides: dict[str, Any]
+    outdir: Path
+
+    def argv(self) -> list[str]:
+        # JSON is YAML: every value reaches the config exactly as typed
+        return [f"{k}={json.dumps(v)}" for k, v in self.overrides.items()] + [f"outdir={self.outdir}"]
+
+
+def read_run(outdir: Path) -> CourseRun:
+    """Records and summary of a finished run (metrics.jsonl, summary.json)."""
+    outdir = Path(outdir)
+    lines = (outdir / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines if line.strip()]
+    summary = json.loads((outdir / "summary.json").read_text())
+    return CourseRun(records, summary, outdir)
+
+
+def _run_course(job: Job) -> CourseRun:
+    """Run one course in this process and read back its outputs (the single place that would
+    switch to `fedcore.run(cfg_or_path, **overrides)` once that exists)."""
+    from fedcore.config import load_config
+    from fedcore.course import Course
+    cfg = load_config(job.base, job.argv())
+    Course(cfg, job.outdir).build().run()
+    return read_run(job.outdir)
+
+
+def _run_subprocess(job: Job) -> CourseRun:
+    """Run one course as `python -m fedcore.run` (trials in parallel, one process each)."""
+    job.outdir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "fedcore.run", "--cfg", str(job.base), *job.argv()]
+    with open(job.outdir / "stderr.txt", "w") as err:
+        proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=err)
+    if proc.returncode != 0:
+        lines = (job.outdir / "stderr.txt").read_text().strip().splitlines()
+        cause = next((ln for ln in lines if ln.startswith("fedcore:")), lines[-1] if lines else "")
+        if proc.returncode == 2:
+            raise ConfigError(cause.removeprefix("fedcore: "))
+        return CourseRun([], {}, job.outdir, f"exit {proc.returncode}: {cause}")
+    return read_run(job.outdir)
+
+
+def _guarded(run, job: Job) -> CourseRun:
+    try:
+        return run(job)
+    except ConfigError:
+        raise  # the base config or the space is wrong: every trial would fail the same way
+    except Exception as exc:  # one failed trial does not end the study (the error is in its row)
+        return CourseRun([], {}, job.outdir, f"{type(exc).__name__}: {exc}")
+
+
+def run_jobs(jobs: list[Job], parallel: int = 1) -> list[CourseRun]:
+    """Run `jobs` (in this process when `parallel` is 1, else that many processes at once);
+    results in the order of `jobs`."""
+    if parallel <= 1 or len(jobs) <= 1:
+        return [_guarded(_run_course, j) for j in jobs]
+    with ThreadPoolExecutor(max_workers=parallel) as pool:
+        return list(pool.map(lambda j: _guarded(_run_subprocess, j), jobs))
