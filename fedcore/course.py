@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from fedcore import registry
-from fedcore.checkpoint import Checkpointer, resume
+from fedcore.checkpoint import Checkpointer, load_tensor_file, resume
 from fedcore.comm.inprocess import InProcessComm
 from fedcore.completeness import CheckResult, require_complete
 from fedcore.errors import ConfigError, FedcoreError
@@ -41,10 +41,7 @@ def load_initial_model(model: torch.nn.Module, path: str) -> None:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"model.init_from: file '{p}' does not exist")
-    try:
-        state = torch.load(p, weights_only=True, map_location="cpu")
-    except Exception as exc:
-        raise ConfigError(f"model.init_from: '{p}' is not a loadable state_dict ({exc})") from None
+    state = load_tensor_file(p, "model.init_from", "a loadable state_dict")
     try:
         model.load_state_dict(state)
     except RuntimeError as exc:
