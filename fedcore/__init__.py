@@ -4,12 +4,13 @@ Workers (one server, many clients) register `<event, handler>` pairs on a
 discrete-event scheduler; trainers and aggregators plug in by name.
 
 From Python: `fedcore.run(cfg_or_path, **overrides)` runs a simulated course and
-returns a `RunResult`; `fedcore.config(...)` builds a validated config (see
-fedcore.api). Both import torch only when called, so the wire stays torch-free.
+returns a `fedcore.api.RunResult`; `fedcore.configure(...)` builds a validated
+config without running it. Both import torch only when called, so importing
+fedcore (and its torch-free wire) stays light.
 """
 __version__ = "0.1.0"
 
-__all__ = ["run", "config", "__version__"]
+__all__ = ["run", "configure", "__version__"]
 
 
 def run(cfg_or_path=None, /, **kwargs):
@@ -18,7 +19,7 @@ def run(cfg_or_path=None, /, **kwargs):
     return _run(cfg_or_path, **kwargs)
 
 
-def config(cfg_or_path=None, /, **overrides):
-    """A validated config from YAML paths, mappings and overrides; see `fedcore.api.config`."""
-    from fedcore.api import config as _config
-    return _config(cfg_or_path, **overrides)
+def configure(cfg_or_path=None, /, **overrides):
+    """A validated config from YAML paths, mappings and overrides; see `fedcore.api.configure`."""
+    from fedcore.api import configure as _configure
+    return _configure(cfg_or_path, **overrides)

@@ -21,7 +21,7 @@ from fedcore.config import Config, load_config
 from fedcore.errors import ConfigError
 from fedcore.monitor import Callback
 
-__all__ = ["run", "config", "RunResult"]
+__all__ = ["run", "configure", "RunResult"]
 
 
 @dataclass
@@ -60,7 +60,7 @@ def _sources(cfg_or_path, overrides: dict[str, Any]) -> tuple[list, dict[str, An
     return items, {k.replace("__", "."): v for k, v in overrides.items()}
 
 
-def config(cfg_or_path: str | Path | dict | Iterable | Config | None = None, /,
+def configure(cfg_or_path: str | Path | dict | Iterable | Config | None = None, /,
            **overrides: Any) -> Config:
     """A validated config: YAML paths and mappings (nested or dotted keys) merged in order,
     then `overrides` (keyword names use `__` for `.`: `train__optimizer__lr=0.1`)."""
@@ -74,14 +74,14 @@ def run(cfg_or_path: str | Path | dict | Iterable | Config | None = None, /, *,
         callbacks: Iterable[Callback] = (), **overrides: Any) -> RunResult:
     """Run a simulated course to its end and return its `RunResult`.
 
-    `cfg_or_path` and `overrides` as in `config()`. The run writes the usual outputs to
+    `cfg_or_path` and `overrides` as in `configure()`. The run writes the usual outputs to
     `outdir` (default `runs/<timestamp>-<name>`) and shows progress as `verbose` says;
     `callbacks` (`fedcore.monitor.Callback`) see every record and the summary as they come.
     Ctrl-C still writes summary.json and final_model.pt, then raises KeyboardInterrupt.
     """
     from fedcore.course import Course
     from fedcore.run import resolve_outdir
-    cfg = config(cfg_or_path, **overrides)
+    cfg = configure(cfg_or_path, **overrides)
     if cfg["federate.mode"] != "standalone" or cfg["distribute.role"] is not None:
         raise ConfigError("federate.mode: fedcore.run() simulates a course in this process; run "
                           "deployed roles with python -m fedcore.run or fedcore.launch")

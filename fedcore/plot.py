@@ -16,7 +16,7 @@ from typing import Any, Iterable
 
 from fedcore.errors import EXIT_OK, ConfigError, FedcoreError
 
-__all__ = ["X_AXES", "new_figure", "read_run", "plot_runs", "main"]
+__all__ = ["X_AXES", "new_figure", "read_run", "draw_runs", "plot_runs", "main"]
 
 # --x names and the record field each reads ("bytes" is computed when a run predates bytes_total)
 X_AXES = {"round": "round", "virtual_time": "virtual_time", "wall_time": "wall_time",
@@ -69,10 +69,9 @@ def _series(records: list[dict], x: str, y: str) -> tuple[list[float], list[floa
     return xs, ys
 
 
-def plot_runs(runs: Iterable[str | Path], x: str = "round", y: str = "test_acc",
-              out: str | Path | None = None, labels: list[str] | None = None,
-              title: str | None = None) -> Path:
-    """Draw `y` against `x` for each run folder, one curve each; returns the file written."""
+def draw_runs(runs: Iterable[str | Path], x: str = "round", y: str = "test_acc",
+              labels: list[str] | None = None, title: str | None = None):
+    """A Figure with `y` against `x` for each run folder, one curve each."""
     runs = [Path(r) for r in runs]
     if not runs:
         raise ConfigError("plot: give at least one run folder")
@@ -97,6 +96,15 @@ def plot_runs(runs: Iterable[str | Path], x: str = "round", y: str = "test_acc",
     ax.legend()
     if title:
         ax.set_title(title)
+    return fig
+
+
+def plot_runs(runs: Iterable[str | Path], x: str = "round", y: str = "test_acc",
+              out: str | Path | None = None, labels: list[str] | None = None,
+              title: str | None = None) -> Path:
+    """Draw `y` against `x` for each run folder and save it; returns the file written
+    (default `<y>_vs_<x>.png`; the suffix picks the format)."""
+    fig = draw_runs(runs, x, y, labels, title)
     out = Path(out) if out is not None else Path(f"{y}_vs_{x}.png")
     try:
         fig.savefig(out)
