@@ -77,8 +77,8 @@ class Course:
         self.scheduler = Scheduler()
         total = cfg["federate.total_round_num"]
         shown = make_progress(progress, total, cfg["progress.interval"])
-        self.monitor = Monitor(self.outdir, cfg["eval.target_acc"], total,
-                               [c for c in [shown, *make_loggers(cfg, self.outdir), *callbacks] if c])
+        self.monitor = Monitor(self.outdir, cfg["eval.target_acc"], total_rounds=total,
+                               callbacks=[c for c in [shown, *make_loggers(cfg, self.outdir), *callbacks] if c])
         self.server_table = HandlerTable("server")
         self.client_table = HandlerTable("client")
         self.extra_tables: list[HandlerTable] = []  # roles that plug-ins add (e.g. attackers)
@@ -161,11 +161,7 @@ class Course:
         """config.yaml and handlers.txt, written before anything runs."""
         if self.outdir is None:
             return
-        try:
-            self.outdir.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ConfigError(f"outdir: cannot create '{self.outdir}' ({exc.strerror or exc}); "
-                              "choose a writable folder") from None
+        self._make_outdir()
         self.cfg.dump(self.outdir / "config.yaml")
         self.cfg.dump_sources(self.outdir / "config_sources.yaml")
         sections = [t.describe() for t in self.tables]
@@ -173,9 +169,18 @@ class Course:
             sections.append("[behaviours]\n" + "\n".join(f"  {b}" for b in self.behaviours))
         (self.outdir / "handlers.txt").write_text("\n\n".join(sections) + "\n")
 
+    def _make_outdir(self) -> None:
+        try:
+            self.outdir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"outdir: cannot create '{self.outdir}' ({exc.strerror or exc}); "
+                              "choose a writable folder") from None
+
     def check(self) -> CheckResult:
         """The completeness check; raises IncompleteCourseError (exit 3) when it fails."""
         graphml = self.outdir / "message_flow.graphml" if self.outdir is not None else None
+        if graphml is not None:
+            self._make_outdir()
         return require_complete(self.tables, graphml)
 
     # ------------------------------------------------------------ running

@@ -64,7 +64,7 @@ def _spread(values: list[float], prefix: str) -> dict[str, float]:
 class Monitor:
     """Collects per-round records and byte counts; writes the run's output files."""
 
-    def __init__(self, outdir: Path | None, target_acc: float | None = None,
+    def __init__(self, outdir: Path | None, target_acc: float | None = None, *,
                  total_rounds: int = 0, callbacks: list[Callback] | tuple = ()):
         self.outdir = Path(outdir) if outdir is not None else None
         self.target_acc = target_acc

@@ -7,6 +7,7 @@ long run is never silent until it ends. `verbose: 2` prints every round.
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any, TextIO
@@ -41,8 +42,14 @@ class Progress(Callback):
         self.t0 = self.last_line = time.perf_counter()
         if self.use_bar:
             from tqdm import tqdm
-            self.bar = tqdm(total=self.total, unit="round", file=self.stream, dynamic_ncols=True,
-                            desc="fedcore", leave=True)
+            try:   # a pseudo-terminal may report a 0 x 0 size, which would hide the bar
+                size = os.get_terminal_size(self.stream.fileno())
+                sized = size.columns > 0 and size.lines > 0
+            except (AttributeError, OSError, ValueError):
+                sized = False
+            fixed = {} if sized else {"ncols": 100, "nrows": 20}
+            self.bar = tqdm(total=self.total, unit="round", file=self.stream, dynamic_ncols=sized,
+                            desc="fedcore", leave=True, **fixed)
 
     def on_record(self, record: dict[str, Any]) -> None:
         round_ = record["round"]
