@@ -112,7 +112,8 @@ def make_certificates(folder: str | Path, hosts: list[str] = ("localhost", "127.
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fedcore.certs", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m fedcore.certs",
+                                description="Make a CA, a server certificate and client certificates for TLS.")
     p.add_argument("folder", metavar="DIR", help="where to write the PEM files")
     p.add_argument("--hosts", nargs="+", default=["localhost", "127.0.0.1"],
                    help="names and addresses clients use to reach the server "

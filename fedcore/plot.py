@@ -114,7 +114,8 @@ def plot_runs(runs: Iterable[str | Path], x: str = "round", y: str = "test_acc",
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fedcore.plot", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m fedcore.plot",
+                                description="Draw a curve per run from its metrics.jsonl.")
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders (each run's outdir)")
     p.add_argument("--x", default="round", help=f"x axis: {', '.join(X_AXES)} or any record field "
                    "(default: round)")
