@@ -9,6 +9,7 @@ import pytest
 from fedcore.course import Course
 from fedcore.errors import ConfigError
 from tests.conftest import small_cfg
+from tests.deploy_helpers import wait_for
 
 
 def records(outdir):
@@ -88,10 +89,18 @@ def test_wandb_offline_run_reads_back(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     Course(small_cfg(tmp_path, name="wb", federate__total_round_num=3, loggers=["wandb"])).run()
     (log,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+
+    def complete_log():
+        """The log's records once its exit record is there (wandb's writer process may still
+        be flushing when finish() returns), else None."""
+        recs = []
+        for raw in _wandb_records(log):
+            recs.append(wandb_internal_pb2.Record())
+            recs[-1].ParseFromString(raw)
+        return recs if any(r.WhichOneof("record_type") == "exit" for r in recs) else None
+    logged = wait_for(complete_log, 60, "the W&B log's exit record", interval=0.2)
     history, config = [], None
-    for raw in _wandb_records(log):
-        rec = wandb_internal_pb2.Record()
-        rec.ParseFromString(raw)
+    for rec in logged:
         kind = rec.WhichOneof("record_type")
         if kind == "history":
             history.append({(i.key or ".".join(i.nested_key)): json.loads(i.value_json)
