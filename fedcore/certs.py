@@ -69,7 +69,8 @@ def make_certificates(folder: str | Path, hosts: list[str] = ("localhost", "127.
                    .not_valid_before(now - _dt.timedelta(minutes=5))
                    .not_valid_after(now + _dt.timedelta(days=days))
                    .add_extension(x509.BasicConstraints(ca=ca, path_length=0 if ca else None), critical=True)
-                   .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False))
+                   .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()),
+                                  critical=False))
         if ca:
             builder = builder.add_extension(x509.KeyUsage(
                 digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
@@ -113,7 +114,7 @@ def make_certificates(folder: str | Path, hosts: list[str] = ("localhost", "127.
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m fedcore.certs",
-                                description="Make a CA, a server certificate and client certificates for TLS.")
+                                description="Make a CA, a server and client certificates for TLS.")
     p.add_argument("folder", metavar="DIR", help="where to write the PEM files")
     p.add_argument("--hosts", nargs="+", default=["localhost", "127.0.0.1"],
                    help="names and addresses clients use to reach the server "

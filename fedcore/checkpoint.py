@@ -53,7 +53,8 @@ def load_tensor_file(path: str | Path, key: str, what: str) -> Any:
     except Exception as exc:
         text = str(exc)
         if "Unsupported global" in text:
-            reason = "it holds Python objects besides tensors, numbers and containers; fedcore never unpickles those"
+            reason = ("it holds Python objects besides tensors, numbers and containers; "
+                      "fedcore never unpickles those")
         elif "Weights only load failed" in text or "invalid load key" in text or "zip archive" in text:
             reason = "not a file written by torch.save"
         else:

@@ -77,8 +77,9 @@ class Course:
         self.scheduler = Scheduler()
         total = cfg["federate.total_round_num"]
         shown = make_progress(progress, total, cfg["progress.interval"])
+        side_outputs = ([shown] if shown else []) + make_loggers(cfg, self.outdir) + list(callbacks)
         self.monitor = Monitor(self.outdir, cfg["eval.target_acc"], total_rounds=total,
-                               callbacks=[c for c in [shown, *make_loggers(cfg, self.outdir), *callbacks] if c])
+                               callbacks=side_outputs)
         self.server_table = HandlerTable("server")
         self.client_table = HandlerTable("client")
         self.extra_tables: list[HandlerTable] = []  # roles that plug-ins add (e.g. attackers)

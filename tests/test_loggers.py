@@ -123,7 +123,8 @@ def test_missing_package_and_unknown_logger_are_config_errors(tmp_path, monkeypa
     import importlib.util
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "mlflow" else real(n, *a))
-    with pytest.raises(ConfigError, match='loggers: mlflow needs the \'mlflow\' package: pip install "fedcore\\[mlflow\\]"'):
+    with pytest.raises(ConfigError, match="loggers: mlflow needs the 'mlflow' package: "
+                                          'pip install "fedcore\\[mlflow\\]"'):
         Course(small_cfg(tmp_path, loggers=["mlflow"]))
     with pytest.raises(ConfigError, match="loggers: csv writes into the run's folder; set outdir"):
         Course(small_cfg(None, loggers=["csv"]))

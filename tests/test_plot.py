@@ -51,7 +51,8 @@ def test_cli_writes_the_format_the_suffix_names(runs, tmp_path, capsys):
     assert main([str(r) for r in runs] + ["--x", "virtual_time", "--y", "test_acc", "-o", str(svg)]) == 0
     assert "3 curves" in capsys.readouterr().out
     text = svg.read_text()
-    assert text.lstrip().startswith("<?xml") and all(f"<!-- {n} -->" in text for n in ("slow", "fast", "faster"))
+    assert text.lstrip().startswith("<?xml")
+    assert all(f"<!-- {n} -->" in text for n in ("slow", "fast", "faster"))   # legend texts
     png = tmp_path / "loss.png"
     assert main([str(runs[0]), "--y", "test_loss", "-o", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
