@@ -273,9 +273,6 @@ def load_builtin_plugins() -> None:
     import fedcore.timing  # noqa: F401
 
 
-CfgSource = "str | Path | dict | Iterable[str | Path | dict] | None"
-
-
 def _read_yaml(path: Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"--cfg: file '{path}' does not exist")
@@ -319,17 +316,17 @@ def _compose(item, values: dict, sources: dict, chain: tuple[Path, ...] = ()) ->
     sources.update(dict.fromkeys(flat, label))
 
 
-def load_config(cfg: CfgSource = None, overrides: Iterable[str] = (),
+def load_config(path: str | Path | dict | list | tuple | None = None, overrides: Iterable[str] = (),
                 extra: dict[str, Any] | None = None, extra_source: str = "arguments") -> Config:
     """Compose configs, apply `KEY=VALUE` overrides and `extra`, import plug-ins, validate.
 
-    `cfg` is a YAML path, a mapping (nested or dotted keys), or a list of them merged in
+    `path` is a YAML path, a mapping (nested or dotted keys), or a list of them merged in
     order: a later value replaces an earlier one. A YAML file may name the files it extends
     under `defaults:` (paths relative to it); they are merged first, in order, and the file's
     own keys win. The result's `sources` records where each set value came from.
     """
     load_builtin_plugins()
-    items = [] if cfg is None else list(cfg) if isinstance(cfg, (list, tuple)) else [cfg]
+    items = [] if path is None else list(path) if isinstance(path, (list, tuple)) else [path]
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for item in items:
