@@ -22,7 +22,7 @@ from fedcore.completeness import CheckResult, require_complete
 from fedcore.errors import ConfigError, FedcoreError
 from fedcore.executor import close_executor, install_executor
 from fedcore.loggers import make_loggers
-from fedcore.monitor import Callback, Monitor
+from fedcore.monitor import Callback, Monitor, StopRun
 from fedcore.progress import make_progress
 from fedcore.scheduler import PRIORITY_TIMER, Scheduler, WallClockScheduler
 from fedcore.state import make_state_store
@@ -201,12 +201,14 @@ class Course:
         self.monitor.start()
         try:
             self.scheduler.run()
-        except KeyboardInterrupt:
-            # Ctrl-C: keep what the run has so far, as a deployed server does; the global
-            # model is the last aggregated one (aggregators replace it whole, never in part).
-            self.monitor.extra_summary["stopped_by"] = "interrupted"
-            self.monitor.finalize(self.server.now, self.server.aggregator.global_state)
-            raise
+        except (KeyboardInterrupt, StopRun) as stop:
+            # Ctrl-C or a callback: keep what the run has so far, as a deployed server does; the
+            # global model is the last aggregated one (aggregators replace it whole, never in part).
+            self.monitor.extra_summary["stopped_by"] = getattr(stop, "reason", "interrupted")
+            summary = self.monitor.finalize(self.server.now, self.server.aggregator.global_state)
+            if isinstance(stop, KeyboardInterrupt):
+                raise
+            return summary
         finally:
             close_executor(self)
             self.store.close()

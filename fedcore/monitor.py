@@ -19,7 +19,17 @@ import torch
 
 from fedcore.message import SERVER_ID, Message
 
-__all__ = ["Monitor", "Callback"]
+__all__ = ["Monitor", "Callback", "StopRun"]
+
+
+class StopRun(BaseException):
+    """Raised by a callback to end a simulated course early (e.g. a tuner pruning a trial):
+    the course writes its outputs with `stopped_by` set to `reason` and returns its summary.
+    A BaseException, like KeyboardInterrupt, so handlers' error wrapping lets it through."""
+
+    def __init__(self, reason: str = "callback"):
+        super().__init__(reason)
+        self.reason = reason
 
 
 class Callback:
@@ -27,8 +37,8 @@ class Callback:
 
     `on_start(monitor)` before the first record (the outdir exists by then, if any);
     `on_record(record)` for each round's record, in round order, as it is written to
-    metrics.jsonl; `on_end(summary)` once, with the summary (also when interrupted:
-    `summary["stopped_by"] == "interrupted"`)."""
+    metrics.jsonl (raise `StopRun` there to end the course early); `on_end(summary)` once,
+    with the summary (also when interrupted: `summary["stopped_by"] == "interrupted"`)."""
 
     def on_start(self, monitor: "Monitor") -> None:
         pass

@@ -63,3 +63,17 @@ def test_sigint_to_the_cli_exits_130_with_outputs(tmp_path):
     assert summary["stopped_by"] == "interrupted" and summary["rounds"] >= 2
     assert summary["rounds"] == len(metrics.read_text().splitlines())
     assert torch.load(out / "final_model.pt", weights_only=True)
+
+
+def test_a_callback_can_stop_the_course_and_keep_its_outputs(tmp_path):
+    from fedcore.monitor import StopRun
+
+    class Prune(Callback):
+        def on_record(self, record):
+            if record["round"] == 2:
+                raise StopRun("pruned")
+
+    summary = Course(small_cfg(tmp_path, federate__total_round_num=5), callbacks=[Prune()]).run()
+    assert summary["stopped_by"] == "pruned" and summary["rounds"] == 2
+    assert json.loads((tmp_path / "summary.json").read_text())["stopped_by"] == "pruned"
+    assert (tmp_path / "final_model.pt").is_file()
