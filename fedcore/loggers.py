@@ -59,14 +59,25 @@ def _flat_cells(record: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _run_folder(name: str, outdir: Path | None) -> Path:
+    """The run's folder for a logger that writes there; checked when the run starts, so a
+    course that never runs (a deployed client) needs none."""
+    if outdir is None:
+        raise ConfigError(f"loggers: {name} writes into the run's folder; set outdir")
+    return Path(outdir)
+
+
 class CsvLogger(Callback):
     """`metrics.csv`: one row per round; the header grows when a round brings new fields
     (evaluation rounds), and then the file is rewritten so every row has every column."""
 
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, outdir: Path | None):
+        self.outdir = outdir
         self.columns: list[str] = []
         self.rows: list[dict[str, Any]] = []
+
+    def on_start(self, monitor) -> None:
+        self.path = _run_folder("csv", self.outdir) / "metrics.csv"
 
     def on_record(self, record: dict[str, Any]) -> None:
         row = _flat_cells(record)
@@ -86,12 +97,12 @@ class CsvLogger(Callback):
 class TensorBoardLogger(Callback):
     """Scalars under `<outdir>/tensorboard`, one tag per numeric field, step = round."""
 
-    def __init__(self, logdir: Path, cfg):
-        self.logdir, self.cfg, self.writer = logdir, cfg, None
+    def __init__(self, cfg, outdir: Path | None):
+        self.cfg, self.outdir, self.writer = cfg, outdir, None
 
     def on_start(self, monitor) -> None:
         from torch.utils.tensorboard import SummaryWriter
-        self.writer = SummaryWriter(str(self.logdir))
+        self.writer = SummaryWriter(str(_run_folder("tensorboard", self.outdir) / "tensorboard"))
         self.writer.add_text("config", "```\n" + json.dumps(self.cfg.as_tree(), indent=1) + "\n```")
 
     def on_record(self, record: dict[str, Any]) -> None:
@@ -109,21 +120,21 @@ class MlflowLogger(Callback):
     """One MLflow run: the resolved config as params, each record's numbers as metrics."""
 
     def __init__(self, cfg, outdir: Path | None):
-        uri = cfg["mlflow.tracking_uri"] or os.environ.get("MLFLOW_TRACKING_URI")
-        if uri is None:
-            if outdir is None:
-                raise ConfigError("mlflow.tracking_uri: the mlflow logger needs a tracking URI or an "
-                                  "outdir for its local store")
-            uri = (Path(outdir).resolve() / "mlruns").as_uri()
-            # MLflow 3 keeps its file store only behind this opt-in; it needs no database
-            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-        self.uri, self.cfg = uri, cfg
+        self.cfg, self.outdir = cfg, outdir
         self.client = self.run_id = None
 
     def on_start(self, monitor) -> None:
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
-        self.client = MlflowClient(tracking_uri=self.uri)
+        uri = self.cfg["mlflow.tracking_uri"] or os.environ.get("MLFLOW_TRACKING_URI")
+        if uri is None:
+            if self.outdir is None:
+                raise ConfigError("mlflow.tracking_uri: the mlflow logger needs a tracking URI or an "
+                                  "outdir for its local store")
+            uri = (Path(self.outdir).resolve() / "mlruns").as_uri()
+            # MLflow 3 keeps its file store only behind this opt-in; it needs no database
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        self.client = MlflowClient(tracking_uri=uri)
         name = self.cfg["mlflow.experiment"] or self.cfg["name"]
         experiment = self.client.get_experiment_by_name(name)
         exp_id = experiment.experiment_id if experiment else self.client.create_experiment(name)
@@ -172,24 +183,18 @@ class WandbLogger(Callback):
         self.run.finish(exit_code=1 if summary.get("stopped_by") == "interrupted" else 0)
 
 
-def _run_folder(name: str, outdir: Path | None) -> Path:
-    if outdir is None:
-        raise ConfigError(f"loggers: {name} writes into the run's folder; set outdir")
-    return Path(outdir)
-
-
-# name -> (module it needs, extra that installs it, builder(cfg, outdir))
+# name -> (module it needs, extra that installs it, the Callback class; built as cls(cfg, outdir))
 LOGGERS: dict[str, tuple[str | None, str, Callable[[Any, Path | None], Callback]]] = {
-    "csv": (None, "", lambda cfg, d: CsvLogger(_run_folder("csv", d) / "metrics.csv")),
-    "tensorboard": ("tensorboard", "tensorboard",
-                    lambda cfg, d: TensorBoardLogger(_run_folder("tensorboard", d) / "tensorboard", cfg)),
+    "csv": (None, "", lambda cfg, outdir: CsvLogger(outdir)),
+    "tensorboard": ("tensorboard", "tensorboard", TensorBoardLogger),
     "mlflow": ("mlflow", "mlflow", MlflowLogger),
     "wandb": ("wandb", "wandb", WandbLogger),
 }
 
 
 def make_loggers(cfg, outdir: Path | None) -> list[Callback]:
-    """The callbacks `loggers` names; a missing package is a one-line config error."""
+    """The callbacks `loggers` names; a missing package is a one-line config error at once,
+    a missing outdir (csv, tensorboard) when the run starts."""
     out = []
     for name in dict.fromkeys(cfg["loggers"]):
         module, extra, build = LOGGERS[name]

@@ -127,4 +127,4 @@ def test_missing_package_and_unknown_logger_are_config_errors(tmp_path, monkeypa
                                           'pip install "fedcore\\[mlflow\\]"'):
         Course(small_cfg(tmp_path, loggers=["mlflow"]))
     with pytest.raises(ConfigError, match="loggers: csv writes into the run's folder; set outdir"):
-        Course(small_cfg(None, loggers=["csv"]))
+        Course(small_cfg(None, loggers=["csv"])).run()
