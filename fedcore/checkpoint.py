@@ -20,7 +20,7 @@ import torch
 from fedcore.config import declare, non_negative, validator
 from fedcore.errors import ConfigError
 
-__all__ = ["Checkpointer", "resume"]
+__all__ = ["Checkpointer", "resume", "load_tensor_file"]
 
 log = logging.getLogger("fedcore.checkpoint")
 
@@ -43,6 +43,23 @@ def _check_resume(cfg) -> None:
         raise ConfigError("resume_from: a course on asyn.* strategies (async, over-selection, "
                           "time_up) cannot be resumed, its in-flight updates are not in the "
                           "checkpoint; rerun it from the start or resume a synchronous course")
+
+
+def load_tensor_file(path: str | Path, key: str, what: str) -> Any:
+    """`torch.load(path, weights_only=True)`; a file that is not one becomes a one-line
+    ConfigError naming `key` (never torch's advice to load it with weights_only=False)."""
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as exc:
+        text = str(exc)
+        if "Unsupported global" in text:
+            reason = ("it holds Python objects besides tensors, numbers and containers; "
+                      "fedcore never unpickles those")
+        elif "Weights only load failed" in text or "invalid load key" in text or "zip archive" in text:
+            reason = "not a file written by torch.save"
+        else:
+            reason = (text.strip().splitlines() or [type(exc).__name__])[0]
+        raise ConfigError(f"{key}: '{path}' is not {what} ({reason})") from None
 
 
 class Checkpointer:
@@ -108,10 +125,7 @@ class Checkpointer:
 
 def resume(course, path: str) -> float:
     """Restore `course` (built, not yet run) from a checkpoint; returns its virtual time."""
-    try:
-        state = torch.load(path, weights_only=True, map_location="cpu")
-    except Exception as exc:
-        raise ConfigError(f"resume_from: '{path}' is not a fedcore checkpoint ({exc})") from None
+    state = load_tensor_file(path, "resume_from", "a fedcore checkpoint")
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ConfigError(f"resume_from: '{path}' is not a fedcore checkpoint (format {FORMAT})")
     server, monitor = course.server, course.monitor

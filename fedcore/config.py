@@ -37,7 +37,7 @@ class Key:
     nullable: bool = False
     check: Callable[[Any], str | None] | None = None
     origin: str = ""  # the module that declared it
-
+    convert: Callable[[Any], Any] | None = None  # applied to a set value before the type check
 
     def allowed(self) -> tuple | None:
         if self.choices is None:
@@ -51,11 +51,14 @@ _RESOLVERS: list[Callable[[dict], None]] = []
 
 
 def declare(name: str, type: type, default: Any, help: str, *, choices=None,
-            nullable: bool | None = None, check=None) -> Key:
-    """Declare a config key. Re-declaring the same key replaces it (module reloads)."""
+            nullable: bool | None = None, check=None, convert=None) -> Key:
+    """Declare a config key. Re-declaring the same key replaces it (module reloads).
+
+    `convert(value)` maps a set value before its type check, so a key can keep accepting an
+    older spelling (e.g. `verbose: false` for the level 0)."""
     origin = sys._getframe(1).f_globals.get("__name__", "")
     key = Key(name, type, default, help, choices,
-              nullable if nullable is not None else default is None, check, origin)
+              nullable if nullable is not None else default is None, check, origin, convert)
     SCHEMA[name] = key
     return key
 
@@ -98,6 +101,8 @@ def nearest_key(name: str) -> str:
 
 
 def _coerce(key: Key, value: Any) -> Any:
+    if key.convert is not None and value is not None:
+        value = key.convert(value)
     if value is None:
         if key.nullable:
             return None
@@ -141,10 +146,19 @@ def _flatten(tree: dict, prefix: str, out: dict) -> None:
 
 
 class Config:
-    """A validated, flat mapping of dotted keys; `cfg.train.optimizer.lr` reads like the YAML."""
+    """A validated, flat mapping of dotted keys; `cfg.train.optimizer.lr` reads like the YAML.
 
-    def __init__(self, values: dict[str, Any]):
+    `sources` says where each set key's value came from (a file, the command line, a Python
+    argument); keys left at their default are absent from it."""
+
+    def __init__(self, values: dict[str, Any], sources: dict[str, str] | None = None):
         object.__setattr__(self, "_values", values)
+        object.__setattr__(self, "sources", dict(sources or {}))
+
+    def source(self, key: str) -> str:
+        """Where `key`'s value came from: a file path, 'command line', ... or 'default'."""
+        self[key]  # unknown keys raise with a hint
+        return self.sources.get(key, "default")
 
     def __getitem__(self, key: str) -> Any:
         try:
@@ -168,10 +182,11 @@ class Config:
 
     def with_overrides(self, **dotted: Any) -> "Config":
         """A re-validated copy with some keys changed (use '__' for '.')."""
-        values = dict(self._values)
+        values, sources = dict(self._values), dict(self.sources)
         for k, v in dotted.items():
             values[k.replace("__", ".")] = v
-        return _validated(values)
+            sources[k.replace("__", ".")] = "with_overrides"
+        return _validated(values, sources)
 
     def as_tree(self) -> dict:
         """The nested form written to config.yaml."""
@@ -186,6 +201,11 @@ class Config:
 
     def dump(self, path: Path) -> None:
         Path(path).write_text(yaml.safe_dump(self.as_tree(), sort_keys=True))
+
+    def dump_sources(self, path: Path) -> None:
+        """`key: where its value came from`, for every key not left at its default."""
+        Path(path).write_text(yaml.safe_dump(dict(sorted(self.sources.items())), sort_keys=False)
+                              if self.sources else "{}\n")
 
 
 class _Section:
@@ -227,6 +247,15 @@ def _import_plugins(modules: Iterable[str]) -> None:
             importlib.import_module(name)
         except ImportError as exc:
             raise ConfigError(f"plugins: cannot import '{name}' ({exc}); is it on PYTHONPATH?") from None
+        except ConfigError:
+            raise
+        except Exception as exc:  # the module itself is broken: say where, in one line
+            tb = exc.__traceback__
+            while tb is not None and tb.tb_next is not None:
+                tb = tb.tb_next
+            where = f" at {tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}" if tb is not None else ""
+            raise ConfigError(f"plugins: importing '{name}' failed{where}: "
+                              f"{type(exc).__name__}: {exc}") from None
 
 
 def load_builtin_plugins() -> None:
@@ -236,6 +265,7 @@ def load_builtin_plugins() -> None:
     import fedcore.distributed  # noqa: F401
     import fedcore.executor  # noqa: F401
     import fedcore.handlers  # noqa: F401
+    import fedcore.loggers  # noqa: F401
     import fedcore.sampling  # noqa: F401
     import fedcore.scenarios  # noqa: F401
     import fedcore.schema  # noqa: F401
@@ -244,41 +274,88 @@ def load_builtin_plugins() -> None:
     import fedcore.timing  # noqa: F401
 
 
-def load_config(path: str | Path | None, overrides: Iterable[str] = (),
-                extra: dict[str, Any] | None = None) -> Config:
-    """Read YAML, apply `KEY=VALUE` overrides and `extra`, import plug-ins, validate."""
-    load_builtin_plugins()
-    tree: dict = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"--cfg: file '{path}' does not exist")
-        try:
-            tree = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"--cfg: '{path}' is not valid YAML: {_yaml_problem(exc)}") from None
-        if not isinstance(tree, dict):
-            raise ConfigError(f"--cfg: '{path}' must hold a mapping of config keys")
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"--cfg: file '{path}' does not exist")
+    try:
+        tree = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--cfg: '{path}' is not valid YAML: {_yaml_problem(exc)}") from None
+    if tree is None:
+        raise ConfigError(f"--cfg: '{path}' is empty; write the keys to change (or '{{}}' to run "
+                          "every default)")
+    if not isinstance(tree, dict):
+        raise ConfigError(f"--cfg: '{path}' must hold a mapping of config keys")
+    return tree
+
+
+def _compose(item, values: dict, sources: dict, chain: tuple[Path, ...] = ()) -> None:
+    """Merge one config (a YAML file with its `defaults:` first, or a mapping) into `values`."""
+    if isinstance(item, dict):
+        tree, label, here = dict(item), "arguments", None
+    else:
+        here = Path(item)
+        if here.resolve() in chain:
+            raise ConfigError(f"defaults: '{here}' includes itself (through "
+                              f"{' -> '.join(p.name for p in chain)})")
+        tree, label = _read_yaml(here), str(here)
+    bases = tree.pop("defaults", None) or []
+    if isinstance(bases, (str, dict)):
+        bases = [bases]
+    if not isinstance(bases, list):
+        raise ConfigError(f"defaults: in {label}: expected a list of config files, got {bases!r}")
+    for base in bases:
+        if not isinstance(base, (str, dict)):
+            raise ConfigError(f"defaults: in {label}: {base!r} is not a file name")
+        if isinstance(base, str) and here is not None:
+            base = here.parent / base   # relative to the file that names it
+        _compose(base, values, sources, chain + ((here.resolve(),) if here is not None else ()))
     _import_plugins(tree.get("plugins") or [])
+    flat: dict[str, Any] = {}
+    _flatten(tree, "", flat)
+    values.update(flat)
+    sources.update(dict.fromkeys(flat, label))
+
+
+def load_config(path: str | Path | dict | list | tuple | None = None, overrides: Iterable[str] = (),
+                extra: dict[str, Any] | None = None, extra_source: str = "arguments") -> Config:
+    """Compose configs, apply `KEY=VALUE` overrides and `extra`, import plug-ins, validate.
+
+    `path` is a YAML path, a mapping (nested or dotted keys), or a list of them merged in
+    order: a later value replaces an earlier one. A YAML file may name the files it extends
+    under `defaults:` (paths relative to it); they are merged first, in order, and the file's
+    own keys win. The result's `sources` records where each set value came from.
+    """
+    load_builtin_plugins()
+    items = [] if path is None else list(path) if isinstance(path, (list, tuple)) else [path]
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for item in items:
+        _compose(item, values, sources)
     pairs = [parse_override(o) for o in overrides]
     for key, value in pairs:
         if key == "plugins":
             _import_plugins(value or [])
     _import_plugins((extra or {}).get("plugins") or [])
-    values: dict[str, Any] = {}
-    _flatten(tree, "", values)
     for key, value in pairs:
         if isinstance(value, dict) and key not in SCHEMA:
-            _flatten(value, key + ".", values)
+            flat: dict[str, Any] = {}
+            _flatten(value, key + ".", flat)
         elif key not in SCHEMA:
             raise ConfigError(f"unknown config key '{key}'{nearest_key(key)}")
         else:
-            values[key] = value
-    values.update(extra or {})
-    return _validated(values)
+            flat = {key: value}
+        values.update(flat)
+        sources.update(dict.fromkeys(flat, "command line"))
+    if extra:
+        flat = {}
+        _flatten(extra, "", flat)
+        values.update(flat)
+        sources.update(dict.fromkeys(flat, extra_source))
+    return _validated(values, sources)
 
 
-def _validated(values: dict[str, Any]) -> Config:
+def _validated(values: dict[str, Any], sources: dict[str, str] | None = None) -> Config:
     resolved = {}
     for name, key in SCHEMA.items():
         resolved[name] = _coerce(key, values[name]) if name in values else key.default
@@ -288,7 +365,7 @@ def _validated(values: dict[str, Any]) -> Config:
         raise ConfigError(f"unknown config key '{name}'{nearest_key(name)}")
     for derive in _RESOLVERS:
         derive(resolved)
-    cfg = Config(resolved)
+    cfg = Config(resolved, sources)
     for check in _VALIDATORS:
         check(cfg)
     return cfg

@@ -16,12 +16,14 @@ from typing import Any
 import torch
 
 from fedcore import registry
-from fedcore.checkpoint import Checkpointer, resume
+from fedcore.checkpoint import Checkpointer, load_tensor_file, resume
 from fedcore.comm.inprocess import InProcessComm
 from fedcore.completeness import CheckResult, require_complete
 from fedcore.errors import ConfigError, FedcoreError
 from fedcore.executor import close_executor, install_executor
-from fedcore.monitor import Monitor
+from fedcore.loggers import make_loggers
+from fedcore.monitor import Callback, Monitor, StopRun
+from fedcore.progress import make_progress
 from fedcore.scheduler import PRIORITY_TIMER, Scheduler, WallClockScheduler
 from fedcore.server_optimizer import install as install_server_optimizer
 from fedcore.state import make_state_store
@@ -40,10 +42,7 @@ def load_initial_model(model: torch.nn.Module, path: str) -> None:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"model.init_from: file '{p}' does not exist")
-    try:
-        state = torch.load(p, weights_only=True, map_location="cpu")
-    except Exception as exc:
-        raise ConfigError(f"model.init_from: '{p}' is not a loadable state_dict ({exc})") from None
+    state = load_tensor_file(p, "model.init_from", "a loadable state_dict")
     try:
         model.load_state_dict(state)
     except RuntimeError as exc:
@@ -68,14 +67,20 @@ def check_share_params(model: torch.nn.Module, cfg) -> None:
 class Course:
     """One federated course in simulation (virtual time, one process)."""
 
-    def __init__(self, cfg, outdir: str | Path | None = None, progress: bool = False):
+    def __init__(self, cfg, outdir: str | Path | None = None, progress: bool | int = False,
+                 callbacks: list[Callback] | tuple = ()):
+        """`progress` is a `verbose` level (False: none); `callbacks` are extra side outputs
+        that see every record and the summary, after the progress display and `loggers`."""
         self.cfg = cfg
         outdir = outdir if outdir is not None else cfg["outdir"]
         self.outdir = Path(outdir) if outdir is not None else None
         self.log = logging.getLogger("fedcore.course")
         self.scheduler = Scheduler()
-        self.monitor = Monitor(self.outdir, cfg["eval.target_acc"], progress,
-                               cfg["federate.total_round_num"])
+        total = cfg["federate.total_round_num"]
+        shown = make_progress(progress, total, cfg["progress.interval"])
+        side_outputs = ([shown] if shown else []) + make_loggers(cfg, self.outdir) + list(callbacks)
+        self.monitor = Monitor(self.outdir, cfg["eval.target_acc"], total_rounds=total,
+                               callbacks=side_outputs)
         self.server_table = HandlerTable("server")
         self.client_table = HandlerTable("client")
         self.extra_tables: list[HandlerTable] = []  # roles that plug-ins add (e.g. attackers)
@@ -159,16 +164,26 @@ class Course:
         """config.yaml and handlers.txt, written before anything runs."""
         if self.outdir is None:
             return
-        self.outdir.mkdir(parents=True, exist_ok=True)
+        self._make_outdir()
         self.cfg.dump(self.outdir / "config.yaml")
+        self.cfg.dump_sources(self.outdir / "config_sources.yaml")
         sections = [t.describe() for t in self.tables]
         if getattr(self, "behaviours", None):
             sections.append("[behaviours]\n" + "\n".join(f"  {b}" for b in self.behaviours))
         (self.outdir / "handlers.txt").write_text("\n\n".join(sections) + "\n")
 
+    def _make_outdir(self) -> None:
+        try:
+            self.outdir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"outdir: cannot create '{self.outdir}' ({exc.strerror or exc}); "
+                              "choose a writable folder") from None
+
     def check(self) -> CheckResult:
         """The completeness check; raises IncompleteCourseError (exit 3) when it fails."""
         graphml = self.outdir / "message_flow.graphml" if self.outdir is not None else None
+        if graphml is not None:
+            self._make_outdir()
         return require_complete(self.tables, graphml)
 
     # ------------------------------------------------------------ running
@@ -185,8 +200,17 @@ class Course:
         else:
             for w in [self.server] + [self.clients[c] for c in self.client_ids]:
                 self.scheduler.schedule(0.0, PRIORITY_TIMER, StartEvent(w, "start"))
+        self.monitor.start()
         try:
             self.scheduler.run()
+        except (KeyboardInterrupt, StopRun) as stop:
+            # Ctrl-C or a callback: keep what the run has so far, as a deployed server does; the
+            # global model is the last aggregated one (aggregators replace it whole, never in part).
+            self.monitor.extra_summary["stopped_by"] = getattr(stop, "reason", "interrupted")
+            summary = self.monitor.finalize(self.server.now, self.server.aggregator.global_state)
+            if isinstance(stop, KeyboardInterrupt):
+                raise
+            return summary
         finally:
             close_executor(self)
             self.store.close()
@@ -202,7 +226,8 @@ class Course:
         if check_only:
             self.write_header()
             result = self.check()
-            where = f"; graph in {self.outdir / 'message_flow.graphml'}" if self.outdir else ""
+            where = (f"; graph in {self.outdir / 'message_flow.graphml'}" if self.outdir
+                     else "; set outdir=DIR to also write the graph and handler tables")
             print(f"complete: a path leads from start to finish ({result.graph.number_of_nodes()} "
                   f"nodes, {result.graph.number_of_edges()} edges){where}")
             return 0

@@ -1,14 +1,15 @@
-"""Outputs of a run: metrics.jsonl, summary.json, final_model.pt, and a progress line.
+"""Outputs of a run: metrics.jsonl, summary.json, final_model.pt, and its callbacks.
 
 One JSON object per aggregation round. A round's record waits for the client
 evaluations it asked for (if any) and is written as soon as it is complete,
 always in round order; whatever is still pending at the end is written then.
+Every other side output (progress, CSV, TensorBoard, MLflow, W&B, a user's own)
+is a `Callback` that sees the same records, in the same order, and the summary.
 """
 from __future__ import annotations
 
 import json
 import math
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +19,35 @@ import torch
 
 from fedcore.message import SERVER_ID, Message
 
-__all__ = ["Monitor"]
+__all__ = ["Monitor", "Callback", "StopRun"]
+
+
+class StopRun(BaseException):
+    """Raised by a callback to end a simulated course early (e.g. a tuner pruning a trial):
+    the course writes its outputs with `stopped_by` set to `reason` and returns its summary.
+    A BaseException, like KeyboardInterrupt, so handlers' error wrapping lets it through."""
+
+    def __init__(self, reason: str = "callback"):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class Callback:
+    """A side output of a run. Override what you need; each is called once per event.
+
+    `on_start(monitor)` before the first record (the outdir exists by then, if any);
+    `on_record(record)` for each round's record, in round order, as it is written to
+    metrics.jsonl (raise `StopRun` there to end the course early); `on_end(summary)` once,
+    with the summary (also when interrupted: `summary["stopped_by"] == "interrupted"`)."""
+
+    def on_start(self, monitor: "Monitor") -> None:
+        pass
+
+    def on_record(self, record: dict[str, Any]) -> None:
+        pass
+
+    def on_end(self, summary: dict[str, Any]) -> None:
+        pass
 
 
 @dataclass
@@ -45,12 +74,13 @@ def _spread(values: list[float], prefix: str) -> dict[str, float]:
 class Monitor:
     """Collects per-round records and byte counts; writes the run's output files."""
 
-    def __init__(self, outdir: Path | None, target_acc: float | None = None, progress: bool = False,
-                 total_rounds: int = 0):
+    def __init__(self, outdir: Path | None, target_acc: float | None = None, *,
+                 total_rounds: int = 0, callbacks: list[Callback] | tuple = ()):
         self.outdir = Path(outdir) if outdir is not None else None
         self.target_acc = target_acc
-        self.progress = progress
         self.total_rounds = total_rounds
+        self.callbacks = list(callbacks)
+        self.started = False
         self.t0 = time.perf_counter()
         self.bytes_up = self.bytes_down = 0          # since the last record
         self.total_up = self.total_down = 0
@@ -64,9 +94,18 @@ class Monitor:
         self.time_to_target: float | None = None
         self.rounds_to_target: int | None = None
         self.extra_summary: dict[str, Any] = {}
+
+    def start(self) -> None:
+        """Create the outdir, open metrics.jsonl and start the callbacks (once; also implied by
+        the first record), so building a course or checking it leaves no files behind."""
+        if self.started:
+            return
+        self.started = True
         if self.outdir is not None:
             self.outdir.mkdir(parents=True, exist_ok=True)
             self._metrics_file = (self.outdir / "metrics.jsonl").open("w")
+        for callback in self.callbacks:
+            callback.on_start(self)
 
     @property
     def wall_time(self) -> float:
@@ -90,9 +129,13 @@ class Monitor:
                      expected_client_metrics: int = 0) -> None:
         """Open the record of an aggregation round; it is written once complete."""
         record = {"round": round_, "virtual_time": virtual_time, "wall_time": self.wall_time,
-                  "bytes_up": self.bytes_up, "bytes_down": self.bytes_down}
+                  "bytes_up": self.bytes_up, "bytes_down": self.bytes_down,
+                  # running totals, so curves against communication need no summing
+                  "bytes_up_total": self.total_up, "bytes_down_total": self.total_down,
+                  "bytes_total": self.total_up + self.total_down}
         if self.separate_types:
             record["bytes_eval"] = self.bytes_other
+            record["bytes_eval_total"] = self.total_other
         record.update(fields)
         self.bytes_up = self.bytes_down = self.bytes_other = 0
         self._pending[round_] = _Pending(record, expected_client_metrics)
@@ -110,6 +153,7 @@ class Monitor:
         self._flush()
 
     def _flush(self, force: bool = False) -> None:
+        self.start()
         for round_ in sorted(self._pending):
             pending = self._pending[round_]
             if not (pending.complete or force):
@@ -126,16 +170,8 @@ class Monitor:
             if self._metrics_file is not None:
                 self._metrics_file.write(json.dumps(record) + "\n")
                 self._metrics_file.flush()
-            self._show(record)
-
-    def _show(self, record: dict) -> None:
-        if not self.progress:
-            return
-        acc = record.get("test_acc")
-        acc_s = f"  test_acc {acc:.4f}" if acc is not None else ""
-        sys.stderr.write(f"\rround {record['round']}/{self.total_rounds}  "
-                         f"virtual {record['virtual_time']:.1f}s{acc_s}   ")
-        sys.stderr.flush()
+            for callback in self.callbacks:
+                callback.on_record(record)
 
     def open_records(self) -> dict[int, dict]:
         """Records still waiting for client evaluations: {round: {record, expected}}."""
@@ -143,6 +179,7 @@ class Monitor:
 
     def preload(self, records: list[dict], pending: dict, totals: list[int], target: list) -> None:
         """Continue from a checkpoint: its written records, open records, byte totals, target."""
+        self.start()
         for record in records:
             self.records.append(record)
             if self._metrics_file is not None:
@@ -179,8 +216,6 @@ class Monitor:
     def finalize(self, virtual_time: float, global_state: dict[str, torch.Tensor] | None) -> dict:
         """Write what is pending, the final model and the summary; return the summary."""
         self._flush(force=True)
-        if self.progress:
-            sys.stderr.write("\n")
         summary = self.summary(virtual_time)
         if self.outdir is not None:
             if self._metrics_file is not None:
@@ -189,4 +224,6 @@ class Monitor:
                 torch.save({k: v.detach().clone() for k, v in global_state.items()},
                            self.outdir / "final_model.pt")
             (self.outdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        for callback in self.callbacks:
+            callback.on_end(summary)
         return summary

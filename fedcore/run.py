@@ -1,6 +1,9 @@
-"""`python -m fedcore.run --cfg FILE.yaml [KEY=VALUE ...]`: run a course.
+"""`python -m fedcore.run --cfg FILE.yaml [--cfg MORE.yaml ...] [KEY=VALUE ...]`: run a course.
 
-Also `--check` (completeness check only), `--help-key KEY` and `--list-keys`.
+Several `--cfg` merge in order (a later file's values win), then the overrides.
+Also `--check` (completeness check only; writes its files only where `outdir`
+is set), `--help-key KEY` and `--list-keys`. From Python, `fedcore.run(...)`
+is `fedcore.api.run` (this module is callable for that reason).
 Exit codes: 0 success, 2 bad configuration or usage, 3 incomplete course, 4 a
 deployed client lost its server, 130 interrupted, 1 anything else (the cause
 in one line before any traceback).
@@ -26,8 +29,10 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m fedcore.run", description="Run a federated course from a YAML config.")
-    p.add_argument("--cfg", help="the course's YAML config")
-    p.add_argument("--check", action="store_true", help="completeness check only, no training")
+    p.add_argument("--cfg", action="append", metavar="FILE",
+                   help="the course's YAML config; repeat to merge several in order (later wins)")
+    p.add_argument("--check", action="store_true", help="completeness check only, no training; "
+                   "writes config.yaml, handlers.txt and the graph only where outdir is set")
     p.add_argument("--help-key", metavar="KEY", help="describe one config key (type, default, meaning)")
     p.add_argument("--list-keys", action="store_true", help="print every config key as a Markdown table")
     p.add_argument("--debug", action="store_true", help="full tracebacks and debug logging")
@@ -52,8 +57,12 @@ def _run(args) -> int:
         return EXIT_OK
     if not args.cfg:
         raise ConfigError("--cfg FILE.yaml is required (or --help-key KEY)")
-    cfg = load_config(args.cfg, args.overrides)
-    outdir = resolve_outdir(cfg)
+    cfg = load_config(args.cfg, args.overrides, extra_source="command line")
+    if cfg["verbose"] >= 2:
+        logging.getLogger("fedcore").setLevel(min(logging.getLogger("fedcore").getEffectiveLevel(),
+                                                  logging.INFO))
+    # --check writes nothing to a folder nobody named
+    outdir = None if args.check and not cfg["outdir"] else resolve_outdir(cfg)
     if cfg["federate.mode"] == "distributed" or cfg.get("distribute.role") is not None:
         try:
             from fedcore.distributed import run_distributed
@@ -62,8 +71,7 @@ def _run(args) -> int:
                               "installation lacks; use federate.mode=standalone") from None
         return run_distributed(cfg, outdir, check_only=args.check)
     from fedcore.course import Course
-    progress = cfg["verbose"] and sys.stderr.isatty()
-    return Course(cfg, outdir, progress=progress).build().check_or_run(args.check)
+    return Course(cfg, outdir, progress=cfg["verbose"]).build().check_or_run(args.check)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,5 +94,16 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAILURE
 
 
+class _CallableModule(type(sys)):
+    """Lets `fedcore.run(cfg)` work after `import fedcore.run` has put this module where the
+    package's `run` function was."""
+
+    def __call__(self, *args, **kwargs):
+        from fedcore.api import run
+        return run(*args, **kwargs)
+
+
 if __name__ == "__main__":
     sys.exit(main())
+else:
+    sys.modules[__name__].__class__ = _CallableModule

@@ -9,7 +9,12 @@ from fedcore.errors import ConfigError
 declare("seed", int, 0, "one integer that drives all randomness (sampling, data, profiles, init)")
 declare("name", str, "course", "the run's name, used in the default outdir")
 declare("outdir", str, None, "where the run writes its outputs (default runs/<timestamp>-<name>)")
-declare("verbose", bool, True, "progress display on stderr (only when stderr is a terminal)")
+declare("verbose", int, 1, "progress on stderr: 0 (or false) quiet; 1 (or true) a bar with wall time "
+        "and ETA on a terminal, else a round line every progress.interval seconds; 2 a line every "
+        "round and info logging", choices=(0, 1, 2),
+        convert=lambda v: int(v) if isinstance(v, bool) else v)
+declare("progress.interval", float, 30.0, "seconds of wall time between round lines when stderr "
+        "is not a terminal (verbose: 1)", check=positive)
 declare("plugins", list, [], "modules to import before the config is checked; they may register "
         "plug-ins and declare keys")
 declare("extensions", list, [], "named handler extensions (registry 'behaviours') installed after "

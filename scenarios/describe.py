@@ -61,20 +61,30 @@ def describe(cfg, data, out=None) -> np.ndarray:
     return hist
 
 
-def heat_map(hist: np.ndarray, path: str | Path, cell: int = 8) -> None:
-    """Write the clients x labels distribution (row-normalised) as a PNG, `cell` pixels per entry."""
-    from fedcore.scenarios.png import heat_colors, write_png
+def heat_map(hist: np.ndarray, path: str | Path):
+    """Draw the clients x labels distribution (each row normalised to sum 1) and save it to
+    `path` (png, svg, pdf, ... by suffix); returns the matplotlib Figure."""
+    from fedcore.plot import new_figure
     totals = hist.sum(axis=1, keepdims=True)
     frac = np.divide(hist, totals, out=np.zeros(hist.shape, dtype=np.float64), where=totals > 0)
-    rgb = heat_colors(frac)
-    write_png(path, np.repeat(np.repeat(rgb, cell, axis=0), cell, axis=1))
+    n_clients, n_labels = frac.shape
+    fig = new_figure(min(12.0, 2.5 + 0.35 * n_labels), min(12.0, 1.5 + 0.25 * n_clients))
+    ax = fig.subplots()
+    image = ax.imshow(frac, cmap="Reds", vmin=0.0, vmax=1.0, aspect="auto", interpolation="nearest",
+                      extent=(-0.5, n_labels - 0.5, n_clients + 0.5, 0.5))
+    ax.set_xlabel("label")
+    ax.set_ylabel("client")
+    fig.colorbar(image, ax=ax, label="fraction of the client's samples")
+    fig.savefig(path)
+    return fig
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m fedcore.scenarios.describe",
                                 description="Describe the federated data a config produces.")
     p.add_argument("--cfg", help="the course's YAML config (omit to use defaults and overrides)")
-    p.add_argument("--png", metavar="FILE", help="write a clients x labels heat map")
+    p.add_argument("--png", metavar="FILE", help="write a clients x labels heat map (matplotlib; "
+                   "png, svg or pdf by the suffix)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
     args = p.parse_intermixed_args(argv)
     try:

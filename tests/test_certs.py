@@ -1,0 +1,62 @@
+"""python -m fedcore.certs makes a CA, server and client certificates a course can use over TLS."""
+import ipaddress
+import stat
+
+import pytest
+
+from fedcore.certs import main, make_certificates
+from tests.deploy_helpers import server_port, text, wait_exit, write_cfg
+
+
+def test_certificates_chain_to_the_ca_with_the_right_names_and_uses(tmp_path):
+    from cryptography import x509
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+    files = make_certificates(tmp_path, ["localhost", "10.0.0.7", "fl.example.org"], clients=2)
+    ca = x509.load_pem_x509_certificate(files["ca"].read_bytes())
+    server = x509.load_pem_x509_certificate(files["server_cert"].read_bytes())
+    clients = [x509.load_pem_x509_certificate(files[f"client_{k}_cert"].read_bytes()) for k in (1, 2)]
+    for cert in [server, *clients]:
+        cert.verify_directly_issued_by(ca)     # raises if the signature or issuer is wrong
+        assert cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca is False
+    assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca is True
+    sans = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert sans.get_values_for_type(x509.DNSName) == ["localhost", "fl.example.org"]
+    assert sans.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("10.0.0.7")]
+    eku = server.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    assert list(eku) == [ExtendedKeyUsageOID.SERVER_AUTH]
+    assert all(list(c.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value) ==
+               [ExtendedKeyUsageOID.CLIENT_AUTH] for c in clients)
+    for key in ("ca_key", "server_key", "client_1_key", "client_2_key"):
+        assert stat.S_IMODE(files[key].stat().st_mode) == 0o600
+
+
+def test_existing_files_are_not_replaced_without_force(tmp_path, capsys):
+    assert main([str(tmp_path), "--clients", "0"]) == 0
+    before = (tmp_path / "ca.pem").read_bytes()
+    assert main([str(tmp_path)]) == 2
+    assert "ca.pem' exists" in capsys.readouterr().err
+    assert (tmp_path / "ca.pem").read_bytes() == before
+    assert main([str(tmp_path), "--force"]) == 0 and (tmp_path / "ca.pem").read_bytes() != before
+
+
+@pytest.mark.slow
+def test_a_course_runs_over_mutual_tls_with_the_files_made(tmp_path, procs):
+    assert main([str(tmp_path / "certs"), "--clients", "1"]) == 0
+    c = tmp_path / "certs"
+    cfg = write_cfg(tmp_path / "course.yaml", {"distribute.heartbeat_interval": 0.5,
+                                               "distribute.heartbeat_timeout": 3.0,
+                                               "federate.client_num": 1})
+    out = tmp_path / "server"
+    server = procs.fedcore("server", cfg, "distribute.role=server", "distribute.server_port=0",
+                           f"outdir={out}", f"distribute.tls.cert={c / 'server.pem'}",
+                           f"distribute.tls.key={c / 'server.key'}", f"distribute.tls.ca={c / 'ca.pem'}")
+    port = server_port(out, server)
+    clients = [procs.fedcore(f"client{k}", cfg, "distribute.role=client", f"distribute.client_id={k}",
+                             f"distribute.server_port={port}", f"distribute.tls.ca={c / 'ca.pem'}",
+                             f"distribute.tls.cert={c / f'client-{k}.pem'}",
+                             f"distribute.tls.key={c / f'client-{k}.key'}") for k in (1,)]
+    assert wait_exit(server, 240) == 0, text(server)[-3000:]
+    for client in clients:
+        assert wait_exit(client, 60) == 0, text(client)[-3000:]
+    assert "insecure" not in text(server)
+    assert (out / "summary.json").is_file() and len((out / "metrics.jsonl").read_text().splitlines()) == 2
