@@ -53,12 +53,10 @@ def read_run(outdir: Path) -> CourseRun:
 
 
 def _run_course(job: Job) -> CourseRun:
-    """Run one course in this process and read back its outputs (the single place that would
-    switch to `fedcore.run(cfg_or_path, **overrides)` once that exists)."""
-    from fedcore.config import load_config
-    from fedcore.course import Course
-    cfg = load_config(job.base, job.argv())
-    Course(cfg, job.outdir).build().run()
+    """Run one course in this process through the Python API, quietly, and read back its
+    outputs: a promoted trial's metrics.jsonl holds its rounds from before the checkpoint too."""
+    import fedcore
+    fedcore.run([job.base, {**job.overrides, "outdir": str(job.outdir), "verbose": 0}])
     return read_run(job.outdir)
 
 
