@@ -21,14 +21,16 @@ __all__ = ["EXECUTORS", "apply_torch_threads", "install_executor", "close_execut
 
 log = logging.getLogger("fedcore.executor")
 
-EXECUTORS = ("sequential", "vectorized", "processes")
+EXECUTORS = ("sequential", "vectorized", "processes", "ray")
 
 declare("executor", str, "sequential",
         "how local trainings run: sequential (one after another), vectorized (clients that "
         "receive the same model train together with torch.func over stacked parameters), "
-        "processes (a pool of worker processes, one per core)", choices=EXECUTORS)
+        "processes (a pool of worker processes, one per core), ray (actors on a Ray cluster, or a "
+        "local Ray; see executor.ray.*)", choices=EXECUTORS)
 declare("executor_workers", int, None,
-        "processes executor: worker processes (default: the number of usable cores)",
+        "processes executor: worker processes (default: the number of usable cores); ray "
+        "executor: actors (default: as many as the cluster's resources hold)",
         check=positive)
 declare("torch_threads", int, 1,
         "torch intra-op threads for this process; 1 suits the small models simulations train one "
