@@ -130,7 +130,7 @@ class Course:
         self.device = resolve_device(self.cfg["device"])
         apply_determinism(self.cfg)
         if self.device.type != "cpu":
-            place_data(self.data, self.device, self.cfg["device_data_bytes"])
+            self.data = place_data(self.data, self.device, self.cfg["device_data_bytes"])
             model.to(self.device)
         return model
 

@@ -8,6 +8,7 @@ a state store holds no GPU memory per client.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
@@ -121,25 +122,29 @@ class DeviceStateStore(StateStore):
         self.inner.close()
 
 
-def place_data(data, device: torch.device, budget: int | None) -> bool:
-    """Move every client's splits and the server's test set to `device` when they fit in
-    `budget` bytes (default: half the device's free memory); return whether they moved.
-    Data left on the CPU are moved one mini-batch at a time by the trainer."""
+def place_data(data, device: torch.device, budget: int | None):
+    """`data` with every client's splits and the server's test set on `device` when they fit
+    in `budget` bytes (default: half the device's free memory), else `data` itself, whose
+    mini-batches the trainer then moves one at a time. The caller's `data` is not changed."""
     if device.type == "cpu":
-        return False
-    splits = [s for c in data.clients.values() for s in (c.train, c.val, c.test)]
-    splits.append(data.server_test)
+        return data
+    clients = data.clients
+    splits = [s for c in clients.values() for s in (c.train, c.val, c.test)] + [data.server_test]
     size = sum(t.numel() * t.element_size() for s in splits for t in (s.x, s.y))
     if budget is None:
         budget = torch.cuda.mem_get_info(device)[0] // 2 if device.type == "cuda" else 2 ** 30
     if size > budget:
-        return False
+        return data
     moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # shared tensors stay shared
 
     def move(t: torch.Tensor) -> torch.Tensor:
         if id(t) not in moved:
             moved[id(t)] = (t, t.to(device))    # the original is kept so its id is not reused
         return moved[id(t)][1]
-    for s in splits:
-        s.x, s.y = move(s.x), move(s.y)
-    return True
+
+    def split(s):
+        return dataclasses.replace(s, x=move(s.x), y=move(s.y))
+    return dataclasses.replace(
+        data, server_test=split(data.server_test),
+        clients={cid: dataclasses.replace(c, train=split(c.train), val=split(c.val),
+                                          test=split(c.test)) for cid, c in clients.items()})

@@ -267,7 +267,7 @@ class ClientCourse(Course):
         self.comm = comm
         comm.device = self.device          # received tensors go where the model is
         self.client_ids = [client_id]
-        self.client = Client(client_id, self.client_table, self, mine)
+        self.client = Client(client_id, self.client_table, self, self.data.clients[client_id])
         self.client.finished = False
         self.clients = {client_id: self.client}
         self.install_handlers()
