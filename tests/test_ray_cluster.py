@@ -17,6 +17,8 @@ from tests.conftest import small_cfg
 
 ray = pytest.importorskip("ray", reason="Ray is the optional extra 'ray' (pip install '.[ray]')")
 
+pytestmark = pytest.mark.slow
+
 
 def _free_port() -> int:
     with socket.socket() as s:

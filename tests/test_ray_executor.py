@@ -12,6 +12,8 @@ from tests.conftest import small_cfg
 
 ray = pytest.importorskip("ray", reason="Ray is the optional extra 'ray' (pip install '.[ray]')")
 
+pytestmark = pytest.mark.slow
+
 TRACE_KEYS = ("round", "virtual_time", "bytes_up", "bytes_down", "num_updates")
 
 
