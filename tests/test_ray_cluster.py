@@ -71,13 +71,32 @@ def two_node_cluster(monkeypatch):
             p.wait()
 
 
+def _wait_for_two_nodes(address: str) -> None:
+    """Until both nodes have joined (a course started earlier would find one node, and its
+    second actor would wait for the other)."""
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
+            break
+        except ConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+    try:
+        while len([n for n in ray.nodes() if n["Alive"]]) < 2:
+            assert time.monotonic() < deadline, "the second node never joined"
+            time.sleep(0.5)
+    finally:
+        ray.shutdown()   # the course joins the cluster itself, from executor.ray.address
+
+
 def test_a_course_trains_on_both_nodes_of_a_cluster(two_node_cluster, caplog):
     overrides = dict(algorithm__name="scaffold", train__local_steps=2, federate__total_round_num=2,
                      torch_threads=1)
     seq = Course(small_cfg(None, **overrides)).build()
     seq.run()
-    # no waiting for the nodes: joining waits for the head, and the second actor (one CPU
-    # each, one CPU per node) waits for the second node
+    _wait_for_two_nodes(two_node_cluster)
     with caplog.at_level(logging.INFO, logger="fedcore.executor"):
         course = Course(small_cfg(None, executor="ray", executor_workers=2,
                                   executor__ray__address=two_node_cluster, **overrides)).build()
