@@ -67,8 +67,13 @@ def require_ray():
 
 @validator
 def _check_ray(cfg) -> None:
-    if cfg["executor"] == "ray":
-        require_ray()
+    if cfg["executor"] != "ray":
+        return
+    require_ray()
+    if cfg["device"] != "cpu" and cfg["device"] != "auto" and not cfg["executor.ray.num_gpus"]:
+        raise ConfigError(f"executor.ray.num_gpus: 0, but device: {cfg['device']}; Ray shows an "
+                          "actor only the GPUs it reserves: give each a share (1, or 0.5 for two "
+                          "per GPU)")
 
 
 def _pack_state(state: dict) -> dict:
@@ -127,6 +132,7 @@ class RayEngine(Engine):
         self._actors: list = []
         self._nodes: list[str] = []
         self._started_ray = False
+        self._healthy = False      # the last batch succeeded: the actors may serve another run
         self.clients_by_node: Counter = Counter()   # node id -> clients trained there
 
     @staticmethod
@@ -181,6 +187,7 @@ class RayEngine(Engine):
 
     def fit_many(self, trainer, jobs, received, round_):
         import ray
+        self._healthy = False
         if not self._actors:
             self._start()
         size = len(self._actors)
@@ -206,6 +213,7 @@ class RayEngine(Engine):
             self.clients_by_node[node] += len(cids)
         log.info("executor ray: round %d: %s", round_, "; ".join(
             f"clients {sorted(c)} on node {n[:12]}" for n, c in trained.items()))
+        self._healthy = True
         return [answers.get(cid) for cid, _, _ in jobs]
 
     def close(self) -> None:
@@ -214,13 +222,14 @@ class RayEngine(Engine):
         if not self._actors and not self._started_ray:
             return
         import ray
-        if self._started_ray:
+        if self._healthy and not self._started_ray:
+            _IDLE[self._pool_key] = self._actors
+        else:
             for actor in self._actors:
                 ray.kill(actor)
+        if self._started_ray:
             ray.shutdown()
             self._started_ray = False
-        elif self._actors:
-            _IDLE[self._pool_key] = self._actors
         self._actors = []
 
 
