@@ -14,6 +14,7 @@ builds new tensors, so in-flight messages stay valid.
 from __future__ import annotations
 
 import fnmatch
+import itertools
 import math
 import operator
 import warnings
@@ -169,7 +170,7 @@ _BASE, _SHAPE = operator.attrgetter("_base"), operator.attrgetter("shape")
 
 def model_device(model: nn.Module) -> torch.device:
     """The device of the model's first parameter or buffer (the CPU for an empty model)."""
-    for t in model.state_dict().values():
+    for t in itertools.chain(model.parameters(), model.buffers()):
         return t.device
     return torch.device("cpu")
 
