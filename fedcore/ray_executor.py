@@ -15,6 +15,10 @@ are `fedcore.serialization` bytes (states that are not plain tensors, such as
 optimizer states, as `torch.save` bytes read back with `weights_only=True`);
 results are put back in the order of the jobs, so the course's numbers are
 those of the sequential executor.
+
+The process joins Ray once (`executor.ray.address`, or a local Ray started
+for it) and stays in it; at the end of a run the actors wait, warm, for the
+next course the process runs with the same resources.
 """
 from __future__ import annotations
 
@@ -49,6 +53,9 @@ declare("executor.ray.num_cpus", float, 1.0,
 declare("executor.ray.num_gpus", float, 0.0,
         "executor ray: GPUs reserved by each actor; fractions share one GPU between actors "
         "(0.25: four actors per GPU); set device too", check=non_negative)
+declare("executor.ray.object_store_mb", int, None,
+        "executor ray without an address: the local Ray's object store, in MB (null: Ray's "
+        "default, a share of the memory)", check=positive)
 declare("executor.ray.start_timeout", float, 300.0,
         "executor ray: seconds to wait for the actors to start (a cluster short of the requested "
         "resources never starts them); after it the run trains sequentially", check=positive)
@@ -131,7 +138,6 @@ class RayEngine(Engine):
         self.cfg = course.cfg
         self._actors: list = []
         self._nodes: list[str] = []
-        self._started_ray = False
         self._healthy = False      # the last batch succeeded: the actors may serve another run
         self.clients_by_node: Counter = Counter()   # node id -> clients trained there
 
@@ -153,16 +159,22 @@ class RayEngine(Engine):
     def _start(self) -> None:
         ray = require_ray()
         r = self.cfg.section("executor.ray")
-        if not ray.is_initialized():
+        if not ray.is_initialized():   # Ray then stays for this process (more runs reuse it)
             if r["address"] is None:
-                ray.init(num_cpus=usable_cores(), include_dashboard=False,
+                store = r["object_store_mb"] * 2 ** 20 if r["object_store_mb"] else None
+                ray.init(num_cpus=usable_cores(), include_dashboard=False, object_store_memory=store,
                          logging_level=logging.WARNING, log_to_driver=False)
             else:
                 ray.init(address=r["address"], logging_level=logging.WARNING, log_to_driver=False)
-            self._started_ray = True
+        elif r["address"] is not None:
+            log.info("executor ray: this process already runs in a Ray; executor.ray.address "
+                     "is not used")
         size = self.cfg["executor_workers"] or self._fitting_actors(ray, r)
-        self._pool_key = (ray.get_runtime_context().get_node_id(), r["num_cpus"], r["num_gpus"], size)
-        self._actors = _IDLE.pop(self._pool_key, None) if not self._started_ray else None
+        node = ray.get_runtime_context().get_node_id()
+        for stale in [k for k in _IDLE if k[0] != node]:   # actors of a Ray this process left
+            del _IDLE[stale]
+        self._pool_key = (node, r["num_cpus"], r["num_gpus"], size)
+        self._actors = _IDLE.pop(self._pool_key, None)
         if self._actors is None:
             actor = ray.remote(TrainerActor).options(num_cpus=r["num_cpus"], num_gpus=r["num_gpus"])
             self._actors = [actor.remote() for _ in range(size)]
@@ -217,19 +229,17 @@ class RayEngine(Engine):
         return [answers.get(cid) for cid, _, _ in jobs]
 
     def close(self) -> None:
-        """Give the actors back: to the idle pool when Ray outlives the run (a driver that
-        runs course after course reuses warm actors), with Ray itself when the run started it."""
-        if not self._actors and not self._started_ray:
+        """Give the actors back to the idle pool, warm for the next course this process runs
+        (actors whose last batch failed are killed instead). Ray itself stays until the
+        process ends or calls `ray.shutdown()`."""
+        if not self._actors:
             return
-        import ray
-        if self._healthy and not self._started_ray:
+        if self._healthy:
             _IDLE[self._pool_key] = self._actors
         else:
+            import ray
             for actor in self._actors:
                 ray.kill(actor)
-        if self._started_ray:
-            ray.shutdown()
-            self._started_ray = False
         self._actors = []
 
 

@@ -1,8 +1,9 @@
 """A two-node Ray cluster on loopback (`ray start --head`, then `ray start --address`, one
 CPU each): a course with `executor: ray` joins it, trains clients on both nodes, and gives
 the sequential executor's numbers."""
-import logging
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -11,6 +12,7 @@ import tempfile
 import time
 
 import pytest
+import torch
 
 from fedcore.course import Course
 from tests.conftest import small_cfg
@@ -42,20 +44,18 @@ def _ray_start(tmp: str, port: int, head: bool) -> subprocess.Popen:
         cmd += ["--address", f"127.0.0.1:{port}"]
     log = open(os.path.join(tmp, "head.log" if head else "worker.log"), "w")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env=dict(os.environ, RAY_AUTH_MODE="disabled"))
+                            env=dict(os.environ, RAY_AUTH_MODE="disabled"),
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture
-def two_node_cluster(monkeypatch):
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")   # loopback only; the driver must agree
+def two_node_cluster():
     tmp = tempfile.mkdtemp(prefix="/tmp/fcray")       # short: Ray's socket paths must fit
     port = _free_port()
     nodes = [_ray_start(tmp, port, head=True), _ray_start(tmp, port, head=False)]
     try:
         yield f"127.0.0.1:{port}"
     finally:
-        if ray.is_initialized():
-            ray.shutdown()
         for p in nodes:
             os.killpg(p.pid, signal.SIGTERM)
         deadline = time.monotonic() + 5
@@ -69,42 +69,40 @@ def two_node_cluster(monkeypatch):
             except ProcessLookupError:
                 pass
             p.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _wait_for_two_nodes(address: str) -> None:
-    """Until both nodes have joined (a course started earlier would find one node, and its
-    second actor would wait for the other)."""
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
-            break
-        except ConnectionError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
-    try:
-        while len([n for n in ray.nodes() if n["Alive"]]) < 2:
-            assert time.monotonic() < deadline, "the second node never joined"
-            time.sleep(0.5)
-    finally:
-        ray.shutdown()   # the course joins the cluster itself, from executor.ray.address
+# The course runs in a process of its own, as a user's driver would: a process that was
+# already in another Ray session (this one's tests may have been) can confuse Ray's ids.
+DRIVER = """
+import json, sys, torch
+from fedcore.course import Course
+from tests.conftest import small_cfg
+course = Course(small_cfg(None, **json.loads(sys.argv[1]))).build()
+course.run()
+torch.save(dict(course.server.aggregator.global_state), sys.argv[2])
+print(json.dumps({"by_node": course.trainer.engine.clients_by_node,
+                  "batched": course.trainer.batched_fits}))
+"""
 
 
-def test_a_course_trains_on_both_nodes_of_a_cluster(two_node_cluster, caplog):
+def test_a_course_trains_on_both_nodes_of_a_cluster(two_node_cluster, tmp_path):
     overrides = dict(algorithm__name="scaffold", train__local_steps=2, federate__total_round_num=2,
                      torch_threads=1)
     seq = Course(small_cfg(None, **overrides)).build()
     seq.run()
-    _wait_for_two_nodes(two_node_cluster)
-    with caplog.at_level(logging.INFO, logger="fedcore.executor"):
-        course = Course(small_cfg(None, executor="ray", executor_workers=2,
-                                  executor__ray__address=two_node_cluster, **overrides)).build()
-        course.run()
-    assert not ray.is_initialized()           # the run left the cluster it joined
-    by_node = course.trainer.engine.clients_by_node
-    assert len(by_node) == 2 and all(n > 0 for n in by_node.values())
-    assert sum(by_node.values()) == course.trainer.batched_fits == 12
-    assert "2 actors on 2 node(s)" in caplog.text
-    a, b = seq.server.aggregator.global_state, course.server.aggregator.global_state
+    # the second actor (one CPU each, one CPU per node) waits for the second node to join
+    ray_overrides = dict(overrides, executor="ray", executor_workers=2,
+                         executor__ray__address=two_node_cluster)
+    out = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(ray_overrides),
+                          str(tmp_path / "final.pt")], capture_output=True, text=True, timeout=240,
+                         env=dict(os.environ, RAY_AUTH_MODE="disabled"),
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    by_node = report["by_node"]
+    assert len(by_node) == 2 and all(n > 0 for n in by_node.values())   # both nodes trained
+    assert sum(by_node.values()) == report["batched"] == 12
+    a = seq.server.aggregator.global_state
+    b = torch.load(tmp_path / "final.pt", weights_only=True)
     assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
