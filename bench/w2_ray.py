@@ -22,7 +22,7 @@ import sys
 import numpy as np
 import torch
 
-from bench.common import (INPUT_SHAPE, NUM_CLASSES, RoundTimes, _teacher, bench_cfg, client_shard,
+from bench.common import (NUM_CLASSES, RoundTimes, _teacher, bench_cfg, client_shard,
                           max_abs_diff, run_fedcore)
 from fedcore import registry
 from fedcore.scenarios.data import RawDataset

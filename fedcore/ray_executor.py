@@ -25,7 +25,6 @@ from __future__ import annotations
 import io
 import logging
 from collections import Counter
-from typing import Any
 
 import torch
 import yaml

@@ -62,6 +62,7 @@ def test_moving_to_the_device_a_tensor_is_on_is_no_copy():
     moved = to_device(tree, torch.device("cpu"))
     assert moved["a"] is t and moved["b"][0] is t and moved["c"]["d"][0] is t
     assert moved["b"][1] == 2 and moved["e"] == "text" and isinstance(moved["c"]["d"], tuple)
+    assert to_cpu(tree)["c"]["d"][0] is t
 
 
 def test_the_device_store_keeps_states_on_the_cpu():
