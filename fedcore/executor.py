@@ -2,11 +2,11 @@
 
 The handlers never change: a client's `receiving_models` handler calls
 `course.trainer.fit(...)` as always. What changes is what stands behind
-`course.trainer`. `sequential` is the trainer itself. `vectorized` and
-`processes` put a batching front in place: when the server sends one model
-to many clients, the front notes the receivers; at the first of those
-deliveries it trains all of them at once (vectorised over stacked parameters,
-or spread over worker processes) and hands each client's handler its own
+`course.trainer`. `sequential` is the trainer itself. `vectorized`,
+`processes` and `ray` put a batching front in place: when the server sends
+one model to many clients, the front notes the receivers; at the first of
+those deliveries it trains all of them at once (vectorised over stacked
+parameters, spread over worker processes, or over Ray actors) and hands each client's handler its own
 result when its delivery comes. Virtual timestamps, byte counts and the
 order of events are untouched, so a course gives the same numbers whichever
 executor runs it.
