@@ -67,4 +67,4 @@ def scale_update(model: dict, reference: dict, scale: float) -> dict:
 def gaussian_update(model: dict, reference: dict, std: float, generator: torch.Generator) -> dict:
     """w_received + N(0, std^2): an update of pure noise."""
     return _map_delta(model, reference, lambda n, d: torch.randn(
-        d.shape, generator=generator, dtype=torch.float64) * std)
+        d.shape, generator=generator, dtype=torch.float64).to(d.device) * std)

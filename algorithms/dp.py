@@ -96,7 +96,7 @@ def privatize(model: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]
     delta = {n: model[n].to(torch.float64) - reference[n].to(torch.float64) for n in names}
     vec, norm = clip_delta(flatten(delta, names), clip_norm)
     if noise_multiplier > 0:
-        vec = vec + gaussian_noise(vec.numel(), noise_multiplier * clip_norm, generator)
+        vec = vec + gaussian_noise(vec.numel(), noise_multiplier * clip_norm, generator).to(vec.device)
     noisy = unflatten(vec, delta, names)
     out = dict(model)
     for n in names:
@@ -112,7 +112,7 @@ def central_dp_rule(clip_norm: float, noise_multiplier: float, seed: int):
         total = torch.stack(clipped).sum(dim=0)
         if noise_multiplier > 0:
             total = total + gaussian_noise(total.numel(), noise_multiplier * clip_norm,
-                                           noise_generator(seed, 0, round_))
+                                           noise_generator(seed, 0, round_)).to(total.device)
         mean = total / len(deltas)
         return unflatten(mean, deltas[0], names), {
             "dp_clipped": sum(1 for n in norms if n > clip_norm)}

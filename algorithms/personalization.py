@@ -89,7 +89,7 @@ def local_train(trainer: Trainer, client_id: int, data, steps: int, seed: int,
     for _ in range(steps):
         idx = stream.next()
         opt.zero_grad(set_to_none=True)
-        loss = Trainer.objective(trainer, train.x[idx], train.y[idx])
+        loss = Trainer.objective(trainer, train.x[idx].to(trainer.device), train.y[idx].to(trainer.device))
         if penalty is not None:
             loss = loss + penalty()
         loss.backward()

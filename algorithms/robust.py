@@ -135,7 +135,7 @@ def make_rule(cfg):
         if name in ("krum", "multi_krum"):
             keep = m if m is not None else (1 if name == "krum" else len(deltas) - f)
             chosen = krum_select(vecs, f, keep)
-            w = torch.tensor([weights[i] for i in chosen], dtype=torch.float64)
+            w = torch.tensor([weights[i] for i in chosen], dtype=torch.float64, device=vecs.device)
             out = (vecs[chosen] * (w / w.sum())[:, None]).sum(dim=0)
             metrics["robust_selected"] = sorted(client_ids[i] for i in chosen)
         elif name == "median":
@@ -145,7 +145,7 @@ def make_rule(cfg):
         else:  # norm_bound
             norms = vecs.norm(dim=1)
             scale = torch.clamp(bound / norms.clamp_min(1e-300), max=1.0)
-            w = torch.tensor(weights, dtype=torch.float64)
+            w = torch.tensor(weights, dtype=torch.float64, device=vecs.device)
             out = ((vecs * scale[:, None]) * (w / w.sum())[:, None]).sum(dim=0)
             metrics["robust_clipped"] = int((norms > bound).sum().item())
         return unflatten(out, deltas[0], names), metrics

@@ -196,9 +196,10 @@ def run_fedcore(cfg, data: FederatedData, before_run: Callable | None = None) ->
     return RoundTimes(*clock.rounds(), state, "fedcore")
 
 
-def run_plain(cfg, data: FederatedData) -> RoundTimes:
+def run_plain(cfg, data: FederatedData, device: str = "cpu") -> RoundTimes:
     """The plain-PyTorch loop doing exactly what the fedcore course does (FedAvg, or SCAFFOLD
-    when `algorithm.name` is scaffold: each client's control variate c_i kept in a dict)."""
+    when `algorithm.name` is scaffold: each client's control variate c_i kept in a dict), with
+    its model on `device` (the data on whatever device the caller put them)."""
     from fedcore.scenarios.models import build_model
     clock = _Clock()
     seed = cfg["seed"]
@@ -212,7 +213,7 @@ def run_plain(cfg, data: FederatedData) -> RoundTimes:
     if scaffold and (cfg["algorithm.scaffold.weighting"] != "uniform"
                      or cfg["algorithm.scaffold.global_lr"] != 1.0):
         raise ValueError("the plain SCAFFOLD reference is the paper's: uniform mean, global_lr 1")
-    model = build_model(cfg, data.input_shape, data.num_classes)
+    model = build_model(cfg, data.input_shape, data.num_classes).to(device)
     global_state = {name: t.detach().clone() for name, t in model.state_dict().items()}
     params = dict(model.state_dict(keep_vars=True))
     trainable = {n: p for n, p in model.named_parameters()}

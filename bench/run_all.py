@@ -99,6 +99,26 @@ def main(argv=None) -> int:
         rows.append(("W5 wire", f"round latency, 50 clients, tiny model, {mode}, s",
                      _f(f.get(f"w5_round_latency_s{suffix}")), "-", "-", "-", ""))
 
+    try:
+        import ray  # noqa: F401 - the optional extra 'ray'
+        rc, out = _run("bench.w2_ray", ["--reps", "1", "--rounds", "3"] if a.quick else [])
+        f = _last_fields(out)
+        rows.append(("W2 on Ray", "ray vs processes, equal CPUs (wall clock)",
+                     _f(f.get("ray_s_per_round")), _f(f.get("processes_s_per_round")),
+                     _f(f.get("ray_over_processes"), "{:.2f}x"), "<= 1.2x",
+                     _met(f.get("ray_over_processes"), lambda r: r <= 1.2)))
+    except ImportError:
+        rows.append(("W2 on Ray", "not run: the extra 'ray' is not installed", "-", "-", "-",
+                     "<= 1.2x", "?"))
+    rc, out = _run("bench.gpu", ["--reps", "1"] if a.quick else [])
+    f = _last_fields(out)
+    rows.append(("W2 on a GPU", "vectorized, device cuda (wall clock)" if rc == 0 else
+                 "not run: no CUDA GPU", _f(f.get("W2_fedcore-cuda-vectorized_s_per_round")),
+                 _f(f.get("W2_plain-cpu_s_per_round")),
+                 _f(1 / float(f["W2_vectorized_speedup_over_plain_cpu"]) if rc == 0 else None,
+                    "{:.3f}x"), ">= 10x faster than plain CPU",
+                 _met(f.get("W2_vectorized_speedup_over_plain_cpu"), lambda r: r >= 10)))
+
     print(f"machine: {platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, "
           f"python {platform.python_version()}; load average {os.getloadavg()}")
     head = ("workload", "measurement", "fedcore s/round", "plain s/round", "ratio", "target", "met")

@@ -93,6 +93,13 @@ class BatchingTrainer:
                 log.warning("executor vectorized: %s; running sequentially", reason)
                 return trainer
             engine: Engine = VectorEngine(trainer, course.cfg)
+        elif kind == "ray":
+            from fedcore.ray_executor import RayEngine
+            reason = RayEngine.unsupported(course)
+            if reason:
+                log.warning("executor ray: %s; running sequentially", reason)
+                return trainer
+            engine = RayEngine(course)
         else:
             from fedcore.procpool import ProcessEngine
             reason = ProcessEngine.unsupported(trainer, course.cfg)

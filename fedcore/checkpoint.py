@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 
 from fedcore.config import declare, non_negative, validator
+from fedcore.device import CPU, to_cpu, to_device
 from fedcore.errors import ConfigError
 
 __all__ = ["Checkpointer", "resume", "load_tensor_file"]
@@ -103,8 +104,8 @@ class Checkpointer:
             "round": server.round,
             "algorithm": course.cfg["algorithm.name"],
             "virtual_time": server.now,
-            "global_state": server.aggregator.global_state,
-            "aggregator": server.aggregator.state_dict(),
+            "global_state": to_cpu(server.aggregator.global_state),   # resumable without a GPU
+            "aggregator": to_cpu(server.aggregator.state_dict()),
             "sampler_rng": server.sampler.rng.bit_generator.state,
             "sampler_turn": getattr(server.sampler, "turn", None),   # the group sampler's position
             "torch_rng": torch.get_rng_state(),
@@ -152,8 +153,9 @@ def resume(course, path: str) -> float:
     if absent:
         raise ConfigError(f"resume_from: '{path}' holds no state for '{absent[0]}', which this "
                           "course keeps; resume with the config that wrote the checkpoint")
-    server.aggregator.global_state = state["global_state"]
-    server.aggregator.load_state_dict(state["aggregator"])
+    device = getattr(course, "device", CPU)
+    server.aggregator.global_state = to_device(state["global_state"], device)
+    server.aggregator.load_state_dict(to_device(state["aggregator"], device))
     server.sampler.rng.bit_generator.state = state["sampler_rng"]
     if state.get("sampler_turn") is not None:
         server.sampler.turn = state["sampler_turn"]

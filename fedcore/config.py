@@ -135,7 +135,14 @@ def _flatten(tree: dict, prefix: str, out: dict) -> None:
         if not isinstance(name, str):
             raise ConfigError(f"config key {name!r} under '{prefix or '<top>'}' is not a string")
         dotted = f"{prefix}{name}"
-        if dotted in SCHEMA or not isinstance(value, dict):
+        if isinstance(value, dict) and _heads_section(dotted):
+            # a key with sub-keys (`executor: ray` and `executor.ray.*`) given as a mapping:
+            # its own value under `name`, the sub-keys beside it
+            rest = dict(value)
+            if "name" in rest:
+                out[dotted] = rest.pop("name")
+            _flatten(rest, dotted + ".", out)
+        elif dotted in SCHEMA or not isinstance(value, dict):
             if dotted not in SCHEMA:
                 raise ConfigError(f"unknown config key '{dotted}'{nearest_key(dotted)}")
             out[dotted] = value
@@ -143,6 +150,13 @@ def _flatten(tree: dict, prefix: str, out: dict) -> None:
             if not value and not any(k.startswith(dotted + ".") for k in SCHEMA):
                 raise ConfigError(f"unknown config section '{dotted}'{nearest_key(dotted)}")
             _flatten(value, dotted + ".", out)
+
+
+def _heads_section(dotted: str) -> bool:
+    """True for a declared scalar key that also has declared sub-keys (`executor`)."""
+    key = SCHEMA.get(dotted)
+    return key is not None and key.type is not dict and f"{dotted}.name" not in SCHEMA \
+        and any(k.startswith(dotted + ".") for k in SCHEMA)
 
 
 class Config:
@@ -195,8 +209,13 @@ class Config:
             node = tree
             parts = dotted.split(".")
             for part in parts[:-1]:
+                if not isinstance(node.get(part, {}), dict):
+                    node[part] = {"name": node[part]}   # a key with sub-keys: see _flatten
                 node = node.setdefault(part, {})
-            node[parts[-1]] = self._values[dotted]
+            if isinstance(node.get(parts[-1]), dict):
+                node[parts[-1]]["name"] = self._values[dotted]
+            else:
+                node[parts[-1]] = self._values[dotted]
         return tree
 
     def dump(self, path: Path) -> None:
@@ -262,8 +281,10 @@ def load_builtin_plugins() -> None:
     """Import the packages whose modules declare keys and register plug-ins."""
     import fedcore.algorithms  # noqa: F401
     import fedcore.checkpoint  # noqa: F401
+    import fedcore.device  # noqa: F401
     import fedcore.distributed  # noqa: F401
     import fedcore.executor  # noqa: F401
+    import fedcore.ray_executor  # noqa: F401
     import fedcore.handlers  # noqa: F401
     import fedcore.loggers  # noqa: F401
     import fedcore.sampling  # noqa: F401
@@ -338,9 +359,9 @@ def load_config(path: str | Path | dict | list | tuple | None = None, overrides:
             _import_plugins(value or [])
     _import_plugins((extra or {}).get("plugins") or [])
     for key, value in pairs:
-        if isinstance(value, dict) and key not in SCHEMA:
+        if isinstance(value, dict) and (key not in SCHEMA or _heads_section(key)):
             flat: dict[str, Any] = {}
-            _flatten(value, key + ".", flat)
+            _flatten({key: value}, "", flat)
         elif key not in SCHEMA:
             raise ConfigError(f"unknown config key '{key}'{nearest_key(key)}")
         else:

@@ -14,6 +14,7 @@ builds new tensors, so in-flight messages stay valid.
 from __future__ import annotations
 
 import fnmatch
+import itertools
 import math
 import operator
 import warnings
@@ -27,7 +28,7 @@ from fedcore.inner_loop import build_scheduler
 from fedcore.state import StateStore
 
 __all__ = ["Algorithm", "Trainer", "Aggregator", "FitResult", "ReceivedUpdate", "BatchStream",
-           "ShareFilter", "weighted_mean", "evaluate_model"]
+           "ShareFilter", "weighted_mean", "evaluate_model", "model_device"]
 
 
 @dataclass(frozen=True)
@@ -128,17 +129,17 @@ def weighted_mean(tensors: list[torch.Tensor], weights: list[float]) -> torch.Te
     total = float(sum(weights))
     ref = tensors[0]
     if not ref.is_floating_point():
-        acc = torch.zeros(ref.shape, dtype=torch.float64)
+        acc = torch.zeros(ref.shape, dtype=torch.float64, device=ref.device)
         for t, w in zip(tensors, weights):
             acc.add_(t.to(torch.float64), alpha=w / total)
         return acc.round().to(ref.dtype)
     rows = _rows(tensors)
     if rows is None:
-        acc = torch.zeros(ref.shape, dtype=ref.dtype)
+        acc = torch.zeros(ref.shape, dtype=ref.dtype, device=ref.device)
         for t, w in zip(tensors, weights):
             acc.add_(t.to(ref.dtype), alpha=w / total)
         return acc
-    coef = torch.tensor([w / total for w in weights], dtype=ref.dtype)
+    coef = torch.tensor([w / total for w in weights], dtype=ref.dtype, device=ref.device)
     return (coef @ rows).reshape(ref.shape)
 
 
@@ -167,6 +168,13 @@ _STORAGE_OFFSET, _CONTIGUOUS = torch.Tensor.storage_offset, torch.Tensor.is_cont
 _BASE, _SHAPE = operator.attrgetter("_base"), operator.attrgetter("shape")
 
 
+def model_device(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter or buffer (the CPU for an empty model)."""
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
 def evaluate_model(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str,
                    batch_size: int = 1024) -> dict[str, float]:
     """Mean loss and (for classification) accuracy of `model` on (x, y)."""
@@ -176,9 +184,12 @@ def evaluate_model(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str
     was_training = model.training
     model.eval()
     total_loss, correct = 0.0, 0
+    device = model_device(model)
     with torch.no_grad():
         for start in range(0, n, batch_size):
             xb, yb = x[start:start + batch_size], y[start:start + batch_size]
+            if xb.device != device:   # data kept in CPU memory: moved one batch at a time
+                xb, yb = xb.to(device), yb.to(device)
             out = model(xb)
             if loss == "mse":
                 total_loss += nn.functional.mse_loss(out.reshape(yb.shape), yb, reduction="sum").item()
@@ -202,6 +213,7 @@ class Trainer:
         self.loss = cfg["train.loss"]
         self.shared = ShareFilter(cfg["federate.share_params"])
         self.entries: dict[str, torch.Tensor] = dict(model.state_dict(keep_vars=True))
+        self.device = model_device(model)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.param_names = [n for n, p in model.named_parameters() if p.requires_grad]
         # Entries that stay local start from the initial model for every client.
@@ -323,13 +335,13 @@ class Trainer:
         steps = self.num_steps(len(train)) if len(train) else 0
         work, loss_sum = 0.0, 0.0
         self.model.train()
+        batch = self._batch_on_device if train.x.device != self.device else _batch
         for _ in range(steps):
             if self.grad_accum == 1:
-                idx = stream.next()
-                loss, w = self.step(train.x[idx], train.y[idx])
+                loss, w = self.step(*batch(train, stream.next()))
             else:
                 idxs = [stream.next() for _ in range(self.grad_accum)]
-                loss, w = self.accumulated_step([(train.x[i], train.y[i]) for i in idxs])
+                loss, w = self.accumulated_step([batch(train, i) for i in idxs])
             if self.scheduler is not None:
                 with warnings.catch_warnings():  # trainers that step by hand (FedMoS) skip optimizer.step
                     warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
@@ -344,6 +356,10 @@ class Trainer:
         self.store.save(client_id, state)
         metrics = {"train_loss": loss_sum / steps} if steps else {}
         return FitResult(content, work, metrics)
+
+    def _batch_on_device(self, split, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A mini-batch of data kept in CPU memory, moved to the model's device."""
+        return split.x[idx].to(self.device, non_blocking=True), split.y[idx].to(self.device, non_blocking=True)
 
     def _restore_optimizer(self, state: dict) -> None:
         """Swap in this client's optimizer (and scheduler) state, or a fresh one."""
@@ -427,6 +443,10 @@ class Aggregator:
         """Restore what `state_dict` returned (when resuming from a checkpoint)."""
         if state:  # an aggregator with state must restore it: never resume with it silently reset
             raise NotImplementedError(f"{type(self).__name__} keeps server state but cannot restore it")
+
+
+def _batch(split, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return split.x[idx], split.y[idx]
 
 
 def _cloned(obj: Any) -> Any:

@@ -19,6 +19,7 @@ from fedcore import registry
 from fedcore.checkpoint import Checkpointer, load_tensor_file, resume
 from fedcore.comm.inprocess import InProcessComm
 from fedcore.completeness import CheckResult, require_complete
+from fedcore.device import DeviceStateStore, apply_determinism, place_data, resolve_device
 from fedcore.errors import ConfigError, FedcoreError
 from fedcore.executor import close_executor, install_executor
 from fedcore.loggers import make_loggers
@@ -93,13 +94,14 @@ class Course:
         from fedcore.scenarios.data import build_federated_data
         cfg = self.cfg
         self.data = data if data is not None else build_federated_data(cfg)
+        self.data_from_config = data is None     # what a remote executor can rebuild on its own
         model = self.make_model()
         try:
             self.store = make_state_store(cfg["state.store"], cfg["state.path"])
         except OSError as exc:
             raise ConfigError(f"state.path: cannot use '{cfg['state.path']}' for the disk state store "
                               f"({exc.strerror or exc}); choose a writable folder") from None
-        self.trainer = self.algorithm.trainer(copy.deepcopy(model), cfg, self.store)
+        self.trainer = self.algorithm.trainer(copy.deepcopy(model), cfg, self.trainer_store())
         self.timing = TimeModel.from_config(cfg, self.client_ids)
         self.comm = InProcessComm(self.scheduler, self.timing, self.monitor.count_bytes)
         if self.timing.has_dropouts:
@@ -124,13 +126,25 @@ class Course:
         return registry.algorithms.get(self.cfg["algorithm.name"])
 
     def make_model(self) -> torch.nn.Module:
-        """The initial global model: built for the data's shapes, or loaded from model.init_from."""
+        """The initial global model: built for the data's shapes, or loaded from model.init_from,
+        on the course's device (where the data go too, when they fit)."""
         from fedcore.scenarios.models import build_model
         model = build_model(self.cfg, self.data.input_shape, self.data.num_classes)
         if self.cfg["model.init_from"]:
             load_initial_model(model, self.cfg["model.init_from"])
         check_share_params(model, self.cfg)
+        self.device = resolve_device(self.cfg["device"])
+        apply_determinism(self.cfg)
+        if self.device.type != "cpu":
+            self.data = place_data(self.data, self.device, self.cfg["device_data_bytes"])
+            model.to(self.device)
         return model
+
+    def trainer_store(self):
+        """The state store as the trainer sees it: states on the device, kept on the CPU."""
+        if self.device.type == "cpu":
+            return self.store
+        return DeviceStateStore(self.store, self.device)
 
     def make_server(self, model: torch.nn.Module, sampled_from: list[int]) -> Server:
         """The server worker with its aggregator, sampler and round state."""

@@ -162,6 +162,7 @@ class ServerCourse(Course):
         self.timing = _measured_time()
         self.comm = GrpcServerComm(cfg, self.scheduler, self.monitor.count_bytes, self._lost,
                                    self._maybe_stop)
+        self.comm.device = self.device
         self.make_server(model, self._all_ids)
         self.clients = {}
         self.install_handlers()
@@ -261,11 +262,12 @@ class ClientCourse(Course):
         del full
         model = self.make_model()
         self.store = make_state_store(cfg["state.store"], cfg["state.path"])
-        self.trainer = self.algorithm.trainer(copy.deepcopy(model), cfg, self.store)
+        self.trainer = self.algorithm.trainer(copy.deepcopy(model), cfg, self.trainer_store())
         self.timing = _measured_time()
         self.comm = comm
+        comm.device = self.device          # received tensors go where the model is
         self.client_ids = [client_id]
-        self.client = Client(client_id, self.client_table, self, mine)
+        self.client = Client(client_id, self.client_table, self, self.data.clients[client_id])
         self.client.finished = False
         self.clients = {client_id: self.client}
         self.install_handlers()

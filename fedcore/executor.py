@@ -2,11 +2,11 @@
 
 The handlers never change: a client's `receiving_models` handler calls
 `course.trainer.fit(...)` as always. What changes is what stands behind
-`course.trainer`. `sequential` is the trainer itself. `vectorized` and
-`processes` put a batching front in place: when the server sends one model
-to many clients, the front notes the receivers; at the first of those
-deliveries it trains all of them at once (vectorised over stacked parameters,
-or spread over worker processes) and hands each client's handler its own
+`course.trainer`. `sequential` is the trainer itself. `vectorized`,
+`processes` and `ray` put a batching front in place: when the server sends
+one model to many clients, the front notes the receivers; at the first of
+those deliveries it trains all of them at once (vectorised over stacked
+parameters, spread over worker processes, or over Ray actors) and hands each client's handler its own
 result when its delivery comes. Virtual timestamps, byte counts and the
 order of events are untouched, so a course gives the same numbers whichever
 executor runs it.
@@ -21,14 +21,16 @@ __all__ = ["EXECUTORS", "apply_torch_threads", "install_executor", "close_execut
 
 log = logging.getLogger("fedcore.executor")
 
-EXECUTORS = ("sequential", "vectorized", "processes")
+EXECUTORS = ("sequential", "vectorized", "processes", "ray")
 
 declare("executor", str, "sequential",
         "how local trainings run: sequential (one after another), vectorized (clients that "
         "receive the same model train together with torch.func over stacked parameters), "
-        "processes (a pool of worker processes, one per core)", choices=EXECUTORS)
+        "processes (a pool of worker processes, one per core), ray (actors on a Ray cluster, or a "
+        "local Ray; see executor.ray.*)", choices=EXECUTORS)
 declare("executor_workers", int, None,
-        "processes executor: worker processes (default: the number of usable cores)",
+        "processes executor: worker processes (default: the number of usable cores); ray "
+        "executor: actors (default: as many as the cluster's resources hold)",
         check=positive)
 declare("torch_threads", int, 1,
         "torch intra-op threads for this process; 1 suits the small models simulations train one "

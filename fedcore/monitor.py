@@ -221,7 +221,7 @@ class Monitor:
             if self._metrics_file is not None:
                 self._metrics_file.close()
             if global_state is not None:
-                torch.save({k: v.detach().clone() for k, v in global_state.items()},
+                torch.save({k: v.detach().cpu().clone() for k, v in global_state.items()},
                            self.outdir / "final_model.pt")
             (self.outdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         for callback in self.callbacks:

@@ -26,7 +26,7 @@ from fedcore.serialization import WireError, encode_value, from_value
 from fedcore.state import MemoryStateStore
 from fedcore.wire import fedcore_pb2 as pb
 
-__all__ = ["ProcessEngine", "usable_cores"]
+__all__ = ["ProcessEngine", "fit_share", "usable_cores"]
 
 log = logging.getLogger("fedcore.executor")
 
@@ -48,6 +48,20 @@ def _decode(data: bytes) -> Any:
     return from_value(v)
 
 
+def fit_share(trainer, store, clients, req: dict) -> list[dict]:
+    """What a worker does with its share of a batch: each job's client state goes into the
+    worker's own store, the real trainer fits it, and the result and new state come back."""
+    out = []
+    for job in req["jobs"]:
+        cid = job["cid"]
+        store.save(cid, job["state"])
+        res = trainer.fit(cid, clients[cid].data, req["received"], req["round"])
+        out.append({"content": res.content, "work": float(res.work),
+                    "metrics": dict(res.metrics), "state": store.load(cid)})
+        store.save(cid, {})
+    return out
+
+
 def _serve(conn, trainer, clients) -> None:
     """A worker's loop: fit the jobs it is sent with its own copy of the trainer."""
     torch.set_num_threads(1)
@@ -63,15 +77,7 @@ def _serve(conn, trainer, clients) -> None:
             if req.get("stop"):
                 return
             req.update(_decode(conn.recv_bytes()))
-            out = []
-            for job in req["jobs"]:
-                cid = job["cid"]
-                store.save(cid, job["state"])
-                res = trainer.fit(cid, clients[cid].data, req["received"], req["round"])
-                out.append({"content": res.content, "work": float(res.work),
-                            "metrics": dict(res.metrics), "state": store.load(cid)})
-                store.save(cid, {})
-            reply = _encode({"results": out})
+            reply = _encode({"results": fit_share(trainer, store, clients, req)})
         except Exception as exc:  # noqa: BLE001 - reported to the parent, which falls back
             reply = _encode({"error": f"{type(exc).__name__}: {exc}"})
         conn.send_bytes(reply)
@@ -92,6 +98,8 @@ class ProcessEngine(Engine):
             return "worker processes are forked and this platform cannot fork"
         if cfg["train.preserve_optimizer_state"]:
             return "train.preserve_optimizer_state: optimizer states do not serialize"
+        if getattr(trainer, "device", None) is not None and trainer.device.type != "cpu":
+            return f"device {trainer.device}: a forked process cannot use it (use executor ray)"
         return None
 
     def _start(self, trainer) -> None:

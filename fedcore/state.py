@@ -65,11 +65,11 @@ _MAGIC = b"FCR1"
 _LOG = "states.log"
 
 
-def _plain(obj: Any, depth: int = 0) -> bool:
+def plain_state(obj: Any, depth: int = 0) -> bool:
     """True for str-keyed dicts whose leaves are tensors, ints or bools (control variates,
     sampler positions): what the compact format holds exactly."""
     if isinstance(obj, dict):
-        return depth < 8 and all(isinstance(k, str) and _plain(v, depth + 1) for k, v in obj.items())
+        return depth < 8 and all(isinstance(k, str) and plain_state(v, depth + 1) for k, v in obj.items())
     return isinstance(obj, (torch.Tensor, int, bool))
 
 
@@ -190,7 +190,7 @@ class DiskStateStore(StateStore):
 
     def save(self, client_id: int, state: dict[str, Any]) -> None:
         was = self._where.get(client_id)
-        if state and _plain(state):
+        if state and plain_state(state):
             payload = encode_value(state)
             self._forget(client_id)
             self._append(client_id, payload)       # the new record supersedes everything older

@@ -51,6 +51,7 @@ class VectorEngine(Engine):
         self.batch_size = cfg["train.batch_size"]
         self.seed = cfg["seed"]
         self.term = _term_for(type(trainer))[0] or _Term()
+        self.device = trainer.device
         model, loss = trainer.model, trainer.loss
 
         def objective(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor):
@@ -153,30 +154,32 @@ class VectorEngine(Engine):
             c = len(plans)
             xs = [p[0].x for p in plans]
             xs = torch.cat(xs, out=self._scratch("xs", (sum(p[3] for p in plans),) + x0.shape[1:],
-                                                 x0.dtype))   # all clients' samples, in turn
+                                                 x0.dtype, x0.device))   # all clients' samples, in turn
             ys = torch.cat([p[0].y for p in plans])
             sizes = torch.tensor([0] + [p[3] for p in plans[:-1]])
             first = sizes.cumsum(0).unsqueeze(1)             # each client's first row
             for s in range(steps):
-                rows = (torch.stack([p[1][s] for p in plans]) + first).reshape(-1)
+                rows = (torch.stack([p[1][s] for p in plans]) + first).reshape(-1).to(xs.device)
                 b = rows.numel() // c
                 xb = torch.index_select(xs, 0, rows, out=self._scratch("xb", (len(rows),) + xs.shape[1:],
-                                                                       xs.dtype))
-                yield (xb.reshape((c, b) + tuple(xs.shape[1:])),
-                       ys.index_select(0, rows).reshape((c, b) + tuple(ys.shape[1:])))
+                                                                       xs.dtype, xs.device))
+                yield (xb.reshape((c, b) + tuple(xs.shape[1:])).to(self.device),
+                       ys.index_select(0, rows).reshape((c, b) + tuple(ys.shape[1:])).to(self.device))
         else:
             for s in range(steps):
-                yield VectorEngine._gather(plans, s)
+                xb, yb = VectorEngine._gather(plans, s)
+                yield xb.to(self.device), yb.to(self.device)
 
-    def _scratch(self, slot: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    def _scratch(self, slot: str, shape: tuple, dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
         """An uninitialised tensor of `shape`, in a buffer kept for `slot` when it is small
         enough (its contents are overwritten by the next use of the slot)."""
         numel = math.prod(shape)
         if numel * dtype.itemsize > _SCRATCH_BYTES:
-            return torch.empty(shape, dtype=dtype)
+            return torch.empty(shape, dtype=dtype, device=device)
         buf = self._buffers.get(slot)
-        if buf is None or buf.dtype != dtype or buf.numel() < numel:
-            buf = self._buffers[slot] = torch.empty(numel, dtype=dtype)
+        if buf is None or buf.dtype != dtype or buf.numel() < numel or buf.device != device:
+            buf = self._buffers[slot] = torch.empty(numel, dtype=dtype, device=device)
         return buf[:numel].view(shape)
 
     @staticmethod
@@ -184,11 +187,11 @@ class VectorEngine(Engine):
         """Step `s`'s mini-batches of all clients of a group, written straight into one tensor."""
         x0, y0 = plans[0][0].x, plans[0][0].y
         b = len(plans[0][1][s])
-        xb = torch.empty((len(plans), b) + tuple(x0.shape[1:]), dtype=x0.dtype)
-        yb = torch.empty((len(plans), b) + tuple(y0.shape[1:]), dtype=y0.dtype)
+        xb = torch.empty((len(plans), b) + tuple(x0.shape[1:]), dtype=x0.dtype, device=x0.device)
+        yb = torch.empty((len(plans), b) + tuple(y0.shape[1:]), dtype=y0.dtype, device=y0.device)
         for j, (train, idx, _, _) in enumerate(plans):
-            torch.index_select(train.x, 0, idx[s], out=xb[j])
-            torch.index_select(train.y, 0, idx[s], out=yb[j])
+            torch.index_select(train.x, 0, idx[s].to(x0.device), out=xb[j])
+            torch.index_select(train.y, 0, idx[s].to(y0.device), out=yb[j])
         return xb, yb
 
     @torch.no_grad()
@@ -199,7 +202,7 @@ class VectorEngine(Engine):
         # not copied); its update creates each client's own stacked parameters.
         params = {n: model_in[n].detach() for n in self.names}
         bufs: dict[str, torch.Tensor] = {}
-        loss_sum = torch.zeros(c, dtype=torch.float64)
+        loss_sum = torch.zeros(c, dtype=torch.float64, device=self.device)
         for s, (xb, yb) in enumerate(self._batches(plans, steps)):
             with torch.enable_grad():
                 grads, loss = (self._step if s else self._first_step)(params, xb, yb)
@@ -334,7 +337,7 @@ class _ScaffoldTerm(_Term):
     def prepare(self, trainer, received, states):
         c = received["control"]
         c_i = _stack_state(states, "c_i", trainer.names, c)
-        fresh = torch.tensor([st.get("c_i") is None for st in states])
+        fresh = torch.tensor([st.get("c_i") is None for st in states], device=trainer.device)
         corr = {}
         for n in trainer.names:
             # c - c_i; a client without c_i uses c itself (c - 0 would be the same numbers)

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from fedcore.config import load_config, parse_override
+from fedcore.config import SCHEMA, load_config, parse_override
 from fedcore.errors import ConfigError
 
 
@@ -120,3 +120,25 @@ def test_malformed_yaml_is_one_line_with_its_place(tmp_path):
         load_config(p)
     message = str(info.value)
     assert "\n" not in message and "is not valid YAML" in message and "line 2" in message
+
+
+def test_a_key_with_sub_keys_takes_a_scalar_or_a_mapping(tmp_path):
+    """`executor: vectorized` as ever, or `executor: {name: ..., ray: {...}}` with its sub-keys;
+    the dumped config.yaml loads back to the same values."""
+    plain = tmp_path / "plain.yaml"
+    plain.write_text("executor: vectorized\nexecutor.ray:\n  num_cpus: 2\n")
+    cfg = load_config(plain, ["executor.ray.num_gpus=0.25"])
+    assert cfg["executor"] == "vectorized" and cfg["executor.ray.num_cpus"] == 2.0
+    assert cfg["executor.ray.num_gpus"] == 0.25
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("executor:\n  name: processes\n  ray:\n    address: auto\n")
+    cfg = load_config(nested)
+    assert cfg["executor"] == "processes" and cfg["executor.ray.address"] == "auto"
+    cfg = load_config(nested, ["executor={name: sequential, ray: {num_cpus: 3}}"])
+    assert cfg["executor"] == "sequential" and cfg["executor.ray.num_cpus"] == 3.0
+    cfg.dump(tmp_path / "config.yaml")
+    again = load_config(tmp_path / "config.yaml")
+    assert {k: again[k] for k in SCHEMA} == {k: cfg[k] for k in SCHEMA}
+    nested.write_text("executor:\n  name: processes\n  ray:\n    num_cpu: 2\n")
+    with pytest.raises(ConfigError, match="executor.ray.num_cpus"):
+        load_config(nested)

@@ -23,6 +23,7 @@ from fedcore.comm.stream import (METHOD, MD_CLIENT_ID, MD_SESSION, MD_TOKEN, Out
                                  channel_credentials, grpc_options, heartbeat_frame, parse_frame)
 from fedcore.errors import ConfigError, FedcoreError
 from fedcore.message import SERVER_ID, Message
+from fedcore.device import CPU, to_device
 from fedcore.serialization import WireError, decode_envelope, encode_value, from_value
 from fedcore.wire import fedcore_pb2 as pb
 
@@ -61,6 +62,8 @@ class _Stream:
 
 class GrpcClientComm:
     """Connects, gets the client id, and moves messages between the client worker and the server."""
+
+    device = CPU   # where received tensors are put; the course sets its own device
 
     def __init__(self, cfg, scheduler):
         d = cfg.section("distribute")
@@ -246,7 +249,7 @@ class GrpcClientComm:
                 return
             env = decode_envelope(data)
             msg = Message(env.msg_type, env.sender, tuple(env.receivers), env.round, env.timestamp,
-                          from_value(env.content))
+                          to_device(from_value(env.content), self.device))
             self._last_delivered = frame.chunk.message_id
             if self.worker is None:
                 self._early.append(msg)

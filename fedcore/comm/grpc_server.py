@@ -28,6 +28,7 @@ from fedcore.comm.stream import (MD_CLIENT_ID, MD_SESSION, MD_TOKEN, Outbox, grp
 from fedcore.comm.validation import check_content
 from fedcore.errors import ConfigError
 from fedcore.message import SERVER_ID, Message
+from fedcore.device import CPU, to_device
 from fedcore.serialization import WireError, decode_envelope, encode_value, from_value
 from fedcore.wire import fedcore_pb2 as pb
 
@@ -60,6 +61,8 @@ class _StreamStatus:
 
 class GrpcServerComm:
     """Listens, admits and authenticates clients, and moves messages between them and the server."""
+
+    device = CPU   # where received tensors are put; the course sets its own device
 
     def __init__(self, cfg, scheduler, count_bytes: Callable[[Message, int, int], None],
                  on_lost: Callable[[int, str], None], after_delivery: Callable[[], None] = lambda: None):
@@ -299,7 +302,7 @@ class GrpcServerComm:
         if env.msg_type not in self.accepts:
             raise WireError(f"unknown message type '{env.msg_type[:64]}'")
         try:
-            content = from_value(env.content)
+            content = to_device(from_value(env.content), self.device)
         except WireError:
             raise
         except Exception as exc:

@@ -1,0 +1,97 @@
+"""`executor: ray`: Ray actors train the clients and the course's numbers are the sequential
+executor's, with client state carried across rounds; without Ray the key is exit 2 naming
+the extra. The first course starts a local Ray (one CPU per usable core: 2 on the test
+machines, no dashboard, a small object store), which serves the whole module."""
+import logging
+import sys
+
+import pytest
+import torch
+
+from fedcore.course import Course
+from fedcore.procpool import usable_cores
+from fedcore.run import main
+from tests.conftest import small_cfg
+
+ray = pytest.importorskip("ray", reason="Ray is the optional extra 'ray' (pip install '.[ray]')")
+from fedcore.ray_executor import _IDLE  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+TRACE_KEYS = ("round", "virtual_time", "bytes_up", "bytes_down", "num_updates")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def leave_ray():
+    """The first course starts a local Ray, the later ones reuse it and its actors; the
+    module ends it."""
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def _run(executor, **overrides):
+    course = Course(small_cfg(None, executor=executor, torch_threads=1, **overrides)).build()
+    course.run()
+    trace = [tuple(r.get(k) for k in TRACE_KEYS) for r in course.monitor.records]
+    return course, dict(course.server.aggregator.global_state), trace
+
+
+def test_with_no_address_a_run_starts_a_local_ray_and_leaves_its_actors_warm():
+    assert not ray.is_initialized()
+    _, seq, _ = _run("sequential")
+    course, par, _ = _run("ray", executor__ray__object_store_mb=80)
+    assert ray.is_initialized() and ray.cluster_resources()["CPU"] == usable_cores()
+    assert course.trainer.batched_fits > 0 and course.trainer.sequential_fits == 0
+    assert all(torch.equal(seq[k], par[k]) for k in seq)
+    engine = course.trainer.engine
+    assert engine._actors == [] and len(_IDLE[engine._pool_key]) == usable_cores()
+
+
+ALGORITHMS = {
+    "fedavg": dict(federate__total_round_num=3),
+    # sampling 3 of 6: clients come back after rounds away, with their control variates
+    "scaffold": dict(algorithm__name="scaffold", train__local_steps=3,
+                     federate__sample_client_num=3, federate__total_round_num=4),
+    "feddyn": dict(algorithm__name="feddyn", algorithm__feddyn__alpha=0.3, train__local_steps=3,
+                   federate__sample_client_num=3, federate__total_round_num=4),
+    # inner AdamW moments and step counts live in each client's state (not plain tensors)
+    "diloco": dict(algorithm__name="diloco", train__optimizer__type="adamw",
+                   train__optimizer__lr=0.01, train__preserve_optimizer_state=True,
+                   train__local_steps=3, federate__total_round_num=3),
+}
+
+
+@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
+def test_ray_equals_sequential(algorithm, caplog):
+    overrides = ALGORITHMS[algorithm]
+    _, seq, seq_trace = _run("sequential", **overrides)
+    with caplog.at_level(logging.INFO, logger="fedcore.executor"):
+        course, par, par_trace = _run("ray", executor__ray__object_store_mb=80, **overrides)
+    engine = course.trainer.engine
+    assert course.trainer.batched_fits > 0 and course.trainer.sequential_fits == 0
+    assert sum(engine.clients_by_node.values()) == course.trainer.batched_fits
+    assert seq.keys() == par.keys()
+    assert max(float((seq[k].double() - par[k].double()).abs().max()) for k in seq) <= 1e-6
+    assert par_trace == seq_trace          # same virtual times, bytes and updates per round
+    assert "executor ray: round 1: clients" in caplog.text
+    assert engine._actors == []            # given back at the end of the run
+    assert len(engine._nodes) == usable_cores()     # one actor per CPU of the local Ray
+
+
+def test_ray_falls_back_when_the_data_cannot_be_rebuilt(caplog):
+    from fedcore.scenarios.data import build_federated_data
+    cfg = small_cfg(None, executor="ray")
+    with caplog.at_level(logging.WARNING, logger="fedcore.executor"):
+        course = Course(cfg).build(build_federated_data(cfg))
+    assert "not made from the config" in caplog.text
+    assert course.trainer.__class__.__name__ != "BatchingTrainer"
+
+
+def test_ray_missing_is_exit_2_naming_the_extra(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "ray", None)      # `import ray` now fails
+    rc = main(["--cfg", "scenarios/quickstart.yaml", "executor=ray", "federate.total_round_num=1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2
+    assert len(err) == 1 and "fedcore[ray]" in err[0] and "executor: ray" in err[0]
