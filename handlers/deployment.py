@@ -10,7 +10,14 @@ going under their own condition events (goal, time_up): a lost client that
 was sent a model is released as if its reply had timed out (it is replaced
 by an idle client, and no longer sampled), and when every client in flight
 was lost the clients that connect again are sent the current model. Every
-drop is logged and listed in the summary.
+drop is logged and listed in the summary (the first `LISTED` of each list;
+`*_total` counts them all).
+
+A synchronous round has a deadline even when `distribute.round_deadline` is
+unset: once half of its clients have replied, taking t seconds, the others
+are dropped after max(`distribute.heartbeat_timeout`,
+`distribute.deadline_factor` x t). A client whose trainer hangs while its
+heartbeats flow cannot hold the course.
 """
 from __future__ import annotations
 
@@ -22,6 +29,17 @@ from fedcore.registry import behaviours
 __all__ = ["arm", "join_timeout", "client_lost", "round_check", "install"]
 
 log = logging.getLogger("fedcore.deploy")
+
+LISTED = 50  # entries kept in each summary list; the counts go on
+
+
+def _listed(server, key: str, entry: dict) -> None:
+    """Append `entry` to the summary's list `key` (bounded) and count it in `key_total`."""
+    extra = server.course.monitor.extra_summary
+    entries = extra.setdefault(key, [])
+    if len(entries) < LISTED:
+        entries.append(entry)
+    extra[f"{key}_total"] = extra.get(f"{key}_total", 0) + 1
 
 
 def arm(server, _event=None) -> None:
@@ -63,8 +81,7 @@ def _drop(server, ids: list[int], why: str) -> None:
         return
     server.selected.difference_update(hit)
     log.warning("round %d: dropped client(s) %s from the round: %s", server.round, hit, why)
-    server.course.monitor.extra_summary.setdefault("dropped", []).append(
-        {"round": server.round, "clients": hit, "reason": why})
+    _listed(server, "dropped", {"round": server.round, "clients": hit, "reason": why})
     if not server.selected:
         if server.buffer:
             server.trigger("all_received")
@@ -79,8 +96,8 @@ def client_lost(server, info) -> None:
         log.info("client %d gone %s the course: %s", cid, "after" if server.finished else "before", reason)
         return
     log.warning("client %d lost in round %d: %s", cid, server.round, reason)
-    server.course.monitor.extra_summary.setdefault("lost_clients", []).append(
-        {"client": cid, "round": server.round, "time": round(server.now, 3), "reason": reason})
+    _listed(server, "lost_clients",
+            {"client": cid, "round": server.round, "time": round(server.now, 3), "reason": reason})
     if _sync(server):
         _drop(server, [cid], f"client {cid} {reason}")
     elif _async(server):
@@ -97,17 +114,33 @@ def round_check(server, _event=None) -> None:
         return
     if not _sync(server):
         return
+    this_round = (server.round, id(server.buffer))  # a round run again gets a new buffer
     seen_round, since = getattr(server, "deploy_round", (None, 0.0))
-    if seen_round != server.round:
-        server.deploy_round = (server.round, server.now)
+    if seen_round != this_round:
+        server.deploy_round, server.deploy_half = (this_round, server.now), None
         return
-    deadline = server.course.cfg["distribute.round_deadline"]
+    replied, waiting = len(server.buffer), len(server.selected)
+    if getattr(server, "deploy_half", None) is None and replied and replied >= waiting:
+        server.deploy_half = server.now
+    deadline, key = _deadline(server, since)
     if deadline is not None and server.selected and server.now - since > deadline:
-        _drop(server, sorted(server.selected), f"no reply within distribute.round_deadline={deadline:g}s")
+        _drop(server, sorted(server.selected), f"no reply within {key}={deadline:g}s")
     elif not server.selected and not server.buffer and server.course.client_ids:
         log.warning("round %d: restarting with the clients now connected", server.round)
         server.deploy_round = (server.round, server.now)
         server.trigger("all_joined_in")
+
+
+def _deadline(server, since: float) -> tuple[float | None, str]:
+    """This round's deadline in seconds (None: none yet) and what set it."""
+    cfg = server.course.cfg
+    if cfg["distribute.round_deadline"] is not None:
+        return cfg["distribute.round_deadline"], "distribute.round_deadline"
+    half = getattr(server, "deploy_half", None)
+    if half is None:
+        return None, ""
+    derived = max(cfg["distribute.heartbeat_timeout"], cfg["distribute.deadline_factor"] * (half - since))
+    return derived, "the derived round deadline (distribute.deadline_factor)"
 
 
 @behaviours.register("deployment")

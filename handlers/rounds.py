@@ -7,10 +7,11 @@ restored from a checkpoint.
 """
 from __future__ import annotations
 
+from fedcore import admission
 from fedcore.contract import ReceivedUpdate
 from fedcore.handlers.evaluation import evaluate_global, request_client_evaluation
 
-__all__ = ["aggregate", "finish_course", "is_eval_round", "resume_course", "install"]
+__all__ = ["aggregate", "finish_course", "stop_diverged", "is_eval_round", "resume_course", "install"]
 
 
 def is_eval_round(server) -> bool:
@@ -20,11 +21,21 @@ def is_eval_round(server) -> bool:
 
 def aggregate(server, updates: list[ReceivedUpdate], extra: dict | None = None) -> bool:
     """Aggregate `updates` (in client-id order, so arrival order cannot matter), evaluate,
-    record the round and advance it. Returns True when the course should go on."""
+    record the round and advance it. Returns True when the course should go on.
+
+    The admission layer refuses updates first, and a non-finite aggregate is not adopted:
+    the round is rejected with the previous model kept (and run again, in deployment)."""
     course = server.course
-    updates = sorted(updates, key=lambda u: (u.client_id, u.round))
+    updates = admission.admit_updates(server, sorted(updates, key=lambda u: (u.client_id, u.round)))
+    if not updates:
+        return admission.reject_round(server, "every update of the round was refused")
+    snapshot = admission.Snapshot(server.aggregator)
     fields = {"num_updates": len(updates)}
     fields.update(server.aggregator.aggregate(updates, server.round) or {})
+    if not admission.finite_state(server.aggregator.global_state):
+        snapshot.restore()
+        return admission.reject_round(server, "the aggregated model has non-finite values")
+    server.rejected_in_a_row = 0
     fields.update(extra or {})
     expected = 0
     if is_eval_round(server):
@@ -62,6 +73,12 @@ def finish_course(server, _event) -> None:
     server.send("finish", server.course.client_ids, {})
 
 
+def stop_diverged(server, _event=None) -> None:
+    """`diverged`: the global model could not stay finite; end the course with the last finite one."""
+    finish_course(server, _event)
+    server.course.monitor.extra_summary["stopped_by"] = "diverged"
+
+
 def resume_course(server, info: dict) -> None:
     """`resume`: re-send the restored round's evaluation requests, then start the next round."""
     if info.get("pending_eval"):
@@ -74,3 +91,4 @@ def install(course) -> None:
     course.server_table.register("resume", resume_course, sends=("eval_request", "all_joined_in"))
     course.server_table.register("max_rounds_reached", finish_course, sends=("finish",))
     course.server_table.register("early_stop", finish_course, sends=("finish",))
+    course.server_table.register("diverged", stop_diverged, sends=("finish",))
