@@ -186,13 +186,13 @@ def reject_round(server, why: str) -> bool:
     """The round's aggregate is not adopted (the previous model stays). Returns True when the
     course should run the round again, False when it stops as diverged."""
     course = server.course
-    note(server, "rejected rounds", f"round {server.round}: aggregate rejected: {why}; "
-                                    "the previous global model is kept")
     server.rejected_in_a_row = getattr(server, "rejected_in_a_row", 0) + 1
-    if course.wall_clock and server.rejected_in_a_row < course.cfg["admission.max_rejected_rounds"]:
+    again = course.wall_clock and server.rejected_in_a_row < course.cfg["admission.max_rejected_rounds"]
+    note(server, "rejected rounds", f"round {server.round}: aggregate rejected: {why}; the previous "
+         "global model is kept", logging.WARNING if again else logging.INFO)
+    if again:
         return True
     server.diverged = (f"course diverged in round {server.round}: {why} (likely cause: a learning "
                        f"rate too large, e.g. train.optimizer.lr={course.cfg['train.optimizer.lr']:g}, "
                        "or poisoned updates); outputs hold the last finite model")
-    server.trigger("diverged")
     return False

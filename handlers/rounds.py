@@ -28,13 +28,13 @@ def aggregate(server, updates: list[ReceivedUpdate], extra: dict | None = None) 
     course = server.course
     updates = admission.admit_updates(server, sorted(updates, key=lambda u: (u.client_id, u.round)))
     if not updates:
-        return admission.reject_round(server, "every update of the round was refused")
+        return _rejected(server, "every update of the round was refused")
     snapshot = admission.Snapshot(server.aggregator)
     fields = {"num_updates": len(updates)}
     fields.update(server.aggregator.aggregate(updates, server.round) or {})
     if not admission.finite_state(server.aggregator.global_state):
         snapshot.restore()
-        return admission.reject_round(server, "the aggregated model has non-finite values")
+        return _rejected(server, "the aggregated model has non-finite values")
     server.rejected_in_a_row = 0
     fields.update(extra or {})
     expected = 0
@@ -73,8 +73,16 @@ def finish_course(server, _event) -> None:
     server.send("finish", server.course.client_ids, {})
 
 
+def _rejected(server, why: str) -> bool:
+    """A round not adopted: True to run it again, False when the course stopped as diverged."""
+    if admission.reject_round(server, why):
+        return True
+    stop_diverged(server)
+    return False
+
+
 def stop_diverged(server, _event=None) -> None:
-    """`diverged`: the global model could not stay finite; end the course with the last finite one."""
+    """The global model could not stay finite: end the course with the last finite one."""
     finish_course(server, _event)
     server.course.monitor.extra_summary["stopped_by"] = "diverged"
 
@@ -91,4 +99,3 @@ def install(course) -> None:
     course.server_table.register("resume", resume_course, sends=("eval_request", "all_joined_in"))
     course.server_table.register("max_rounds_reached", finish_course, sends=("finish",))
     course.server_table.register("early_stop", finish_course, sends=("finish",))
-    course.server_table.register("diverged", stop_diverged, sends=("finish",))

@@ -1,0 +1,110 @@
+"""One participant holding a valid token tries to poison, forge, impersonate: real processes.
+
+The hostile participant (tests/hostile.py) is written from the .proto alone.
+Two honest clients and the hostile one share one token (the weakest setup).
+The hostile client sends updates of huge finite values and inflated sample
+counts, answers each evaluation request several times (and rounds it was
+never asked about), and a second hostile stream tries to take over honest
+client 1's id. A client started with another model.type is refused at join
+with one line naming the key. The honest course must finish: every honest
+client exits 0, the final model is finite and of the honest clients' scale,
+and every refusal is counted in the summary.
+"""
+import json
+import math
+
+import grpc
+import pytest
+import torch
+
+from tests.deploy_helpers import server_port, text, wait_exit, wait_for, write_cfg
+from tests.hostile import Hostile, Tensor, load_proto
+
+pytestmark = pytest.mark.slow
+
+HUGE = 3e38
+
+
+def _strict(path):
+    def refuse(name):
+        raise AssertionError(f"{path.name} holds {name}: not strict JSON")
+    return [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines() if line]
+
+
+def _poisoner(h: Hostile) -> int:
+    """Play client 3 to the end: poisoned updates, forged metrics. Returns messages sent."""
+    sent = 0
+    h.send("join_in", 0, {"client_id": 3, "num_samples": 24})  # its partition's size
+    while True:
+        item = h.inbox.get(timeout=180)
+        if item is None or item[0] == "finish":
+            return sent
+        kind, round_, content = item
+        if kind == "models":
+            model = content["model"]
+            if round_ % 2:   # huge finite values with an honest sample count
+                update = {k: Tensor.full(t.shape, HUGE) for k, t in model.items()}
+                n = 24
+            else:            # the global model back, with an inflated sample count
+                update, n = model, 2 ** 62
+            h.send("updates", round_, {"model": update, "num_samples": n})
+            sent += 1
+        elif kind == "eval_request":
+            for _ in range(3):                              # one is its answer; two are duplicates
+                h.send("metrics", round_, {"acc": 1.0, "loss": 0.0})
+            h.send("metrics", round_ + 7, {"acc": 1.0})      # a round it was never asked about
+            sent += 4
+
+
+def test_a_token_holder_cannot_poison_forge_or_take_over(tmp_path, procs):
+    pb = load_proto(tmp_path / "proto")
+    cfg = write_cfg(tmp_path / "course.yaml", {
+        "federate.total_round_num": 4, "model.type": "mlp", "model.hidden": [16],
+        "distribute.insecure": True, "distribute.token": "shared",
+        "distribute.heartbeat_interval": 0.5, "distribute.heartbeat_timeout": 5.0,
+        "distribute.retry_timeout": 20.0})
+    out = tmp_path / "out"
+    server = procs.fedcore("server", cfg, "distribute.role=server", "distribute.server_port=0",
+                           f"outdir={out}")
+    port = server_port(out, server)
+    client = ("distribute.role=client", f"distribute.server_port={port}")
+    honest = [procs.fedcore(f"client{k}", cfg, *client, f"distribute.client_id={k}") for k in (1, 2)]
+    other_model = procs.fedcore("logreg", cfg, *client, "distribute.client_id=1", "model.type=logreg")
+
+    # A client of another course is refused at join, on both sides, in one line.
+    assert wait_exit(other_model, 120) == 2
+    lines = text(other_model).strip().splitlines()
+    assert "Traceback" not in text(other_model)
+    assert lines[-1].startswith("fedcore: the server at 127.0.0.1:") and "model.type" in lines[-1]
+    assert "course config differs" in lines[-1] and "mlp" in lines[-1]
+    wait_for(lambda: "course config differs" in text(server), 30, "the server's line")
+
+    wait_for(lambda: text(server).count("joined the course") >= 2, 120, "the honest clients")
+    hostile = Hostile(pb, port, 3, "shared").start()
+    # A second session for honest client 1's live id, with the shared token: refused, and told why.
+    thief = Hostile(pb, port, 1, "shared", session="thief").start()
+    thief.heartbeat()
+    assert thief.wait_for("never", timeout=30) is None
+    assert thief.status == grpc.StatusCode.ALREADY_EXISTS and "live session" in thief.details
+    thief.close()
+
+    sent = _poisoner(hostile)
+    hostile.close()
+    assert sent >= 4 + 4 * 4
+    assert wait_exit(server, 240) == 0, text(server)[-3000:]
+    assert all(wait_exit(c, 60) == 0 for c in honest), [text(c)[-2000:] for c in honest]
+
+    summary = json.loads((out / "summary.json").read_text(), parse_constant=lambda n: 1 / 0)
+    refused = summary["deployment"]["refused"]
+    assert summary["rounds"] == 4 and summary["stopped_by"] == "max_rounds"
+    assert summary["admission"]["update norm far above the round's others"] >= 2
+    assert summary["admission"]["num_samples above the declared count"] >= 2
+    assert refused["second session for a live id"] >= 1 and refused["course config differs"] >= 1
+    assert refused["unrequested or duplicate metrics"] >= 3 * 4
+    records = _strict(out / "metrics.jsonl")
+    assert [r["num_updates"] for r in records] == [2, 2, 2, 2]   # the honest two, every round
+    assert all(r["client_evals"] == 3 for r in records)           # one answer per client asked
+    final = torch.load(out / "final_model.pt", weights_only=True)
+    top = max(float(t.abs().max()) for t in final.values())
+    assert math.isfinite(top) and top < 10.0
+    assert records[-1]["test_acc"] > 0.5
