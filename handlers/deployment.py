@@ -16,7 +16,8 @@ drop is logged and listed in the summary (the first `LISTED` of each list;
 A synchronous round has a deadline even when `distribute.round_deadline` is
 unset: once half of its clients have replied, taking t seconds, the others
 are dropped after max(`distribute.heartbeat_timeout`,
-`distribute.deadline_factor` x t). A client whose trainer hangs while its
+`distribute.deadline_factor` x t) plus the time the model takes down and up
+at `distribute.min_bytes_per_second`. A client whose trainer hangs while its
 heartbeats flow cannot hold the course.
 """
 from __future__ import annotations
@@ -122,25 +123,33 @@ def round_check(server, _event=None) -> None:
     replied, waiting = len(server.buffer), len(server.selected)
     if getattr(server, "deploy_half", None) is None and replied and replied >= waiting:
         server.deploy_half = server.now
-    deadline, key = _deadline(server, since)
+    deadline = _deadline(server, since)
     if deadline is not None and server.selected and server.now - since > deadline:
-        _drop(server, sorted(server.selected), f"no reply within {key}={deadline:g}s")
+        if server.course.cfg["distribute.round_deadline"] is not None:
+            why = f"no reply within distribute.round_deadline={deadline:g}s"
+        else:
+            why = f"no reply within the derived round deadline of {deadline:.3g}s (distribute.deadline_factor)"
+        _drop(server, sorted(server.selected), why)
     elif not server.selected and not server.buffer and server.course.client_ids:
         log.warning("round %d: restarting with the clients now connected", server.round)
         server.deploy_round = (server.round, server.now)
         server.trigger("all_joined_in")
 
 
-def _deadline(server, since: float) -> tuple[float | None, str]:
-    """This round's deadline in seconds (None: none yet) and what set it."""
+def _deadline(server, since: float) -> float | None:
+    """This round's deadline in seconds (None: none yet). Derived, it also leaves room for the
+    model to go down and its update to come up on the slowest link served
+    (distribute.min_bytes_per_second), so a slow link is not mistaken for a hung client."""
     cfg = server.course.cfg
     if cfg["distribute.round_deadline"] is not None:
-        return cfg["distribute.round_deadline"], "distribute.round_deadline"
+        return cfg["distribute.round_deadline"]
     half = getattr(server, "deploy_half", None)
     if half is None:
-        return None, ""
-    derived = max(cfg["distribute.heartbeat_timeout"], cfg["distribute.deadline_factor"] * (half - since))
-    return derived, "the derived round deadline (distribute.deadline_factor)"
+        return None
+    if not hasattr(server, "model_bytes"):
+        server.model_bytes = sum(t.numel() * t.element_size() for t in server.aggregator.global_state.values())
+    transfer = 2 * server.model_bytes / cfg["distribute.min_bytes_per_second"]
+    return max(cfg["distribute.heartbeat_timeout"], cfg["distribute.deadline_factor"] * (half - since)) + transfer
 
 
 @behaviours.register("deployment")

@@ -108,3 +108,25 @@ def test_a_token_holder_cannot_poison_forge_or_take_over(tmp_path, procs):
     top = max(float(t.abs().max()) for t in final.values())
     assert math.isfinite(top) and top < 10.0
     assert records[-1]["test_acc"] > 0.5
+
+
+def test_a_hung_trainer_with_live_heartbeats_is_dropped_by_the_default_deadline(tmp_path, procs):
+    cfg = write_cfg(tmp_path / "course.yaml", {
+        "federate.client_num": 2, "federate.total_round_num": 2, "eval.clients": False,
+        "plugins": ["tests.slow_plugin"], "algorithm.name": "fedavg_pausing", "slow_test.pause": 0.0,
+        "slow_test.hang_clients": [2], "distribute.insecure": True, "distribute.token": "t",
+        "distribute.heartbeat_interval": 0.5, "distribute.heartbeat_timeout": 3.0})
+    out = tmp_path / "out"
+    server = procs.fedcore("server", cfg, "distribute.role=server", "distribute.server_port=0",
+                           f"outdir={out}")
+    port = server_port(out, server)
+    clients = [procs.fedcore(f"client{k}", cfg, "distribute.role=client", f"distribute.server_port={port}",
+                             f"distribute.client_id={k}") for k in (1, 2)]
+    assert wait_exit(server, 180) == 0, text(server)[-3000:]
+    assert wait_exit(clients[0], 60) == 0
+    assert clients[1].poll() is None  # still hung, heartbeats still flowing: never "lost"
+    records = _strict(out / "metrics.jsonl")
+    assert [r["num_updates"] for r in records] == [1, 1]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["dropped_total"] == 2 and "lost_clients" not in summary
+    assert all("derived round deadline of 3." in d["reason"] and d["clients"] == [2] for d in summary["dropped"])
