@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 
+from fedcore.admission import QuietLog
 from fedcore.handlers import asyn
 from fedcore.registry import behaviours
 
@@ -32,6 +33,14 @@ __all__ = ["arm", "join_timeout", "client_lost", "round_check", "install"]
 log = logging.getLogger("fedcore.deploy")
 
 LISTED = 50  # entries kept in each summary list; the counts go on
+
+
+def _quiet(server) -> QuietLog:
+    """Per-client lines, each kind at most once every few seconds (a peer may flap on purpose)."""
+    q = getattr(server, "deploy_log", None)
+    if q is None:
+        q = server.deploy_log = QuietLog(log)
+    return q
 
 
 def _listed(server, key: str, entry: dict) -> None:
@@ -93,10 +102,12 @@ def _drop(server, ids: list[int], why: str) -> None:
 def client_lost(server, info) -> None:
     """`client_lost` {client_id, reason}: log it; in a sync round, stop waiting for that client."""
     cid, reason = info["client_id"], info["reason"]
+    quiet = _quiet(server)
     if server.finished or not server.started:
-        log.info("client %d gone %s the course: %s", cid, "after" if server.finished else "before", reason)
+        quiet(f"gone {cid}", f"client {cid} gone {'after' if server.finished else 'before'} the course: "
+                             f"{reason}", logging.INFO)
         return
-    log.warning("client %d lost in round %d: %s", cid, server.round, reason)
+    quiet(f"lost {cid}", f"client {cid} lost in round {server.round}: {reason}")
     _listed(server, "lost_clients",
             {"client": cid, "round": server.round, "time": round(server.now, 3), "reason": reason})
     if _sync(server):

@@ -130,3 +130,31 @@ def test_a_hung_trainer_with_live_heartbeats_is_dropped_by_the_default_deadline(
     summary = json.loads((out / "summary.json").read_text())
     assert summary["dropped_total"] == 2 and "lost_clients" not in summary
     assert all("derived round deadline of 3." in d["reason"] and d["clients"] == [2] for d in summary["dropped"])
+
+
+def test_a_client_on_a_100_kb_per_s_link_with_a_multi_mb_model_finishes_its_rounds(tmp_path, procs):
+    from tests.throttle import Throttle
+    hidden = 46_000  # mlp 8 -> 46000 -> 3: 552,003 float32 parameters, 2.2 MB (> one 2 MiB chunk)
+    cfg = write_cfg(tmp_path / "course.yaml", {
+        "federate.client_num": 2, "federate.total_round_num": 1, "eval.clients": False,
+        "model.type": "mlp", "model.hidden": [hidden],
+        "distribute.insecure": True, "distribute.token": "t"})   # default chunk size and heartbeats
+    out = tmp_path / "out"
+    server = procs.fedcore("server", cfg, "distribute.role=server", "distribute.server_port=0",
+                           f"outdir={out}")
+    port = server_port(out, server)
+    link = Throttle(port, rate=100_000)
+    fast = procs.fedcore("fast", cfg, "distribute.role=client", f"distribute.server_port={port}",
+                         "distribute.client_id=1")
+    slow = procs.fedcore("slow", cfg, "distribute.role=client", f"distribute.server_port={link.port}",
+                         "distribute.client_id=2")
+    try:
+        assert wait_exit(server, 400) == 0, text(server)[-3000:]
+        assert wait_exit(slow, 60) == 0 and wait_exit(fast, 60) == 0
+    finally:
+        link.close()
+    records = _strict(out / "metrics.jsonl")
+    assert [r["num_updates"] for r in records] == [2]
+    assert link.moved > 2 * 4 * 552_003  # the model went down and the update came up through the link
+    for log in (text(server), text(slow)):
+        assert "lost" not in log and "silent" not in log and "reconnect" not in log

@@ -351,6 +351,12 @@ class GrpcServerComm:
         except WireError as exc:
             status.error = str(exc)
             self.quiet("malformed message", f"client {s.client_id} ({s.peer}): refused a message: {exc}")
+            with self._lock:  # a peer that broke the protocol ends its session: the id is free again
+                ended = s.state == "live"
+                if ended:
+                    s.state = "lost"
+            if ended:
+                self.scheduler.call_soon(_Lost(self, s.client_id, f"refused: {str(exc)[:200]}"))
         except Exception as exc:  # the stream broke (RpcError, cancellation): the session may come back
             log.debug("client %d: stream ended: %s", s.client_id, exc)
         finally:
