@@ -95,6 +95,7 @@ def test_a_1_gib_announcement_and_a_stalled_message_cost_the_server_no_memory(tm
     h.close()
 
     grown_mib = (_rss_peak_kib(server.pid) - before) / 1024
+    print(f"\nfigures: server peak RSS {_rss_peak_kib(server.pid) / 1024:.0f} MiB, grown {grown_mib:.1f} MiB")
     assert grown_mib < 64, f"server peak RSS grew by {grown_mib:.0f} MiB"
     assert server.poll() is None
     server.terminate()

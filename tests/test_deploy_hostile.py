@@ -31,11 +31,20 @@ def _strict(path):
     return [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines() if line]
 
 
-def _poisoner(h: Hostile) -> int:
+def peak_rss_mib(pid: int) -> float:
+    """The process's peak resident memory so far (VmHWM), in MiB."""
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _poisoner(h: Hostile, watch=lambda: None) -> int:
     """Play client 3 to the end: poisoned updates, forged metrics. Returns messages sent."""
     sent = 0
     h.send("join_in", 0, {"client_id": 3, "num_samples": 24})  # its partition's size
     while True:
+        watch()
         item = h.inbox.get(timeout=180)
         if item is None or item[0] == "finish":
             return sent
@@ -88,8 +97,13 @@ def test_a_token_holder_cannot_poison_forge_or_take_over(tmp_path, procs):
     assert thief.status == grpc.StatusCode.ALREADY_EXISTS and "live session" in thief.details
     thief.close()
 
-    sent = _poisoner(hostile)
+    peak = [0.0]
+
+    def watch():
+        peak[0] = max(peak[0], peak_rss_mib(server.pid))
+    sent = _poisoner(hostile, watch)
     hostile.close()
+    print(f"\nfigures: hostile messages {sent + 2}, server peak RSS {peak[0]:.0f} MiB")
     assert sent >= 4 + 4 * 4
     assert wait_exit(server, 240) == 0, text(server)[-3000:]
     assert all(wait_exit(c, 60) == 0 for c in honest), [text(c)[-2000:] for c in honest]
