@@ -156,6 +156,17 @@ def message_bound(model) -> int:
     return 4 * sum(t.numel() * t.element_size() for t in model.state_dict().values()) + 2 ** 20
 
 
+def _raise_open_files_limit() -> None:
+    """Serve with as many open files as the system allows a process (idle sockets cost one each)."""
+    try:
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ImportError, ValueError, OSError):  # no such limit here, or not allowed to change it
+        pass
+
+
 def _measured_time() -> TimeModel:
     return TimeModel({}, mode="measured")  # real seconds: compute is what it took
 
@@ -257,6 +268,7 @@ class ServerCourse(Course):
             self.build()
         self.write_header()
         self.check()
+        _raise_open_files_limit()
         port = self.comm.start()
         host = self.cfg["distribute.server_host"]
         if self.cfg["distribute.insecure"]:
