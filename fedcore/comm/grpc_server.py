@@ -91,6 +91,7 @@ class GrpcServerComm:
         self.hb_interval, self.hb_timeout = d["heartbeat_interval"], d["heartbeat_timeout"]
         self.min_rate = d["min_bytes_per_second"]
         self.quiet = QuietLog(log)        # refusals by kind: counted, logged now and then
+        self.quiet_info = QuietLog(log)   # routine lines a peer could repeat at will
         self.asked: dict[int, set[int]] = {}  # round -> clients asked for an evaluation, not answered
         self.server_session = secrets.token_hex(8)
         self.sessions: dict[int, Session] = {}
@@ -287,7 +288,10 @@ class GrpcServerComm:
                          f"it leaves or is silent for distribute.heartbeat_timeout={self.hb_timeout:g}s",
                          f"refused {peer}: a second session for client {cid}, whose session from "
                          f"{live.peer} is alive")
-        log.info("client %d %s from %s", cid, how, peer)
+        if how == "reconnected":  # a peer may reconnect on purpose, again and again
+            self.quiet_info(f"reconnected {cid}", f"client {cid} reconnected from {peer}", logging.INFO)
+        else:
+            log.info("client %d %s from %s", cid, how, peer)
         return s, token_
 
     def _connect(self, request_iterator, context):
