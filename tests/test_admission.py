@@ -134,3 +134,39 @@ def test_quiet_log_counts_everything_and_logs_each_kind_now_and_then(caplog):
         q("bad frame", "refused frame 1000")
     assert caplog.records[-1].getMessage() == "refused frame 1000 (and 999 more like it)"
     assert math.isfinite(q._last["bad frame"])
+
+
+def test_in_deployment_a_rejected_round_runs_again_until_max_rejected_rounds():
+    from fedcore.admission import reject_round
+    server = _Server(_Course(admission__max_rejected_rounds=3), {"w": torch.zeros(2)})
+    assert reject_round(server, "the aggregated model has non-finite values") is True
+    assert reject_round(server, "the aggregated model has non-finite values") is True
+    assert reject_round(server, "the aggregated model has non-finite values") is False
+    assert server.diverged.startswith("course diverged in round 3: the aggregated model has non-finite")
+    assert server.course.monitor.extra_summary["admission"] == {"rejected rounds": 3}
+
+
+def test_a_deployed_client_skips_a_non_finite_model_and_never_sends_a_non_finite_update(caplog):
+    from fedcore.comm.chunking import Reassembler, chunk_frames
+    from fedcore.comm.grpc_client import GrpcClientComm, _Stream
+    from fedcore.comm.stream import parse_frame
+    from fedcore.message import Message
+    from fedcore.serialization import encode_envelope
+
+    class _Sched:
+        calls = []
+
+        def call_soon(self, action, priority=1):
+            self.calls.append(action)
+    cfg = small_cfg(None, federate__mode="distributed", distribute__role="client", distribute__insecure=True)
+    comm = GrpcClientComm(cfg, _Sched())
+    comm.client_id, comm.worker = 1, object()
+    stream = _Stream(Reassembler(2 ** 20, comm.chunk_size))
+    bad = {"model": {"w": torch.tensor([1.0, float("inf")])}}
+    for raw in chunk_frames((encode_envelope("models", 0, [1], 2, 0.0, bad),), 1, 1024):
+        comm._on_frame(parse_frame(raw, 4096), stream)
+    assert _Sched.calls == [] and "not finite (content.model.w): skipped" in caplog.text
+    comm.send(Message("updates", 1, (0,), 2, 0.0, {"model": {"w": torch.tensor([float("nan")])}, "num_samples": 3}))
+    assert len(comm.outbox) == 0 and "the update is not finite" in caplog.text
+    comm.send(Message("updates", 1, (0,), 2, 0.0, {"model": {"w": torch.tensor([1.0])}, "num_samples": 3}))
+    assert len(comm.outbox) == 1
