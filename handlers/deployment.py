@@ -143,7 +143,7 @@ def round_check(server, _event=None) -> None:
         _drop(server, sorted(server.selected), why)
     elif not server.selected and not server.buffer and server.course.client_ids:
         log.warning("round %d: restarting with the clients now connected", server.round)
-        server.deploy_round = (server.round, server.now)
+        server.deploy_round = (this_round, server.now)
         server.trigger("all_joined_in")
 
 
