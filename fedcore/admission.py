@@ -18,24 +18,23 @@ deployment alike, and an algorithm never sees an update they refused:
   rejected rounds in a row the course ends as diverged.
 
 Refusals are counted in the summary (`admission`) and logged at most once per
-reason every `LOG_EVERY` seconds, so a hostile peer cannot flood the log.
+reason every few seconds (`fedcore.quiet`), so a hostile peer cannot flood the log.
 """
 from __future__ import annotations
 
 import logging
 import math
 import statistics
-import time
-from collections import Counter
 from typing import Any
 
 import torch
 
 from fedcore.config import declare, positive
 from fedcore.contract import ReceivedUpdate
+from fedcore.quiet import QuietLog
 
-__all__ = ["admit_updates", "Snapshot", "finite_state", "reject_round", "note", "QuietLog",
-           "sample_cap", "norm_ratio"]
+__all__ = ["admit_updates", "Snapshot", "finite_state", "reject_round", "note", "sample_cap",
+           "norm_ratio"]
 
 log = logging.getLogger("fedcore.admission")
 
@@ -49,30 +48,6 @@ declare("admission.max_rejected_rounds", int, 3, "deployment: rounds in a row wh
         "not finite before the course stops as diverged (exit code 5)", check=positive)
 
 DEPLOYED_NORM_RATIO = 10.0
-LOG_EVERY = 10.0  # seconds between two log lines of the same kind
-
-
-class QuietLog:
-    """Counts events by kind and logs each kind at most once every `every` seconds, with the
-    number suppressed since its last line."""
-
-    def __init__(self, logger: logging.Logger, every: float = LOG_EVERY):
-        self.logger, self.every = logger, every
-        self.counts: Counter[str] = Counter()
-        self._last: dict[str, float] = {}
-        self._quiet: Counter[str] = Counter()
-
-    def __call__(self, kind: str, message: str, level: int = logging.WARNING) -> None:
-        self.counts[kind] += 1
-        now = time.monotonic()
-        if now - self._last.get(kind, -math.inf) < self.every:
-            self._quiet[kind] += 1
-            return
-        more = self._quiet.pop(kind, 0)
-        self._last[kind] = now
-        self.logger.log(level, "%s%s", message, f" (and {more} more like it)" if more else "")
-
-
 def _quiet(server) -> QuietLog:
     q = getattr(server, "admission_log", None)
     if q is None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 
-from fedcore.admission import QuietLog
+from fedcore.quiet import QuietLog
 from fedcore.handlers import asyn
 from fedcore.registry import behaviours
 

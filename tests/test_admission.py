@@ -8,7 +8,8 @@ import sys
 import pytest
 import torch
 
-from fedcore.admission import QuietLog, Snapshot, admit_updates, finite_state
+from fedcore.admission import Snapshot, admit_updates, finite_state
+from fedcore.quiet import QuietLog
 from fedcore.contract import ReceivedUpdate
 from fedcore.course import Course
 from fedcore.errors import EXIT_DIVERGED, CourseDiverged

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import grpc
 
-from fedcore.admission import QuietLog
+from fedcore.quiet import QuietLog
 from fedcore.comm.chunking import FRAME_OVERHEAD, Reassembler, envelope_parts
 from fedcore.comm.fingerprint import differing_keys
 from fedcore.comm.stream import (MD_CLIENT_ID, MD_COURSE, MD_SESSION, MD_TOKEN, Outbox,
