@@ -1,7 +1,7 @@
 """Server handlers that only a deployment needs: join timeout, lost clients, round deadline.
 
 The runtime raises `client_lost` (a client stopped sending heartbeats, left,
-or was replaced by a restarted process) and `round_check` (periodically);
+or was refused for breaking the protocol) and `round_check` (periodically);
 these handlers decide what that means for the course. In a synchronous
 course a lost client is dropped from the round it was sampled for, so the
 round completes with the others (`all_received`); a round with no one left to
