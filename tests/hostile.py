@@ -27,7 +27,11 @@ def load_proto(folder: Path):
     from grpc_tools import protoc
     folder.mkdir(parents=True, exist_ok=True)
     src = folder / "hostile_fedcore.proto"
-    src.write_text((ROOT / "proto" / "fedcore.proto").read_text())
+    # Another package name, so these classes can live beside fedcore's own in one process (the
+    # wire carries no package names; the RPC's path is written out below).
+    text = (ROOT / "proto" / "fedcore.proto").read_text()
+    assert text.count("package fedcore;") == 1
+    src.write_text(text.replace("package fedcore;", "package hostile;"))
     rc = protoc.main(["protoc", f"-I{folder}", f"--python_out={folder}", str(src)])
     assert rc == 0, "protoc failed"
     sys.path.insert(0, str(folder))
