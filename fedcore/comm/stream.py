@@ -183,7 +183,9 @@ def grpc_options(chunk_size: int, server: bool) -> list[tuple[str, int]]:
                  ("grpc.server_handshake_timeout_ms", 5_000),
                  ("grpc.max_connection_idle_ms", 10_000)]
     else:
-        opts += [("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 10_000),
+        # The ping's answer may queue behind a chunk on a slow link: liveness is the heartbeats'
+        # job (distribute.heartbeat_timeout, paced by bytes); keepalive only holds NATs open.
+        opts += [("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 60_000),
                  ("grpc.keepalive_permit_without_calls", 1)]
     return opts
 
