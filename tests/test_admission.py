@@ -171,3 +171,20 @@ def test_a_deployed_client_skips_a_non_finite_model_and_never_sends_a_non_finite
     assert len(comm.outbox) == 0 and "the update is not finite" in caplog.text
     comm.send(Message("updates", 1, (0,), 2, 0.0, {"model": {"w": torch.tensor([1.0])}, "num_samples": 3}))
     assert len(comm.outbox) == 1
+
+
+def test_metrics_gate_takes_one_finite_answer_per_evaluation_asked():
+    from fedcore.comm.metrics_gate import MetricsGate
+    from fedcore.message import Message
+    refused = []
+    gate = MetricsGate(lambda kind, line: refused.append(kind))
+    gate.sent(Message("eval_request", 0, (1, 2), 4, 0.0, {}))
+    gate.sent(Message("models", 0, (3,), 4, 0.0, {}))  # not a request for metrics
+
+    def metrics(cid, round_, acc):
+        return gate.admit(Message("metrics", cid, (0,), round_, 0.0, {"acc": acc}))
+    assert metrics(1, 4, 0.5) and not metrics(1, 4, 1.0)       # a duplicate
+    assert not metrics(3, 4, 1.0) and not metrics(2, 5, 1.0)   # never asked; another round
+    assert not metrics(2, 4, float("nan")) and not metrics(2, 4, 0.7)  # its one answer was spent
+    assert refused == ["unrequested or duplicate metrics"] * 3 + ["non-finite metrics",
+                                                                  "unrequested or duplicate metrics"]

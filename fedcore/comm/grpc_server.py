@@ -33,7 +33,8 @@ from fedcore.comm.fingerprint import differing_keys
 from fedcore.comm.stream import (MD_CLIENT_ID, MD_COURSE, MD_SESSION, MD_TOKEN, Outbox,
                                  allowed_silence, grpc_options, heartbeat_frame, parse_frame,
                                  read_token, read_tokens, server_credentials)
-from fedcore.comm.validation import check_content, first_nonfinite
+from fedcore.comm.metrics_gate import MetricsGate
+from fedcore.comm.validation import check_content
 from fedcore.errors import ConfigError
 from fedcore.message import SERVER_ID, Message
 from fedcore.serialization import WireError, decode_envelope, encode_value, from_value
@@ -92,7 +93,7 @@ class GrpcServerComm:
         self.min_rate = d["min_bytes_per_second"]
         self.quiet = QuietLog(log)        # refusals by kind: counted, logged now and then
         self.quiet_info = QuietLog(log)   # routine lines a peer could repeat at will
-        self.asked: dict[int, set[int]] = {}  # round -> clients asked for an evaluation, not answered
+        self.metrics_gate = MetricsGate(self.quiet)
         self.server_session = secrets.token_hex(8)
         self.sessions: dict[int, Session] = {}
         self._ids = itertools.count(1)    # message ids keep increasing across a client's sessions
@@ -181,10 +182,7 @@ class GrpcServerComm:
     def send(self, msg: Message) -> None:
         """Queue `msg` for each receiver's stream; one encoding of the content for all of them."""
         content = encode_value(msg.content)
-        if msg.msg_type == "eval_request":  # the only metrics the server will take for this round
-            self.asked.setdefault(msg.round, set()).update(r for r in msg.receivers if r != SERVER_ID)
-            for old in sorted(self.asked)[:-8]:
-                del self.asked[old]
+        self.metrics_gate.sent(msg)
         for receiver in msg.receivers:
             if receiver == SERVER_ID:
                 self.scheduler.call_soon(_Arrival(self, msg, 0))
@@ -199,22 +197,6 @@ class GrpcServerComm:
             parts = envelope_parts(header, content)
             s.outbox.put_message(parts)
             self.count_bytes(msg, receiver, sum(len(p) for p in parts))
-
-    def take_metrics(self, msg: Message) -> bool:
-        """Whether `msg` answers an evaluation the server asked this client for and has not had an
-        answer to yet, with finite numbers: anything else is dropped and counted."""
-        asked = self.asked.get(msg.round, set())
-        if msg.sender not in asked:
-            self.quiet("unrequested or duplicate metrics", f"round {msg.round}: dropped metrics from "
-                       f"client {msg.sender}: no evaluation of this round asked of it is unanswered")
-            return False
-        asked.discard(msg.sender)
-        bad = first_nonfinite(msg.content)
-        if bad is not None:
-            self.quiet("non-finite metrics", f"round {msg.round}: dropped metrics from client "
-                       f"{msg.sender}: {bad} is not finite")
-            return False
-        return True
 
     # ------------------------------------------------------------ one stream
     def _authorized(self, cid: int, token: str) -> bool:
@@ -403,7 +385,7 @@ class _Arrival:
             comm.count_bytes(msg, SERVER_ID, self.nbytes)
         if msg.msg_type == "join_in":
             log.info("client %d joined the course", msg.sender)
-        elif msg.msg_type == "metrics" and not comm.take_metrics(msg):
+        elif msg.msg_type == "metrics" and not comm.metrics_gate.admit(msg):
             return
         comm.server.deliver(msg)
         comm.after_delivery()
