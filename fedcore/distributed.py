@@ -361,7 +361,7 @@ def run_client(cfg) -> int:
         log.info("client %d admitted by %s", cid, comm.address)
         course = ClientCourse(cfg, scheduler).build(cid, comm)
         if cfg["distribute.max_message_bytes"] is None:
-            comm.max_message = message_bound(course.trainer.model)
+            comm.limit_message_size(message_bound(course.trainer.model))
         scheduler.schedule(0.0, PRIORITY_TIMER, StartEvent(course.client, "start"))
         scheduler.run()
         finished = course.client.finished

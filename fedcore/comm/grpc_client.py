@@ -122,6 +122,13 @@ class GrpcClientComm:
         for msg in early:
             self.scheduler.call_soon(_Delivery(self, msg))
 
+    def limit_message_size(self, nbytes: int) -> None:
+        """Refuse messages above `nbytes` from now on, on the open stream too."""
+        self.max_message = nbytes
+        stream = self._stream
+        if stream is not None:
+            stream.reasm.max_message = nbytes
+
     @property
     def closed(self) -> bool:
         return self._closing.is_set()
