@@ -20,7 +20,7 @@ from fedcore.checkpoint import Checkpointer, load_tensor_file, resume
 from fedcore.comm.inprocess import InProcessComm
 from fedcore.completeness import CheckResult, require_complete
 from fedcore.device import DeviceStateStore, apply_determinism, place_data, resolve_device
-from fedcore.errors import ConfigError, FedcoreError
+from fedcore.errors import ConfigError, CourseDiverged, FedcoreError
 from fedcore.executor import close_executor, install_executor
 from fedcore.loggers import make_loggers
 from fedcore.monitor import Callback, Monitor, StopRun
@@ -31,7 +31,7 @@ from fedcore.state import make_state_store
 from fedcore.timing import TimeModel
 from fedcore.worker import Client, HandlerTable, Server
 
-__all__ = ["Course", "CourseStalled", "load_initial_model"]
+__all__ = ["Course", "CourseStalled", "load_initial_model", "raise_if_diverged"]
 
 
 class CourseStalled(FedcoreError):
@@ -233,7 +233,9 @@ class Course:
                 f"course stalled in round {self.server.round}: no event left before finish "
                 f"(waiting for {len(self.server.selected)} update(s)); a sync course needs every "
                 "sampled client to reply: use over-selection, time_up or an async strategy")
-        return self.monitor.finalize(self.finish_time, self.server.aggregator.global_state)
+        summary = self.monitor.finalize(self.finish_time, self.server.aggregator.global_state)
+        raise_if_diverged(self.server)
+        return summary
 
     def check_or_run(self, check_only: bool) -> int:
         """What `python -m fedcore.run` does with a built course: `--check`, or run it; one line out."""
@@ -261,6 +263,13 @@ class Course:
     @property
     def finish_time(self) -> float:
         return self.server.now
+
+
+def raise_if_diverged(server) -> None:
+    """After the outputs are written: a course stopped by divergence exits with its own code."""
+    why = getattr(server, "diverged", None)
+    if why:
+        raise CourseDiverged(why)
 
 
 class StartEvent:

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import signal
-import sys
 from pathlib import Path
 from typing import Any
 
+from fedcore.comm.stream import TOKEN_ENV
 from fedcore.config import declare, non_negative, positive, validator
-from fedcore.course import Course, StartEvent
+from fedcore.course import Course, StartEvent, raise_if_diverged
 from fedcore.executor import apply_torch_threads
 from fedcore.errors import EXIT_OK, ConfigError, FedcoreError
 from fedcore.scheduler import PRIORITY_TIMER, WallClockScheduler
@@ -50,9 +51,15 @@ declare("distribute.min_clients", int, None, "server: start once this many clien
         "distribute.join_timeout has passed (default: wait for federate.client_num)", check=positive)
 declare("distribute.join_timeout", float, 60.0, "server: seconds to wait for all clients before "
         "starting with distribute.min_clients", check=positive)
-declare("distribute.token", str, None, "shared secret a client presents (server: the one it accepts)")
+declare("distribute.token", str, None, "shared secret a client presents (server: the one it accepts); "
+        "prefer distribute.token_file or the FEDCORE_TOKEN environment variable, which keep it off "
+        "command lines")
+declare("distribute.token_file", str, None, "file holding distribute.token (read when the key is "
+        "unset; then FEDCORE_TOKEN is tried)")
 declare("distribute.tokens", dict, None, "server: per-client tokens {client_id: token}; a client "
         "with its own token must present it (and may omit distribute.client_id)")
+declare("distribute.tokens_file", str, None, "server: YAML file mapping client ids to their tokens "
+        "(read when distribute.tokens is unset)")
 declare("distribute.tls.cert", str, None, "PEM certificate of this process (server: required for TLS; "
         "client: for mutual TLS)")
 declare("distribute.tls.key", str, None, "PEM private key matching distribute.tls.cert")
@@ -64,14 +71,23 @@ declare("distribute.insecure", bool, False, "allow plaintext gRPC without TLS (t
         "logs a warning)")
 declare("distribute.chunk_size", int, 2 * 1024 * 1024, "bytes per chunk of a streamed message",
         check=lambda v: None if 1024 <= v <= 64 * 1024 * 1024 else "must be in 1 KiB..64 MiB")
-declare("distribute.max_message_bytes", int, 1024 ** 3, "largest encoded message accepted; larger "
-        "ones are refused (INVALID_ARGUMENT) before being buffered", check=positive)
+declare("distribute.max_message_bytes", int, None, "largest encoded message accepted; larger "
+        "ones are refused (INVALID_ARGUMENT) before being buffered (default: 4 x the model's "
+        "encoded size + 1 MiB)", check=positive)
+declare("distribute.min_bytes_per_second", float, 10_000.0, "slowest link served: a half-received "
+        "message must keep arriving at this rate (it may take a chunk's time at this rate between "
+        "frames), or its stream is closed and its memory freed", check=positive)
 declare("distribute.heartbeat_interval", float, 2.0, "seconds between heartbeats on an idle stream",
         check=positive)
 declare("distribute.heartbeat_timeout", float, 10.0, "seconds without any frame after which a peer "
         "counts as dead", check=positive)
 declare("distribute.round_deadline", float, None, "server, sync course: seconds after a round starts "
-        "after which clients that have not replied are dropped from it", check=positive)
+        "after which clients that have not replied are dropped from it (default: derived, see "
+        "distribute.deadline_factor)", check=positive)
+declare("distribute.deadline_factor", float, 5.0, "server, sync course without round_deadline: once "
+        "half the round's clients have replied, the rest are dropped after this many times as long "
+        "as that took (at least distribute.heartbeat_timeout)", check=lambda v: None if v >= 1 else
+        "must be at least 1")
 declare("distribute.retry_timeout", float, 60.0, "client: seconds without a server before giving up "
         "(exit code 4)", check=positive)
 declare("distribute.backoff_initial", float, 0.5, "client: first reconnect delay in seconds (doubles "
@@ -107,9 +123,11 @@ def _check_distribute(cfg) -> None:
             raise ConfigError("distribute.tls.cert: the server needs a TLS certificate and key "
                               "(distribute.tls.cert, distribute.tls.key), or distribute.insecure: true "
                               "to run plaintext on a trusted network")
-        if not (cfg["distribute.token"] or cfg["distribute.tokens"] or ca or insecure):
+        if not (cfg["distribute.token"] or cfg["distribute.tokens"] or cfg["distribute.token_file"]
+                or cfg["distribute.tokens_file"] or os.environ.get(TOKEN_ENV) or ca or insecure):
             raise ConfigError("distribute.token: the server cannot authenticate clients: set "
-                              "distribute.token, distribute.tokens or distribute.tls.ca (client certificates)")
+                              "distribute.tokens_file, distribute.token_file, FEDCORE_TOKEN or "
+                              "distribute.tls.ca (client certificates)")
         for k, v in (cfg["distribute.tokens"] or {}).items():
             if not isinstance(k, int) or not 1 <= k <= n or not isinstance(v, str) or not v:
                 raise ConfigError(f"distribute.tokens: entry {k!r}: keys must be client ids 1..{n} "
@@ -122,6 +140,32 @@ def _check_distribute(cfg) -> None:
                           f"federate.client_num {n}")
 
 
+SECRET_KEYS = ("distribute.token", "distribute.tokens")
+
+
+def redacted(cfg):
+    """`cfg` with its secrets replaced, for the files a run writes."""
+    values = {k: ("<redacted>" if k in SECRET_KEYS and v else v) for k, v in cfg._values.items()}
+    return type(cfg)(values)
+
+
+def message_bound(model) -> int:
+    """The default distribute.max_message_bytes: room for four copies of the model's encoded
+    tensors (an update with deltas or control variates) plus 1 MiB of names and framing."""
+    return 4 * sum(t.numel() * t.element_size() for t in model.state_dict().values()) + 2 ** 20
+
+
+def _raise_open_files_limit() -> None:
+    """Serve with as many open files as the system allows a process (idle sockets cost one each)."""
+    try:
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ImportError, ValueError, OSError):  # no such limit here, or not allowed to change it
+        pass
+
+
 def _measured_time() -> TimeModel:
     return TimeModel({}, mode="measured")  # real seconds: compute is what it took
 
@@ -131,7 +175,7 @@ def _measured_time() -> TimeModel:
 class ServerCourse(Course):
     """The server process: server worker, aggregator, sampler, monitor; clients are remote."""
 
-    def __init__(self, cfg, outdir: str | Path | None = None, progress: bool = False):
+    def __init__(self, cfg, outdir: str | Path | None = None, progress: bool | int = False):
         super().__init__(cfg, outdir, progress)
         self.scheduler = WallClockScheduler()
         self._finish_clock: float | None = None
@@ -154,6 +198,9 @@ class ServerCourse(Course):
         from fedcore.scenarios.data import FederatedData, build_federated_data
         cfg = self.cfg
         full = data if data is not None else build_federated_data(cfg)
+        # No client of this course holds more training samples than the largest partition
+        # (clients on larger own data need admission.max_num_samples).
+        self.default_sample_cap = max((len(c.train) for c in full.clients.values()), default=None)
         # The server keeps only its held-out test set; client partitions live with the clients.
         self.data = FederatedData({}, full.server_test, full.input_shape, full.num_classes)
         model = self.make_model()
@@ -163,6 +210,8 @@ class ServerCourse(Course):
         self.comm = GrpcServerComm(cfg, self.scheduler, self.monitor.count_bytes, self._lost,
                                    self._maybe_stop)
         self.comm.device = self.device
+        if cfg["distribute.max_message_bytes"] is None:
+            self.comm.max_message = message_bound(model)
         self.make_server(model, self._all_ids)
         self.clients = {}
         self.install_handlers()
@@ -172,6 +221,14 @@ class ServerCourse(Course):
         self.resumed_at = None
         self.built = True
         return self
+
+    def write_header(self) -> None:
+        """As a course's, with secrets redacted from config.yaml."""
+        cfg, self.cfg = self.cfg, redacted(self.cfg)
+        try:
+            super().write_header()
+        finally:
+            self.cfg = cfg
 
     # ------------------------------------------------------------ runtime events
     def _lost(self, client_id: int, reason: str) -> None:
@@ -211,6 +268,7 @@ class ServerCourse(Course):
             self.build()
         self.write_header()
         self.check()
+        _raise_open_files_limit()
         port = self.comm.start()
         host = self.cfg["distribute.server_host"]
         if self.cfg["distribute.insecure"]:
@@ -228,13 +286,16 @@ class ServerCourse(Course):
             self._finalize()
             raise
         else:
-            return self._finalize()
+            summary = self._finalize()
+            raise_if_diverged(self.server)
+            return summary
         finally:
             self.comm.stop()
             self.store.close()
 
     def _finalize(self) -> dict[str, Any]:
-        self.monitor.extra_summary["deployment"] = {"clients": self.comm.describe()}
+        self.monitor.extra_summary["deployment"] = {"clients": self.comm.describe(),
+                                                    "refused": self.comm.refusals()}
         return self.monitor.finalize(self.scheduler.now, self.server.aggregator.global_state)
 
 
@@ -300,6 +361,8 @@ def run_client(cfg) -> int:
         cid = comm.wait_welcome()
         log.info("client %d admitted by %s", cid, comm.address)
         course = ClientCourse(cfg, scheduler).build(cid, comm)
+        if cfg["distribute.max_message_bytes"] is None:
+            comm.limit_message_size(message_bound(course.trainer.model))
         scheduler.schedule(0.0, PRIORITY_TIMER, StartEvent(course.client, "start"))
         scheduler.run()
         finished = course.client.finished
@@ -334,5 +397,5 @@ def run_distributed(cfg, outdir, check_only: bool = False) -> int:
         pass
     if role == "client":
         return run_client(cfg)
-    progress = cfg["verbose"] and sys.stderr.isatty()
+    progress = cfg["verbose"]  # a bar on a terminal, periodic round lines elsewhere
     return ServerCourse(cfg, outdir, progress=progress).build().check_or_run(check_only)

@@ -1,13 +1,15 @@
 """The errors a user can cause, each with its documented exit code."""
 from __future__ import annotations
 
-__all__ = ["FedcoreError", "ConfigError", "IncompleteCourseError", "EXIT_OK", "EXIT_FAILURE",
-           "EXIT_CONFIG", "EXIT_INCOMPLETE"]
+__all__ = ["FedcoreError", "ConfigError", "IncompleteCourseError", "CourseDiverged", "EXIT_OK",
+           "EXIT_FAILURE", "EXIT_CONFIG", "EXIT_INCOMPLETE", "EXIT_SERVER_GONE", "EXIT_DIVERGED"]
 
 EXIT_OK = 0
 EXIT_FAILURE = 1      # anything else; the cause is printed in one line first
 EXIT_CONFIG = 2       # bad configuration or usage
 EXIT_INCOMPLETE = 3   # the completeness check failed
+EXIT_SERVER_GONE = 4  # a deployed client lost its server for longer than distribute.retry_timeout
+EXIT_DIVERGED = 5     # the global model became non-finite; outputs hold the last finite one
 
 
 class FedcoreError(Exception):
@@ -26,3 +28,9 @@ class IncompleteCourseError(FedcoreError):
     """No path leads from the course's start to its finish."""
 
     exit_code = EXIT_INCOMPLETE
+
+
+class CourseDiverged(FedcoreError):
+    """The aggregated global model was not finite; the run's outputs hold the last finite one."""
+
+    exit_code = EXIT_DIVERGED

@@ -3,8 +3,11 @@
 Starts a server on 127.0.0.1 (on a free port) and N client processes that
 dial it, waits for the server, and exits with the server's status. For demos
 and tests; across machines, start each role with `python -m fedcore.run`.
-Without a configured token it makes a random one; without TLS configured it
-runs plaintext on loopback (`distribute.insecure: true`, with its warning).
+Without configured tokens it makes one random token per client: the server
+reads them from a private file (mode 0600, deleted at the end) and each client
+gets its own in the environment (FEDCORE_TOKEN), so no token appears on a
+command line or in the run's outputs. Without TLS configured it runs
+plaintext on loopback (`distribute.insecure: true`, with its warning).
 Ctrl-C stops every process it started.
 """
 from __future__ import annotations
@@ -12,11 +15,15 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
+from fedcore.comm.stream import TOKEN_ENV
 from fedcore.errors import EXIT_CONFIG, EXIT_FAILURE, FedcoreError
 
 __all__ = ["main"]
@@ -73,14 +80,23 @@ def main(argv: list[str] | None = None) -> int:
     address_file.unlink(missing_ok=True)
     common = ["federate.mode=distributed", f"federate.client_num={n}", f"outdir={outdir}",
               "distribute.server_host=127.0.0.1"]
-    if not cfg["distribute.token"] and not cfg["distribute.tokens"]:
-        common.append(f"distribute.token={secrets.token_hex(16)}")
+    server_extra: list[str] = []
+    client_env: dict[int, dict] = {k: dict(os.environ) for k in range(1, n + 1)}
+    secrets_dir = None
+    if not any(cfg[k] for k in ("distribute.token", "distribute.tokens", "distribute.token_file",
+                                "distribute.tokens_file")) and not os.environ.get(TOKEN_ENV):
+        tokens = {k: secrets.token_hex(16) for k in range(1, n + 1)}
+        secrets_dir = Path(tempfile.mkdtemp(prefix="fedcore-tokens-"))  # mode 0700
+        server_extra.append(f"distribute.tokens_file={write_private(secrets_dir / 'tokens.yaml', tokens)}")
+        for k, token in tokens.items():
+            client_env[k][TOKEN_ENV] = token
     if not cfg["distribute.tls.cert"] and not cfg["distribute.insecure"]:
         common.append("distribute.insecure=true")
     base = [sys.executable, "-m", "fedcore.run", "--cfg", args.cfg, *args.overrides, *common]
     procs: list[subprocess.Popen] = []
     try:
-        server = subprocess.Popen(base + args.server_opt + ["distribute.role=server", "distribute.server_port=0"])
+        server = subprocess.Popen(base + args.server_opt + server_extra
+                                  + ["distribute.role=server", "distribute.server_port=0"])
         procs.append(server)
         deadline = time.monotonic() + args.startup_timeout
         while not address_file.exists():
@@ -93,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         port = address_file.read_text().strip().rsplit(":", 1)[1]
         for k in range(1, n + 1):
             procs.append(subprocess.Popen(base + args.client_opt + ["distribute.role=client", f"distribute.client_id={k}",
-                                                  f"distribute.server_port={port}"]))
+                                                  f"distribute.server_port={port}"], env=client_env[k]))
         rc = server.wait()
         clients = procs[1:]
         grace = time.monotonic() + 15.0
@@ -109,6 +125,17 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         _stop(procs, signal.SIGTERM, 5.0)
+        if secrets_dir is not None:
+            shutil.rmtree(secrets_dir, ignore_errors=True)
+
+
+def write_private(path: Path, tokens: dict[int, str]) -> Path:
+    """Write the tokens file readable by its owner only (created 0600, never wider)."""
+    import yaml
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(yaml.safe_dump(tokens))
+    return path
 
 
 if __name__ == "__main__":

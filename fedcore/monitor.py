@@ -19,7 +19,7 @@ import torch
 
 from fedcore.message import SERVER_ID, Message
 
-__all__ = ["Monitor", "Callback", "StopRun"]
+__all__ = ["Monitor", "Callback", "StopRun", "strict_json"]
 
 
 class StopRun(BaseException):
@@ -59,6 +59,21 @@ class _Pending:
     @property
     def complete(self) -> bool:
         return len(self.client_metrics) >= self.expected
+
+
+def strict_json(obj: Any) -> Any:
+    """`obj` with every non-finite float replaced by None, so the JSON written is strict."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: strict_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict_json(v) for v in obj]
+    return obj
+
+
+def _dumps(obj: Any, **kw) -> str:
+    return json.dumps(strict_json(obj), allow_nan=False, **kw)
 
 
 def _spread(values: list[float], prefix: str) -> dict[str, float]:
@@ -168,7 +183,7 @@ class Monitor:
             del self._pending[round_]
             self.records.append(record)
             if self._metrics_file is not None:
-                self._metrics_file.write(json.dumps(record) + "\n")
+                self._metrics_file.write(_dumps(record) + "\n")
                 self._metrics_file.flush()
             for callback in self.callbacks:
                 callback.on_record(record)
@@ -183,7 +198,7 @@ class Monitor:
         for record in records:
             self.records.append(record)
             if self._metrics_file is not None:
-                self._metrics_file.write(json.dumps(record) + "\n")
+                self._metrics_file.write(_dumps(record) + "\n")
         for round_, p in pending.items():
             self._pending[int(round_)] = _Pending(dict(p["record"]), int(p["expected"]))
         self.total_up, self.total_down, self.total_other = totals
@@ -223,7 +238,7 @@ class Monitor:
             if global_state is not None:
                 torch.save({k: v.detach().cpu().clone() for k, v in global_state.items()},
                            self.outdir / "final_model.pt")
-            (self.outdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            (self.outdir / "summary.json").write_text(_dumps(summary, indent=2) + "\n")
         for callback in self.callbacks:
             callback.on_end(summary)
         return summary

@@ -5,8 +5,8 @@ Also `--check` (completeness check only; writes its files only where `outdir`
 is set), `--help-key KEY` and `--list-keys`. From Python, `fedcore.run(...)`
 is `fedcore.api.run` (this module is callable for that reason).
 Exit codes: 0 success, 2 bad configuration or usage, 3 incomplete course, 4 a
-deployed client lost its server, 130 interrupted, 1 anything else (the cause
-in one line before any traceback).
+deployed client lost its server, 5 the global model diverged (non-finite), 130
+interrupted, 1 anything else (the cause in one line before any traceback).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Server handlers that only a deployment needs: join timeout, lost clients, round deadline.
 
 The runtime raises `client_lost` (a client stopped sending heartbeats, left,
-or was replaced by a restarted process) and `round_check` (periodically);
+or was refused for breaking the protocol) and `round_check` (periodically);
 these handlers decide what that means for the course. In a synchronous
 course a lost client is dropped from the round it was sampled for, so the
 round completes with the others (`all_received`); a round with no one left to
@@ -10,18 +10,46 @@ going under their own condition events (goal, time_up): a lost client that
 was sent a model is released as if its reply had timed out (it is replaced
 by an idle client, and no longer sampled), and when every client in flight
 was lost the clients that connect again are sent the current model. Every
-drop is logged and listed in the summary.
+drop is logged and listed in the summary (the first `LISTED` of each list;
+`*_total` counts them all).
+
+A synchronous round has a deadline even when `distribute.round_deadline` is
+unset: once half of its clients have replied, taking t seconds, the others
+are dropped after max(`distribute.heartbeat_timeout`,
+`distribute.deadline_factor` x t) plus the time the model takes down and up
+at `distribute.min_bytes_per_second`. A client whose trainer hangs while its
+heartbeats flow cannot hold the course.
 """
 from __future__ import annotations
 
 import logging
 
+from fedcore.quiet import QuietLog
 from fedcore.handlers import asyn
 from fedcore.registry import behaviours
 
 __all__ = ["arm", "join_timeout", "client_lost", "round_check", "install"]
 
 log = logging.getLogger("fedcore.deploy")
+
+LISTED = 50  # entries kept in each summary list; the counts go on
+
+
+def _quiet(server) -> QuietLog:
+    """Per-client lines, each kind at most once every few seconds (a peer may flap on purpose)."""
+    q = getattr(server, "deploy_log", None)
+    if q is None:
+        q = server.deploy_log = QuietLog(log)
+    return q
+
+
+def _listed(server, key: str, entry: dict) -> None:
+    """Append `entry` to the summary's list `key` (bounded) and count it in `key_total`."""
+    extra = server.course.monitor.extra_summary
+    entries = extra.setdefault(key, [])
+    if len(entries) < LISTED:
+        entries.append(entry)
+    extra[f"{key}_total"] = extra.get(f"{key}_total", 0) + 1
 
 
 def arm(server, _event=None) -> None:
@@ -63,8 +91,7 @@ def _drop(server, ids: list[int], why: str) -> None:
         return
     server.selected.difference_update(hit)
     log.warning("round %d: dropped client(s) %s from the round: %s", server.round, hit, why)
-    server.course.monitor.extra_summary.setdefault("dropped", []).append(
-        {"round": server.round, "clients": hit, "reason": why})
+    _listed(server, "dropped", {"round": server.round, "clients": hit, "reason": why})
     if not server.selected:
         if server.buffer:
             server.trigger("all_received")
@@ -75,12 +102,14 @@ def _drop(server, ids: list[int], why: str) -> None:
 def client_lost(server, info) -> None:
     """`client_lost` {client_id, reason}: log it; in a sync round, stop waiting for that client."""
     cid, reason = info["client_id"], info["reason"]
+    quiet = _quiet(server)
     if server.finished or not server.started:
-        log.info("client %d gone %s the course: %s", cid, "after" if server.finished else "before", reason)
+        quiet(f"gone {cid}", f"client {cid} gone {'after' if server.finished else 'before'} the course: "
+                             f"{reason}", logging.INFO)
         return
-    log.warning("client %d lost in round %d: %s", cid, server.round, reason)
-    server.course.monitor.extra_summary.setdefault("lost_clients", []).append(
-        {"client": cid, "round": server.round, "time": round(server.now, 3), "reason": reason})
+    quiet(f"lost {cid}", f"client {cid} lost in round {server.round}: {reason}")
+    _listed(server, "lost_clients",
+            {"client": cid, "round": server.round, "time": round(server.now, 3), "reason": reason})
     if _sync(server):
         _drop(server, [cid], f"client {cid} {reason}")
     elif _async(server):
@@ -97,17 +126,41 @@ def round_check(server, _event=None) -> None:
         return
     if not _sync(server):
         return
+    this_round = (server.round, id(server.buffer))  # a round run again gets a new buffer
     seen_round, since = getattr(server, "deploy_round", (None, 0.0))
-    if seen_round != server.round:
-        server.deploy_round = (server.round, server.now)
+    if seen_round != this_round:
+        server.deploy_round, server.deploy_half = (this_round, server.now), None
         return
-    deadline = server.course.cfg["distribute.round_deadline"]
+    replied, waiting = len(server.buffer), len(server.selected)
+    if getattr(server, "deploy_half", None) is None and replied and replied >= waiting:
+        server.deploy_half = server.now
+    deadline = _deadline(server, since)
     if deadline is not None and server.selected and server.now - since > deadline:
-        _drop(server, sorted(server.selected), f"no reply within distribute.round_deadline={deadline:g}s")
+        if server.course.cfg["distribute.round_deadline"] is not None:
+            why = f"no reply within distribute.round_deadline={deadline:g}s"
+        else:
+            why = f"no reply within the derived round deadline of {deadline:.3g}s (distribute.deadline_factor)"
+        _drop(server, sorted(server.selected), why)
     elif not server.selected and not server.buffer and server.course.client_ids:
         log.warning("round %d: restarting with the clients now connected", server.round)
-        server.deploy_round = (server.round, server.now)
+        server.deploy_round = (this_round, server.now)
         server.trigger("all_joined_in")
+
+
+def _deadline(server, since: float) -> float | None:
+    """This round's deadline in seconds (None: none yet). Derived, it also leaves room for the
+    model to go down and its update to come up on the slowest link served
+    (distribute.min_bytes_per_second), so a slow link is not mistaken for a hung client."""
+    cfg = server.course.cfg
+    if cfg["distribute.round_deadline"] is not None:
+        return cfg["distribute.round_deadline"]
+    half = getattr(server, "deploy_half", None)
+    if half is None:
+        return None
+    if not hasattr(server, "model_bytes"):
+        server.model_bytes = sum(t.numel() * t.element_size() for t in server.aggregator.global_state.values())
+    transfer = 2 * server.model_bytes / cfg["distribute.min_bytes_per_second"]
+    return max(cfg["distribute.heartbeat_timeout"], cfg["distribute.deadline_factor"] * (half - since)) + transfer
 
 
 @behaviours.register("deployment")

@@ -1,4 +1,8 @@
-"""Joining the course: clients announce themselves; the server starts when all are in."""
+"""Joining the course: clients announce themselves; the server starts when all are in.
+
+A client declares its training-sample count when it joins; the admission layer
+refuses any later update that claims more (`fedcore.admission`).
+"""
 from __future__ import annotations
 
 from fedcore.message import SERVER_ID
@@ -7,13 +11,25 @@ __all__ = ["join_in", "admit_client", "install"]
 
 
 def join_in(client, _event) -> None:
-    """Client `start`: ask the server to join."""
-    client.send("join_in", SERVER_ID, {"client_id": client.id})
+    """Client `start`: ask the server to join, declaring how many training samples it holds."""
+    data = getattr(client, "data", None)
+    train = getattr(data, "train", None)
+    content = {"client_id": client.id}
+    if train is not None:
+        content["num_samples"] = len(train)
+    client.send("join_in", SERVER_ID, content)
 
 
 def admit_client(server, msg) -> None:
-    """Server `receiving_join_in`: record the client; raise `all_joined_in` once all are in."""
+    """Server `receiving_join_in`: record the client (and its declared sample count); raise
+    `all_joined_in` once all are in."""
     server.joined.add(msg.sender)
+    declared = msg.content.get("num_samples") if isinstance(msg.content, dict) else None
+    if declared is not None:
+        if not hasattr(server, "declared_samples"):
+            server.declared_samples = {}
+        # the first declaration stands: a client may not raise its own bound by joining again
+        server.declared_samples.setdefault(msg.sender, declared)
     if len(server.joined) == server.course.num_clients and not server.started:
         server.started = True
         server.trigger("all_joined_in")

@@ -7,11 +7,12 @@ restored from a checkpoint.
 """
 from __future__ import annotations
 
+from fedcore import admission
 from fedcore.config import declare, positive
 from fedcore.contract import ReceivedUpdate
 from fedcore.handlers.evaluation import evaluate_global, request_client_evaluation
 
-__all__ = ["aggregate", "finish_course", "is_eval_round", "resume_course", "install"]
+__all__ = ["aggregate", "finish_course", "stop_diverged", "is_eval_round", "resume_course", "install"]
 
 declare("federate.time_limit", float, None, "finish at the first aggregation at or after this "
         "time (seconds of the course's clock: virtual in simulation); null: rounds only",
@@ -31,12 +32,23 @@ def is_eval_round(server) -> bool:
 
 def aggregate(server, updates: list[ReceivedUpdate], extra: dict | None = None) -> bool:
     """Aggregate `updates` (in client-id order, so arrival order cannot matter), evaluate,
-    record the round and advance it. Returns True when the course should go on."""
+    record the round and advance it. Returns True when the course should go on.
+
+    The admission layer refuses updates first, and a non-finite aggregate is not adopted:
+    the round is rejected with the previous model kept (and run again, in deployment)."""
     course = server.course
-    updates = sorted(updates, key=lambda u: (u.client_id, u.round))
+    received = sorted(updates, key=lambda u: (u.client_id, u.round))
+    updates = admission.admit_updates(server, received)
+    if received and not updates:
+        return _rejected(server, "every update of the round was refused")
+    snapshot = admission.Snapshot(server.aggregator)
     fields = {"num_updates": len(updates)}
     if updates:  # a round with nothing to aggregate (a skipped secure round) keeps the model
         fields.update(server.aggregator.aggregate(updates, server.round) or {})
+        if not admission.finite_state(server.aggregator.global_state):
+            snapshot.restore()
+            return _rejected(server, "the aggregated model has non-finite values")
+    server.rejected_in_a_row = 0
     fields.update(extra or {})
     expected = 0
     if is_eval_round(server):
@@ -74,6 +86,20 @@ def finish_course(server, _event) -> None:
         "max_rounds" if server.round >= cfg["federate.total_round_num"]
         else "time_limit" if _out_of_time(server) else "early_stop")
     server.send("finish", server.course.client_ids, {})
+
+
+def _rejected(server, why: str) -> bool:
+    """A round not adopted: True to run it again, False when the course stopped as diverged."""
+    if admission.reject_round(server, why):
+        return True
+    stop_diverged(server)
+    return False
+
+
+def stop_diverged(server, _event=None) -> None:
+    """The global model could not stay finite: end the course with the last finite one."""
+    finish_course(server, _event)
+    server.course.monitor.extra_summary["stopped_by"] = "diverged"
 
 
 def resume_course(server, info: dict) -> None:

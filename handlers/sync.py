@@ -1,6 +1,9 @@
 """The synchronous course: sample, broadcast, wait for `all_received`, aggregate, repeat."""
 from __future__ import annotations
 
+import logging
+
+from fedcore import admission
 from fedcore.contract import ReceivedUpdate
 from fedcore.handlers import evaluation, join, rounds, training
 from fedcore.registry import courses
@@ -20,8 +23,9 @@ def start_round(server, _event=None) -> None:
 def collect_update(server, msg) -> None:
     """`receiving_updates`: keep this round's updates; raise `all_received` when complete."""
     if server.finished or msg.round != server.round or msg.sender not in server.selected:
-        server.course.log.info("round %d: dropped an update from client %d for round %d",
-                               server.round, msg.sender, msg.round)
+        admission.note(server, "update for another round or from a client not waited for",
+                       f"round {server.round}: dropped an update from client {msg.sender} for round "
+                       f"{msg.round}", logging.INFO)
         return
     server.selected.discard(msg.sender)
     server.buffer.append(ReceivedUpdate(msg.sender, msg.content, msg.round, 0))

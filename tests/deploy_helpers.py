@@ -55,19 +55,19 @@ class Procs:
         self.tmp = tmp
         self.procs: list[tuple[subprocess.Popen, Path]] = []
 
-    def start(self, name: str, args: list[str]) -> subprocess.Popen:
+    def start(self, name: str, args: list[str], env: dict | None = None, **popen) -> subprocess.Popen:
         log = self.tmp / f"{name}.log"
         fh = log.open("ab")
         p = subprocess.Popen([sys.executable, *args], stdout=fh, stderr=subprocess.STDOUT,
-                             cwd=ROOT, env=_env())
+                             cwd=ROOT, env={**_env(), **(env or {})}, **popen)
         fh.close()
         p.log = log  # type: ignore[attr-defined]
         self.procs.append((p, log))
         return p
 
-    def fedcore(self, name: str, cfg: Path, *overrides: str) -> subprocess.Popen:
+    def fedcore(self, name: str, cfg: Path, *overrides: str, **kw) -> subprocess.Popen:
         return self.start(name, ["-m", "fedcore.run", "--cfg", str(cfg), "federate.mode=distributed",
-                                 *overrides])
+                                 *overrides], **kw)
 
     def cleanup(self) -> None:
         for p, _ in self.procs:

@@ -13,11 +13,15 @@ from fedcore.config import declare
 from fedcore.registry import algorithms
 
 declare("slow_test.pause", float, 0.3, "tests: seconds a client sleeps before each local training")
+declare("slow_test.hang_clients", list, None, "tests: clients whose training never returns (their "
+        "heartbeats go on: a hung trainer)")
 
 
 class PausingTrainer(FedAvgTrainer):
     def fit(self, client_id, data, received, round_):
         time.sleep(self.cfg["slow_test.pause"])
+        while client_id in (self.cfg["slow_test.hang_clients"] or ()):
+            time.sleep(60)
         return super().fit(client_id, data, received, round_)
 
 

@@ -77,3 +77,32 @@ def test_per_client_tokens_bind_a_token_to_its_id(serve):
     assert _join(rpc, "token-one", client="3")[0] == grpc.StatusCode.UNAUTHENTICATED
     assert _join(rpc, "token-two", client="2")[0] == grpc.StatusCode.UNAUTHENTICATED  # 2 has no token
     assert _join(rpc, "nobody's")[0] == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_second_session_for_a_live_id_is_refused_not_swapped_in(serve):
+    comm, rpc = serve(distribute__token="shared")
+    md = [(MD_CLIENT_ID, "2"), (MD_SESSION, "first"), (MD_TOKEN, "Bearer shared")]
+    first = rpc(_forever(), metadata=md)
+    assert pb.Frame.FromString(next(first)).welcome.client_id == 2  # the live session
+    code, _ = _join(rpc, "shared", client="2", session="second")
+    assert code == grpc.StatusCode.ALREADY_EXISTS and comm.sessions[2].session_id == "first"
+    assert comm.refusals() == {"second session for a live id": 1}
+    first.cancel()
+
+
+def _forever():
+    import time
+    while True:
+        time.sleep(0.2)
+        yield from ()
+
+
+def test_course_fingerprint_names_the_keys_that_differ():
+    from fedcore.comm.fingerprint import differing_keys, fingerprint
+    server = small_cfg(None, model__type="mlp")
+    same = fingerprint(small_cfg(None, model__type="mlp", train__batch_size=7))  # local training may differ
+    assert differing_keys(server, same) == []
+    other = fingerprint(small_cfg(None, model__type="logreg", model__dtype="float64"))
+    assert differing_keys(server, other) == ['model.dtype (server: "float32")', 'model.type (server: "mlp")']
+    own = small_cfg(None, model__type="mlp", distribute__own_data=True, data__synthetic__dim=5, seed=3)
+    assert differing_keys(server, fingerprint(own)) == []  # a client's own data defines itself

@@ -1,6 +1,8 @@
 """The deployment's server handlers, run on the virtual clock with a recording course."""
 import logging
 
+import torch
+
 from fedcore.handlers import deployment
 from fedcore.monitor import Monitor
 from fedcore.scheduler import Scheduler
@@ -125,3 +127,36 @@ def test_async_round_with_everyone_lost_restarts_with_the_clients_that_return(tm
     course.client_ids = [2]  # a client reconnects
     server.trigger("round_check")
     assert set(server.in_flight) == {2}
+
+
+def test_derived_deadline_waits_for_half_the_replies_then_drops_the_rest():
+    course, server = _server(distribute__heartbeat_timeout=10.0, distribute__deadline_factor=5.0)
+    course.server = server
+    server.aggregator = type("A", (), {"global_state": {"w": torch.zeros(250)}})()  # 1000 bytes
+    server.buffer, server.selected = [], {1, 2, 3, 4}
+    server.trigger("round_check")                      # the round is first seen at 0
+    server.now = 4.0
+    server.buffer.extend(["u1", "u2"])                 # clients 1 and 2 replied
+    server.selected -= {1, 2}
+    server.trigger("round_check")                      # half replied after 4 s
+    # deadline: max(10, 5 x 4) + 2 x 1000 bytes / 10000 bytes/s = 20.2 s
+    server.now = 20.2
+    server.trigger("round_check")
+    assert course.raised == [] and server.selected == {3, 4}
+    server.now = 20.3
+    server.trigger("round_check")
+    assert server.selected == set() and course.raised == [("all_received", 20.3)]
+    assert "derived round deadline of 20.2s" in course.monitor.extra_summary["dropped"][0]["reason"]
+
+
+def test_without_replies_there_is_no_derived_deadline_and_lists_stay_bounded():
+    course, server = _server()
+    server.aggregator = type("A", (), {"global_state": {}})()
+    server.trigger("round_check")
+    server.now = 1e6
+    server.trigger("round_check")
+    assert course.raised == [] and server.selected == {1, 2, 3}
+    for k in range(deployment.LISTED + 30):
+        server.trigger("client_lost", {"client_id": 1 + k % 3, "reason": "flapping"})
+    extra = course.monitor.extra_summary
+    assert len(extra["lost_clients"]) == deployment.LISTED and extra["lost_clients_total"] == deployment.LISTED + 30

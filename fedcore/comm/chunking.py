@@ -10,14 +10,19 @@ once the last byte is in. Every violation raises `WireError`.
 from __future__ import annotations
 
 import hashlib
+import time
 from typing import Iterator, Sequence
 
 from fedcore.serialization import WireError
 from fedcore.wire import fedcore_pb2 as pb
 
-__all__ = ["DEFAULT_CHUNK_SIZE", "FRAME_OVERHEAD", "envelope_parts", "chunk_frames", "Reassembler"]
+__all__ = ["DEFAULT_CHUNK_SIZE", "FIRST_CHUNK", "FRAME_OVERHEAD", "envelope_parts", "chunk_frames",
+           "Reassembler"]
 
 DEFAULT_CHUNK_SIZE = 2 * 1024 * 1024
+# A message's first chunk is small, so it arrives at once even on a slow link and tells the
+# receiver a message is under way (whose later, larger chunks may take a while each).
+FIRST_CHUNK = 16 * 1024
 FRAME_OVERHEAD = 256  # bytes of a Frame around its chunk payload (ids, offsets, hash), generously
 
 
@@ -66,8 +71,10 @@ def _chunk_head(message_id: int, offset: int, total: int, sha: bytes, n: int) ->
     return head, len(head) + n
 
 
-def chunk_frames(parts: Sequence[bytes], message_id: int, chunk_size: int) -> Iterator[bytes]:
-    """Serialized `Frame`s carrying the concatenation of `parts`, `chunk_size` bytes at a time.
+def chunk_frames(parts: Sequence[bytes], message_id: int, chunk_size: int,
+                 first_size: int | None = None) -> Iterator[bytes]:
+    """Serialized `Frame`s carrying the concatenation of `parts`, `chunk_size` bytes at a time
+    (the first frame at most `first_size`, when given).
 
     Each frame is assembled with one copy of its slice of `parts` (no intermediate
     buffer, no protobuf message holding the data).
@@ -82,8 +89,9 @@ def chunk_frames(parts: Sequence[bytes], message_id: int, chunk_size: int) -> It
     while first or offset < total:
         pieces: list = []
         n = 0
-        while views and n < chunk_size:
-            take = chunk_size - n
+        size = min(chunk_size, first_size) if first and first_size else chunk_size
+        while views and n < size:
+            take = size - n
             v = views[0]
             if take >= len(v):
                 pieces.append(v)
@@ -108,6 +116,7 @@ class Reassembler:
         self._buf: bytearray | None = None
         self._id = self._total = 0
         self._sha = b""
+        self.started = self.last_chunk = 0.0  # time.monotonic() of the message's first, last chunk
 
     @property
     def in_progress(self) -> bool:
@@ -128,6 +137,7 @@ class Reassembler:
                 raise WireError("first chunk of a message lacks its SHA-256")
             self._id, self._total, self._sha = chunk.message_id, chunk.total_size, chunk.sha256
             self._buf = bytearray()
+            self.started = time.monotonic()
         else:
             if chunk.message_id != self._id:
                 raise WireError(f"message {self._id} truncated at {len(self._buf)} of {self._total} "
@@ -140,12 +150,32 @@ class Reassembler:
         if len(self._buf) + len(chunk.data) > self._total:
             raise WireError(f"message {self._id} has more bytes than the {self._total} announced")
         self._buf += chunk.data
+        self.last_chunk = time.monotonic()
         if len(self._buf) < self._total:
             return None
         data, self._buf = self._buf, None
         if hashlib.sha256(data).digest() != self._sha:
             raise WireError(f"message {self._id} failed its integrity check (SHA-256 mismatch)")
         return data
+
+    def stalled(self, timeout: float, min_rate: float) -> str | None:
+        """Why the message in progress has taken too long (None if it has not): a chunk must come
+        within `timeout` plus a chunk's time at `min_rate` bytes/s, and the whole message within
+        `timeout` plus its size's time at `min_rate`. Heartbeats do not keep a message alive."""
+        if self._buf is None:
+            return None
+        now = time.monotonic()
+        if now - self.last_chunk > timeout + self.max_chunk / min_rate:
+            return (f"message {self._id} stalled at {len(self._buf)} of {self._total} bytes "
+                    f"(no chunk for {now - self.last_chunk:.0f}s)")
+        if now - self.started > timeout + self._total / min_rate:
+            return (f"message {self._id} too slow: {len(self._buf)} of {self._total} bytes in "
+                    f"{now - self.started:.0f}s (below distribute.min_bytes_per_second={min_rate:g})")
+        return None
+
+    def drop(self) -> None:
+        """Forget the message in progress (its stream is being closed)."""
+        self._buf = None
 
     def end_of_stream(self) -> None:
         """The stream closed: a half-received message is an error worth naming."""

@@ -4,8 +4,16 @@ No client listens on a port, so clients work behind NAT. A background thread
 holds the stream; when it breaks, it redials with exponential backoff and
 jitter, resuming the same session (queued messages are kept; a message cut
 off mid-stream is sent again and the server drops the duplicate). A server
-silent for `distribute.heartbeat_timeout` counts as broken; a server
-unreachable for `distribute.retry_timeout` ends the process with exit code 4.
+silent for `distribute.heartbeat_timeout` (longer while one of its messages is
+half-received) counts as broken; a server unreachable for
+`distribute.retry_timeout` ends the process with exit code 4. A server that
+refuses a second session for this id (the previous process's session is
+still alive) is tried again the same way; one that finds this client's
+course config different ends it with exit code 2, naming the keys.
+
+A client never dies because of what it was sent: a model or evaluation
+request with non-finite values is reported and skipped, and an update that
+came out non-finite is reported and not sent; the client waits for the next.
 """
 from __future__ import annotations
 
@@ -19,9 +27,12 @@ from typing import Callable
 import grpc
 
 from fedcore.comm.chunking import FRAME_OVERHEAD, Reassembler, envelope_parts
-from fedcore.comm.stream import (METHOD, MD_CLIENT_ID, MD_SESSION, MD_TOKEN, Outbox, bye_frame,
-                                 channel_credentials, grpc_options, heartbeat_frame, parse_frame)
-from fedcore.errors import ConfigError, FedcoreError
+from fedcore.comm.fingerprint import fingerprint
+from fedcore.comm.stream import (METHOD, MD_CLIENT_ID, MD_COURSE, MD_SESSION, MD_TOKEN, Outbox,
+                                 allowed_silence, bye_frame, channel_credentials, grpc_options,
+                                 heartbeat_frame, parse_frame, read_token)
+from fedcore.comm.validation import first_nonfinite
+from fedcore.errors import EXIT_SERVER_GONE, ConfigError, FedcoreError
 from fedcore.message import SERVER_ID, Message
 from fedcore.device import CPU, to_device
 from fedcore.serialization import WireError, decode_envelope, encode_value, from_value
@@ -30,8 +41,6 @@ from fedcore.wire import fedcore_pb2 as pb
 __all__ = ["GrpcClientComm", "ServerUnreachable", "EXIT_SERVER_GONE", "backoff_delay"]
 
 log = logging.getLogger("fedcore.deploy")
-
-EXIT_SERVER_GONE = 4
 
 
 class ServerUnreachable(FedcoreError):
@@ -73,13 +82,16 @@ class GrpcClientComm:
         self.tls = {k: d.get(f"tls.{k}") for k in ("cert", "key", "ca")}
         self.server_name = d["tls.server_name"]
         self.chunk_size = d["chunk_size"]
-        self.max_message = d["max_message_bytes"]
+        self.max_message = d["max_message_bytes"] or 1024 ** 3  # the course sets a derived bound
         self.hb_interval, self.hb_timeout = d["heartbeat_interval"], d["heartbeat_timeout"]
+        self.min_rate = d["min_bytes_per_second"]
         self.retry_timeout = d["retry_timeout"]
         self.backoff = (d["backoff_initial"], d["backoff_max"])
-        self.metadata = [(MD_CLIENT_ID, str(d["client_id"] or 0)), (MD_SESSION, secrets.token_hex(8))]
-        if d["token"]:
-            self.metadata.append((MD_TOKEN, "Bearer " + d["token"]))
+        self.metadata = [(MD_CLIENT_ID, str(d["client_id"] or 0)), (MD_SESSION, secrets.token_hex(8)),
+                         (MD_COURSE, fingerprint(cfg))]
+        token = read_token(d)
+        if token:
+            self.metadata.append((MD_TOKEN, "Bearer " + token))
         self.outbox = Outbox(self.chunk_size)
         self.client_id: int | None = None
         self.server_session: str | None = None
@@ -113,6 +125,13 @@ class GrpcClientComm:
         for msg in early:
             self.scheduler.call_soon(_Delivery(self, msg))
 
+    def limit_message_size(self, nbytes: int) -> None:
+        """Refuse messages above `nbytes` from now on, on the open stream too."""
+        self.max_message = nbytes
+        stream = self._stream
+        if stream is not None:
+            stream.reasm.max_message = nbytes
+
     @property
     def closed(self) -> bool:
         return self._closing.is_set()
@@ -133,6 +152,12 @@ class GrpcClientComm:
     def send(self, msg: Message) -> None:
         if tuple(msg.receivers) != (SERVER_ID,):
             raise WireError(f"in deployment a client sends only to the server, not to {msg.receivers}")
+        if msg.msg_type == "updates":
+            bad = first_nonfinite(msg.content)
+            if bad is not None:
+                log.warning("client %s: round %d: the update is not finite (%s): not sent; waiting "
+                            "for the next round", self.client_id, msg.round, bad)
+                return
         header = pb.Envelope(msg_type=msg.msg_type, sender=msg.sender, receivers=[SERVER_ID],
                              round=msg.round, timestamp=msg.timestamp)
         self.outbox.put_message(envelope_parts(header, encode_value(msg.content)))
@@ -176,6 +201,10 @@ class GrpcClientComm:
                     detail = (exc.details() or "").splitlines()[0][:200] if exc.details() else ""
                     if self._closing.is_set():
                         break
+                    if code == grpc.StatusCode.FAILED_PRECONDITION:
+                        self._fail(ConfigError(f"the server at {self.address} refused this client: "
+                                               f"{detail}; start it with the server's values"))
+                        return
                     if code == grpc.StatusCode.UNAUTHENTICATED:
                         self._fail(ConfigError(f"distribute.token: the server at {self.address} refused "
                                                f"this client (UNAUTHENTICATED: {detail}); check the token"))
@@ -221,9 +250,11 @@ class GrpcClientComm:
             return not stream.done and not (self._closing.is_set() and not self.connected)
 
         def idle() -> bytes | None:
-            if time.monotonic() - stream.last_recv > self.hb_timeout:
+            allowed = allowed_silence(self.hb_timeout, stream.reasm.in_progress, self.chunk_size,
+                                      self.min_rate)
+            if time.monotonic() - stream.last_recv > allowed:
                 log.warning("client %s: server silent for %gs (distribute.heartbeat_timeout); reconnecting",
-                            self.client_id, self.hb_timeout)
+                            self.client_id, allowed)
                 if stream.call is not None:
                     stream.call.cancel()
                 return None
@@ -251,6 +282,11 @@ class GrpcClientComm:
             msg = Message(env.msg_type, env.sender, tuple(env.receivers), env.round, env.timestamp,
                           to_device(from_value(env.content), self.device))
             self._last_delivered = frame.chunk.message_id
+            bad = first_nonfinite(msg.content)
+            if bad is not None:
+                log.warning("client %s: round %d: the server's '%s' is not finite (%s): skipped; "
+                            "waiting for the next", self.client_id, msg.round, msg.msg_type, bad)
+                return
             if self.worker is None:
                 self._early.append(msg)
             else:

@@ -1,12 +1,17 @@
 """The server's communicator: clients dial in, each holds one bidirectional stream.
 
 Each stream is authenticated from its call metadata before anything is read
-(a wrong or missing token gets UNAUTHENTICATED), is told its client id in a
-`Welcome`, then carries chunked envelopes both ways plus heartbeats. Bytes
-that do not decode, fail their integrity check, exceed a limit, name an
-unknown message type or carry content of the wrong shape end that stream with
-INVALID_ARGUMENT; the server itself keeps serving. Received messages become
-events on the server's wall-clock scheduler; handlers never see gRPC.
+(a wrong or missing token gets UNAUTHENTICATED; a second session for an id
+whose session is alive gets ALREADY_EXISTS; a client whose course-defining
+config differs gets FAILED_PRECONDITION naming the keys), is told its client
+id in a `Welcome`, then carries chunked envelopes both ways plus heartbeats.
+Bytes that do not decode, fail their integrity check, exceed a limit, stall,
+name an unknown message type or carry content of the wrong shape end that
+stream with INVALID_ARGUMENT; the server itself keeps serving. Metrics are
+kept only as answers to the evaluations the server asked for. Received
+messages become events on the server's wall-clock scheduler; handlers never
+see gRPC. Refusals are counted and logged at most once per kind every few
+seconds.
 """
 from __future__ import annotations
 
@@ -22,9 +27,13 @@ from typing import Any, Callable
 
 import grpc
 
+from fedcore.quiet import QuietLog
 from fedcore.comm.chunking import FRAME_OVERHEAD, Reassembler, envelope_parts
-from fedcore.comm.stream import (MD_CLIENT_ID, MD_SESSION, MD_TOKEN, Outbox, grpc_options,
-                                 heartbeat_frame, parse_frame, server_credentials)
+from fedcore.comm.fingerprint import differing_keys
+from fedcore.comm.stream import (MD_CLIENT_ID, MD_COURSE, MD_SESSION, MD_TOKEN, Outbox,
+                                 allowed_silence, grpc_options, heartbeat_frame, parse_frame,
+                                 read_token, read_tokens, server_credentials)
+from fedcore.comm.metrics_gate import MetricsGate
 from fedcore.comm.validation import check_content
 from fedcore.errors import ConfigError
 from fedcore.message import SERVER_ID, Message
@@ -45,18 +54,20 @@ class Session:
     session_id: str
     outbox: Outbox
     peer: str = ""
-    state: str = "live"           # live | left | lost | replaced
+    state: str = "live"           # live | left | lost
     last_seen: float = field(default_factory=time.monotonic)
     last_delivered: int = 0       # highest message id handed to the scheduler (drops duplicates)
     streams: int = 0              # streams opened by this session (1 + reconnects)
+    receiving: bool = False       # one of its messages is half-received (a slow link may be busy)
 
 
 class _StreamStatus:
-    __slots__ = ("done", "error")
+    __slots__ = ("done", "error", "reasm")
 
-    def __init__(self) -> None:
+    def __init__(self, reasm: Reassembler) -> None:
         self.done = False
         self.error: str | None = None
+        self.reasm = reasm
 
 
 class GrpcServerComm:
@@ -76,12 +87,16 @@ class GrpcServerComm:
         self.host, self.port = d["server_host"], d["server_port"]
         self.insecure = d["insecure"]
         self.tls = {k: d.get(f"tls.{k}") for k in ("cert", "key", "ca")}
-        self.token = d["token"]
-        self.tokens = {int(k): str(v) for k, v in (d["tokens"] or {}).items()}
+        self.token = read_token(d)
+        self.tokens = read_tokens(d, self.num_clients)
         self.chunk_size = d["chunk_size"]
-        self.max_message = d["max_message_bytes"]
+        self.max_message = d["max_message_bytes"] or 1024 ** 3  # the course sets a derived bound
         self.max_frame = self.chunk_size + FRAME_OVERHEAD
-        self.hb_interval = d["heartbeat_interval"]
+        self.hb_interval, self.hb_timeout = d["heartbeat_interval"], d["heartbeat_timeout"]
+        self.min_rate = d["min_bytes_per_second"]
+        self.quiet = QuietLog(log)        # refusals by kind: counted, logged now and then
+        self.quiet_info = QuietLog(log)   # routine lines a peer could repeat at will
+        self.metrics_gate = MetricsGate(self.quiet)
         self.server_session = secrets.token_hex(8)
         self.sessions: dict[int, Session] = {}
         self._ids = itertools.count(1)    # message ids keep increasing across a client's sessions
@@ -147,23 +162,30 @@ class GrpcServerComm:
             return {str(c): {"state": s.state, "streams": s.streams}
                     for c, s in sorted(self.sessions.items())}
 
+    def refusals(self) -> dict[str, int]:
+        """How many messages, streams and connections were refused, by kind (for the summary)."""
+        return dict(sorted(self.quiet.counts.items()))
+
     def expire(self, timeout: float) -> list[tuple[int, str]]:
-        """Mark sessions silent for longer than `timeout` as lost; returns (id, reason) for each."""
+        """Mark sessions silent for longer than `timeout` (longer while one of their messages is
+        half-received) as lost; returns (id, reason) for each."""
         now = time.monotonic()
         lost = []
         with self._lock:
             for cid, s in self.sessions.items():
-                if s.state == "live" and now - s.last_seen > timeout:
+                allowed = allowed_silence(timeout, s.receiving, self.chunk_size, self.min_rate)
+                if s.state == "live" and now - s.last_seen > allowed:
                     s.state = "lost"
                     s.outbox.clear()
                     s.outbox.wake()
-                    lost.append((cid, f"no heartbeat for {timeout:g}s (distribute.heartbeat_timeout)"))
+                    lost.append((cid, f"no heartbeat for {allowed:g}s (distribute.heartbeat_timeout)"))
         return lost
 
     # ------------------------------------------------------------ sending
     def send(self, msg: Message) -> None:
         """Queue `msg` for each receiver's stream; one encoding of the content for all of them."""
         content = encode_value(msg.content)
+        self.metrics_gate.sent(msg)
         for receiver in msg.receivers:
             if receiver == SERVER_ID:
                 self.scheduler.call_soon(_Arrival(self, msg, 0))
@@ -186,6 +208,11 @@ class GrpcServerComm:
             return self.token is None and not self.tokens
         return hmac.compare_digest(expected.encode(), token.encode())
 
+    def _refuse(self, context, code, kind: str, detail: str, logged: str) -> None:
+        """End this call with `code` and `detail` (what the peer is told), counting the refusal."""
+        self.quiet(kind, logged)
+        context.abort(code, detail)
+
     def _admit(self, context) -> tuple[Session, object]:
         md = {k: v for k, v in context.invocation_metadata() if isinstance(v, str)}
         peer = context.peer()
@@ -197,9 +224,10 @@ class GrpcServerComm:
         except ValueError:
             cid = -1
         if not 0 <= cid <= self.num_clients:
-            log.warning("refused %s: client id %r outside 1..%d", peer, md.get(MD_CLIENT_ID), self.num_clients)
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"client id must be in 1..{self.num_clients} (or 0 to be assigned one)")
+            self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "client id out of range",
+                         f"client id must be in 1..{self.num_clients} (or 0 to be assigned one)",
+                         f"refused {peer}: client id {md.get(MD_CLIENT_ID, '')[:20]!r} outside "
+                         f"1..{self.num_clients}")
         if cid == 0 and self.tokens:  # per-client tokens: the token names the client
             cid = next((k for k, t in self.tokens.items()
                         if hmac.compare_digest(t.encode(), token.encode())), 0)
@@ -207,9 +235,16 @@ class GrpcServerComm:
         else:
             ok = self._authorized(cid, token)
         if not ok:
-            log.warning("refused %s (client id %s): wrong or missing token", peer, md.get(MD_CLIENT_ID, "0"))
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong or missing token")
-        replaced = None
+            self._refuse(context, grpc.StatusCode.UNAUTHENTICATED, "wrong or missing token",
+                         "wrong or missing token",
+                         f"refused {peer} (client id {md.get(MD_CLIENT_ID, '0')[:20]}): wrong or missing token")
+        course = getattr(self.server, "course", None)
+        if MD_COURSE in md and course is not None:
+            differ = differing_keys(course.cfg, md[MD_COURSE][:8192])
+            if differ:
+                why = "course config differs from the server's: " + ", ".join(differ[:8])
+                self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, "course config differs",
+                             why, f"refused {peer} (client id {cid}): {why}")
         with self._lock:
             if cid == 0:
                 cid = next((c for c in range(1, self.num_clients + 1)
@@ -218,29 +253,36 @@ class GrpcServerComm:
                     context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                   f"all {self.num_clients} client ids are taken (federate.client_num)")
             s = self.sessions.get(cid)
-            if s is None or s.session_id != session_id or s.state != "live":
-                if s is not None and s.state == "live":
-                    replaced = s
-                    s.state = "replaced"
-                    s.outbox.wake()
-                s = Session(cid, session_id, Outbox(self.chunk_size, self._ids), peer)
-                self.sessions[cid] = s
-                how = "restarted" if replaced else "connected"
+            if s is not None and s.state == "live" and s.session_id != session_id:
+                # Never swapped in: a live session keeps its id until it leaves or goes silent.
+                live = s
             else:
-                how = "reconnected"
-            s.peer, s.last_seen = peer, time.monotonic()
-            s.streams += 1
-            token_ = s.outbox.claim()
-        log.info("client %d %s from %s", cid, how, peer)
-        if replaced is not None:
-            self.scheduler.call_soon(_Lost(self, cid, "restarted: a new process took over its id; "
-                                                      "its work in progress is lost"))
+                live = None
+                if s is None or s.state != "live":
+                    s = Session(cid, session_id, Outbox(self.chunk_size, self._ids), peer)
+                    self.sessions[cid] = s
+                    how = "connected"
+                else:
+                    how = "reconnected"
+                s.peer, s.last_seen = peer, time.monotonic()
+                s.streams += 1
+                token_ = s.outbox.claim()
+        if live is not None:
+            self._refuse(context, grpc.StatusCode.ALREADY_EXISTS, "second session for a live id",
+                         f"client id {cid} already has a live session; a second one is refused until "
+                         f"it leaves or is silent for distribute.heartbeat_timeout={self.hb_timeout:g}s",
+                         f"refused {peer}: a second session for client {cid}, whose session from "
+                         f"{live.peer} is alive")
+        if how == "reconnected":  # a peer may reconnect on purpose, again and again
+            self.quiet_info(f"reconnected {cid}", f"client {cid} reconnected from {peer}", logging.INFO)
+        else:
+            log.info("client %d %s from %s", cid, how, peer)
         return s, token_
 
     def _connect(self, request_iterator, context):
         """The Connect RPC: admit, welcome, then write the session's outbox until the stream ends."""
         s, token = self._admit(context)
-        status = _StreamStatus()
+        status = _StreamStatus(Reassembler(self.max_message, self.chunk_size))
         reader = threading.Thread(target=self._read, args=(s, token, request_iterator, status),
                                   name=f"fedcore-read-{s.client_id}", daemon=True)
         reader.start()
@@ -248,7 +290,15 @@ class GrpcServerComm:
                                           max_chunk_bytes=self.chunk_size)).SerializeToString()
 
         def alive() -> bool:
-            return not status.done and s.state == "live" and context.is_active()
+            if status.done or s.state != "live" or not context.is_active():
+                return False
+            stalled = status.reasm.stalled(self.hb_timeout, self.min_rate)
+            if stalled:  # a half-sent message holds memory: it must keep coming at a minimum rate
+                status.error = stalled
+                status.reasm.drop()
+                self.quiet("stalled message", f"client {s.client_id} ({s.peer}): refused a message: {stalled}")
+                return False
+            return True
 
         try:
             yield from s.outbox.frames(token, alive, self.hb_interval, heartbeat_frame)
@@ -259,7 +309,7 @@ class GrpcServerComm:
 
     def _read(self, s: Session, token, requests, status: _StreamStatus) -> None:
         """Reader thread of one stream: frames -> messages -> scheduler events."""
-        reasm = Reassembler(self.max_message, self.chunk_size)
+        reasm = status.reasm
         try:
             for raw in requests:
                 s.last_seen = time.monotonic()
@@ -267,9 +317,12 @@ class GrpcServerComm:
                 kind = frame.WhichOneof("kind")
                 if kind == "chunk":
                     data = reasm.feed(frame.chunk)
+                    s.receiving = reasm.in_progress
                     if data is None:
                         continue
                     if frame.chunk.message_id <= s.last_delivered:
+                        self.quiet("duplicate message", f"client {s.client_id}: dropped message "
+                                   f"{frame.chunk.message_id}, already received", logging.INFO)
                         continue  # sent again after a reconnect; we already have it
                     msg = self._decode(s, data)
                     s.last_delivered = frame.chunk.message_id
@@ -286,11 +339,19 @@ class GrpcServerComm:
                 reasm.end_of_stream()
         except WireError as exc:
             status.error = str(exc)
-            log.warning("client %d (%s): refused a message: %s", s.client_id, s.peer, exc)
+            self.quiet("malformed message", f"client {s.client_id} ({s.peer}): refused a message: {exc}")
+            with self._lock:  # a peer that broke the protocol ends its session: the id is free again
+                ended = s.state == "live"
+                if ended:
+                    s.state = "lost"
+            if ended:
+                self.scheduler.call_soon(_Lost(self, s.client_id, f"refused: {str(exc)[:200]}"))
         except Exception as exc:  # the stream broke (RpcError, cancellation): the session may come back
             log.debug("client %d: stream ended: %s", s.client_id, exc)
         finally:
             status.done = True
+            reasm.drop()
+            s.receiving = False
             s.outbox.wake()
 
     def _decode(self, s: Session, data: bytes) -> Message:
@@ -322,12 +383,15 @@ class _Arrival:
         self.comm, self.msg, self.nbytes = comm, msg, nbytes
 
     def __call__(self) -> None:
+        comm, msg = self.comm, self.msg
         if self.nbytes:
-            self.comm.count_bytes(self.msg, SERVER_ID, self.nbytes)
-        if self.msg.msg_type == "join_in":
-            log.info("client %d joined the course", self.msg.sender)
-        self.comm.server.deliver(self.msg)
-        self.comm.after_delivery()
+            comm.count_bytes(msg, SERVER_ID, self.nbytes)
+        if msg.msg_type == "join_in":
+            log.info("client %d joined the course", msg.sender)
+        elif msg.msg_type == "metrics" and not comm.metrics_gate.admit(msg):
+            return
+        comm.server.deliver(msg)
+        comm.after_delivery()
 
 
 class _Lost:

@@ -8,6 +8,7 @@ the next stream of the same session picks up where the last one stopped.
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 from collections import deque
@@ -16,18 +17,30 @@ from typing import Callable, Iterator
 
 import grpc
 
-from fedcore.comm.chunking import FRAME_OVERHEAD, chunk_frames
+import yaml
+
+from fedcore.comm.chunking import FIRST_CHUNK, FRAME_OVERHEAD, chunk_frames
 from fedcore.errors import ConfigError
 from fedcore.serialization import WireError
 from fedcore.wire import fedcore_pb2 as pb
 
 __all__ = ["METHOD", "Outbox", "heartbeat_frame", "bye_frame", "parse_frame", "grpc_options",
-           "server_credentials", "channel_credentials", "MD_TOKEN", "MD_CLIENT_ID", "MD_SESSION"]
+           "server_credentials", "channel_credentials", "MD_TOKEN", "MD_CLIENT_ID", "MD_SESSION",
+           "MD_COURSE", "TOKEN_ENV", "read_token", "read_tokens", "allowed_silence"]
 
 METHOD = "/fedcore.Fedcore/Connect"
 MD_TOKEN = "authorization"          # "Bearer <token>"
 MD_CLIENT_ID = "fedcore-client-id"  # requested id; "0" lets the server assign one
 MD_SESSION = "fedcore-session"      # random per client process: tells a reconnect from a restart
+MD_COURSE = "fedcore-course"        # fingerprint of the course-defining config (comm/fingerprint.py)
+TOKEN_ENV = "FEDCORE_TOKEN"         # where a process finds its token when no file or key names it
+
+
+def allowed_silence(timeout: float, in_progress: bool, max_chunk: int, min_rate: float) -> float:
+    """How long a peer may send nothing before it counts as dead: `timeout`, plus, while one
+    of its messages is half-received, the time a whole chunk takes at `min_rate` bytes/s (a
+    slow link delivers a chunk's frame only once all of it is in)."""
+    return timeout + (max_chunk / min_rate if in_progress else 0.0)
 
 
 def heartbeat_frame() -> bytes:
@@ -132,7 +145,7 @@ class Outbox:
             if kind == "frame":
                 yield body
             else:
-                for frame in chunk_frames(body, mid, self.chunk_size):
+                for frame in chunk_frames(body, mid, self.chunk_size, FIRST_CHUNK):
                     if not mine():
                         return
                     yield frame
@@ -162,13 +175,52 @@ def grpc_options(chunk_size: int, server: bool) -> list[tuple[str, int]]:
     limit = 2 * (chunk_size + FRAME_OVERHEAD)  # frames above chunk size but below this get a clear error
     opts = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
     if server:
+        # A connection must finish its handshake within seconds and may not sit idle without
+        # a call for long, so idle or half-open sockets cannot hold the server's file descriptors.
         opts += [("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
                  ("grpc.keepalive_permit_without_calls", 1),
-                 ("grpc.http2.max_ping_strikes", 0)]
+                 ("grpc.http2.max_ping_strikes", 0),
+                 ("grpc.server_handshake_timeout_ms", 5_000),
+                 ("grpc.max_connection_idle_ms", 10_000)]
     else:
-        opts += [("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 10_000),
+        # The ping's answer may queue behind a chunk on a slow link: liveness is the heartbeats'
+        # job (distribute.heartbeat_timeout, paced by bytes); keepalive only holds NATs open.
+        opts += [("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 60_000),
                  ("grpc.keepalive_permit_without_calls", 1)]
     return opts
+
+
+def read_token(d: dict) -> str | None:
+    """This process's token: `distribute.token`, else the file `distribute.token_file`, else
+    the environment variable FEDCORE_TOKEN (so a token never has to be on a command line)."""
+    if d.get("token"):
+        return d["token"]
+    if d.get("token_file"):
+        token = _read("distribute.token_file", d["token_file"]).decode(errors="replace").strip()
+        if not token:
+            raise ConfigError(f"distribute.token_file: '{d['token_file']}' is empty")
+        return token
+    return os.environ.get(TOKEN_ENV) or None
+
+
+def read_tokens(d: dict, num_clients: int) -> dict[int, str]:
+    """Server: per-client tokens from `distribute.tokens` or the YAML file `distribute.tokens_file`."""
+    tokens, key = d.get("tokens"), "distribute.tokens"
+    if not tokens and d.get("tokens_file"):
+        key = "distribute.tokens_file"
+        try:
+            tokens = yaml.safe_load(_read(key, d["tokens_file"]))
+        except yaml.YAMLError:
+            raise ConfigError(f"{key}: '{d['tokens_file']}' is not YAML") from None
+        if not isinstance(tokens, dict):
+            raise ConfigError(f"{key}: '{d['tokens_file']}' must map client ids to tokens")
+    out = {}
+    for k, v in (tokens or {}).items():
+        if not isinstance(k, int) or not 1 <= k <= num_clients or not isinstance(v, str) or not v:
+            raise ConfigError(f"{key}: entry {k!r}: keys must be client ids 1..{num_clients} "
+                              "and values non-empty strings")
+        out[k] = v
+    return out
 
 
 def _read(key: str, path: str | None) -> bytes | None:

@@ -11,12 +11,16 @@ other message types registers a check for them in `CHECKS`.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
 
 __all__ = ["CHECKS", "UPDATE_LAYOUTS", "check_content", "check_join_in", "check_updates",
-           "check_metrics", "model_layout"]
+           "check_metrics", "model_layout", "first_nonfinite", "MAX_METRICS", "MAX_METRIC_NAME"]
+
+MAX_METRICS = 64        # entries in one metrics message
+MAX_METRIC_NAME = 64    # characters of a metric's name
 
 Check = Callable[[Any, Any], "str | None"]  # (content, server worker) -> problem or None
 # (server worker) -> {content key: {entry name: reference tensor}}: the tensor maps an update
@@ -31,10 +35,12 @@ def _is_int(v: Any) -> bool:
 def check_join_in(content: Any, server) -> str | None:
     if content is None:
         return None
-    if not isinstance(content, dict) or set(content) - {"client_id"}:
-        return "join_in content must be {client_id: int}"
+    if not isinstance(content, dict) or set(content) - {"client_id", "num_samples"}:
+        return "join_in content must be {client_id: int, num_samples: int}"
     if "client_id" in content and not _is_int(content["client_id"]):
         return "join_in client_id must be an int"
+    if "num_samples" in content and (not _is_int(content["num_samples"]) or content["num_samples"] < 0):
+        return "join_in num_samples must be a non-negative int"
     return None
 
 
@@ -97,9 +103,32 @@ def check_metrics(content: Any, server) -> str | None:
         return None
     if not isinstance(content, dict):
         return "metrics content must be a map of numbers"
+    if len(content) > MAX_METRICS:
+        return f"metrics content has {len(content)} entries, more than {MAX_METRICS}"
     for k, v in content.items():
+        if len(k) > MAX_METRIC_NAME:
+            return f"metric name of {len(k)} characters, more than {MAX_METRIC_NAME}"
         if isinstance(v, bool) or not isinstance(v, (int, float)):
-            return f"metric '{k}' is not a number"
+            return f"metric '{k[:MAX_METRIC_NAME]}' is not a number"
+    return None
+
+
+def first_nonfinite(content: Any, path: str = "content") -> str | None:
+    """The path of the first non-finite number or floating-point tensor in `content`, or None."""
+    if isinstance(content, float):
+        return None if math.isfinite(content) else path
+    if isinstance(content, torch.Tensor):
+        return None if not content.is_floating_point() or bool(torch.isfinite(content).all()) else path
+    if isinstance(content, dict):
+        items = content.items()
+    elif isinstance(content, (list, tuple)):
+        items = enumerate(content)
+    else:
+        return None
+    for k, v in items:
+        found = first_nonfinite(v, f"{path}.{k}")
+        if found is not None:
+            return found
     return None
 
 

@@ -1,0 +1,181 @@
+"""Admission: how much one participant's update may move the global model.
+
+Layout, dtype and finiteness are checked as a message arrives (`comm/validation.py`).
+The rules here need the round's other updates or the aggregate, so they run
+where the server aggregates (`handlers/rounds.py`), in simulation and in
+deployment alike, and an algorithm never sees an update they refused:
+
+- **sample counts**: an update's `num_samples` may not exceed what its client
+  declared when it joined, nor `admission.max_num_samples` (in deployment it
+  defaults to the largest partition of the server's own build of the data);
+- **influence**: an update whose distance from the global model exceeds
+  `admission.norm_ratio` times the median distance of the round's other
+  updates is refused (default 10 in deployment, off in simulation, where
+  attacks are studied on purpose);
+- **the aggregate**: a non-finite result is never adopted. The previous model
+  is kept; in simulation that is divergence and ends the course (exit code 5);
+  in deployment the round is run again, and after `admission.max_rejected_rounds`
+  rejected rounds in a row the course ends as diverged.
+
+Refusals are counted in the summary (`admission`) and logged at most once per
+reason every few seconds (`fedcore.quiet`), so a hostile peer cannot flood the log.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from typing import Any
+
+import torch
+
+from fedcore.config import declare, positive
+from fedcore.contract import ReceivedUpdate
+from fedcore.quiet import QuietLog
+
+__all__ = ["admit_updates", "Snapshot", "finite_state", "reject_round", "note", "sample_cap",
+           "norm_ratio"]
+
+log = logging.getLogger("fedcore.admission")
+
+declare("admission.norm_ratio", float, None, "refuse an update whose distance from the global model "
+        "exceeds this many times the median of the round's other updates (default: 10 in "
+        "deployment, off in simulation)", check=lambda v: None if v > 1 else "must exceed 1")
+declare("admission.max_num_samples", int, None, "largest num_samples an update may claim (default in "
+        "deployment: the largest partition of the server's own build of the data; set it when "
+        "clients bring larger own data)", check=positive)
+declare("admission.max_rejected_rounds", int, 3, "deployment: rounds in a row whose aggregate is "
+        "not finite before the course stops as diverged (exit code 5)", check=positive)
+
+DEPLOYED_NORM_RATIO = 10.0
+def _quiet(server) -> QuietLog:
+    q = getattr(server, "admission_log", None)
+    if q is None:
+        q = server.admission_log = QuietLog(log)
+    return q
+
+
+def note(server, kind: str, message: str, level: int = logging.WARNING) -> None:
+    """Count one refusal of `kind` in the summary's `admission` counts; log it (rate-limited)."""
+    _quiet(server)(kind, message, level)
+    counts = server.course.monitor.extra_summary.setdefault("admission", {})
+    counts[kind] = counts.get(kind, 0) + 1
+
+
+def norm_ratio(course) -> float | None:
+    ratio = course.cfg["admission.norm_ratio"]
+    if ratio is None and course.wall_clock:
+        return DEPLOYED_NORM_RATIO
+    return ratio
+
+
+def sample_cap(course) -> int | None:
+    cap = course.cfg["admission.max_num_samples"]
+    return cap if cap is not None else getattr(course, "default_sample_cap", None)
+
+
+def _distance(content: dict, reference: dict[str, torch.Tensor]) -> float:
+    """Euclidean norm (float64) of the update's tensors, the model's taken relative to the
+    global model: how far this update would pull the aggregate."""
+    total = 0.0
+    for key, value in content.items():
+        if not isinstance(value, dict):
+            continue
+        for name, t in value.items():
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                continue
+            d = t.double()
+            if key == "model" and name in reference:
+                d = d - reference[name].double()
+            total += float(torch.sum(d * d))
+    return math.sqrt(total)
+
+
+def admit_updates(server, updates: list[ReceivedUpdate]) -> list[ReceivedUpdate]:
+    """The updates that may be aggregated; each refusal is counted and logged."""
+    course = server.course
+    declared = getattr(server, "declared_samples", {})
+    cap = sample_cap(course)
+    kept = []
+    for u in updates:
+        n = u.content.get("num_samples") if isinstance(u.content, dict) else None
+        # an update that stands for several clients (secure aggregation's unmasked sum) is
+        # bounded by what they declared together
+        clients = getattr(u, "contributors", None) or [u.client_id]
+        limit = sum(declared[c] for c in clients) if all(c in declared for c in clients) else None
+        if isinstance(n, int) and limit is not None and n > limit:
+            note(server, "num_samples above the declared count",
+                 f"round {server.round}: refused client {u.client_id}'s update: num_samples {n} "
+                 f"exceeds the {limit} it declared when it joined")
+        elif isinstance(n, int) and cap is not None and n > cap * len(clients):
+            note(server, "num_samples above admission.max_num_samples",
+                 f"round {server.round}: refused client {u.client_id}'s update: num_samples {n} "
+                 f"exceeds admission.max_num_samples={cap}")
+        else:
+            kept.append(u)
+    ratio = norm_ratio(course)
+    if ratio is None or len(kept) < 2:
+        return kept
+    reference = server.aggregator.global_state
+    norms = [_distance(u.content, reference) for u in kept]
+    admitted = []
+    for i, u in enumerate(kept):
+        median = statistics.median(norms[:i] + norms[i + 1:])
+        if median > 0 and not norms[i] <= ratio * median:  # `not <=` also refuses NaN
+            note(server, "update norm far above the round's others",
+                 f"round {server.round}: refused client {u.client_id}'s update: its distance "
+                 f"{norms[i]:.3g} from the global model exceeds admission.norm_ratio={ratio:g} "
+                 f"x the median {median:.3g} of the round's others")
+        else:
+            admitted.append(u)
+    return admitted
+
+
+def finite_state(state: dict[str, Any]) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in state.values()
+               if isinstance(t, torch.Tensor) and t.is_floating_point())
+
+
+class Snapshot:
+    """The aggregator's state before an aggregation, to put back if the result is rejected
+    (its server optimizer's moments too: a rejected round must not have moved them)."""
+
+    def __init__(self, aggregator):
+        self.aggregator = aggregator
+        self.global_state = {k: v.clone() for k, v in aggregator.global_state.items()}
+        self.extra = _cloned(aggregator.state_dict())
+        self.optimizer = getattr(aggregator, "server_optimizer", None)
+        self.moments = _cloned(self.optimizer.state_dict()) if self.optimizer else None
+
+    def restore(self) -> None:
+        self.aggregator.global_state = self.global_state
+        if self.extra:
+            self.aggregator.load_state_dict(self.extra)
+        if self.optimizer:
+            self.optimizer.load_state_dict(self.moments)
+
+
+def _cloned(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _cloned(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cloned(v) for v in obj)
+    return obj
+
+
+def reject_round(server, why: str) -> bool:
+    """The round's aggregate is not adopted (the previous model stays). Returns True when the
+    course should run the round again, False when it stops as diverged."""
+    course = server.course
+    server.rejected_in_a_row = getattr(server, "rejected_in_a_row", 0) + 1
+    again = course.wall_clock and server.rejected_in_a_row < course.cfg["admission.max_rejected_rounds"]
+    note(server, "rejected rounds", f"round {server.round}: aggregate rejected: {why}; the previous "
+         "global model is kept", logging.WARNING if again else logging.INFO)
+    if again:
+        return True
+    server.diverged = (f"course diverged in round {server.round}: {why} (likely cause: a learning "
+                       f"rate too large, e.g. train.optimizer.lr={course.cfg['train.optimizer.lr']:g}, "
+                       "or poisoned updates); outputs hold the last finite model")
+    return False
