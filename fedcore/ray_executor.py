@@ -149,9 +149,11 @@ class RayEngine(Engine):
 
     def _values(self) -> str:
         """The config as the actors build their course from it: trained one client at a time,
-        no outputs, no resuming."""
+        no outputs, no resuming. Keys left at their default are not sent: an actor knows the
+        defaults, and need not know keys that plug-ins imported here declared and this course
+        does not use."""
         cfg = self.cfg
-        values = {k: cfg[k] for k in SCHEMA if k in cfg}
+        values = {k: cfg[k] for k in SCHEMA if k in cfg and cfg[k] != SCHEMA[k].default}
         values.update({"executor": "sequential", "outdir": None, "resume_from": None})
         return yaml.safe_dump(values)
 

@@ -297,7 +297,7 @@ def test_server_rules_after_the_mean_receive_the_unmasked_mean(extra, uniform):
     ({"aggregator__robust_rule": "median"}, "aggregator.robust_rule: robust rules need each update"),
     ({"algorithm__name": "scaffold"}, "algorithm.name: scaffold cannot be aggregated securely"),
     ({"asyn__use": True}, "asyn.use: secure aggregation needs synchronous rounds"),
-    ({"attack__type": "sign_flip"}, "attack.type: simulated attackers send plain updates"),
+    ({"attack__type": "sign_flip", "attack__fraction": 0.25}, "attack.type: simulated attackers send plain updates"),
     ({"secure_aggregation__modulus": 2 ** 61}, "is not prime"),
     ({"secure_aggregation__threshold": 9}, "secure_aggregation.threshold: 9 exceeds the 5 neighbour(s)"),
 ])

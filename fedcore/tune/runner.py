@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedcore.errors import ConfigError
+from fedcore.errors import EXIT_DIVERGED, ConfigError, CourseDiverged
 
 __all__ = ["CourseRun", "Job", "run_jobs", "read_run"]
 
@@ -28,6 +28,7 @@ class CourseRun:
     summary: dict[str, Any]
     outdir: Path
     error: str | None = None
+    diverged: str | None = None      # the one line of a course that stopped as diverged
 
 
 @dataclass
@@ -69,10 +70,19 @@ def _run_subprocess(job: Job) -> CourseRun:
     if proc.returncode != 0:
         lines = (job.outdir / "stderr.txt").read_text().strip().splitlines()
         cause = next((ln for ln in lines if ln.startswith("fedcore:")), lines[-1] if lines else "")
+        if proc.returncode == EXIT_DIVERGED:
+            return _diverged(job, cause.removeprefix("fedcore: "))
         if proc.returncode == 2:
             raise ConfigError(cause.removeprefix("fedcore: "))
         return CourseRun([], {}, job.outdir, f"exit {proc.returncode}: {cause}")
     return read_run(job.outdir)
+
+
+def _diverged(job: Job, why: str) -> CourseRun:
+    """A course that stopped as diverged left its finite rounds' records: they are its result."""
+    run = read_run(job.outdir)
+    run.diverged = why
+    return run
 
 
 def _guarded(run, job: Job) -> CourseRun:
@@ -80,6 +90,8 @@ def _guarded(run, job: Job) -> CourseRun:
         return run(job)
     except ConfigError:
         raise  # the base config or the space is wrong: every trial would fail the same way
+    except CourseDiverged as exc:
+        return _diverged(job, str(exc))
     except Exception as exc:  # one failed trial does not end the study (the error is in its row)
         return CourseRun([], {}, job.outdir, f"{type(exc).__name__}: {exc}")
 

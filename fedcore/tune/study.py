@@ -61,7 +61,7 @@ class Row:
     trial: int
     params: dict[str, Any]
     budget: float
-    status: str                      # complete, failed
+    status: str                      # complete, diverged, failed
     objective: float | None = None
     rounds: int = 0                  # rounds this evaluation ran (a continuation counts only its own)
     last_round: int = 0
@@ -181,6 +181,12 @@ class Study:
             return Row(trial, params, budget, "failed", outdir=str(run.outdir), error=run.error)
         last = run.records[-1] if run.records else {}
         value = self.objective.of(run.records)
+        if run.diverged is not None:
+            # its finite rounds count, and so does the round that diverged; never promoted
+            ran = int(last.get("round", first)) + 1
+            return Row(trial, params, budget, "diverged", value, ran - first, int(last.get("round", first)),
+                       float(last.get("virtual_time", 0.0)), float(run.summary.get("wall_time", 0.0)),
+                       str(run.outdir), error=run.diverged)
         if value is None:
             raise ConfigError(f"objective: metric '{self.objective.metric}' is in no record of "
                               f"{run.outdir}/metrics.jsonl; choose one of "
@@ -236,7 +242,7 @@ class Study:
 
     def trials(self) -> list[dict[str, Any]]:
         """One entry per trial: its params, its last evaluation's objective and budget, the rounds
-        all its evaluations ran, and its status (complete, stopped early, failed)."""
+        all its evaluations ran, and its status (complete, stopped early, diverged, failed)."""
         top = max((r.budget for r in self.rows if r.status == "complete"), default=0.0)
         by_trial: dict[int, list[Row]] = {}
         for r in self._unique_rows():
@@ -245,7 +251,7 @@ class Study:
         for trial in sorted(by_trial):
             rows = sorted(by_trial[trial], key=lambda r: r.budget)
             last = rows[-1]
-            status = last.status if last.status == "failed" or last.budget >= top else "stopped"
+            status = last.status if last.status in ("failed", "diverged") or last.budget >= top else "stopped"
             out.append({"trial": trial, "params": last.extra.get("best_params", last.params),
                         "objective": last.objective, "budget": last.budget,
                         "rounds": sum(r.rounds for r in rows), "status": status, "outdir": last.outdir})
