@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -23,7 +23,7 @@ from fedcore.contract import BatchStream, evaluate_model, weighted_mean
 from fedcore.config import load_config
 from fedcore.scenarios.data import ClientData, FederatedData, Split
 
-__all__ = ["INPUT_SHAPE", "NUM_CLASSES", "client_shard", "bench_data", "LazyClientData",
+__all__ = ["INPUT_SHAPE", "NUM_CLASSES", "client_shard", "image_shard", "bench_data", "LazyClientData",
            "bench_cfg", "run_fedcore", "run_plain", "RoundTimes", "report", "lenet5",
            "compare_with_plain"]
 
@@ -50,17 +50,34 @@ def _empty() -> Split:
     return Split(torch.empty((0,) + INPUT_SHAPE), torch.empty(0, dtype=torch.long))
 
 
+def _templates(seed: int) -> torch.Tensor:
+    """One smooth 28x28 pattern per class (a random 7x7 grid, bilinearly enlarged)."""
+    g = torch.Generator().manual_seed(seed * 7919 + 2)
+    coarse = torch.randn((NUM_CLASSES, 1, 7, 7), generator=g)
+    return nn.functional.interpolate(coarse, size=INPUT_SHAPE[1:], mode="bilinear", align_corners=False)
+
+
+def image_shard(seed: int, client_id: int, n: int, templates: torch.Tensor, noise: float = 3.0) -> Split:
+    """Client `client_id`'s n images: its class's pattern under Gaussian noise (a task a
+    convnet learns in tens of rounds, so time to an accuracy means something)."""
+    g = torch.Generator().manual_seed(seed + client_id)
+    y = torch.randint(0, NUM_CLASSES, (n,), generator=g)
+    x = templates[y] + noise * torch.randn((n,) + INPUT_SHAPE, generator=g)
+    return Split(x, y)
+
+
 class LazyClientData:
     """A client's data made on access from its seed: 10^5 clients need no resident shards."""
 
-    __slots__ = ("seed", "cid", "n", "teacher")
+    __slots__ = ("seed", "cid", "n", "teacher", "shard")
 
-    def __init__(self, seed: int, cid: int, n: int, teacher: torch.Tensor):
+    def __init__(self, seed: int, cid: int, n: int, teacher: torch.Tensor, shard=None):
         self.seed, self.cid, self.n, self.teacher = seed, cid, n, teacher
+        self.shard = shard or client_shard
 
     @property
     def train(self) -> Split:
-        return client_shard(self.seed, self.cid, self.n, self.teacher)
+        return self.shard(self.seed, self.cid, self.n, self.teacher)
 
     @property
     def val(self) -> Split:
@@ -70,29 +87,30 @@ class LazyClientData:
 
 
 class _LazyClients(dict):
-    def __init__(self, seed: int, n_clients: int, n: int, teacher: torch.Tensor):
+    def __init__(self, seed: int, n_clients: int, n: int, teacher: torch.Tensor, shard=None):
         super().__init__()
-        self.args = (seed, n, teacher)
+        self.args = (seed, n, teacher, shard)
         self.n_clients = n_clients
 
     def __missing__(self, cid: int) -> LazyClientData:
-        seed, n, teacher = self.args
-        return LazyClientData(seed, cid, n, teacher)
+        return LazyClientData(cid=cid, seed=self.args[0], n=self.args[1], teacher=self.args[2],
+                              shard=self.args[3])
 
     def __len__(self) -> int:
         return self.n_clients
 
 
 def bench_data(n_clients: int, n_samples: int, seed: int, test_n: int = 500,
-               lazy: bool = False) -> FederatedData:
-    """All of a client's samples are training data; the server tests on a separate shard."""
-    teacher = _teacher(seed)
+               lazy: bool = False, images: bool = False) -> FederatedData:
+    """All of a client's samples are training data; the server tests on a separate shard.
+    Inputs are noise labelled by a linear teacher, or with `images` class patterns under noise."""
+    teacher, shard = (_templates(seed), image_shard) if images else (_teacher(seed), client_shard)
     if lazy:
-        clients = _LazyClients(seed, n_clients, n_samples, teacher)
+        clients = _LazyClients(seed, n_clients, n_samples, teacher, shard)
     else:
-        clients = {cid: ClientData(client_shard(seed, cid, n_samples, teacher), _empty(), _empty())
+        clients = {cid: ClientData(shard(seed, cid, n_samples, teacher), _empty(), _empty())
                    for cid in range(1, n_clients + 1)}
-    server_test = client_shard(seed, 10_000_000, test_n, teacher)
+    server_test = shard(seed, 10_000_000, test_n, teacher)
     return FederatedData(clients, server_test, INPUT_SHAPE, NUM_CLASSES)
 
 
@@ -158,6 +176,7 @@ class RoundTimes:
     cpu_rounds: list[float]
     final_state: dict[str, torch.Tensor]
     label: str = ""
+    accuracy: list[float] = field(default_factory=list)   # test accuracy of each evaluated round
 
     @property
     def rounds(self) -> list[float]:
@@ -178,27 +197,39 @@ class RoundTimes:
         return statistics.median(rest)
 
 
-def run_fedcore(cfg, data: FederatedData, before_run: Callable | None = None) -> RoundTimes:
-    """Build and run a fedcore course; round times come from its own per-round records."""
-    from fedcore.course import Course
+def run_fedcore(cfg, data: FederatedData, before_run: Callable | None = None,
+                until_acc: float | None = None) -> RoundTimes:
+    """Build and run a fedcore course; round times come from its own per-round records.
+    With `until_acc` the run stops after the first round whose test accuracy reaches it."""
+    from fedcore.course import Course, CourseStalled
     clock = _Clock()   # the build counts in round 1, like the reference's set-up
     course = Course(cfg, outdir=None).build(data)
     if before_run is not None:
         before_run(course)
     record_round = course.monitor.record_round
+    accuracy: list[float] = []
 
-    def timed_record(*args, **kwargs):   # a round ends when its record is opened
+    def timed_record(round_, virtual_time, fields, *args, **kwargs):   # a round ends here
         clock.tick()
-        return record_round(*args, **kwargs)
+        if "test_acc" in fields:
+            accuracy.append(fields["test_acc"])
+            if until_acc is not None and fields["test_acc"] >= until_acc:
+                course.scheduler.stop()    # after this event: the rest of the course is dropped
+        return record_round(round_, virtual_time, fields, *args, **kwargs)
     course.monitor.record_round = timed_record
-    course.run()
+    try:
+        course.run()
+    except CourseStalled:   # stopped at the target, before the course's last round
+        if until_acc is None or not accuracy or accuracy[-1] < until_acc:
+            raise
     state = {k: v.detach().clone() for k, v in course.server.aggregator.global_state.items()}
-    return RoundTimes(*clock.rounds(), state, "fedcore")
+    return RoundTimes(*clock.rounds(), state, "fedcore", accuracy)
 
 
-def run_plain(cfg, data: FederatedData) -> RoundTimes:
+def run_plain(cfg, data: FederatedData, until_acc: float | None = None) -> RoundTimes:
     """The plain-PyTorch loop doing exactly what the fedcore course does (FedAvg, or SCAFFOLD
-    when `algorithm.name` is scaffold: each client's control variate c_i kept in a dict)."""
+    when `algorithm.name` is scaffold: each client's control variate c_i kept in a dict).
+    With `until_acc` it stops after the first round whose test accuracy reaches it."""
     from fedcore.scenarios.models import build_model
     clock = _Clock()
     seed = cfg["seed"]
@@ -222,6 +253,7 @@ def run_plain(cfg, data: FederatedData) -> RoundTimes:
     rng = np.random.default_rng(seed + 3)        # the uniform sampler's stream
     positions: dict[int, tuple[int, int]] = {}
     ids = list(range(1, n_clients + 1))
+    accuracy: list[float] = []
     for r in range(1, rounds_n + 1):
         picked = sorted(ids[i] for i in rng.choice(n_clients, size=k, replace=False))
         updates, weights, d_controls = [], [], []
@@ -271,10 +303,12 @@ def run_plain(cfg, data: FederatedData) -> RoundTimes:
             global_state = {n: weighted_mean([u[n] for u in updates], weights) for n in global_state}
         if r % cfg["eval.freq"] == 0 or r == rounds_n:
             model.load_state_dict(global_state)
-            evaluate_model(model, data.server_test.x, data.server_test.y, "cross_entropy",
-                           cfg["eval.batch_size"])
+            accuracy.append(evaluate_model(model, data.server_test.x, data.server_test.y,
+                                           "cross_entropy", cfg["eval.batch_size"])["acc"])
         clock.tick()
-    return RoundTimes(*clock.rounds(), global_state, "plain")
+        if until_acc is not None and accuracy and accuracy[-1] >= until_acc:
+            break
+    return RoundTimes(*clock.rounds(), global_state, "plain", accuracy)
 
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -37,3 +37,15 @@ def test_client_shards_depend_only_on_seed_plus_id():
     assert torch.equal(a.x, b.x) and torch.equal(a.y, b.y)
     lazy = LazyClientData(5, 2, 6, teacher)
     assert torch.equal(lazy.train.x, a.x) and len(lazy.test) == 0
+
+
+def test_time_to_accuracy_stops_both_loops_at_the_same_round_with_the_same_model():
+    # W6's references at a small size: image shards, stop at the first round reaching the target
+    data = bench_data(12, 20, seed=1, test_n=100, images=True)
+    cfg = _cfg(**{"train.local_steps": 1, "federate.total_round_num": 30, "eval.freq": 1})
+    target = 0.8   # reached after several rounds
+    fed, plain = run_fedcore(cfg, data, until_acc=target), run_plain(cfg, data, until_acc=target)
+    assert fed.accuracy == plain.accuracy
+    assert plain.accuracy[-1] >= target and all(a < target for a in plain.accuracy[:-1])
+    assert 1 < len(plain.wall_rounds) == len(fed.wall_rounds) < 30
+    assert max_abs_diff(fed.final_state, plain.final_state) == 0.0
