@@ -22,13 +22,12 @@ from fedcore import registry
 from fedcore.contract import BatchStream, evaluate_model, weighted_mean
 from fedcore.config import load_config
 from fedcore.scenarios.data import ClientData, FederatedData, Split
+from bench.images import INPUT_SHAPE, NUM_CLASSES, LeNet5, class_templates, image_samples
 
 __all__ = ["INPUT_SHAPE", "NUM_CLASSES", "client_shard", "image_shard", "bench_data", "LazyClientData",
            "bench_cfg", "run_fedcore", "run_plain", "RoundTimes", "report", "lenet5",
            "compare_with_plain"]
 
-INPUT_SHAPE = (1, 28, 28)
-NUM_CLASSES = 10
 
 
 # ---------------------------------------------------------------- data
@@ -50,20 +49,9 @@ def _empty() -> Split:
     return Split(torch.empty((0,) + INPUT_SHAPE), torch.empty(0, dtype=torch.long))
 
 
-def _templates(seed: int) -> torch.Tensor:
-    """One smooth 28x28 pattern per class (a random 7x7 grid, bilinearly enlarged)."""
-    g = torch.Generator().manual_seed(seed * 7919 + 2)
-    coarse = torch.randn((NUM_CLASSES, 1, 7, 7), generator=g)
-    return nn.functional.interpolate(coarse, size=INPUT_SHAPE[1:], mode="bilinear", align_corners=False)
-
-
-def image_shard(seed: int, client_id: int, n: int, templates: torch.Tensor, noise: float = 3.0) -> Split:
-    """Client `client_id`'s n images: its class's pattern under Gaussian noise (a task a
-    convnet learns in tens of rounds, so time to an accuracy means something)."""
-    g = torch.Generator().manual_seed(seed + client_id)
-    y = torch.randint(0, NUM_CLASSES, (n,), generator=g)
-    x = templates[y] + noise * torch.randn((n,) + INPUT_SHAPE, generator=g)
-    return Split(x, y)
+def image_shard(seed: int, client_id: int, n: int, templates: torch.Tensor) -> Split:
+    """Client `client_id`'s n images (`bench.images.image_samples`): class patterns under noise."""
+    return Split(*image_samples(seed, client_id, n, templates))
 
 
 class LazyClientData:
@@ -104,7 +92,7 @@ def bench_data(n_clients: int, n_samples: int, seed: int, test_n: int = 500,
                lazy: bool = False, images: bool = False) -> FederatedData:
     """All of a client's samples are training data; the server tests on a separate shard.
     Inputs are noise labelled by a linear teacher, or with `images` class patterns under noise."""
-    teacher, shard = (_templates(seed), image_shard) if images else (_teacher(seed), client_shard)
+    teacher, shard = (class_templates(seed), image_shard) if images else (_teacher(seed), client_shard)
     if lazy:
         clients = _LazyClients(seed, n_clients, n_samples, teacher, shard)
     else:
@@ -115,22 +103,6 @@ def bench_data(n_clients: int, n_samples: int, seed: int, test_n: int = 500,
 
 
 # ---------------------------------------------------------------- model
-class LeNet5(nn.Module):
-    """LeNet-5 for 1x28x28 inputs (padding 2 on the first convolution), ReLU and max-pooling."""
-
-    def __init__(self, num_classes: int = NUM_CLASSES):
-        super().__init__()
-        self.features = nn.Sequential(
-            nn.Conv2d(1, 6, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(6, 16, 5), nn.ReLU(), nn.MaxPool2d(2))
-        self.classifier = nn.Sequential(
-            nn.Flatten(), nn.Linear(16 * 5 * 5, 120), nn.ReLU(), nn.Linear(120, 84), nn.ReLU(),
-            nn.Linear(84, num_classes))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.classifier(self.features(x))
-
-
 def lenet5(cfg, input_shape, num_classes: int) -> nn.Module:
     return LeNet5(num_classes)
 
