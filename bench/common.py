@@ -314,6 +314,7 @@ def report(workload: str, results: dict[str, list[RoundTimes]], reference: str =
     """Print one line per measurement and, last, the primary ratio line."""
     ref = best(results[reference])
     out, ratios = {}, {}
+    spread: dict[str, tuple[float, float]] = {}   # min and max of each repetition's ratio
     for name, reps in results.items():
         b = best(reps)
         if "processes" in name:   # its work is in other processes: only wall time compares
@@ -325,16 +326,24 @@ def report(workload: str, results: dict[str, list[RoundTimes]], reference: str =
                   f"of {reference}'s wall {wall_ref:.5f}")
             continue
         out[name], ratios[name] = b.steady, b.steady / ref.steady
+        paired = [r.steady / q.steady for r, q in zip(reps, results[reference])]
+        spread[name] = (min(paired), max(paired))
         print(f"{workload} {name:>12}: first round {b.first:.4f} s, steady {b.steady:.5f} s/round "
               f"{CLOCK} (wall {b.steady_wall:.5f}; median of rounds 2..{len(b.rounds)}, best of "
-              f"{len(reps)}), x{ratios[name]:.3f} of {reference}")
+              f"{len(reps)}), x{ratios[name]:.3f} of {reference} (repetition by repetition "
+              f"x{spread[name][0]:.3f}-{spread[name][1]:.3f})")
+    if primary not in results:   # e.g. only the vectorized executor was asked for
+        primary = next(name for name in results if name != reference)
     p = best(results[primary])
     extra = "".join(f" {name}_s_per_round={out[name]:.6f} {name}_ratio={ratios[name]:.3f}"
+                    + (f" {name}_ratio_range={spread[name][0]:.3f}-{spread[name][1]:.3f}"
+                       if name in spread else "")
                     for name in results if name not in (primary, reference))
     if any("processes" in name for name in results):
         extra += f" plain_wall_s_per_round={min(r.steady_wall for r in results[reference]):.6f}"
+    rng = f" ratio_range={spread[primary][0]:.3f}-{spread[primary][1]:.3f}" if primary in spread else ""
     print(f"fedcore_s_per_round={p.steady:.6f} plain_s_per_round={ref.steady:.6f} "
-          f"ratio={p.steady / ref.steady:.3f}{extra} clock={CLOCK}")
+          f"ratio={p.steady / ref.steady:.3f}{rng}{extra} clock={CLOCK}")
     return out
 
 
