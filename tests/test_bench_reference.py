@@ -49,3 +49,19 @@ def test_time_to_accuracy_stops_both_loops_at_the_same_round_with_the_same_model
     assert plain.accuracy[-1] >= target and all(a < target for a in plain.accuracy[:-1])
     assert 1 < len(plain.wall_rounds) == len(fed.wall_rounds) < 30
     assert max_abs_diff(fed.final_state, plain.final_state) == 0.0
+
+
+def test_lenet5_vectorized_stays_within_1e5_of_sequential_at_a_small_size():
+    # W2's and W6's model under the vectorized executor (grouped convolutions), kept small
+    data = bench_data(6, 16, seed=2, test_n=20, images=True)
+
+    def cfg(executor):
+        return _cfg(**{"federate.client_num": 6, "federate.sample_client_num": None,
+                       "model.type": "lenet5", "train.local_epochs": 1, "train.batch_size": 8,
+                       "executor": executor})
+    courses = []
+    seq = run_fedcore(cfg("sequential"), data)
+    vec = run_fedcore(cfg("vectorized"), data, before_run=courses.append)
+    assert courses[0].trainer.batched_fits > 0 and courses[0].trainer.sequential_fits == 0
+    assert max_abs_diff(seq.final_state, run_plain(cfg("sequential"), data).final_state) == 0.0
+    assert max_abs_diff(seq.final_state, vec.final_state) < 1e-5
