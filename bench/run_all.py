@@ -92,7 +92,8 @@ def main(argv=None) -> int:
     for ex in ("sequential", "vectorized", "processes"):
         rows.append(("W6 time to accuracy", f"{ex}, wall s to target (RSS {f.get(f'{ex}_rss_mb', '?')} MB)",
                      _f(f.get(f"{ex}_s_to_target"), "{:.2f}"), _f(f.get("plain_s_to_target"), "{:.2f}"),
-                     _f(f.get(f"{ex}_ratio"), "{:.2f}x"), "-", ""))
+                     _ratio(f, f"{ex}_") + (f", cpu {_f(f.get(f'{ex}_cpu_ratio'), '{:.2f}x')}"
+                                            if f.get(f"{ex}_cpu_ratio") else ""), "-", ""))
 
     rc, out = _run("bench.w4_events", reps)
     f = _last_fields(out)

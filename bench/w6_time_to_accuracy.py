@@ -7,8 +7,10 @@ Each measurement (the plain loop, then fedcore under each executor) runs in its 
 process, so its peak RSS is its own; repetitions alternate between them. The time to
 target is wall seconds from building the course (or the plain loop's model) to the
 record of the first round whose accuracy reaches the target; the start-up is part of
-it. Prints each measurement, then as its last line `plain_s_to_target=...` and, per
-executor, `<executor>_s_to_target=... <executor>_ratio=...` (fedcore over plain).
+it. CPU seconds are printed beside (they compare on a shared machine; not for
+`processes`, whose work is in its workers). Prints each measurement, then as its last
+line `plain_s_to_target=...` and, per executor, `<executor>_s_to_target=...
+<executor>_ratio=...` (fedcore over plain, wall) and `<executor>_cpu_ratio=...`.
 The images are each class's smooth pattern under Gaussian noise, made on access from
 `seed + client_id` (`bench.common.image_shard`).
 """
@@ -98,7 +100,8 @@ def main(argv=None) -> int:
         finals = {n: torch.load(os.path.join(tmp, f"{n}.pt"), weights_only=True) for n in names}
     best = {n: min(rs, key=lambda r: r["wall_s"]) for n, rs in runs.items()}
     plain = best["plain"]
-    line = [f"plain_s_to_target={plain['wall_s']:.3f}", f"plain_rounds={plain['rounds']}"]
+    line = [f"plain_s_to_target={plain['wall_s']:.3f}", f"plain_cpu_s={plain['cpu_s']:.3f}",
+            f"plain_rounds={plain['rounds']}"]
     for n in names:
         rs, b = runs[n], best[n]
         walls = [r["wall_s"] for r in rs]
@@ -106,13 +109,17 @@ def main(argv=None) -> int:
         same = "rounds differ" if b["rounds"] != plain["rounds"] else \
             f"final model max |diff| vs plain {max_abs_diff(finals[n], finals['plain']):.2e}"
         workers = f", largest worker {b['children_rss_mb']:.0f} MB" if b["children_rss_mb"] else ""
-        print(f"W6 {n:>10}: {b['wall_s']:.2f} s to target acc {a.target} (best of {len(rs)}; "
+        cpu = "" if n == "processes" else f", cpu {b['cpu_s']:.2f} s (x{b['cpu_s'] / plain['cpu_s']:.3f})"
+        print(f"W6 {n:>10}: {b['wall_s']:.2f} s to target acc {a.target}{cpu} (best of {len(rs)}; "
               f"{min(walls):.2f}-{max(walls):.2f}), {b['rounds']} rounds, x{b['wall_s'] / plain['wall_s']:.3f} "
               f"of plain (per repetition {min(ratios):.3f}-{max(ratios):.3f}), peak RSS "
               f"{b['rss_mb']:.0f} MB{workers}; {same}")
         if n != "plain":
             line += [f"{n}_s_to_target={b['wall_s']:.3f}", f"{n}_ratio={b['wall_s'] / plain['wall_s']:.3f}",
+                     f"{n}_ratio_range={min(ratios):.3f}-{max(ratios):.3f}",
                      f"{n}_rounds={b['rounds']}", f"{n}_rss_mb={b['rss_mb']:.0f}"]
+            if n != "processes":   # its work is in its workers: only its wall time compares
+                line.append(f"{n}_cpu_ratio={b['cpu_s'] / plain['cpu_s']:.3f}")
     line.append(f"plain_rss_mb={plain['rss_mb']:.0f}")
     if not all(r["reached"] for rs in runs.values() for r in rs):
         print(f"W6: some runs did not reach {a.target} within {a.max_rounds} rounds", file=sys.stderr)
