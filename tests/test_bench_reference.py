@@ -65,3 +65,19 @@ def test_lenet5_vectorized_stays_within_1e5_of_sequential_at_a_small_size():
     assert courses[0].trainer.batched_fits > 0 and courses[0].trainer.sequential_fits == 0
     assert max_abs_diff(seq.final_state, run_plain(cfg("sequential"), data).final_state) == 0.0
     assert max_abs_diff(seq.final_state, vec.final_state) < 1e-5
+
+
+def test_w6_measurement_reports_the_round_at_target_for_plain_and_fedcore(tmp_path):
+    import argparse
+    from bench.w6_time_to_accuracy import measure_one
+    before = torch.get_num_threads()
+    a = argparse.Namespace(target=0.3, clients=12, samples=20, per_round=4, max_rounds=30,
+                           test_samples=100, threads=1, save=None)
+    try:
+        runs = {name: measure_one(name, a) for name in ("plain", "sequential")}
+    finally:
+        torch.set_num_threads(before)
+    for r in runs.values():
+        assert r["reached"] and r["acc"] >= 0.3 and r["wall_s"] > 0 and r["rss_mb"] > 0
+    assert runs["plain"]["rounds"] == runs["sequential"]["rounds"] < 30
+    assert runs["plain"]["acc"] == runs["sequential"]["acc"]
