@@ -11,6 +11,10 @@ has one shape. The optimizer update is torch's SGD rule (weight decay,
 momentum started fresh each round, as the sequential trainer does), written
 for stacked tensors.
 
+On CPU, convolutions run per client with the dense kernels the sequential
+trainer uses (`fedcore.client_conv`) instead of as `vmap`'s grouped
+convolutions, which are slower there.
+
 An algorithm that adds a gradient term (a pure function of the parameters,
 the received content and the client's state), sends something else than the
 model or keeps per-client state says so for the whole stack in a
@@ -29,6 +33,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
+from fedcore.client_conv import with_client_convs
 from fedcore.contract import BatchStream, FitResult, Trainer
 from fedcore.batching import Engine
 from fedcore.serialization import encoded_size
@@ -53,6 +58,11 @@ class VectorEngine(Engine):
         self.seed = cfg["seed"]
         self.term = trainer.vector_term()   # `unsupported` has checked that it applies
         model, loss = trainer.model, trainer.loss
+        if all(p.device.type == "cpu" for p in model.parameters()):
+            # on CPU each client's own dense convolution beats vmap's grouped one (and gives
+            # the sequential trainer's numbers for it): see fedcore.client_conv
+            model = with_client_convs(model)
+        self.model = model   # what `functional_call` runs (the trainer's, or a copy of it)
 
         def objective(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor):
             out = functional_call(model, params, (x,))

@@ -52,7 +52,7 @@ def test_time_to_accuracy_stops_both_loops_at_the_same_round_with_the_same_model
 
 
 def test_lenet5_vectorized_stays_within_1e5_of_sequential_at_a_small_size():
-    # W2's and W6's model under the vectorized executor (grouped convolutions), kept small
+    # W2's and W6's model under the vectorized executor, kept small
     data = bench_data(6, 16, seed=2, test_n=20, images=True)
 
     def cfg(executor):
@@ -63,6 +63,8 @@ def test_lenet5_vectorized_stays_within_1e5_of_sequential_at_a_small_size():
     seq = run_fedcore(cfg("sequential"), data)
     vec = run_fedcore(cfg("vectorized"), data, before_run=courses.append)
     assert courses[0].trainer.batched_fits > 0 and courses[0].trainer.sequential_fits == 0
+    from fedcore.client_conv import ClientConv2d   # on CPU, each client's own dense convolution
+    assert any(isinstance(m, ClientConv2d) for m in courses[0].trainer.engine.model.modules())
     assert max_abs_diff(seq.final_state, run_plain(cfg("sequential"), data).final_state) == 0.0
     assert max_abs_diff(seq.final_state, vec.final_state) < 1e-5
 
