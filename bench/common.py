@@ -29,7 +29,6 @@ __all__ = ["INPUT_SHAPE", "NUM_CLASSES", "client_shard", "image_shard", "bench_d
            "compare_with_plain"]
 
 
-
 # ---------------------------------------------------------------- data
 def _teacher(seed: int) -> torch.Tensor:
     """A fixed linear labeller, so the synthetic task is learnable (accuracy means something)."""
@@ -81,8 +80,8 @@ class _LazyClients(dict):
         self.n_clients = n_clients
 
     def __missing__(self, cid: int) -> LazyClientData:
-        return LazyClientData(cid=cid, seed=self.args[0], n=self.args[1], teacher=self.args[2],
-                              shard=self.args[3])
+        seed, n, teacher, shard = self.args
+        return LazyClientData(seed, cid, n, teacher, shard)
 
     def __len__(self) -> int:
         return self.n_clients
