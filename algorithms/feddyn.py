@@ -17,8 +17,9 @@ from fedcore.contract import Aggregator, Algorithm, ReceivedUpdate, Trainer, wei
 from fedcore.config import declare, validator
 from fedcore.errors import ConfigError
 from fedcore.registry import algorithms
+from fedcore.vector_term import VectorTerm, stack_state
 
-__all__ = ["FedDynTrainer", "FedDynAggregator", "FEDDYN"]
+__all__ = ["FedDynTrainer", "FedDynTerm", "FedDynAggregator", "FEDDYN"]
 
 declare("algorithm.feddyn.alpha", float, 0.01, "feddyn: regularisation coefficient alpha (> 0; "
         "the server divides by it)", check=lambda v: None if v > 0 else "must be > 0 (theta^t "
@@ -66,6 +67,34 @@ class FedDynTrainer(Trainer):
         client_state["g"] = {n: g_k - self.alpha * (p - anchor)
                              for n, p, g_k, anchor in zip(self.names, self._params, self._g, self._anchor)}
         return super().payload(client_state, received, steps, n_train)
+
+    def vector_term(self) -> VectorTerm:
+        return FedDynTerm(self)
+
+
+class FedDynTerm(VectorTerm):
+    """FedDyn for a stack of clients: - g_k + alpha (theta - theta^{t-1}); keeps
+    g_k - alpha (theta_k - theta^{t-1})."""
+
+    def names(self):
+        return list(self.trainer.names)
+
+    def prepare(self, received, states):
+        anchor = received["model"]
+        return self.trainer.alpha, anchor, stack_state(states, "g", self.trainer.names, anchor)
+
+    def adjust(self, ctx, name, grad, param):
+        alpha, anchor, g = ctx
+        return grad.sub(g[name]).add(param - anchor[name], alpha=alpha)
+
+    def finish(self, ctx, received, params, steps, states, sizes):
+        alpha, anchor, g = ctx
+        new_g = {n: g[n] - alpha * (params[n] - anchor[n]) for n in self.trainer.names}
+        rows = {n: t.unbind(0) for n, t in new_g.items()}
+        out = super().finish(ctx, received, params, steps, states, sizes)
+        for j, (_, new_state) in enumerate(out):
+            new_state["g"] = {n: r[j].clone() for n, r in rows.items()}
+        return out
 
 
 class FedDynAggregator(Aggregator):

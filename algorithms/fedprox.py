@@ -20,8 +20,9 @@ import torch
 from fedcore.contract import Aggregator, Algorithm, FitResult, Trainer
 from fedcore.config import declare, non_negative
 from fedcore.registry import algorithms
+from fedcore.vector_term import VectorTerm
 
-__all__ = ["FedProxTrainer", "FedProxAggregator", "FEDPROX", "straggler_steps"]
+__all__ = ["FedProxTrainer", "FedProxTerm", "FedProxAggregator", "FEDPROX", "straggler_steps"]
 
 declare("algorithm.fedprox.mu", float, 0.01, "fedprox: proximal coefficient mu (0 gives FedAvg)",
         check=non_negative)
@@ -82,6 +83,26 @@ class FedProxTrainer(Trainer):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             p.grad.add_(p - w_t, alpha=self.mu)
+
+    def vector_term(self) -> VectorTerm:
+        return FedProxTerm(self)
+
+
+class FedProxTerm(VectorTerm):
+    """FedProx for a stack of clients: + mu (w - w^t); stragglers' step counts drawn as `fit` does."""
+
+    def num_steps(self, client_id, n, round_):
+        self.trainer._round, self.trainer._client = round_, client_id   # what `fit` sets
+        return self.trainer.num_steps(n)
+
+    def prepare(self, received, states):
+        return self.trainer.mu, received["model"]
+
+    def adjust(self, ctx, name, grad, param):
+        mu, anchor = ctx
+        if mu == 0:
+            return grad
+        return grad.add(param - anchor[name], alpha=mu)
 
 
 class FedProxAggregator(Aggregator):

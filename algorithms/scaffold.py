@@ -22,8 +22,9 @@ from fedcore.comm.validation import UPDATE_LAYOUTS
 from fedcore.config import declare, positive, validator
 from fedcore.errors import ConfigError
 from fedcore.registry import algorithms
+from fedcore.vector_term import VectorTerm, stack_state
 
-__all__ = ["ScaffoldTrainer", "ScaffoldAggregator", "SCAFFOLD"]
+__all__ = ["ScaffoldTrainer", "ScaffoldTerm", "ScaffoldAggregator", "SCAFFOLD"]
 
 declare("algorithm.scaffold.global_lr", float, 1.0, "scaffold: server learning rate eta_g",
         check=positive)
@@ -101,6 +102,55 @@ class ScaffoldTrainer(Trainer):
             new_c_i[n] = new
         client_state["c_i"] = new_c_i
         return {"delta": delta_model, "delta_control": delta_control, "num_samples": n_train}
+
+    def vector_term(self) -> VectorTerm:
+        return ScaffoldTerm(self)
+
+
+class ScaffoldTerm(VectorTerm):
+    """SCAFFOLD for a stack of clients: + (c - c_i); sends (y - x, c_i+ - c_i), keeps c_i+."""
+
+    def names(self):
+        return list(self.trainer.names)
+
+    def prepare(self, received, states):
+        c = received["control"]
+        names = self.trainer.names
+        c_i = stack_state(states, "c_i", names, c)
+        fresh = torch.tensor([st.get("c_i") is None for st in states], device=trainer.device)
+        corr = {}
+        for n in names:
+            # c - c_i; a client without c_i uses c itself, as `begin` does
+            corr[n] = torch.where(fresh.reshape((-1,) + (1,) * c[n].dim()), c[n], c[n] - c_i[n])
+        return corr, c_i
+
+    def adjust(self, ctx, name, grad, param):
+        return grad + ctx[0][name]
+
+    def finish(self, ctx, received, params, steps, states, sizes):
+        x, c = received["model"], received["control"]
+        _, c_i = ctx
+        lr = self.trainer.lr
+        delta = {n: params[n] - x[n] for n in params}
+        dc, new_c = {}, {}
+        for n in self.trainer.names:
+            if steps > 0:
+                new = c_i[n] - c[n] + (x[n] - params[n]) / (steps * lr)
+            else:
+                new = c_i[n].clone()
+            dc[n] = new - c_i[n]
+            new_c[n] = new
+        rows = {k: {n: t.unbind(0) for n, t in d.items()} for k, d in
+                (("delta", delta), ("dc", dc), ("c", new_c))}
+        out = []
+        for j, (st, size) in enumerate(zip(states, sizes)):
+            new_state = dict(st)
+            new_state["c_i"] = {n: r[j].clone() for n, r in rows["c"].items()}   # its own storage
+            content = {"delta": {n: r[j] for n, r in rows["delta"].items()},
+                       "delta_control": {n: r[j] for n, r in rows["dc"].items()},
+                       "num_samples": size}
+            out.append((content, new_state))
+        return out
 
 
 class ScaffoldAggregator(Aggregator):

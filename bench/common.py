@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -22,13 +22,11 @@ from fedcore import registry
 from fedcore.contract import BatchStream, evaluate_model, weighted_mean
 from fedcore.config import load_config
 from fedcore.scenarios.data import ClientData, FederatedData, Split
+from bench.images import INPUT_SHAPE, NUM_CLASSES, LeNet5, class_templates, image_samples
 
-__all__ = ["INPUT_SHAPE", "NUM_CLASSES", "client_shard", "bench_data", "LazyClientData",
+__all__ = ["INPUT_SHAPE", "NUM_CLASSES", "client_shard", "image_shard", "bench_data", "LazyClientData",
            "bench_cfg", "run_fedcore", "run_plain", "RoundTimes", "report", "lenet5",
            "compare_with_plain"]
-
-INPUT_SHAPE = (1, 28, 28)
-NUM_CLASSES = 10
 
 
 # ---------------------------------------------------------------- data
@@ -50,17 +48,23 @@ def _empty() -> Split:
     return Split(torch.empty((0,) + INPUT_SHAPE), torch.empty(0, dtype=torch.long))
 
 
+def image_shard(seed: int, client_id: int, n: int, templates: torch.Tensor) -> Split:
+    """Client `client_id`'s n images (`bench.images.image_samples`): class patterns under noise."""
+    return Split(*image_samples(seed, client_id, n, templates))
+
+
 class LazyClientData:
     """A client's data made on access from its seed: 10^5 clients need no resident shards."""
 
-    __slots__ = ("seed", "cid", "n", "teacher")
+    __slots__ = ("seed", "cid", "n", "teacher", "shard")
 
-    def __init__(self, seed: int, cid: int, n: int, teacher: torch.Tensor):
+    def __init__(self, seed: int, cid: int, n: int, teacher: torch.Tensor, shard=None):
         self.seed, self.cid, self.n, self.teacher = seed, cid, n, teacher
+        self.shard = shard or client_shard
 
     @property
     def train(self) -> Split:
-        return client_shard(self.seed, self.cid, self.n, self.teacher)
+        return self.shard(self.seed, self.cid, self.n, self.teacher)
 
     @property
     def val(self) -> Split:
@@ -70,49 +74,34 @@ class LazyClientData:
 
 
 class _LazyClients(dict):
-    def __init__(self, seed: int, n_clients: int, n: int, teacher: torch.Tensor):
+    def __init__(self, seed: int, n_clients: int, n: int, teacher: torch.Tensor, shard=None):
         super().__init__()
-        self.args = (seed, n, teacher)
+        self.args = (seed, n, teacher, shard)
         self.n_clients = n_clients
 
     def __missing__(self, cid: int) -> LazyClientData:
-        seed, n, teacher = self.args
-        return LazyClientData(seed, cid, n, teacher)
+        seed, n, teacher, shard = self.args
+        return LazyClientData(seed, cid, n, teacher, shard)
 
     def __len__(self) -> int:
         return self.n_clients
 
 
 def bench_data(n_clients: int, n_samples: int, seed: int, test_n: int = 500,
-               lazy: bool = False) -> FederatedData:
-    """All of a client's samples are training data; the server tests on a separate shard."""
-    teacher = _teacher(seed)
+               lazy: bool = False, images: bool = False) -> FederatedData:
+    """All of a client's samples are training data; the server tests on a separate shard.
+    Inputs are noise labelled by a linear teacher, or with `images` class patterns under noise."""
+    teacher, shard = (class_templates(seed), image_shard) if images else (_teacher(seed), client_shard)
     if lazy:
-        clients = _LazyClients(seed, n_clients, n_samples, teacher)
+        clients = _LazyClients(seed, n_clients, n_samples, teacher, shard)
     else:
-        clients = {cid: ClientData(client_shard(seed, cid, n_samples, teacher), _empty(), _empty())
+        clients = {cid: ClientData(shard(seed, cid, n_samples, teacher), _empty(), _empty())
                    for cid in range(1, n_clients + 1)}
-    server_test = client_shard(seed, 10_000_000, test_n, teacher)
+    server_test = shard(seed, 10_000_000, test_n, teacher)
     return FederatedData(clients, server_test, INPUT_SHAPE, NUM_CLASSES)
 
 
 # ---------------------------------------------------------------- model
-class LeNet5(nn.Module):
-    """LeNet-5 for 1x28x28 inputs (padding 2 on the first convolution), ReLU and max-pooling."""
-
-    def __init__(self, num_classes: int = NUM_CLASSES):
-        super().__init__()
-        self.features = nn.Sequential(
-            nn.Conv2d(1, 6, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(6, 16, 5), nn.ReLU(), nn.MaxPool2d(2))
-        self.classifier = nn.Sequential(
-            nn.Flatten(), nn.Linear(16 * 5 * 5, 120), nn.ReLU(), nn.Linear(120, 84), nn.ReLU(),
-            nn.Linear(84, num_classes))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.classifier(self.features(x))
-
-
 def lenet5(cfg, input_shape, num_classes: int) -> nn.Module:
     return LeNet5(num_classes)
 
@@ -158,6 +147,7 @@ class RoundTimes:
     cpu_rounds: list[float]
     final_state: dict[str, torch.Tensor]
     label: str = ""
+    accuracy: list[float] = field(default_factory=list)   # test accuracy of each evaluated round
 
     @property
     def rounds(self) -> list[float]:
@@ -178,28 +168,40 @@ class RoundTimes:
         return statistics.median(rest)
 
 
-def run_fedcore(cfg, data: FederatedData, before_run: Callable | None = None) -> RoundTimes:
-    """Build and run a fedcore course; round times come from its own per-round records."""
-    from fedcore.course import Course
+def run_fedcore(cfg, data: FederatedData, before_run: Callable | None = None,
+                until_acc: float | None = None) -> RoundTimes:
+    """Build and run a fedcore course; round times come from its own per-round records.
+    With `until_acc` the run stops after the first round whose test accuracy reaches it."""
+    from fedcore.course import Course, CourseStalled
     clock = _Clock()   # the build counts in round 1, like the reference's set-up
     course = Course(cfg, outdir=None).build(data)
     if before_run is not None:
         before_run(course)
     record_round = course.monitor.record_round
+    accuracy: list[float] = []
 
-    def timed_record(*args, **kwargs):   # a round ends when its record is opened
+    def timed_record(round_, virtual_time, fields, *args, **kwargs):   # a round ends here
         clock.tick()
-        return record_round(*args, **kwargs)
+        if "test_acc" in fields:
+            accuracy.append(fields["test_acc"])
+            if until_acc is not None and fields["test_acc"] >= until_acc:
+                course.scheduler.stop()    # after this event: the rest of the course is dropped
+        return record_round(round_, virtual_time, fields, *args, **kwargs)
     course.monitor.record_round = timed_record
-    course.run()
+    try:
+        course.run()
+    except CourseStalled:   # stopped at the target, before the course's last round
+        if until_acc is None or not accuracy or accuracy[-1] < until_acc:
+            raise
     state = {k: v.detach().clone() for k, v in course.server.aggregator.global_state.items()}
-    return RoundTimes(*clock.rounds(), state, "fedcore")
+    return RoundTimes(*clock.rounds(), state, "fedcore", accuracy)
 
 
-def run_plain(cfg, data: FederatedData, device: str = "cpu") -> RoundTimes:
+def run_plain(cfg, data: FederatedData, device: str = "cpu", until_acc: float | None = None) -> RoundTimes:
     """The plain-PyTorch loop doing exactly what the fedcore course does (FedAvg, or SCAFFOLD
     when `algorithm.name` is scaffold: each client's control variate c_i kept in a dict), with
-    its model on `device` (the data on whatever device the caller put them)."""
+    its model on `device` (the data on whatever device the caller put them). With `until_acc`
+    it stops after the first round whose test accuracy reaches it."""
     from fedcore.scenarios.models import build_model
     clock = _Clock()
     seed = cfg["seed"]
@@ -223,6 +225,7 @@ def run_plain(cfg, data: FederatedData, device: str = "cpu") -> RoundTimes:
     rng = np.random.default_rng(seed + 3)        # the uniform sampler's stream
     positions: dict[int, tuple[int, int]] = {}
     ids = list(range(1, n_clients + 1))
+    accuracy: list[float] = []
     for r in range(1, rounds_n + 1):
         picked = sorted(ids[i] for i in rng.choice(n_clients, size=k, replace=False))
         updates, weights, d_controls = [], [], []
@@ -272,10 +275,12 @@ def run_plain(cfg, data: FederatedData, device: str = "cpu") -> RoundTimes:
             global_state = {n: weighted_mean([u[n] for u in updates], weights) for n in global_state}
         if r % cfg["eval.freq"] == 0 or r == rounds_n:
             model.load_state_dict(global_state)
-            evaluate_model(model, data.server_test.x, data.server_test.y, "cross_entropy",
-                           cfg["eval.batch_size"])
+            accuracy.append(evaluate_model(model, data.server_test.x, data.server_test.y,
+                                           "cross_entropy", cfg["eval.batch_size"])["acc"])
         clock.tick()
-    return RoundTimes(*clock.rounds(), global_state, "plain")
+        if until_acc is not None and accuracy and accuracy[-1] >= until_acc:
+            break
+    return RoundTimes(*clock.rounds(), global_state, "plain", accuracy)
 
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -309,6 +314,7 @@ def report(workload: str, results: dict[str, list[RoundTimes]], reference: str =
     """Print one line per measurement and, last, the primary ratio line."""
     ref = best(results[reference])
     out, ratios = {}, {}
+    spread: dict[str, tuple[float, float]] = {}   # min and max of each repetition's ratio
     for name, reps in results.items():
         b = best(reps)
         if "processes" in name:   # its work is in other processes: only wall time compares
@@ -320,16 +326,24 @@ def report(workload: str, results: dict[str, list[RoundTimes]], reference: str =
                   f"of {reference}'s wall {wall_ref:.5f}")
             continue
         out[name], ratios[name] = b.steady, b.steady / ref.steady
+        paired = [r.steady / q.steady for r, q in zip(reps, results[reference])]
+        spread[name] = (min(paired), max(paired))
         print(f"{workload} {name:>12}: first round {b.first:.4f} s, steady {b.steady:.5f} s/round "
               f"{CLOCK} (wall {b.steady_wall:.5f}; median of rounds 2..{len(b.rounds)}, best of "
-              f"{len(reps)}), x{ratios[name]:.3f} of {reference}")
+              f"{len(reps)}), x{ratios[name]:.3f} of {reference} (repetition by repetition "
+              f"x{spread[name][0]:.3f}-{spread[name][1]:.3f})")
+    if primary not in results:   # e.g. only the vectorized executor was asked for
+        primary = next(name for name in results if name != reference)
     p = best(results[primary])
     extra = "".join(f" {name}_s_per_round={out[name]:.6f} {name}_ratio={ratios[name]:.3f}"
+                    + (f" {name}_ratio_range={spread[name][0]:.3f}-{spread[name][1]:.3f}"
+                       if name in spread else "")
                     for name in results if name not in (primary, reference))
     if any("processes" in name for name in results):
         extra += f" plain_wall_s_per_round={min(r.steady_wall for r in results[reference]):.6f}"
+    rng = f" ratio_range={spread[primary][0]:.3f}-{spread[primary][1]:.3f}" if primary in spread else ""
     print(f"fedcore_s_per_round={p.steady:.6f} plain_s_per_round={ref.steady:.6f} "
-          f"ratio={p.steady / ref.steady:.3f}{extra} clock={CLOCK}")
+          f"ratio={p.steady / ref.steady:.3f}{rng}{extra} clock={CLOCK}")
     return out
 
 

@@ -26,6 +26,7 @@ from torch import nn
 
 from fedcore.inner_loop import build_scheduler
 from fedcore.state import StateStore
+from fedcore.vector_term import VectorTerm
 
 __all__ = ["Algorithm", "Trainer", "Aggregator", "FitResult", "ReceivedUpdate", "BatchStream",
            "ShareFilter", "weighted_mean", "evaluate_model", "model_device"]
@@ -320,6 +321,13 @@ class Trainer:
     def payload(self, client_state: dict, received: dict, steps: int, n_train: int) -> dict[str, Any]:
         """What the client sends after local training."""
         return {"model": self.shared_state(), "num_samples": n_train}
+
+    def vector_term(self) -> VectorTerm | None:
+        """Hook: this trainer's local step for a stack of clients (the vectorized executor), or
+        None if it has none. A subclass that changes the local step overrides this too: the
+        executor uses the form of the nearest class that defines it, and only if no class in
+        between defines anything of its own (otherwise it trains one client at a time)."""
+        return VectorTerm(self)
 
     # ------------------------------------------------------------ the round
     def fit(self, client_id: int, data, received: dict, round_: int) -> FitResult:

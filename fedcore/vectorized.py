@@ -11,13 +11,17 @@ has one shape. The optimizer update is torch's SGD rule (weight decay,
 momentum started fresh each round, as the sequential trainer does), written
 for stacked tensors.
 
-FedProx, SCAFFOLD and FedDyn add to each step a gradient term that is a pure
-function of the parameters, the received content and the client's state
-(mu (w - w^t); c - c_i; -g_k + alpha (theta - theta^{t-1})). Each has a
-`_Term` here that computes that term and the client's payload and new state
-for all clients of a group at once, in the same floating-point operations as
-the trainer's own hooks. A trainer class is vectorised only if it is one of
-these classes (or a subclass that defines nothing of its own).
+On CPU, convolutions run per client with the dense kernels the sequential
+trainer uses (`fedcore.client_conv`) instead of as `vmap`'s grouped
+convolutions, which are slower there.
+
+An algorithm that adds a gradient term (a pure function of the parameters,
+the received content and the client's state), sends something else than the
+model or keeps per-client state says so for the whole stack in a
+`fedcore.vector_term.VectorTerm`, which its trainer returns from
+`Trainer.vector_term()`; this module imports no algorithm. A trainer is
+vectorised only if the nearest class defining `vector_term` in its ancestry
+is its own class or one from which it differs by nothing it defines.
 """
 from __future__ import annotations
 
@@ -29,9 +33,11 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
+from fedcore.client_conv import with_client_convs
 from fedcore.contract import BatchStream, FitResult, Trainer
 from fedcore.batching import Engine
 from fedcore.serialization import encoded_size
+from fedcore.vector_term import VectorTerm
 
 __all__ = ["VectorEngine"]
 
@@ -50,9 +56,14 @@ class VectorEngine(Engine):
         self.weight_decay = cfg["train.optimizer.weight_decay"]
         self.batch_size = cfg["train.batch_size"]
         self.seed = cfg["seed"]
-        self.term = _term_for(type(trainer))[0] or _Term()
+        self.term = trainer.vector_term()   # `unsupported` has checked that it applies
         self.device = trainer.device
         model, loss = trainer.model, trainer.loss
+        if all(p.device.type == "cpu" for p in model.parameters()):
+            # on CPU each client's own dense convolution beats vmap's grouped one (and gives
+            # the sequential trainer's numbers for it): see fedcore.client_conv
+            model = with_client_convs(model)
+        self.model = model   # what `functional_call` runs (the trainer's, or a copy of it)
 
         def objective(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor):
             out = functional_call(model, params, (x,))
@@ -73,10 +84,9 @@ class VectorEngine(Engine):
         """Why this trainer/config cannot be vectorised, or None if it can."""
         if not isinstance(trainer, Trainer):
             return f"trainer {type(trainer).__name__} is not a fedcore Trainer"
-        term, changed = _term_for(type(trainer))
+        term, why = _form_of(trainer)
         if term is None:
-            return (f"trainer {type(trainer).__name__} changes {', '.join(changed)}; only the base "
-                    "local SGD objective and FedProx's, SCAFFOLD's and FedDyn's terms are vectorised")
+            return why
         if cfg["train.optimizer.type"] != "sgd":
             return f"train.optimizer.type={cfg['train.optimizer.type']} (only sgd is vectorised)"
         if cfg["train.preserve_optimizer_state"]:
@@ -91,7 +101,7 @@ class VectorEngine(Engine):
             return "the model has buffers (per-sample state such as batch norm)"
         if len(trainer.params) != len(list(trainer.model.parameters())):
             return "the model has frozen parameters"
-        if term.names(trainer) != list(trainer.param_names):
+        if term.names() != list(trainer.param_names):
             return "some trainable parameters are not shared"
         return None
 
@@ -110,7 +120,7 @@ class VectorEngine(Engine):
             n = len(train)
             pos = state.get("sampler", start)
             stream = _LazyStream(n, batch_size, seed, cid, pos["epoch"], pos["offset"], generator)
-            steps = term.num_steps(trainer, cid, n, round_) if n else 0
+            steps = term.num_steps(cid, n, round_) if n else 0
             idx = [stream.next() for _ in range(steps)]
             plans.append((train, idx, stream.position(), n))
             x, y = train.x, train.y
@@ -121,13 +131,12 @@ class VectorEngine(Engine):
             if len(members) < 2:
                 continue   # nothing to batch with: the trainer itself is faster for one client
             states = [jobs[i][2] for i in members]
-            ctx = term.prepare(trainer, received, states)
+            ctx = term.prepare(received, states)
             steps = len(sig[0])
             group_plans = [plans[i] for i in members]
             params, losses = self._train_group(model_in, group_plans, steps, ctx)
             work = float(sum(sig[0]))
-            results = term.finish(trainer, ctx, received, params, steps, states,
-                                  [p[3] for p in group_plans])
+            results = term.finish(ctx, received, params, steps, states, [p[3] for p in group_plans])
             sizes: dict[int, int] = {}   # a group's contents differ only in num_samples
             for i, plan, (content, new_state), loss in zip(members, group_plans, results, losses):
                 new_state["sampler"] = plan[2]
@@ -263,155 +272,21 @@ class _LazyStream(BatchStream):
         return self._perm[start:start + size]
 
 
-# ---------------------------------------------------------------- algorithm terms
-class _Term:
-    """The base local step: no extra gradient term; sends the trained model."""
-
-    def names(self, trainer) -> list[str]:
-        """The parameters the term covers, in the trainer's order."""
-        return list(trainer.param_names)
-
-    def num_steps(self, trainer, client_id: int, n: int, round_: int) -> int:
-        return trainer.num_steps(n)
-
-    def prepare(self, trainer, received: dict, states: list[dict]) -> Any:
-        """Per-group constants (stacked per-client tensors) for `adjust` and `finish`."""
-        return None
-
-    def adjust(self, ctx, name: str, grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-        """The gradient of every client of the group after the trainer's `adjust_gradients`."""
-        return grad
-
-    def finish(self, trainer, ctx, received: dict, params: dict[str, torch.Tensor], steps: int,
-               states: list[dict], sizes: list[int]) -> list[tuple[dict, dict]]:
-        """Each client's (content, new state) from the stacked trained parameters. The contents
-        of one group have one structure (keys, dtypes, shapes) and differ only in `num_samples`:
-        their encoded sizes are computed once per sample count."""
-        names = list(params)
-        rows = zip(*[params[name].unbind(0) for name in names])   # views, one call per entry
-        return [({"model": dict(zip(names, row)), "num_samples": n}, dict(st))
-                for row, st, n in zip(rows, states, sizes)]
-
-
-def _stack_state(states: list[dict], key: str, names: list[str], like: dict[str, torch.Tensor]):
-    """Each client's `state[key][name]` stacked along a new first dimension (zeros where absent)."""
-    out = {}
-    for n in names:
-        zero = None
-        rows = []
-        for st in states:
-            saved = st.get(key)
-            if saved is None:
-                if zero is None:
-                    zero = torch.zeros_like(like[n])
-                rows.append(zero)
-            else:
-                rows.append(saved[n])
-        out[n] = torch.stack(rows)
-    return out
-
-
-class _ProxTerm(_Term):
-    """FedProx: + mu (w - w^t), w^t the received model; stragglers' step counts as drawn."""
-
-    def num_steps(self, trainer, client_id, n, round_):
-        trainer._round, trainer._client = round_, client_id   # what FedProxTrainer.fit sets
-        return trainer.num_steps(n)
-
-    def prepare(self, trainer, received, states):
-        return trainer.mu, received["model"]
-
-    def adjust(self, ctx, name, grad, param):
-        mu, anchor = ctx
-        if mu == 0:
-            return grad
-        return grad.add(param - anchor[name], alpha=mu)
-
-
-class _ScaffoldTerm(_Term):
-    """SCAFFOLD: + (c - c_i); sends (y - x, c_i+ - c_i) and keeps c_i+."""
-
-    def names(self, trainer):
-        return list(trainer.names)
-
-    def prepare(self, trainer, received, states):
-        c = received["control"]
-        c_i = _stack_state(states, "c_i", trainer.names, c)
-        fresh = torch.tensor([st.get("c_i") is None for st in states], device=trainer.device)
-        corr = {}
-        for n in trainer.names:
-            # c - c_i; a client without c_i uses c itself (c - 0 would be the same numbers)
-            corr[n] = torch.where(fresh.reshape((-1,) + (1,) * c[n].dim()), c[n], c[n] - c_i[n])
-        return corr, c_i
-
-    def adjust(self, ctx, name, grad, param):
-        return grad + ctx[0][name]
-
-    def finish(self, trainer, ctx, received, params, steps, states, sizes):
-        x, c = received["model"], received["control"]
-        _, c_i = ctx
-        delta = {n: params[n] - x[n] for n in params}
-        dc, new_c = {}, {}
-        for n in trainer.names:
-            if steps > 0:
-                new = c_i[n] - c[n] + (x[n] - params[n]) / (steps * trainer.lr)
-            else:
-                new = c_i[n].clone()
-            dc[n] = new - c_i[n]
-            new_c[n] = new
-        rows = {k: {n: t.unbind(0) for n, t in d.items()} for k, d in
-                (("delta", delta), ("dc", dc), ("c", new_c))}
-        out = []
-        for j, (st, size) in enumerate(zip(states, sizes)):
-            new_state = dict(st)
-            new_state["c_i"] = {n: r[j].clone() for n, r in rows["c"].items()}   # its own storage
-            content = {"delta": {n: r[j] for n, r in rows["delta"].items()},
-                       "delta_control": {n: r[j] for n, r in rows["dc"].items()},
-                       "num_samples": size}
-            out.append((content, new_state))
-        return out
-
-
-class _DynTerm(_Term):
-    """FedDyn: - g_k + alpha (theta - theta^{t-1}); keeps g_k - alpha (theta_k - theta^{t-1})."""
-
-    def names(self, trainer):
-        return list(trainer.names)
-
-    def prepare(self, trainer, received, states):
-        anchor = received["model"]
-        return trainer.alpha, anchor, _stack_state(states, "g", trainer.names, anchor)
-
-    def adjust(self, ctx, name, grad, param):
-        alpha, anchor, g = ctx
-        return grad.sub(g[name]).add(param - anchor[name], alpha=alpha)
-
-    def finish(self, trainer, ctx, received, params, steps, states, sizes):
-        alpha, anchor, g = ctx
-        new_g = {n: g[n] - alpha * (params[n] - anchor[n]) for n in trainer.names}
-        rows = {n: t.unbind(0) for n, t in new_g.items()}
-        out = super().finish(trainer, ctx, received, params, steps, states, sizes)
-        for j, (_, new_state) in enumerate(out):
-            new_state["g"] = {n: r[j].clone() for n, r in rows.items()}
-        return out
-
-
-def _terms() -> dict[type, _Term]:
-    from fedcore.algorithms.feddyn import FedDynTrainer
-    from fedcore.algorithms.fedprox import FedProxTrainer
-    from fedcore.algorithms.scaffold import ScaffoldTrainer
-    return {Trainer: _Term(), FedProxTrainer: _ProxTerm(), ScaffoldTrainer: _ScaffoldTerm(),
-            FedDynTrainer: _DynTerm()}
-
-
-def _term_for(cls: type) -> tuple[_Term | None, list[str]]:
-    """The term of the nearest supported class in `cls`'s ancestry, provided nothing between
-    them defines anything of its own; else (None, the names defined in between)."""
-    terms = _terms()
+def _form_of(trainer) -> tuple[VectorTerm | None, str | None]:
+    """The trainer's vectorised form, from the nearest class in its ancestry that defines
+    `vector_term`, provided no class before it defines anything of its own (it may change
+    the local step in a way the form does not know); else (None, why)."""
     changed: list[str] = []
-    for klass in cls.__mro__:
-        if klass in terms:
-            return (terms[klass], []) if not changed else (None, changed)
+    for klass in type(trainer).__mro__:
+        if "vector_term" in vars(klass):
+            break
         changed += [n for n in vars(klass) if not (n.startswith("__") and n.endswith("__"))
                     and n not in changed]
-    return None, changed
+    if changed:
+        return None, (f"trainer {type(trainer).__name__} changes {', '.join(changed)} without a "
+                      "vector_term of its own")
+    form = getattr(trainer, "vector_term", None)
+    term = form() if callable(form) else None
+    if term is None:
+        return None, f"trainer {type(trainer).__name__} has no vectorised form (vector_term)"
+    return term, None

@@ -12,6 +12,7 @@ from fedcore.course import Course
 from fedcore.message import Message
 from fedcore.registry import algorithms
 from fedcore.contract import Aggregator, Algorithm
+from fedcore.vector_term import VectorTerm
 from tests.conftest import small_cfg
 
 TRACE_KEYS = ("round", "virtual_time", "bytes_up", "bytes_down", "num_updates")
@@ -235,3 +236,58 @@ def test_vectorized_results_carry_their_exact_encoded_size():
     r.content = dict(r.content)          # a wrapper that replaces the content drops the size
     assert r.content_size is None
     assert FitResult({"num_samples": 3}, 1.0).content_size is None
+
+
+class _PullToZero(Trainer):
+    """A new algorithm (an extra gradient term lam * w) that offers its own vectorised form,
+    without the executor knowing it."""
+
+    lam = 0.3
+
+    @torch.no_grad()
+    def adjust_gradients(self):
+        for p in self.params:
+            p.grad.add_(p, alpha=self.lam)
+
+    def vector_term(self):
+        return _PullToZeroTerm(self)
+
+
+class _PullToZeroTerm(VectorTerm):
+    def adjust(self, ctx, name, grad, param):
+        return grad.add(param, alpha=self.trainer.lam)
+
+
+algorithms.register("_test_pull_to_zero", Algorithm(_PullToZero, Aggregator))
+
+
+def test_a_new_algorithm_is_vectorised_through_its_own_vector_term():
+    case = dict(algorithm__name="_test_pull_to_zero", train__local_steps=3)
+    _, seq, seq_trace = _run("sequential", **case)
+    course, vec, vec_trace = _run("vectorized", **case)
+    assert course.trainer.batched_fits > 0 and course.trainer.sequential_fits == 0
+    assert _max_diff(seq, vec) < 1e-5 and vec_trace == seq_trace
+    _, fedavg, _ = _run("sequential", train__local_steps=3)
+    assert _max_diff(seq, fedavg) > 1e-3      # the term is really applied
+
+
+class _NoForm(Trainer):
+    def vector_term(self):
+        return None
+
+
+def test_a_trainer_without_a_vectorised_form_runs_sequentially(caplog):
+    algorithms.register("_test_no_form", Algorithm(_NoForm, Aggregator))
+    with caplog.at_level(logging.WARNING, logger="fedcore.executor"):
+        course = Course(small_cfg(None, executor="vectorized", algorithm__name="_test_no_form")).build()
+    assert not isinstance(course.trainer, BatchingTrainer)
+    assert any("no vectorised form" in r.getMessage() for r in caplog.records)
+
+
+def test_the_vectorized_executor_imports_no_algorithm():
+    import subprocess
+    import sys
+    code = ("import sys, fedcore.vectorized, fedcore.batching; "
+            "print(sorted(m for m in sys.modules if m.startswith('fedcore.algorithms')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
