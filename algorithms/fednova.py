@@ -21,15 +21,14 @@ docs/algorithms/fednova.md.
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 
-from fedcore.algorithms.fedprox import straggler_steps
+from fedcore.algorithms.fedprox import Straggling
 from fedcore.algorithms.robust import INCOMPATIBLE
 from fedcore.comm.validation import UPDATE_LAYOUTS, model_layout
 from fedcore.config import declare, validator
-from fedcore.contract import Aggregator, Algorithm, FitResult, ReceivedUpdate, Trainer, weighted_mean
+from fedcore.contract import Aggregator, Algorithm, ReceivedUpdate, Trainer, weighted_mean
 from fedcore.errors import ConfigError
 from fedcore.registry import algorithms
 
@@ -68,19 +67,13 @@ def norm_factor(steps: int, momentum: float) -> float:
     return (steps - rho * (1 - rho ** steps) / (1 - rho)) / (1 - rho)
 
 
-class FedNovaTrainer(Trainer):
-    """Local SGD as FedAvg; sends ||a_i||_1 of the steps it took with the model."""
+class FedNovaTrainer(Straggling, Trainer):
+    """Local SGD as FedAvg (stragglers as FedProx draws them); sends ||a_i||_1 of the steps it
+    took with the model."""
 
-    def fit(self, client_id: int, data, received: dict, round_: int) -> FitResult:
-        self._round, self._client = round_, client_id
-        return super().fit(client_id, data, received, round_)
-
-    def num_steps(self, n_train: int) -> int:
-        full = super().num_steps(n_train)
-        per_epoch = math.ceil(n_train / self.cfg["train.batch_size"])
-        epochs = None if self.cfg["train.local_steps"] is not None else self.cfg["train.local_epochs"]
-        return straggler_steps(self.cfg["seed"], self._round, self._client,
-                               self.cfg["algorithm.fednova.straggler_fraction"], epochs, per_epoch, full)
+    def __init__(self, model, cfg, store):
+        super().__init__(model, cfg, store)
+        self.fraction = cfg["algorithm.fednova.straggler_fraction"]
 
     def payload(self, client_state: dict, received: dict, steps: int, n_train: int) -> dict:
         a = norm_factor(steps, self.cfg["train.optimizer.momentum"])

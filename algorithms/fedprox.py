@@ -45,17 +45,13 @@ def straggler_steps(seed: int, round_: int, client_id: int, fraction: float, epo
     return int(torch.randint(1, full_steps + 1, (), generator=g))
 
 
-class FedProxTrainer(Trainer):
-    """Local training on F_k(w) + (mu/2)||w - w^t||^2 (shared trainable parameters)."""
+class Straggling:
+    """Mixed into a trainer before `Trainer`: a `fraction` of the clients straggle each round
+    and take fewer local steps, drawn from (seed, round, client) by `straggler_steps`."""
 
-    def __init__(self, model, cfg, store):
-        super().__init__(model, cfg, store)
-        self.mu = cfg["algorithm.fedprox.mu"]
-        self.fraction = cfg["algorithm.fedprox.straggler_fraction"]
-        self.shared_changed()
-        self._anchor: list[torch.Tensor] = []
-        self._round = 0
-        self._client = 0
+    fraction = 0.0
+    _round = 0
+    _client = 0
 
     def fit(self, client_id: int, data, received: dict, round_: int) -> FitResult:
         self._round, self._client = round_, client_id
@@ -67,6 +63,17 @@ class FedProxTrainer(Trainer):
         epochs = None if self.cfg["train.local_steps"] is not None else self.cfg["train.local_epochs"]
         return straggler_steps(self.cfg["seed"], self._round, self._client, self.fraction, epochs,
                                per_epoch, full)
+
+
+class FedProxTrainer(Straggling, Trainer):
+    """Local training on F_k(w) + (mu/2)||w - w^t||^2 (shared trainable parameters)."""
+
+    def __init__(self, model, cfg, store):
+        super().__init__(model, cfg, store)
+        self.mu = cfg["algorithm.fedprox.mu"]
+        self.fraction = cfg["algorithm.fedprox.straggler_fraction"]
+        self.shared_changed()
+        self._anchor: list[torch.Tensor] = []
 
     def shared_changed(self) -> None:
         self._prox = [(p, n) for p, n in zip(self.params, self.param_names) if self.shared(n)]

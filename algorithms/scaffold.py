@@ -117,7 +117,7 @@ class ScaffoldTerm(VectorTerm):
         c = received["control"]
         names = self.trainer.names
         c_i = stack_state(states, "c_i", names, c)
-        fresh = torch.tensor([st.get("c_i") is None for st in states], device=trainer.device)
+        fresh = torch.tensor([st.get("c_i") is None for st in states], device=self.trainer.device)
         corr = {}
         for n in names:
             # c - c_i; a client without c_i uses c itself, as `begin` does

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from fedcore.config import declare, positive
-from fedcore.contract import ReceivedUpdate
+from fedcore.contract import ReceivedUpdate, clone_tree
 from fedcore.quiet import QuietLog
 
 __all__ = ["admit_updates", "Snapshot", "finite_state", "reject_round", "note", "sample_cap",
@@ -143,9 +143,9 @@ class Snapshot:
     def __init__(self, aggregator):
         self.aggregator = aggregator
         self.global_state = {k: v.clone() for k, v in aggregator.global_state.items()}
-        self.extra = _cloned(aggregator.state_dict())
+        self.extra = clone_tree(aggregator.state_dict())
         self.optimizer = getattr(aggregator, "server_optimizer", None)
-        self.moments = _cloned(self.optimizer.state_dict()) if self.optimizer else None
+        self.moments = clone_tree(self.optimizer.state_dict()) if self.optimizer else None
 
     def restore(self) -> None:
         self.aggregator.global_state = self.global_state
@@ -153,16 +153,6 @@ class Snapshot:
             self.aggregator.load_state_dict(self.extra)
         if self.optimizer:
             self.optimizer.load_state_dict(self.moments)
-
-
-def _cloned(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, dict):
-        return {k: _cloned(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_cloned(v) for v in obj)
-    return obj
 
 
 def reject_round(server, why: str) -> bool:

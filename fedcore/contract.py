@@ -29,7 +29,7 @@ from fedcore.state import StateStore
 from fedcore.vector_term import VectorTerm
 
 __all__ = ["Algorithm", "Trainer", "Aggregator", "FitResult", "ReceivedUpdate", "BatchStream",
-           "ShareFilter", "weighted_mean", "evaluate_model", "model_device"]
+           "ShareFilter", "weighted_mean", "evaluate_model", "clone_tree", "model_device"]
 
 
 @dataclass(frozen=True)
@@ -378,17 +378,17 @@ class Trainer:
         # Load copies: the optimizer updates its state in place, and the stored snapshot must
         # stay as saved if this fit fails half-way.
         if keep and "optimizer" in state:
-            self.optimizer.load_state_dict(_cloned(state["optimizer"]))
+            self.optimizer.load_state_dict(clone_tree(state["optimizer"]))
         if self.scheduler is not None:
             saved = state.get("scheduler") if keep else None
-            self.scheduler.load_state_dict(_cloned(saved if saved is not None else self._fresh_scheduler))
+            self.scheduler.load_state_dict(clone_tree(saved if saved is not None else self._fresh_scheduler))
 
     def _save_optimizer(self, state: dict) -> None:
         """Keep a snapshot (cloned tensors: the optimizer's own are reused by the next client)."""
         if self.cfg["train.preserve_optimizer_state"]:
-            state["optimizer"] = _cloned(self.optimizer.state_dict())
+            state["optimizer"] = clone_tree(self.optimizer.state_dict())
             if self.scheduler is not None:
-                state["scheduler"] = _cloned(self.scheduler.state_dict())
+                state["scheduler"] = clone_tree(self.scheduler.state_dict())
 
     def evaluate(self, client_id: int, data, received: dict) -> dict[str, float]:
         """Evaluate the received global model (with this client's local entries) on its test split."""
@@ -457,12 +457,12 @@ def _batch(split, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return split.x[idx], split.y[idx]
 
 
-def _cloned(obj: Any) -> Any:
+def clone_tree(obj: Any) -> Any:
     """A copy of a state_dict tree whose tensors share no storage with the original."""
     if isinstance(obj, torch.Tensor):
         return obj.detach().clone()
     if isinstance(obj, dict):
-        return {k: _cloned(v) for k, v in obj.items()}
+        return {k: clone_tree(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_cloned(v) for v in obj)
+        return type(obj)(clone_tree(v) for v in obj)
     return obj
