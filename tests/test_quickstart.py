@@ -16,7 +16,7 @@ def test_quickstart_reaches_target(tmp_path):
 
 
 def test_quickstart_ends_with_a_plot(tmp_path):
-    """The README's two commands: run the quickstart, then plot it."""
+    """The README's quickstart with a plot: run the course into a folder, then plot it."""
     from fedcore.plot import draw_runs
     from fedcore.plot import main as plot
     from fedcore.run import main as run
