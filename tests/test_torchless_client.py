@@ -143,3 +143,35 @@ def test_the_boundary_converts_in_and_out():
     assert res.content["num_samples"] == 4
     assert b._their_data(1, data) is b._their_data(1, data)   # converted once per client
     assert convert([torch.ones(1)], "numpy")[0].dtype == np.float32
+
+
+@pytest.mark.slow
+def test_torchless_client_over_tls_with_tokens_and_a_server_restart(tmp_path, procs):
+    """Against a real server: admitted over mutual TLS with its own token, refused (exit 2)
+    with another client's token, and back after the server's restart. (Exit 4 once the
+    server is gone for good is the first test's, without a server to wait for.)"""
+    from tests.deploy_helpers import make_certs, server_port, text, wait_exit, wait_for, write_cfg
+    certs = make_certs(tmp_path / "certs")
+    cfg = write_cfg(tmp_path / "course.yaml", {
+        "distribute.tokens": {1: "one", 2: "two", 3: "three"}, "distribute.tls.ca": certs["ca"],
+        "distribute.tls.cert": certs["server_cert"], "distribute.tls.key": certs["server_key"],
+        "distribute.heartbeat_interval": 0.2, "distribute.heartbeat_timeout": 2.0})
+    out = tmp_path / "out"
+    server = procs.fedcore("server", cfg, "distribute.role=server", "distribute.server_port=0",
+                           f"outdir={out}")
+    port = server_port(out, server)
+    probe = [str(ROOT / "tests" / "torchless_probe.py"), str(port), certs["ca"], certs["client_cert"],
+             certs["client_key"]]
+
+    refused = procs.start("refused", [*probe, "two", "30"])
+    assert wait_exit(refused, 60) == 0
+    assert "exit 2: ConfigError" in text(refused) and "loaded: []" in text(refused)
+
+    client = procs.start("client", [*probe, "one", "60"])
+    wait_for(lambda: "welcomed as client 1" in text(client), 60, "the torch-free client's welcome")
+    server.kill()
+    server.wait(10)
+    again = procs.fedcore("server2", cfg, "distribute.role=server", f"distribute.server_port={port}",
+                          f"outdir={tmp_path / 'out2'}")
+    wait_for(lambda: "client 1 connected" in text(again), 60, "the reconnect to the new server")
+    assert client.poll() is None, text(client)
