@@ -12,7 +12,8 @@ work: broadcast N models, receive, check and aggregate N updates.
 Measured from outside the server: round seconds (between the moments the first
 client sees successive rounds' models, and the last round until `finish`;
 median over rounds), the server's peak RSS (sampled from /proc every 0.2 s)
-and its CPU seconds (user + system) per round over the rounds. The load
+its CPU seconds (user + system) per round over the rounds, and its largest
+thread count. The load
 generators run on the same machine and share its cores with the server.
 Last line: `w7_clients=N w7_round_s=... w7_server_rss_mb=... w7_server_cpu_s_per_round=...`
 for the largest N that completed.
@@ -35,21 +36,22 @@ ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "w7-fleet-token"
 
 
-def _proc_stat(pid: int) -> tuple[float, float] | None:
-    """(CPU seconds user+system, RSS MB) of `pid`, or None once it is gone."""
+def _proc_stat(pid: int) -> tuple[float, float, int] | None:
+    """(CPU seconds user+system, RSS MB, threads) of `pid`, or None once it is gone."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         rss_pages = int(fields[21])
     except (OSError, IndexError, ValueError):
         return None
     tick = os.sysconf("SC_CLK_TCK")
-    return (int(fields[11]) + int(fields[12])) / tick, rss_pages * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
+    return ((int(fields[11]) + int(fields[12])) / tick, rss_pages * os.sysconf("SC_PAGE_SIZE") / 2 ** 20,
+            int(fields[17]))
 
 
 class Sampler(threading.Thread):
     def __init__(self, pid: int):
         super().__init__(daemon=True)
-        self.pid, self.samples = pid, []   # (monotonic, cpu_s, rss_mb)
+        self.pid, self.samples = pid, []   # (monotonic, cpu_s, rss_mb, threads)
         self.stop = threading.Event()
 
     def run(self) -> None:
@@ -62,7 +64,7 @@ class Sampler(threading.Thread):
 
     def cpu_at(self, t: float) -> float:
         """CPU seconds at time `t` (the last sample not after it)."""
-        before = [c for ts, c, _ in self.samples if ts <= t]
+        before = [c for ts, c, _, _ in self.samples if ts <= t]
         return before[-1] if before else self.samples[0][1]
 
 
@@ -145,7 +147,8 @@ def run_one(n: int, rounds: int, procs: int, workdir: Path, timeout: float) -> d
         return None
     cpu = sampler.cpu_at(marks[-1]) - sampler.cpu_at(marks[0])
     return {"clients": n, "round_s": statistics.median(durations), "rounds_s": durations,
-            "rss_mb": max(s[2] for s in sampler.samples), "cpu_s_per_round": cpu / len(durations)}
+            "rss_mb": max(s[2] for s in sampler.samples), "cpu_s_per_round": cpu / len(durations),
+            "threads": max(s[3] for s in sampler.samples)}
 
 
 def main(argv=None) -> int:
@@ -163,7 +166,8 @@ def main(argv=None) -> int:
                 continue
             results.append(res)
             print(f"N={n}: round {res['round_s']:.2f}s (rounds {', '.join(f'{d:.2f}' for d in res['rounds_s'])}), "
-                  f"server peak RSS {res['rss_mb']:.0f} MB, server CPU {res['cpu_s_per_round']:.2f} s/round",
+                  f"server peak RSS {res['rss_mb']:.0f} MB, server CPU {res['cpu_s_per_round']:.2f} s/round, "
+                  f"server threads at most {res['threads']}",
                   flush=True)
     if not results:
         print("w7_clients=0 w7_round_s=nan w7_server_rss_mb=nan w7_server_cpu_s_per_round=nan")
