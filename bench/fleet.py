@@ -13,12 +13,13 @@ no torch.
 
 On stdout, one line per round as the first of its clients sees the round's
 model: `round R t=<monotonic seconds>`, `finish t=...` for the course's end, then
-`fleet done clients=N finished=M`.
+`fleet done clients=N finished=M reconnects=K`. A broken stream is dialled again.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import random
 import secrets
 import sys
 import time
@@ -39,6 +40,7 @@ class Fleet:
         self.args = args
         self.seen_rounds: set[int] = set()
         self.finished = 0
+        self.reconnects = 0
         self._update: tuple[bytes, bytes] | None = None   # (model content bytes, encoded update)
 
     def update_content(self, env: pb.Envelope) -> bytes:
@@ -53,15 +55,40 @@ class Fleet:
         return self._update[1]
 
     async def client(self, channel, cid: int) -> None:
+        """One client: streams until `finish`; a broken stream is dialled again (same session,
+        so the server resumes it) and the last message is sent again with its id (the server
+        drops it if it had it), as `GrpcClientComm` does."""
         a = self.args
         md = ((MD_CLIENT_ID, str(cid)), (MD_SESSION, secrets.token_hex(8)), (MD_COURSE, ""),
               (MD_TOKEN, "Bearer " + a.token))
+        state = {"last": None, "id": 0, "joined": False, "done": False}
+        rng = random.Random(cid)
+        attempt = 0
+        while not state["done"]:
+            try:
+                await self._stream(channel, cid, md, state)
+                attempt = 0
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT):
+                    print(f"client {cid}: {exc.code().name}: {exc.details()}", file=sys.stderr, flush=True)
+                    return
+                self.reconnects += 1
+                attempt += 1
+            if not state["done"]:
+                await asyncio.sleep(rng.uniform(0.25, 0.5) * min(8, 2 ** attempt))
+
+    async def _stream(self, channel, cid: int, md, state: dict) -> None:
         out: asyncio.Queue = asyncio.Queue()
-        ids = iter(range(1, 1 << 62))
+        a = self.args
 
         def send(msg_type: str, round_: int, content: bytes) -> None:
             header = pb.Envelope(msg_type=msg_type, sender=cid, receivers=[0], round=round_)
-            for frame in chunk_frames(envelope_parts(header, content), next(ids), CHUNK, FIRST_CHUNK):
+            state["id"] += 1
+            state["last"] = (envelope_parts(header, content), state["id"])
+            put(state["last"])
+
+        def put(item) -> None:
+            for frame in chunk_frames(item[0], item[1], CHUNK, FIRST_CHUNK):
                 out.put_nowait(frame)
 
         async def requests():
@@ -81,7 +108,11 @@ class Fleet:
                 frame = parse_frame(raw, CHUNK + FRAME_OVERHEAD)
                 kind = frame.WhichOneof("kind")
                 if kind == "welcome":
-                    send("join_in", 0, encode_value({"client_id": cid, "num_samples": a.num_samples}))
+                    if not state["joined"]:
+                        state["joined"] = True
+                        send("join_in", 0, encode_value({"client_id": cid, "num_samples": a.num_samples}))
+                    elif state["last"] is not None:
+                        put(state["last"])
                 elif kind == "chunk":
                     data = reasm.feed(frame.chunk)
                     if data is None:
@@ -96,11 +127,10 @@ class Fleet:
                         if not self.finished:
                             print(f"finish t={time.monotonic():.4f}", flush=True)
                         self.finished += 1
+                        state["done"] = True
                         out.put_nowait(pb.Frame(bye=pb.Bye(reason="finished")).SerializeToString())
                         out.put_nowait(None)
-                        break
-        except grpc.aio.AioRpcError as exc:
-            print(f"client {cid}: {exc.code().name}: {exc.details()}", file=sys.stderr, flush=True)
+                        return
         finally:
             call.cancel()
 
@@ -112,12 +142,13 @@ class Fleet:
         tasks = []
         for i, cid in enumerate(range(a.first, a.first + a.count)):
             tasks.append(asyncio.create_task(self.client(channels[i % len(channels)], cid)))
-            if i % 200 == 199:
-                await asyncio.sleep(0.05)    # connect in waves, not all in one instant
+            if i % 100 == 99:
+                await asyncio.sleep(0.1)    # connect in waves, not all in one instant
         await asyncio.gather(*tasks)
         for ch in channels:
             await ch.close()
-        print(f"fleet done clients={a.count} finished={self.finished}", flush=True)
+        print(f"fleet done clients={a.count} finished={self.finished} reconnects={self.reconnects}",
+              flush=True)
 
 
 def _varint(n: int) -> bytes:

@@ -132,8 +132,10 @@ def run_one(n: int, rounds: int, procs: int, workdir: Path, timeout: float) -> d
               file=sys.stderr)
         return None
     starts: dict[int, float] = {}
-    finish = None
+    finish, reconnects = None, 0
     for line in lines:
+        if line.startswith("fleet done"):
+            reconnects += int(line.split("reconnects=")[1])
         if line.startswith("round "):
             r, t = line.split()[1], float(line.split("t=")[1])
             starts[int(r)] = min(t, starts.get(int(r), t))
@@ -148,7 +150,7 @@ def run_one(n: int, rounds: int, procs: int, workdir: Path, timeout: float) -> d
     cpu = sampler.cpu_at(marks[-1]) - sampler.cpu_at(marks[0])
     return {"clients": n, "round_s": statistics.median(durations), "rounds_s": durations,
             "rss_mb": max(s[2] for s in sampler.samples), "cpu_s_per_round": cpu / len(durations),
-            "threads": max(s[3] for s in sampler.samples)}
+            "threads": max(s[3] for s in sampler.samples), "reconnects": reconnects}
 
 
 def main(argv=None) -> int:
@@ -167,7 +169,7 @@ def main(argv=None) -> int:
             results.append(res)
             print(f"N={n}: round {res['round_s']:.2f}s (rounds {', '.join(f'{d:.2f}' for d in res['rounds_s'])}), "
                   f"server peak RSS {res['rss_mb']:.0f} MB, server CPU {res['cpu_s_per_round']:.2f} s/round, "
-                  f"server threads at most {res['threads']}",
+                  f"server threads at most {res['threads']}, client reconnects {res['reconnects']}",
                   flush=True)
     if not results:
         print("w7_clients=0 w7_round_s=nan w7_server_rss_mb=nan w7_server_cpu_s_per_round=nan")
