@@ -8,7 +8,6 @@ the queue is empty.
 """
 from __future__ import annotations
 
-import copy
 import logging
 from pathlib import Path
 from typing import Any

@@ -12,7 +12,6 @@ in-process), the scheduler (wall clock instead of virtual) and the time model
 """
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import signal
