@@ -129,8 +129,7 @@ class Fleet:
                         self.finished += 1
                         state["done"] = True
                         out.put_nowait(pb.Frame(bye=pb.Bye(reason="finished")).SerializeToString())
-                        out.put_nowait(None)
-                        return
+                        out.put_nowait(None)   # the server ends the stream once it has the bye
         finally:
             call.cancel()
 
