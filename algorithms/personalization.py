@@ -83,7 +83,8 @@ def local_train(trainer: Trainer, client_id: int, data, steps: int, seed: int,
         return 0
     o = trainer.cfg.section("train.optimizer")
     opt = torch.optim.SGD(trainer.params, lr=o["lr"], momentum=o["momentum"])
-    stream = BatchStream(len(train), trainer.cfg["train.batch_size"], seed, client_id)
+    stream = BatchStream(len(train), trainer.cfg["train.batch_size"], seed, client_id,
+                         shuffle=trainer.cfg["train.shuffle"])
     trainer.model.train()
     work = 0
     for _ in range(steps):

@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from fedcore.batch_order import epoch_seed, numpy_permutation
 from fedcore.inner_loop import build_scheduler
 from fedcore.state import StateStore
 from fedcore.vector_term import VectorTerm
@@ -83,20 +84,20 @@ class BatchStream:
     """
 
     def __init__(self, n: int, batch_size: int, seed: int, client_id: int,
-                 epoch: int = 0, offset: int = 0):
+                 epoch: int = 0, offset: int = 0, shuffle: str = "torch"):
         self.n, self.batch_size = n, batch_size
         self.seed, self.client_id = seed, client_id
         self.epoch, self.offset = epoch, offset
+        self.shuffle = shuffle   # train.shuffle: whose generator draws the permutations
         self._perm = self._permutation(epoch)
 
     def _permutation(self, epoch: int) -> torch.Tensor:
+        if self.shuffle == "numpy":
+            return torch.from_numpy(numpy_permutation(self.n, self.seed, self.client_id, epoch))
         g = torch.Generator().manual_seed(self.epoch_seed(self.seed, self.client_id, epoch))
         return torch.randperm(self.n, generator=g)
 
-    @staticmethod
-    def epoch_seed(seed: int, client_id: int, epoch: int) -> int:
-        """The seed of client `client_id`'s permutation in `epoch`."""
-        return (seed * 1_000_003 + client_id) * 10_007 + epoch
+    epoch_seed = staticmethod(epoch_seed)
 
     @property
     def batches_per_epoch(self) -> int:
@@ -206,6 +207,8 @@ def evaluate_model(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str
 
 class Trainer:
     """Client-side local training shared by logical clients (FedAvg's local SGD by default)."""
+
+    tensor_form = "torch"   # the tensors it works in; another form is converted at the boundary
 
     def __init__(self, model: nn.Module, cfg, store: StateStore):
         self.model = model
@@ -339,7 +342,7 @@ class Trainer:
         train = data.train
         pos = state.get("sampler", {"epoch": 0, "offset": 0})
         stream = BatchStream(len(train), self.cfg["train.batch_size"], self.cfg["seed"], client_id,
-                             pos["epoch"], pos["offset"])
+                             pos["epoch"], pos["offset"], self.cfg["train.shuffle"])
         steps = self.num_steps(len(train)) if len(train) else 0
         work, loss_sum = 0.0, 0.0
         self.model.train()

@@ -8,7 +8,6 @@ the queue is empty.
 """
 from __future__ import annotations
 
-import copy
 import logging
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from fedcore.completeness import CheckResult, require_complete
 from fedcore.device import DeviceStateStore, apply_determinism, place_data, resolve_device
 from fedcore.errors import ConfigError, CourseDiverged, FedcoreError
 from fedcore.executor import close_executor, install_executor
+from fedcore.form_boundary import make_trainer
 from fedcore.loggers import make_loggers
 from fedcore.monitor import Callback, Monitor, StopRun
 from fedcore.progress import make_progress
@@ -101,7 +101,7 @@ class Course:
         except OSError as exc:
             raise ConfigError(f"state.path: cannot use '{cfg['state.path']}' for the disk state store "
                               f"({exc.strerror or exc}); choose a writable folder") from None
-        self.trainer = self.algorithm.trainer(copy.deepcopy(model), cfg, self.trainer_store())
+        self.trainer = make_trainer(self.algorithm, model, cfg, self.trainer_store())
         self.timing = TimeModel.from_config(cfg, self.client_ids)
         self.comm = InProcessComm(self.scheduler, self.timing, self.monitor.count_bytes)
         if self.timing.has_dropouts:

@@ -12,7 +12,6 @@ in-process), the scheduler (wall clock instead of virtual) and the time model
 """
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import signal
@@ -24,6 +23,7 @@ from fedcore.config import declare, non_negative, positive, validator
 from fedcore.course import Course, StartEvent, raise_if_diverged
 from fedcore.executor import apply_torch_threads
 from fedcore.errors import EXIT_OK, ConfigError, FedcoreError
+from fedcore.form_boundary import make_trainer
 from fedcore.scheduler import PRIORITY_TIMER, WallClockScheduler
 from fedcore.state import make_state_store
 from fedcore.timing import TimeModel
@@ -321,9 +321,9 @@ class ClientCourse(Course):
         empty = Split(full.server_test.x[:0], full.server_test.y[:0])
         self.data = FederatedData({client_id: mine}, empty, full.input_shape, full.num_classes)
         del full
-        model = self.make_model()
+        self.model = model = self.make_model()   # the course's model (whatever the trainer's form)
         self.store = make_state_store(cfg["state.store"], cfg["state.path"])
-        self.trainer = self.algorithm.trainer(copy.deepcopy(model), cfg, self.trainer_store())
+        self.trainer = make_trainer(self.algorithm, model, cfg, self.trainer_store())
         self.timing = _measured_time()
         self.comm = comm
         comm.device = self.device          # received tensors go where the model is
@@ -362,7 +362,7 @@ def run_client(cfg) -> int:
         log.info("client %d admitted by %s", cid, comm.address)
         course = ClientCourse(cfg, scheduler).build(cid, comm)
         if cfg["distribute.max_message_bytes"] is None:
-            comm.limit_message_size(message_bound(course.trainer.model))
+            comm.limit_message_size(message_bound(course.model))
         scheduler.schedule(0.0, PRIORITY_TIMER, StartEvent(course.client, "start"))
         scheduler.run()
         finished = course.client.finished

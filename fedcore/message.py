@@ -4,11 +4,24 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from fedcore.serialization import encoded_size, envelope_size, receiver_width
+from fedcore.wire.codec import receiver_width
 
 __all__ = ["Message", "SERVER_ID", "receiving"]
 
 SERVER_ID = 0
+
+
+def _sizes():
+    """The size functions, imported on first use: they know torch tensors, and a client
+    without torch builds Messages but never asks their size."""
+    global _SIZES
+    if _SIZES is None:
+        from fedcore import serialization
+        _SIZES = serialization
+    return _SIZES
+
+
+_SIZES = None
 
 
 def receiving(msg_type: str) -> str:
@@ -44,7 +57,7 @@ class Message:
     def content_size(self) -> int:
         """Bytes of the encoded content alone (computed once, without encoding)."""
         if self._content_size < 0:
-            self._content_size = encoded_size(self.content)
+            self._content_size = _sizes().encoded_size(self.content)
         return self._content_size
 
     def nbytes_to(self, receiver: int) -> int:
@@ -59,7 +72,7 @@ class Message:
             sizes = self._envelope_sizes = {}
         size = sizes.get(width)
         if size is None:
-            size = sizes[width] = envelope_size(self.msg_type, self.sender, (receiver,), self.round,
+            size = sizes[width] = _sizes().envelope_size(self.msg_type, self.sender, (receiver,), self.round,
                                                 self.timestamp, None, content_size=self.content_size)
         return size
 

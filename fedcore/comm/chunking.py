@@ -13,7 +13,7 @@ import hashlib
 import time
 from typing import Iterator, Sequence
 
-from fedcore.serialization import WireError
+from fedcore.wire.codec import WireError
 from fedcore.wire import fedcore_pb2 as pb
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "FIRST_CHUNK", "FRAME_OVERHEAD", "envelope_parts", "chunk_frames",

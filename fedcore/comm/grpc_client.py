@@ -14,6 +14,10 @@ course config different ends it with exit code 2, naming the keys.
 A client never dies because of what it was sent: a model or evaluation
 request with non-finite values is reported and skipped, and an update that
 came out non-finite is reported and not sent; the client waits for the next.
+
+This module needs numpy, grpcio and protobuf, not torch: received tensors are
+decoded into `tensor_form` (the form its trainer works in, see
+`fedcore.tensor_forms`), and tensors of any registered form are sent.
 """
 from __future__ import annotations
 
@@ -31,12 +35,11 @@ from fedcore.comm.fingerprint import fingerprint
 from fedcore.comm.stream import (METHOD, MD_CLIENT_ID, MD_COURSE, MD_SESSION, MD_TOKEN, Outbox,
                                  allowed_silence, bye_frame, channel_credentials, grpc_options,
                                  heartbeat_frame, parse_frame, read_token)
-from fedcore.comm.validation import first_nonfinite
 from fedcore.errors import EXIT_SERVER_GONE, ConfigError, FedcoreError
 from fedcore.message import SERVER_ID, Message
-from fedcore.device import CPU, to_device
-from fedcore.serialization import WireError, decode_envelope, encode_value, from_value
+from fedcore.tensor_forms import first_nonfinite, get_form
 from fedcore.wire import fedcore_pb2 as pb
+from fedcore.wire.codec import WireError, decode_envelope, encode_value, from_value
 
 __all__ = ["GrpcClientComm", "ServerUnreachable", "EXIT_SERVER_GONE", "backoff_delay"]
 
@@ -72,11 +75,11 @@ class _Stream:
 class GrpcClientComm:
     """Connects, gets the client id, and moves messages between the client worker and the server."""
 
-    device = CPU   # where received tensors are put; the course sets its own device
-
-    def __init__(self, cfg, scheduler):
+    def __init__(self, cfg, scheduler, tensor_form: str = "torch"):
         d = cfg.section("distribute")
         self.scheduler = scheduler
+        self.tensor_form = get_form(tensor_form).name  # received tensors are decoded into it
+        self.device = None   # a torch device to put received tensors on (the course sets it)
         self.address = f"{d['server_host']}:{d['server_port']}"
         self.insecure = d["insecure"]
         self.tls = {k: d.get(f"tls.{k}") for k in ("cert", "key", "ca")}
@@ -279,8 +282,12 @@ class GrpcClientComm:
             if data is None or frame.chunk.message_id <= self._last_delivered:
                 return
             env = decode_envelope(data)
+            content = from_value(env.content, self.tensor_form)
+            if self.device is not None:
+                from fedcore.device import to_device
+                content = to_device(content, self.device)
             msg = Message(env.msg_type, env.sender, tuple(env.receivers), env.round, env.timestamp,
-                          to_device(from_value(env.content), self.device))
+                          content)
             self._last_delivered = frame.chunk.message_id
             bad = first_nonfinite(msg.content)
             if bad is not None:

@@ -17,11 +17,9 @@ from typing import Callable, Iterator
 
 import grpc
 
-import yaml
-
 from fedcore.comm.chunking import FIRST_CHUNK, FRAME_OVERHEAD, chunk_frames
 from fedcore.errors import ConfigError
-from fedcore.serialization import WireError
+from fedcore.wire.codec import WireError
 from fedcore.wire import fedcore_pb2 as pb
 
 __all__ = ["METHOD", "Outbox", "heartbeat_frame", "bye_frame", "parse_frame", "grpc_options",
@@ -207,6 +205,7 @@ def read_tokens(d: dict, num_clients: int) -> dict[int, str]:
     """Server: per-client tokens from `distribute.tokens` or the YAML file `distribute.tokens_file`."""
     tokens, key = d.get("tokens"), "distribute.tokens"
     if not tokens and d.get("tokens_file"):
+        import yaml   # the server's side only: a client needs no YAML
         key = "distribute.tokens_file"
         try:
             tokens = yaml.safe_load(_read(key, d["tokens_file"]))

@@ -16,6 +16,8 @@ from typing import Any, Callable
 
 import torch
 
+from fedcore.tensor_forms import first_nonfinite
+
 __all__ = ["CHECKS", "UPDATE_LAYOUTS", "check_content", "check_join_in", "check_updates",
            "check_metrics", "model_layout", "first_nonfinite", "MAX_METRICS", "MAX_METRIC_NAME"]
 
@@ -110,25 +112,6 @@ def check_metrics(content: Any, server) -> str | None:
             return f"metric name of {len(k)} characters, more than {MAX_METRIC_NAME}"
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             return f"metric '{k[:MAX_METRIC_NAME]}' is not a number"
-    return None
-
-
-def first_nonfinite(content: Any, path: str = "content") -> str | None:
-    """The path of the first non-finite number or floating-point tensor in `content`, or None."""
-    if isinstance(content, float):
-        return None if math.isfinite(content) else path
-    if isinstance(content, torch.Tensor):
-        return None if not content.is_floating_point() or bool(torch.isfinite(content).all()) else path
-    if isinstance(content, dict):
-        items = content.items()
-    elif isinstance(content, (list, tuple)):
-        items = enumerate(content)
-    else:
-        return None
-    for k, v in items:
-        found = first_nonfinite(v, f"{path}.{k}")
-        if found is not None:
-            return found
     return None
 
 
