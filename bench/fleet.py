@@ -30,7 +30,7 @@ from fedcore.comm.chunking import FIRST_CHUNK, FRAME_OVERHEAD, Reassembler, chun
 from fedcore.comm.stream import (METHOD, MD_CLIENT_ID, MD_COURSE, MD_SESSION, MD_TOKEN, grpc_options,
                                  heartbeat_frame, parse_frame)
 from fedcore.wire import fedcore_pb2 as pb
-from fedcore.wire.codec import decode_envelope, encode_value
+from fedcore.wire.codec import decode_envelope, encode_value, uvarint
 
 CHUNK = 2 * 1024 * 1024
 
@@ -49,9 +49,9 @@ class Fleet:
         if self._update is None or self._update[0] != model:
             # {"model": <the received model>, "num_samples": n}, keys in the order encode_value uses
             tail = encode_value({"num_samples": self.args.num_samples})   # a map Value: tag, len, entry
-            entry_model = b"\x0a\x05model" + b"\x12" + _varint(len(model)) + model
-            entries = b"\x0a" + _varint(len(entry_model)) + entry_model + _strip_map(tail)
-            self._update = (model, b"\x4a" + _varint(len(entries)) + entries)
+            entry_model = b"\x0a\x05model" + b"\x12" + uvarint(len(model)) + model
+            entries = b"\x0a" + uvarint(len(entry_model)) + entry_model + _strip_map(tail)
+            self._update = (model, b"\x4a" + uvarint(len(entries)) + entries)
         return self._update[1]
 
     async def client(self, channel, cid: int) -> None:
@@ -148,15 +148,6 @@ class Fleet:
             await ch.close()
         print(f"fleet done clients={a.count} finished={self.finished} reconnects={self.reconnects}",
               flush=True)
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
 
 
 def _strip_map(value: bytes) -> bytes:
