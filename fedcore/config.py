@@ -295,13 +295,19 @@ def load_builtin_plugins() -> None:
     import fedcore.timing  # noqa: F401
 
 
-def _read_yaml(path: Path) -> dict:
+def read_yaml_file(path: Path, option: str) -> Any:
+    """The parsed contents of the YAML file `option` names (None for an empty file), or a
+    one-line ConfigError naming the option, the file and the problem."""
     if not path.is_file():
-        raise ConfigError(f"--cfg: file '{path}' does not exist")
+        raise ConfigError(f"{option}: file '{path}' does not exist")
     try:
-        tree = yaml.safe_load(path.read_text())
+        return yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
-        raise ConfigError(f"--cfg: '{path}' is not valid YAML: {_yaml_problem(exc)}") from None
+        raise ConfigError(f"{option}: '{path}' is not valid YAML: {_yaml_problem(exc)}") from None
+
+
+def _read_yaml(path: Path) -> dict:
+    tree = read_yaml_file(path, "--cfg")
     if tree is None:
         raise ConfigError(f"--cfg: '{path}' is empty; write the keys to change (or '{{}}' to run "
                           "every default)")

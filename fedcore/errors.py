@@ -1,7 +1,11 @@
 """The errors a user can cause, each with its documented exit code."""
 from __future__ import annotations
 
-__all__ = ["FedcoreError", "ConfigError", "IncompleteCourseError", "CourseDiverged", "EXIT_OK",
+import sys
+import traceback
+from typing import Callable
+
+__all__ = ["exit_code_of", "FedcoreError", "ConfigError", "IncompleteCourseError", "CourseDiverged", "EXIT_OK",
            "EXIT_FAILURE", "EXIT_CONFIG", "EXIT_INCOMPLETE", "EXIT_SERVER_GONE", "EXIT_DIVERGED"]
 
 EXIT_OK = 0
@@ -34,3 +38,24 @@ class CourseDiverged(FedcoreError):
     """The aggregated global model was not finite; the run's outputs hold the last finite one."""
 
     exit_code = EXIT_DIVERGED
+
+
+def exit_code_of(prog: str, command: Callable[[], int], debug: bool = False,
+                 interrupted: str = "interrupted") -> int:
+    """Run a command-line `command` and turn what it raises into its exit code: a user's
+    error is one line on stderr (with the traceback under --debug), Ctrl-C is 130, anything
+    else is one line first, then the traceback."""
+    try:
+        return command()
+    except FedcoreError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        if debug:
+            traceback.print_exc()
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print(f"{prog}: {interrupted}", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        print(f"{prog}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        traceback.print_exc()
+        return EXIT_FAILURE

@@ -14,10 +14,9 @@ import argparse
 import datetime as _dt
 import logging
 import sys
-import traceback
 from pathlib import Path
 
-from fedcore.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, ConfigError, FedcoreError
+from fedcore.errors import EXIT_CONFIG, EXIT_OK, ConfigError, exit_code_of
 
 __all__ = ["main", "resolve_outdir"]
 
@@ -78,20 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_intermixed_args(argv)  # overrides may follow --check etc.
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    try:
-        return _run(args)
-    except FedcoreError as exc:
-        print(f"fedcore: {exc}", file=sys.stderr)
-        if args.debug:
-            traceback.print_exc()
-        return exc.exit_code
-    except KeyboardInterrupt:
-        print("fedcore: interrupted", file=sys.stderr)
-        return 130
-    except Exception as exc:
-        print(f"fedcore: error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        traceback.print_exc()
-        return EXIT_FAILURE
+    return exit_code_of("fedcore", lambda: _run(args), args.debug)
 
 
 class _CallableModule(type(sys)):

@@ -9,9 +9,8 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import traceback
 
-from fedcore.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, FedcoreError
+from fedcore.errors import EXIT_CONFIG, EXIT_OK, exit_code_of
 
 __all__ = ["main"]
 
@@ -53,27 +52,18 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     from fedcore.tune import tune
-    try:
+    def study() -> int:
         result = tune(args.cfg, args.space, args.method, args.trials, args.budget, args.budget_unit,
                       args.metric, args.direction, args.seed, args.outdir, args.jobs, args.min_budget,
                       args.eta, args.pruner, args.arms, args.sample)
-    except FedcoreError as exc:
-        print(f"fedcore.tune: {exc}", file=sys.stderr)
-        if args.debug:
-            traceback.print_exc()
-        return exc.exit_code
-    except KeyboardInterrupt:
-        print("fedcore.tune: interrupted; run the same command again to resume", file=sys.stderr)
-        return 130
-    except Exception as exc:
-        print(f"fedcore.tune: error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        traceback.print_exc()
-        return EXIT_FAILURE
-    s = result.summary
-    print(f"{s['method']}: best {s['metric']} {s['best_objective']} with {s['best_params']} "
-          f"(trial {s['best_trial']}); {s['trials']} trials, {s['rounds_spent']} rounds; "
-          f"best config in {result.best_config}")
-    return EXIT_OK
+        s = result.summary
+        print(f"{s['method']}: best {s['metric']} {s['best_objective']} with {s['best_params']} "
+              f"(trial {s['best_trial']}); {s['trials']} trials, {s['rounds_spent']} rounds; "
+              f"best config in {result.best_config}")
+        return EXIT_OK
+
+    return exit_code_of("fedcore.tune", study, args.debug,
+                        "interrupted; run the same command again to resume")
 
 
 if __name__ == "__main__":

@@ -18,9 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
-from fedcore.config import SCHEMA, load_builtin_plugins, nearest_key
+from fedcore.config import SCHEMA, load_builtin_plugins, nearest_key, read_yaml_file
 from fedcore.errors import ConfigError
 
 __all__ = ["Param", "SearchSpace", "load_space"]
@@ -117,13 +116,7 @@ def load_space(path: str | Path | dict) -> SearchSpace:
     if isinstance(path, dict):
         return SearchSpace.from_mapping(path, "space")
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"--space: file '{p}' does not exist")
-    try:
-        tree = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"--space: '{p}' is not valid YAML ({str(exc).splitlines()[0]})") from None
-    return SearchSpace.from_mapping(tree, f"--space {p}")
+    return SearchSpace.from_mapping(read_yaml_file(p, "--space"), f"--space {p}")
 
 
 def _flatten(tree: dict, prefix: str, out: dict, where: str) -> None:
