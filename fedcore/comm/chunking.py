@@ -16,14 +16,22 @@ from typing import Iterator, Sequence
 from fedcore.wire.codec import WireError
 from fedcore.wire import fedcore_pb2 as pb
 
-__all__ = ["DEFAULT_CHUNK_SIZE", "FIRST_CHUNK", "FRAME_OVERHEAD", "envelope_parts", "chunk_frames",
-           "Reassembler"]
+__all__ = ["DEFAULT_CHUNK_SIZE", "FIRST_CHUNK", "FRAME_OVERHEAD", "first_chunk_size", "envelope_parts", "SharedContent",
+           "chunk_frames", "Reassembler"]
 
 DEFAULT_CHUNK_SIZE = 2 * 1024 * 1024
 # A message's first chunk is small, so it arrives at once even on a slow link and tells the
 # receiver a message is under way (whose later, larger chunks may take a while each).
 FIRST_CHUNK = 16 * 1024
 FRAME_OVERHEAD = 256  # bytes of a Frame around its chunk payload (ids, offsets, hash), generously
+
+
+def first_chunk_size(chunk_size: int, heartbeat_timeout: float, min_rate: float) -> int:
+    """Bytes of a message's first chunk: what the slowest link served (`min_rate` bytes/s)
+    delivers in an eighth of the heartbeat timeout, at least FIRST_CHUNK and at most a chunk.
+    The first frame thus arrives well within the timeout on any link served and tells the
+    receiver a message is under way; a message no larger than it travels in one frame."""
+    return int(min(chunk_size, max(FIRST_CHUNK, min_rate * heartbeat_timeout / 8)))
 
 
 def _varint(n: int) -> bytes:
@@ -45,6 +53,31 @@ def envelope_parts(header: pb.Envelope, content: bytes) -> tuple[bytes, bytes, b
     parses as one Envelope; the content is never copied per receiver.
     """
     return header.SerializeToString(), b"\x3a" + _varint(len(content)), content
+
+
+class SharedContent:
+    """One message's encoded content, framed and hashed once, for the envelopes of many receivers.
+
+    Protobuf fields may come in any order, so content + header parses as one
+    Envelope (the same fields, the same byte count as header + content): the
+    content's share of the SHA-256 is computed once and each receiver's small
+    header is hashed on top of a copy of it.
+    """
+
+    __slots__ = ("field", "content", "_digest")
+
+    def __init__(self, content: bytes):
+        self.field = b"\x3a" + _varint(len(content))
+        self.content = content
+        self._digest = hashlib.sha256(self.field)
+        self._digest.update(content)
+
+    def envelope(self, header: pb.Envelope) -> tuple[tuple[bytes, bytes, bytes], bytes]:
+        """(parts, SHA-256) of the envelope carrying this content under `header`."""
+        head = header.SerializeToString()
+        digest = self._digest.copy()
+        digest.update(head)
+        return (self.field, self.content, head), digest.digest()
 
 
 def _field(number: int, wire_type: int) -> bytes:
@@ -72,18 +105,20 @@ def _chunk_head(message_id: int, offset: int, total: int, sha: bytes, n: int) ->
 
 
 def chunk_frames(parts: Sequence[bytes], message_id: int, chunk_size: int,
-                 first_size: int | None = None) -> Iterator[bytes]:
+                 first_size: int | None = None, sha: bytes | None = None) -> Iterator[bytes]:
     """Serialized `Frame`s carrying the concatenation of `parts`, `chunk_size` bytes at a time
     (the first frame at most `first_size`, when given).
 
     Each frame is assembled with one copy of its slice of `parts` (no intermediate
-    buffer, no protobuf message holding the data).
+    buffer, no protobuf message holding the data). `sha`, when given, is the parts' SHA-256
+    computed by the caller (a broadcast hashes its shared content once).
     """
     total = sum(len(p) for p in parts)
-    digest = hashlib.sha256()
-    for p in parts:
-        digest.update(p)
-    sha = digest.digest()
+    if sha is None:
+        digest = hashlib.sha256()
+        for p in parts:
+            digest.update(p)
+        sha = digest.digest()
     views = [memoryview(p).cast("B") for p in parts if len(p)]
     offset, first = 0, True
     while first or offset < total:

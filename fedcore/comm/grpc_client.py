@@ -30,7 +30,7 @@ from typing import Callable
 
 import grpc
 
-from fedcore.comm.chunking import FRAME_OVERHEAD, Reassembler, envelope_parts
+from fedcore.comm.chunking import FRAME_OVERHEAD, Reassembler, envelope_parts, first_chunk_size
 from fedcore.comm.fingerprint import fingerprint
 from fedcore.comm.stream import (METHOD, MD_CLIENT_ID, MD_COURSE, MD_SESSION, MD_TOKEN, Outbox,
                                  allowed_silence, bye_frame, channel_credentials, grpc_options,
@@ -95,7 +95,8 @@ class GrpcClientComm:
         token = read_token(d)
         if token:
             self.metadata.append((MD_TOKEN, "Bearer " + token))
-        self.outbox = Outbox(self.chunk_size)
+        first = first_chunk_size(self.chunk_size, self.hb_timeout, self.min_rate)
+        self.outbox = Outbox(self.chunk_size, first_size=first)
         self.client_id: int | None = None
         self.server_session: str | None = None
         self.on_new_server: Callable[[], None] | None = None  # a restarted server: join again

@@ -68,10 +68,11 @@ def parse_frame(raw: bytes, max_frame_bytes: int) -> pb.Frame:
 class Outbox:
     """Queued outgoing items (encoded messages or single frames) of one session."""
 
-    def __init__(self, chunk_size: int, ids: Iterator[int] | None = None):
+    def __init__(self, chunk_size: int, ids: Iterator[int] | None = None, first_size: int = FIRST_CHUNK):
         """`ids` numbers the messages; share one counter among outboxes whose receiver must see
-        increasing ids across them (a server's successive sessions with the same client)."""
-        self.chunk_size = chunk_size
+        increasing ids across them (a server's successive sessions with the same client).
+        `first_size` bounds a message's first chunk (`chunking.first_chunk_size`)."""
+        self.chunk_size, self.first_size = chunk_size, first_size
         self._items: deque = deque()
         self._cond = threading.Condition()
         self._ids = ids if ids is not None else itertools.count(1)
@@ -143,7 +144,7 @@ class Outbox:
             if kind == "frame":
                 yield body
             else:
-                for frame in chunk_frames(body, mid, self.chunk_size, FIRST_CHUNK):
+                for frame in chunk_frames(body, mid, self.chunk_size, self.first_size):
                     if not mine():
                         return
                     yield frame
