@@ -12,6 +12,7 @@ in-process), the scheduler (wall clock instead of virtual) and the time model
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -269,6 +270,12 @@ class ServerCourse(Course):
         self.write_header()
         self.check()
         _raise_open_files_limit()
+        # What is built so far (model, data, libraries) lives as long as the server: kept out of
+        # the collector's scans. And a fleet's sessions are many long-lived objects, which full
+        # collections would walk again and again: collect young objects in larger batches.
+        gc.collect()
+        gc.freeze()
+        gc.set_threshold(100_000, 20, 10)
         port = self.comm.start()
         host = self.cfg["distribute.server_host"]
         if self.cfg["distribute.insecure"]:

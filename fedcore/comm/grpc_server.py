@@ -12,9 +12,16 @@ kept only as answers to the evaluations the server asked for. Received
 messages become events on the server's wall-clock scheduler; handlers never
 see gRPC. Refusals are counted and logged at most once per kind every few
 seconds.
+
+The server runs on `grpc.aio`: each stream is two coroutines (its writer and
+its reader) on one event loop in one thread, so a connected client costs a
+few kilobytes and no thread, and a small machine holds a fleet. The course's
+scheduler thread only queues messages into the sessions' outboxes; a large
+received message is decoded off the loop, so it never delays other clients.
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import itertools
 import logging
@@ -28,10 +35,10 @@ from typing import Any, Callable
 import grpc
 
 from fedcore.quiet import QuietLog
-from fedcore.comm.chunking import FRAME_OVERHEAD, Reassembler, envelope_parts
+from fedcore.comm.async_outbox import AsyncOutbox, wake_all
+from fedcore.comm.chunking import FRAME_OVERHEAD, Reassembler, SharedContent, first_chunk_size
 from fedcore.comm.fingerprint import differing_keys
-from fedcore.comm.stream import (MD_CLIENT_ID, MD_COURSE, MD_SESSION, MD_TOKEN, Outbox,
-                                 allowed_silence, grpc_options, heartbeat_frame, parse_frame,
+from fedcore.comm.stream import (MD_CLIENT_ID, MD_COURSE, MD_SESSION, MD_TOKEN, allowed_silence, grpc_options, heartbeat_frame, parse_frame,
                                  read_token, read_tokens, server_credentials)
 from fedcore.comm.metrics_gate import MetricsGate
 from fedcore.comm.validation import check_content
@@ -52,13 +59,25 @@ class Session:
 
     client_id: int
     session_id: str
-    outbox: Outbox
+    outbox: AsyncOutbox
     peer: str = ""
     state: str = "live"           # live | left | lost
     last_seen: float = field(default_factory=time.monotonic)
     last_delivered: int = 0       # highest message id handed to the scheduler (drops duplicates)
     streams: int = 0              # streams opened by this session (1 + reconnects)
     receiving: bool = False       # one of its messages is half-received (a slow link may be busy)
+
+
+# Received messages above this many bytes are decoded on a worker thread, not the event loop.
+DECODE_OFF_LOOP = 256 * 1024
+
+
+class _Refused(Exception):
+    """A call the server will not take: the status code and what the peer is told."""
+
+    def __init__(self, code: grpc.StatusCode, detail: str):
+        super().__init__(detail)
+        self.code, self.detail = code, detail
 
 
 class _StreamStatus:
@@ -94,6 +113,7 @@ class GrpcServerComm:
         self.max_frame = self.chunk_size + FRAME_OVERHEAD
         self.hb_interval, self.hb_timeout = d["heartbeat_interval"], d["heartbeat_timeout"]
         self.min_rate = d["min_bytes_per_second"]
+        self.first_size = first_chunk_size(self.chunk_size, self.hb_timeout, self.min_rate)
         self.quiet = QuietLog(log)        # refusals by kind: counted, logged now and then
         self.quiet_info = QuietLog(log)   # routine lines a peer could repeat at will
         self.metrics_gate = MetricsGate(self.quiet)
@@ -103,7 +123,12 @@ class GrpcServerComm:
         self._lock = threading.Lock()
         self.server = None                # the Server worker
         self.accepts: set[str] = set()    # message types the server has handlers for
-        self._grpc: grpc.Server | None = None
+        self._grpc: grpc.aio.Server | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None   # the server's event loop, once started
+        self._thread: threading.Thread | None = None
+        self._stopping: asyncio.Event | None = None
+        self._decoder: futures.ThreadPoolExecutor | None = None
+        self._grace = 1.0
 
     # ------------------------------------------------------------ lifecycle
     def attach(self, worker) -> None:
@@ -111,11 +136,32 @@ class GrpcServerComm:
         self.accepts = {e[len("receiving_"):] for e in worker.handlers.entries if e.startswith("receiving_")}
 
     def start(self) -> int:
-        """Bind and serve; returns the port (useful with distribute.server_port: 0)."""
-        slots = self.num_clients + 16
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=slots, thread_name_prefix="fedcore-rpc"),
-                             options=grpc_options(self.chunk_size, server=True),
-                             maximum_concurrent_rpcs=slots)
+        """Bind and serve on the server's own event-loop thread; returns the port (useful with
+        distribute.server_port: 0)."""
+        bound: futures.Future = futures.Future()
+        self._thread = threading.Thread(target=self._serve, args=(bound,), name="fedcore-grpc", daemon=True)
+        self._thread.start()
+        self.port = bound.result()   # raises the ConfigError of a port that cannot be bound
+        return self.port
+
+    def _serve(self, bound: futures.Future) -> None:
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(self._main(loop, bound))
+        except BaseException as exc:  # noqa: BLE001 - whatever stops the loop must reach start()
+            if not bound.done():
+                bound.set_exception(exc)
+            else:
+                log.error("gRPC server loop ended: %s: %s", type(exc).__name__, exc)
+        finally:
+            self._loop = None
+            loop.close()
+
+    async def _main(self, loop: asyncio.AbstractEventLoop, bound: futures.Future) -> None:
+        slots = self.num_clients + 16   # streams: one per client, a few for refusals in flight
+        server = grpc.aio.server(options=grpc_options(self.chunk_size, server=True),
+                                 maximum_concurrent_rpcs=slots)
         handler = grpc.method_handlers_generic_handler(
             "fedcore.Fedcore", {"Connect": grpc.stream_stream_rpc_method_handler(self._connect)})
         server.add_generic_rpc_handlers((handler,))
@@ -131,23 +177,34 @@ class GrpcServerComm:
         else:
             why = "address in use or not local"
         if not port:
-            raise ConfigError(f"distribute.server_port: cannot listen on {address} ({why}); "
-                              "pick a free port or another distribute.server_host")
-        server.start()
-        self._grpc = server
-        self.port = port
-        return port
+            bound.set_exception(ConfigError(f"distribute.server_port: cannot listen on {address} ({why}); "
+                                            "pick a free port or another distribute.server_host"))
+            return
+        await server.start()
+        self._loop, self._stopping, self._grpc = loop, asyncio.Event(), server
+        self._decoder = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="fedcore-decode")
+        bound.set_result(port)
+        try:
+            await self._stopping.wait()
+            await server.stop(self._grace)
+        finally:
+            self._decoder.shutdown(wait=False, cancel_futures=True)
 
     def stop(self, grace: float = 1.0) -> None:
+        """Stop serving: streams get `grace` seconds to finish what they are writing."""
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None:
+            return
+        self._grace = grace
         with self._lock:
             sessions = list(self.sessions.values())
-        for s in sessions:
-            s.outbox.wake()
-        if self._grpc is not None:
-            self._grpc.stop(grace).wait(grace + 1.0)
-            self._grpc = None
-        for s in sessions:  # streams parked between heartbeats notice the stop now
-            s.outbox.wake()
+        try:
+            loop.call_soon_threadsafe(self._stopping.set)
+        except RuntimeError:   # the loop already closed
+            pass
+        wake_all(s.outbox for s in sessions)
+        thread.join(grace + 5.0)
+        self._thread = None
 
     # ------------------------------------------------------------ what the course asks
     def live_ids(self, joined: set[int] | None = None) -> list[int]:
@@ -183,9 +240,11 @@ class GrpcServerComm:
 
     # ------------------------------------------------------------ sending
     def send(self, msg: Message) -> None:
-        """Queue `msg` for each receiver's stream; one encoding of the content for all of them."""
-        content = encode_value(msg.content)
+        """Queue `msg` for each receiver's stream: the content is encoded and hashed once for
+        all of them; only each receiver's small envelope header is its own."""
+        shared = SharedContent(encode_value(msg.content))
         self.metrics_gate.sent(msg)
+        woken = []
         for receiver in msg.receivers:
             if receiver == SERVER_ID:
                 self.scheduler.call_soon(_Arrival(self, msg, 0))
@@ -197,9 +256,11 @@ class GrpcServerComm:
                 continue
             header = pb.Envelope(msg_type=msg.msg_type, sender=msg.sender, receivers=[receiver],
                                  round=msg.round, timestamp=msg.timestamp)
-            parts = envelope_parts(header, content)
-            s.outbox.put_message(parts)
+            parts, sha = shared.envelope(header)
+            s.outbox.put_message(parts, sha, notify=False)
+            woken.append(s.outbox)
             self.count_bytes(msg, receiver, sum(len(p) for p in parts))
+        wake_all(woken)
 
     # ------------------------------------------------------------ one stream
     def _authorized(self, cid: int, token: str) -> bool:
@@ -208,10 +269,10 @@ class GrpcServerComm:
             return self.token is None and not self.tokens
         return hmac.compare_digest(expected.encode(), token.encode())
 
-    def _refuse(self, context, code, kind: str, detail: str, logged: str) -> None:
-        """End this call with `code` and `detail` (what the peer is told), counting the refusal."""
+    def _refuse(self, code, kind: str, detail: str, logged: str) -> None:
+        """Refuse this call with `code` and `detail` (what the peer is told), counting the refusal."""
         self.quiet(kind, logged)
-        context.abort(code, detail)
+        raise _Refused(code, detail)
 
     def _admit(self, context) -> tuple[Session, object]:
         md = {k: v for k, v in context.invocation_metadata() if isinstance(v, str)}
@@ -224,7 +285,7 @@ class GrpcServerComm:
         except ValueError:
             cid = -1
         if not 0 <= cid <= self.num_clients:
-            self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "client id out of range",
+            self._refuse(grpc.StatusCode.INVALID_ARGUMENT, "client id out of range",
                          f"client id must be in 1..{self.num_clients} (or 0 to be assigned one)",
                          f"refused {peer}: client id {md.get(MD_CLIENT_ID, '')[:20]!r} outside "
                          f"1..{self.num_clients}")
@@ -235,23 +296,22 @@ class GrpcServerComm:
         else:
             ok = self._authorized(cid, token)
         if not ok:
-            self._refuse(context, grpc.StatusCode.UNAUTHENTICATED, "wrong or missing token",
-                         "wrong or missing token",
+            self._refuse(grpc.StatusCode.UNAUTHENTICATED, "wrong or missing token", "wrong or missing token",
                          f"refused {peer} (client id {md.get(MD_CLIENT_ID, '0')[:20]}): wrong or missing token")
         course = getattr(self.server, "course", None)
         if MD_COURSE in md and course is not None:
             differ = differing_keys(course.cfg, md[MD_COURSE][:8192])
             if differ:
                 why = "course config differs from the server's: " + ", ".join(differ[:8])
-                self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, "course config differs",
+                self._refuse(grpc.StatusCode.FAILED_PRECONDITION, "course config differs",
                              why, f"refused {peer} (client id {cid}): {why}")
         with self._lock:
             if cid == 0:
                 cid = next((c for c in range(1, self.num_clients + 1)
                             if c not in self.sessions or self.sessions[c].state != "live"), 0)
                 if cid == 0:
-                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                  f"all {self.num_clients} client ids are taken (federate.client_num)")
+                    raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                   f"all {self.num_clients} client ids are taken (federate.client_num)")
             s = self.sessions.get(cid)
             if s is not None and s.state == "live" and s.session_id != session_id:
                 # Never swapped in: a live session keeps its id until it leaves or goes silent.
@@ -259,7 +319,7 @@ class GrpcServerComm:
             else:
                 live = None
                 if s is None or s.state != "live":
-                    s = Session(cid, session_id, Outbox(self.chunk_size, self._ids), peer)
+                    s = Session(cid, session_id, AsyncOutbox(self.chunk_size, self.first_size, self._ids, self._loop), peer)
                     self.sessions[cid] = s
                     how = "connected"
                 else:
@@ -268,7 +328,7 @@ class GrpcServerComm:
                 s.streams += 1
                 token_ = s.outbox.claim()
         if live is not None:
-            self._refuse(context, grpc.StatusCode.ALREADY_EXISTS, "second session for a live id",
+            self._refuse(grpc.StatusCode.ALREADY_EXISTS, "second session for a live id",
                          f"client id {cid} already has a live session; a second one is refused until "
                          f"it leaves or is silent for distribute.heartbeat_timeout={self.hb_timeout:g}s",
                          f"refused {peer}: a second session for client {cid}, whose session from "
@@ -279,18 +339,20 @@ class GrpcServerComm:
             log.info("client %d %s from %s", cid, how, peer)
         return s, token_
 
-    def _connect(self, request_iterator, context):
-        """The Connect RPC: admit, welcome, then write the session's outbox until the stream ends."""
-        s, token = self._admit(context)
+    async def _connect(self, request_iterator, context):
+        """The Connect RPC: admit, welcome, then write the session's outbox until the stream ends
+        while a second coroutine reads what the client sends."""
+        try:
+            s, token = self._admit(context)
+        except _Refused as refused:
+            await context.abort(refused.code, refused.detail)
         status = _StreamStatus(Reassembler(self.max_message, self.chunk_size))
-        reader = threading.Thread(target=self._read, args=(s, token, request_iterator, status),
-                                  name=f"fedcore-read-{s.client_id}", daemon=True)
-        reader.start()
+        reader = asyncio.get_running_loop().create_task(self._read(s, request_iterator, status))
         yield pb.Frame(welcome=pb.Welcome(client_id=s.client_id, server_session=self.server_session,
                                           max_chunk_bytes=self.chunk_size)).SerializeToString()
 
         def alive() -> bool:
-            if status.done or s.state != "live" or not context.is_active():
+            if status.done or s.state != "live" or context.done() or self._stopping.is_set():
                 return False
             stalled = status.reasm.stalled(self.hb_timeout, self.min_rate)
             if stalled:  # a half-sent message holds memory: it must keep coming at a minimum rate
@@ -301,40 +363,25 @@ class GrpcServerComm:
             return True
 
         try:
-            yield from s.outbox.frames(token, alive, self.hb_interval, heartbeat_frame)
+            async for frame in s.outbox.frames(token, alive, self.hb_interval, heartbeat_frame):
+                yield frame
+                frame = None   # not kept while the stream waits for its next message
         finally:
             s.outbox.release(token)
+            reader.cancel()   # the call is ending: nothing more will be read from it
         if status.error is not None:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, status.error)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, status.error)
 
-    def _read(self, s: Session, token, requests, status: _StreamStatus) -> None:
-        """Reader thread of one stream: frames -> messages -> scheduler events."""
+    async def _read(self, s: Session, requests, status: _StreamStatus) -> None:
+        """Reader of one stream: frames -> messages -> scheduler events."""
         reasm = status.reasm
         try:
-            for raw in requests:
+            async for raw in requests:
                 s.last_seen = time.monotonic()
-                frame = parse_frame(raw, self.max_frame)
-                kind = frame.WhichOneof("kind")
-                if kind == "chunk":
-                    data = reasm.feed(frame.chunk)
-                    s.receiving = reasm.in_progress
-                    if data is None:
-                        continue
-                    if frame.chunk.message_id <= s.last_delivered:
-                        self.quiet("duplicate message", f"client {s.client_id}: dropped message "
-                                   f"{frame.chunk.message_id}, already received", logging.INFO)
-                        continue  # sent again after a reconnect; we already have it
-                    msg = self._decode(s, data)
-                    s.last_delivered = frame.chunk.message_id
-                    self.scheduler.call_soon(_Arrival(self, msg, len(data)))
-                elif kind == "bye":
-                    with self._lock:
-                        if s.state == "live":
-                            s.state = "left"
-                    self.scheduler.call_soon(_Lost(self, s.client_id, f"left: {frame.bye.reason[:200]}"))
+                more = await self._take(s, parse_frame(raw, self.max_frame), reasm)
+                raw = None   # not kept while waiting for the next frame: a fleet waits at once
+                if not more:
                     break
-                elif kind == "welcome":
-                    raise WireError("a client sent a server's welcome frame")
             else:
                 reasm.end_of_stream()
         except WireError as exc:
@@ -346,6 +393,8 @@ class GrpcServerComm:
                     s.state = "lost"
             if ended:
                 self.scheduler.call_soon(_Lost(self, s.client_id, f"refused: {str(exc)[:200]}"))
+        except asyncio.CancelledError:
+            pass   # the stream's writer ended the call
         except Exception as exc:  # the stream broke (RpcError, cancellation): the session may come back
             log.debug("client %d: stream ended: %s", s.client_id, exc)
         finally:
@@ -353,6 +402,34 @@ class GrpcServerComm:
             reasm.drop()
             s.receiving = False
             s.outbox.wake()
+
+    async def _take(self, s: Session, frame: pb.Frame, reasm: Reassembler) -> bool:
+        """One frame from `s`'s stream; False once the stream is to end (the client left)."""
+        kind = frame.WhichOneof("kind")
+        if kind == "chunk":
+            data = reasm.feed(frame.chunk)
+            s.receiving = reasm.in_progress
+            if data is None:
+                return True
+            if frame.chunk.message_id <= s.last_delivered:
+                self.quiet("duplicate message", f"client {s.client_id}: dropped message "
+                           f"{frame.chunk.message_id}, already received", logging.INFO)
+                return True  # sent again after a reconnect; we already have it
+            if len(data) > DECODE_OFF_LOOP:   # decoding a large model would hold up other clients
+                msg = await asyncio.get_running_loop().run_in_executor(self._decoder, self._decode, s, data)
+            else:
+                msg = self._decode(s, data)
+            s.last_delivered = frame.chunk.message_id
+            self.scheduler.call_soon(_Arrival(self, msg, len(data)))
+        elif kind == "bye":
+            with self._lock:
+                if s.state == "live":
+                    s.state = "left"
+            self.scheduler.call_soon(_Lost(self, s.client_id, f"left: {frame.bye.reason[:200]}"))
+            return False
+        elif kind == "welcome":
+            raise WireError("a client sent a server's welcome frame")
+        return True
 
     def _decode(self, s: Session, data: bytes) -> Message:
         env = decode_envelope(data)
