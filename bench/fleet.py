@@ -41,6 +41,7 @@ class Fleet:
         self.seen_rounds: set[int] = set()
         self.finished = 0
         self.reconnects = 0
+        self.broken: dict[str, int] = {}   # why streams broke, by status code and detail
         self._update: tuple[bytes, bytes] | None = None   # (model content bytes, encoded update)
 
     def update_content(self, env: pb.Envelope) -> bytes:
@@ -69,10 +70,15 @@ class Fleet:
                 await self._stream(channel, cid, md, state)
                 attempt = 0
             except grpc.aio.AioRpcError as exc:
+                if state["done"]:
+                    break   # the server closed a finished client's stream (it stops once all have left)
                 if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT):
                     print(f"client {cid}: {exc.code().name}: {exc.details()}", file=sys.stderr, flush=True)
                     return
                 self.reconnects += 1
+                when = "after its welcome" if state["welcomed"] else "before a welcome"
+                why = f"{exc.code().name}: {(exc.details() or '')[:80]} ({when})"
+                self.broken[why] = self.broken.get(why, 0) + 1
                 attempt += 1
             if not state["done"]:
                 await asyncio.sleep(rng.uniform(0.25, 0.5) * min(8, 2 ** attempt))
@@ -80,6 +86,7 @@ class Fleet:
     async def _stream(self, channel, cid: int, md, state: dict) -> None:
         out: asyncio.Queue = asyncio.Queue()
         a = self.args
+        state["welcomed"] = False
 
         def send(msg_type: str, round_: int, content: bytes) -> None:
             header = pb.Envelope(msg_type=msg_type, sender=cid, receivers=[0], round=round_)
@@ -88,7 +95,7 @@ class Fleet:
             put(state["last"])
 
         def put(item) -> None:
-            for frame in chunk_frames(item[0], item[1], CHUNK, FIRST_CHUNK):
+            for frame in chunk_frames(item[0], item[1], CHUNK, a.first_chunk):
                 out.put_nowait(frame)
 
         async def requests():
@@ -108,6 +115,7 @@ class Fleet:
                 frame = parse_frame(raw, CHUNK + FRAME_OVERHEAD)
                 kind = frame.WhichOneof("kind")
                 if kind == "welcome":
+                    state["welcomed"] = True
                     if not state["joined"]:
                         state["joined"] = True
                         send("join_in", 0, encode_value({"client_id": cid, "num_samples": a.num_samples}))
@@ -146,6 +154,8 @@ class Fleet:
         await asyncio.gather(*tasks)
         for ch in channels:
             await ch.close()
+        for why, n in sorted(self.broken.items(), key=lambda kv: -kv[1]):
+            print(f"streams broken {n}x: {why}", file=sys.stderr, flush=True)
         print(f"fleet done clients={a.count} finished={self.finished} reconnects={self.reconnects}",
               flush=True)
 
@@ -166,6 +176,8 @@ def main(argv=None) -> int:
     p.add_argument("--token", required=True)
     p.add_argument("--num-samples", type=int, default=2)
     p.add_argument("--heartbeat", type=float, default=5.0, help="seconds between idle heartbeats")
+    p.add_argument("--first-chunk", type=int, default=FIRST_CHUNK,
+                   help="bytes of a message's first chunk (as the course's clients size it)")
     p.add_argument("--channels", type=int, default=8, help="HTTP/2 connections shared by the clients")
     args = p.parse_args(argv)
     asyncio.run(Fleet(args).run())

@@ -21,6 +21,7 @@ for the largest N that completed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import subprocess
@@ -32,8 +33,15 @@ from pathlib import Path
 
 import yaml
 
+from fedcore.comm.chunking import first_chunk_size
+
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "w7-fleet-token"
+# A fleet's heartbeats: N clients send N / interval frames a second each way, so a fleet
+# server wants a longer interval than the default 2 s (docs/deployment.md).
+HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT = 30.0, 120.0
+# The first chunk the course's own clients would send (its defaults: 2 MiB chunks, 10 KB/s).
+FIRST = first_chunk_size(2 * 1024 * 1024, HEARTBEAT_TIMEOUT, 10_000.0)
 
 
 def _proc_stat(pid: int) -> tuple[float, float, int] | None:
@@ -76,8 +84,8 @@ def course_cfg(n: int, rounds: int, path: Path) -> Path:
                  "synthetic": {"samples_per_client": 2, "dim": 784, "num_classes": 10}},
         "model": {"type": "logreg"}, "train": {"batch_size": 2, "local_steps": 1},
         "eval": {"clients": False},
-        "distribute": {"insecure": True, "token": TOKEN, "heartbeat_interval": 5.0,
-                       "heartbeat_timeout": 120.0},
+        "distribute": {"insecure": True, "token": TOKEN, "heartbeat_interval": HEARTBEAT_INTERVAL,
+                       "heartbeat_timeout": HEARTBEAT_TIMEOUT},
     }
     path.write_text(yaml.safe_dump(tree))
     return path
@@ -107,7 +115,8 @@ def run_one(n: int, rounds: int, procs: int, workdir: Path, timeout: float) -> d
     for i, count in enumerate(share):
         gens.append(subprocess.Popen(
             [sys.executable, "-m", "bench.fleet", "--port", str(port), "--first", str(first),
-             "--count", str(count), "--token", TOKEN],
+             "--count", str(count), "--token", TOKEN, "--first-chunk", str(FIRST),
+             "--heartbeat", str(HEARTBEAT_INTERVAL)],
             stdout=subprocess.PIPE, stderr=(workdir / f"fleet_{n}_{i}.log").open("wb"),
             env=env, cwd=ROOT, text=True))
         first += count
@@ -127,12 +136,17 @@ def run_one(n: int, rounds: int, procs: int, workdir: Path, timeout: float) -> d
         except subprocess.TimeoutExpired:
             g.kill()
     sampler.stop.set()
+    with (workdir / f"server_{n}_samples.tsv").open("w") as f:   # for a look at RSS over time
+        f.write("monotonic_s\tcpu_s\trss_mb\tthreads\n")
+        f.writelines("\t".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in row) + "\n"
+                     for row in sampler.samples)
     if not ok or server.returncode != 0:
         print(f"N={n}: the course did not finish (rc={server.returncode}); see {server_log.name}",
               file=sys.stderr)
         return None
     starts: dict[int, float] = {}
     finish, reconnects = None, 0
+    (workdir / f"fleet_{n}.out").write_text("".join(lines))
     for line in lines:
         if line.startswith("fleet done"):
             reconnects += int(line.split("reconnects=")[1])
@@ -159,9 +173,12 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--procs", type=int, default=4, help="load-generator processes")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per fleet size")
+    p.add_argument("--logs", help="keep the server's and load generators' logs in this folder")
     args = p.parse_args(argv)
     results = []
-    with tempfile.TemporaryDirectory(prefix="w7_") as tmp:
+    if args.logs:
+        Path(args.logs).mkdir(parents=True, exist_ok=True)
+    with (contextlib.nullcontext(args.logs) if args.logs else tempfile.TemporaryDirectory(prefix="w7_")) as tmp:
         for n in (int(x) for x in args.clients.split(",")):
             res = run_one(n, args.rounds, args.procs, Path(tmp), args.timeout)
             if res is None:
