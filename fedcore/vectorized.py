@@ -120,7 +120,7 @@ class VectorEngine(Engine):
         for i, (cid, data, state) in enumerate(jobs):
             train = data.train
             x, y = train.x, train.y
-            n = len(y)
+            n = y.shape[0]   # len(train), without Tensor.__len__'s Python frame
             pos = state.get("sampler")
             epoch, offset = (pos["epoch"], pos["offset"]) if pos is not None else (0, 0)
             steps = num_steps(cid, n, round_) if n else 0
