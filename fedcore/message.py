@@ -68,7 +68,7 @@ class Message:
         only in values of the same encoded length (a round's updates from many clients)
         share those sizes (`_envelope_sizes_of`).
         """
-        width = receiver_width(receiver)
+        width = _WIDTHS.get(receiver) or _width(receiver)
         sizes = self._envelope_sizes
         if sizes is None:
             sizes = self._envelope_sizes = _envelope_sizes_of(self)
@@ -84,6 +84,18 @@ class Message:
         return sum(self.nbytes_to(r) for r in self.receivers)
 
 
+_WIDTHS: dict[int, int] = {}   # id (or round) -> its varint length in an envelope, as computed
+_WIDTHS_LIMIT = 1 << 16        # values kept; beyond that the table starts afresh
+
+
+def _width(value: int) -> int:
+    """`receiver_width(value)`, remembered (every message asks it for two or three ids)."""
+    if len(_WIDTHS) >= _WIDTHS_LIMIT:
+        _WIDTHS.clear()
+    width = _WIDTHS[value] = receiver_width(value)
+    return width
+
+
 _SHARED_SIZES: dict[tuple, dict[int, int]] = {}
 _SHARED_LIMIT = 4096   # distinct envelope layouts kept; beyond that the table starts afresh
 
@@ -94,8 +106,9 @@ def _envelope_sizes_of(msg: Message) -> dict[int, int]:
     lengths (nothing when 0), on its timestamp only through whether it is 0, and on its content
     only through the content's size: messages that agree on these have envelopes of one size."""
     sender, round_ = msg.sender, msg.round
-    key = (msg.msg_type, receiver_width(sender) if sender else 0,
-           receiver_width(round_) if round_ else 0, msg.timestamp != 0.0, msg.content_size)
+    key = (msg.msg_type, (_WIDTHS.get(sender) or _width(sender)) if sender else 0,
+           (_WIDTHS.get(round_) or _width(round_)) if round_ else 0, msg.timestamp != 0.0,
+           msg.content_size)
     sizes = _SHARED_SIZES.get(key)
     if sizes is None:
         if len(_SHARED_SIZES) >= _SHARED_LIMIT:
