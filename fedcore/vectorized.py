@@ -119,6 +119,8 @@ class VectorEngine(Engine):
         groups: dict[tuple, list[int]] = {}
         term, batch_size, seed = self.term, self.batch_size, self.seed
         num_steps = term.num_steps
+        # the base form's step count depends on the sample count alone: asked once per count
+        by_count: dict[int, int] | None = {0: 0} if type(term).num_steps is VectorTerm.num_steps else None
         generator = self._generator
         for i, (cid, data, state) in enumerate(jobs):
             train = data.train
@@ -126,7 +128,12 @@ class VectorEngine(Engine):
             n = y.shape[0]   # len(train), without Tensor.__len__'s Python frame
             pos = state.get("sampler")
             epoch, offset = (pos["epoch"], pos["offset"]) if pos is not None else (0, 0)
-            steps = num_steps(cid, n, round_) if n else 0
+            if by_count is None:
+                steps = num_steps(cid, n, round_) if n else 0
+            else:
+                steps = by_count.get(n)
+                if steps is None:
+                    steps = by_count[n] = num_steps(cid, n, round_)
             idx, sizes, end = _draw(n, batch_size, seed, cid, epoch, offset, steps, generator)
             plans.append((train, idx, end, n))
             key = (sizes, x.shape[1:], x.dtype, y.shape[1:], y.dtype)
