@@ -1,33 +1,35 @@
-"""A group's first SGD step for stacks of Flatten, Linear and ReLU, without `torch.func`.
+"""A group's SGD step for stacks of Flatten, Linear and ReLU, without `torch.func`.
 
-The vectorized executor's first step of a group starts every client from the same received
-parameters, so the forward pass is one matrix product over all the group's samples and only
-the weight gradients are per client. For such a first step `vmap(grad(...))` runs a fixed
-sequence of ATen operations; for a model that is an `nn.Sequential` of `Flatten`, `Linear`
-and `ReLU` layers, trained with cross-entropy on class indices, `DenseFirstStep` calls the
-same operations on the same layouts directly - hence the same numbers, bit for bit (tested
-against the `vmap` form) - without the transforms' per-operation wrapping and autograd's
-graph, which cost as much as the arithmetic on small models (W1: 1.2 ms against 2.2-2.5 ms
-per step). Any other model, loss or step goes through `vmap`.
+For such a model - an `nn.Sequential` of `Flatten`, `Linear` and `ReLU` layers, trained with
+cross-entropy on class indices - the vectorized executor's `vmap(grad_and_value(...))` runs a
+fixed sequence of ATen operations: in a group's first step, where every client starts from the
+same received parameters, each layer's forward pass is one matrix product over all the
+group's samples and only the weight gradients are per client (batched products); in later
+steps, with each client's own parameters, the products are batched throughout. `DenseStep`
+calls the same operations on the same layouts directly - hence the same numbers, bit for bit
+(tested against `vmap` in both forms) - without the transforms' per-operation wrapping and
+autograd's graph, which cost as much as the arithmetic on small models (W1's first step:
+1.2 ms against 2.2-2.5 ms). Any other model or loss goes through `vmap`.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-__all__ = ["DenseFirstStep"]
+__all__ = ["DenseStep"]
 
 
-class DenseFirstStep:
-    """`vmap(grad_and_value(objective), in_dims=(None, 0, 0))` for Flatten/Linear/ReLU stacks."""
+class DenseStep:
+    """`vmap(grad_and_value(objective))` for Flatten/Linear/ReLU stacks: with `shared` the
+    parameters are one set for all clients (`in_dims=(None, 0, 0)`), else stacked per client."""
 
     def __init__(self, layers: list[tuple[str, str | None, str | None]]):
         self.layers = layers   # (kind, weight name, bias name) per layer, in order; a Linear last
         self._first = next(i for i, layer in enumerate(layers) if layer[0] == "linear")
 
     @classmethod
-    def of(cls, model: nn.Module, loss: str) -> "DenseFirstStep | None":
-        """The dense first step of `model`, or None where it does not apply (then `vmap` runs)."""
+    def of(cls, model: nn.Module, loss: str) -> "DenseStep | None":
+        """The dense step of `model`, or None where it does not apply (then `vmap` runs)."""
         if loss == "mse" or type(model) is not nn.Sequential or not len(model):
             return None
         layers = []
@@ -54,9 +56,10 @@ class DenseFirstStep:
             return False
         return x.dim() == 3 or ("flatten", None, None) in self.layers[:self._first]
 
-    def __call__(self, params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor):
-        """Every client's gradients (stacked along dimension 0) and loss, from the shared
-        `params`, for inputs x [clients, batch, ...] and labels y [clients, batch]."""
+    def __call__(self, params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor,
+                 shared: bool = True):
+        """Every client's gradients (stacked along dimension 0) and loss, for inputs
+        x [clients, batch, ...] and labels y [clients, batch]."""
         c, b = y.shape
         h = x
         inputs = []   # each layer's input (Linear) or output (ReLU), for the backward pass
@@ -70,9 +73,14 @@ class DenseFirstStep:
             else:
                 inputs.append(h)
                 weight = params[w]
-                h = torch.mm(h.reshape(c * b, h.shape[-1]), weight.t()).view(c, b, weight.shape[0])
-                if bias is not None:
-                    h = torch.add(params[bias], h)
+                if shared:
+                    h = torch.mm(h.reshape(c * b, h.shape[-1]), weight.t()).view(c, b, weight.shape[0])
+                    if bias is not None:
+                        h = torch.add(params[bias], h)
+                else:
+                    h = torch.bmm(h, weight.transpose(1, 2))
+                    if bias is not None:
+                        h = torch.add(params[bias].unsqueeze(1), h)
         # -log_softmax(out).gather(labels).sum() / b per client, and its gradient
         logp = torch.log_softmax(h, 2)
         index = y.unsqueeze(2)
@@ -91,6 +99,9 @@ class DenseFirstStep:
                     grads[bias] = g.sum(1)
                 if i > self._first:
                     weight = params[w]
-                    g = torch.mm(g.reshape(c * b, g.shape[-1]), weight).view(c, b, weight.shape[1])
+                    if shared:
+                        g = torch.mm(g.reshape(c * b, g.shape[-1]), weight).view(c, b, weight.shape[1])
+                    else:
+                        g = torch.bmm(g, weight)
             # a Flatten after the first Linear meets [clients, batch, features]: nothing to undo
         return grads, loss

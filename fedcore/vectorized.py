@@ -37,7 +37,7 @@ from fedcore.client_conv import with_client_convs
 from fedcore.batch_order import epoch_seed
 from fedcore.batching import Engine
 from fedcore.contract import FitResult, Trainer
-from fedcore.dense_step import DenseFirstStep
+from fedcore.dense_step import DenseStep
 from fedcore.serialization import encoded_size
 from fedcore.vector_term import VectorTerm
 
@@ -81,8 +81,8 @@ class VectorEngine(Engine):
             return -torch.log_softmax(out, 1).gather(1, y.unsqueeze(1)).sum() / y.shape[0]
         self._step = vmap(grad_and_value(objective))
         self._first_step = vmap(grad_and_value(objective), in_dims=(None, 0, 0))
-        # the same first step as explicit operations, for Flatten/Linear/ReLU stacks on the CPU
-        self._dense_first = DenseFirstStep.of(model, loss)
+        # the same steps as explicit operations, for Flatten/Linear/ReLU stacks on the CPU
+        self._dense = DenseStep.of(model, loss)
 
     @staticmethod
     def unsupported(trainer, cfg) -> str | None:
@@ -231,10 +231,10 @@ class VectorEngine(Engine):
         params = {n: model_in[n].detach() for n in self.names}
         bufs: dict[str, torch.Tensor] = {}
         loss_sum = torch.zeros(c, dtype=torch.float64, device=self.device)
-        dense = self._dense_first
+        dense = self._dense
         for s, (xb, yb) in enumerate(self._batches(plans, steps)):
-            if s == 0 and dense is not None and dense.applies(xb, yb):
-                grads, loss = dense(params, xb, yb)
+            if dense is not None and dense.applies(xb, yb):
+                grads, loss = dense(params, xb, yb, shared=not s)
             else:
                 with torch.enable_grad():
                     grads, loss = (self._step if s else self._first_step)(params, xb, yb)
