@@ -13,7 +13,10 @@ for stacked tensors.
 
 On CPU, convolutions run per client with the dense kernels the sequential
 trainer uses (`fedcore.client_conv`) instead of as `vmap`'s grouped
-convolutions, which are slower there.
+convolutions, which are slower there; and a model made of Flatten, Linear and
+ReLU layers takes its steps as the operations `vmap` would run, called
+directly (`fedcore.dense_step`: the same numbers, without the transforms'
+overhead).
 
 An algorithm that adds a gradient term (a pure function of the parameters,
 the received content and the client's state), sends something else than the
