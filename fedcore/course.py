@@ -8,6 +8,7 @@ the queue is empty.
 """
 from __future__ import annotations
 
+import gc
 import logging
 from pathlib import Path
 from typing import Any
@@ -215,6 +216,7 @@ class Course:
             for w in [self.server] + [self.clients[c] for c in self.client_ids]:
                 self.scheduler.schedule(0.0, PRIORITY_TIMER, StartEvent(w, "start"))
         self.monitor.start()
+        frozen = _freeze_built_objects()
         try:
             self.scheduler.run()
         except (KeyboardInterrupt, StopRun) as stop:
@@ -226,6 +228,8 @@ class Course:
                 raise
             return summary
         finally:
+            if frozen:
+                gc.unfreeze()
             close_executor(self)
             self.store.close()
         if not self.server.finished:
@@ -263,6 +267,19 @@ class Course:
     @property
     def finish_time(self) -> float:
         return self.server.now
+
+
+def _freeze_built_objects() -> bool:
+    """Keep the objects that exist when the course starts (its data, clients, model, and
+    everything imported) out of the garbage collector's full collections while it runs: they
+    live to the end, and a course allocates enough per round that a full collection would
+    otherwise walk them all every few hundred rounds (about 0.15 s each for W1's 1,000 clients).
+    They are still freed by reference counting; the freeze is lifted when the run ends. Returns False (and does nothing) where the process already froze
+    objects of its own."""
+    if gc.get_freeze_count():
+        return False
+    gc.freeze()
+    return True
 
 
 def raise_if_diverged(server) -> None:

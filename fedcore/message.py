@@ -64,12 +64,14 @@ class Message:
         """Exact bytes of the envelope that carries this message to `receiver`.
 
         Receivers differ only in their id's varint length, so a broadcast computes
-        one size per id length, not one per receiver.
+        one size per id length, not one per receiver; and messages whose envelopes differ
+        only in values of the same encoded length (a round's updates from many clients)
+        share those sizes (`_envelope_sizes_of`).
         """
-        width = receiver_width(receiver)
+        width = _WIDTHS.get(receiver) or _width(receiver)
         sizes = self._envelope_sizes
         if sizes is None:
-            sizes = self._envelope_sizes = {}
+            sizes = self._envelope_sizes = _envelope_sizes_of(self)
         size = sizes.get(width)
         if size is None:
             size = sizes[width] = _sizes().envelope_size(self.msg_type, self.sender, (receiver,), self.round,
@@ -80,3 +82,36 @@ class Message:
     def nbytes(self) -> int:
         """Total bytes on the wire: one envelope per receiver."""
         return sum(self.nbytes_to(r) for r in self.receivers)
+
+
+_WIDTHS: dict[int, int] = {}   # id (or round) -> its varint length in an envelope, as computed
+_WIDTHS_LIMIT = 1 << 16        # values kept; beyond that the table starts afresh
+
+
+def _width(value: int) -> int:
+    """`receiver_width(value)`, remembered (every message asks it for two or three ids)."""
+    if len(_WIDTHS) >= _WIDTHS_LIMIT:
+        _WIDTHS.clear()
+    width = _WIDTHS[value] = receiver_width(value)
+    return width
+
+
+_SHARED_SIZES: dict[tuple, dict[int, int]] = {}
+_SHARED_LIMIT = 4096   # distinct envelope layouts kept; beyond that the table starts afresh
+
+
+def _envelope_sizes_of(msg: Message) -> dict[int, int]:
+    """The table of envelope sizes (by receiver id width) shared by every message of the same
+    layout. An envelope's size depends on its sender and round only through their encoded
+    lengths (nothing when 0), on its timestamp only through whether it is 0, and on its content
+    only through the content's size: messages that agree on these have envelopes of one size."""
+    sender, round_ = msg.sender, msg.round
+    key = (msg.msg_type, (_WIDTHS.get(sender) or _width(sender)) if sender else 0,
+           (_WIDTHS.get(round_) or _width(round_)) if round_ else 0, msg.timestamp != 0.0,
+           msg.content_size)
+    sizes = _SHARED_SIZES.get(key)
+    if sizes is None:
+        if len(_SHARED_SIZES) >= _SHARED_LIMIT:
+            _SHARED_SIZES.clear()
+        sizes = _SHARED_SIZES[key] = {}
+    return sizes

@@ -61,10 +61,19 @@ class Scheduler:
     def run(self, until: float | None = None) -> None:
         """Process events in order until the queue is empty, `stop()` or `until`."""
         pop = self._next
+        queue = self._queue
+        # the virtual clock's `_next` is a plain pop from the heap: done here, without the call
+        direct = type(self)._next is Scheduler._next
+        heappop = heapq.heappop
         while not self._stopped:
-            entry = pop()
-            if entry is None:
-                break
+            if direct:
+                if not queue:
+                    break
+                entry = heappop(queue)
+            else:
+                entry = pop()
+                if entry is None:
+                    break
             t = entry[0]
             if until is not None and t > until:
                 heapq.heappush(self._queue, entry)

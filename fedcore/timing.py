@@ -324,7 +324,7 @@ class TimeModel:
         """Seconds a client spends on `work` gradient evaluations."""
         if self.mode == "measured":
             return measured
-        return work / self.profile(worker_id).compute_speed
+        return work / self.profiles.get(worker_id, self._default).compute_speed
 
     def upload_time(self, worker_id: int, nbytes: int) -> float:
         p = self.profile(worker_id)
@@ -336,10 +336,12 @@ class TimeModel:
 
     def transfer_time(self, sender: int, receiver: int, nbytes: int, server_id: int = 0) -> float:
         """Seconds from send to arrival: the client's link is the bottleneck."""
-        if sender == server_id:
-            return self.download_time(receiver, nbytes)
+        if sender == server_id:   # download_time and upload_time, inlined: once per message
+            p = self.profiles.get(receiver, self._default)
+            return p.latency + nbytes / p.download_bandwidth
         if receiver == server_id:
-            return self.upload_time(sender, nbytes)
+            p = self.profiles.get(sender, self._default)
+            return p.latency + nbytes / p.upload_bandwidth
         return self.upload_time(sender, nbytes) + self.download_time(receiver, nbytes)
 
     def round_trip_time(self, worker_id: int, work: float, nbytes: int) -> float:

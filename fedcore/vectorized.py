@@ -13,7 +13,10 @@ for stacked tensors.
 
 On CPU, convolutions run per client with the dense kernels the sequential
 trainer uses (`fedcore.client_conv`) instead of as `vmap`'s grouped
-convolutions, which are slower there.
+convolutions, which are slower there; and a model made of Flatten, Linear and
+ReLU layers takes its steps as the operations `vmap` would run, called
+directly (`fedcore.dense_step`: the same numbers, without the transforms'
+overhead).
 
 An algorithm that adds a gradient term (a pure function of the parameters,
 the received content and the client's state), sends something else than the
@@ -25,8 +28,8 @@ is its own class or one from which it differs by nothing it defines.
 """
 from __future__ import annotations
 
+import itertools
 import math
-from collections import defaultdict
 from typing import Any
 
 import torch
@@ -34,8 +37,10 @@ from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
 from fedcore.client_conv import with_client_convs
-from fedcore.contract import BatchStream, FitResult, Trainer
+from fedcore.batch_order import epoch_seed
 from fedcore.batching import Engine
+from fedcore.contract import FitResult, Trainer
+from fedcore.dense_step import DenseStep
 from fedcore.serialization import encoded_size
 from fedcore.vector_term import VectorTerm
 
@@ -56,6 +61,7 @@ class VectorEngine(Engine):
         self.weight_decay = cfg["train.optimizer.weight_decay"]
         self.batch_size = cfg["train.batch_size"]
         self.seed = cfg["seed"]
+        self._generator = torch.Generator()   # re-seeded for every permutation drawn
         self.term = trainer.vector_term()   # `unsupported` has checked that it applies
         self.device = trainer.device
         model, loss = trainer.model, trainer.loss
@@ -78,6 +84,8 @@ class VectorEngine(Engine):
             return -torch.log_softmax(out, 1).gather(1, y.unsqueeze(1)).sum() / y.shape[0]
         self._step = vmap(grad_and_value(objective))
         self._first_step = vmap(grad_and_value(objective), in_dims=(None, 0, 0))
+        # the same steps as explicit operations, for Flatten/Linear/ReLU stacks on the CPU
+        self._dense = DenseStep.of(model, loss)
 
     @staticmethod
     def unsupported(trainer, cfg) -> str | None:
@@ -111,20 +119,32 @@ class VectorEngine(Engine):
         if set(model_in) != set(self.names):
             return [None] * len(jobs)
         plans = []
-        groups: dict[tuple, list[int]] = defaultdict(list)
+        groups: dict[tuple, list[int]] = {}
         term, batch_size, seed = self.term, self.batch_size, self.seed
-        generator = torch.Generator()   # re-seeded for each permutation: one object, not one per client
-        start = {"epoch": 0, "offset": 0}
+        num_steps = term.num_steps
+        # the base form's step count depends on the sample count alone: asked once per count
+        by_count: dict[int, int] | None = {0: 0} if type(term).num_steps is VectorTerm.num_steps else None
+        generator = self._generator
         for i, (cid, data, state) in enumerate(jobs):
             train = data.train
-            n = len(train)
-            pos = state.get("sampler", start)
-            stream = _LazyStream(n, batch_size, seed, cid, pos["epoch"], pos["offset"], generator)
-            steps = term.num_steps(cid, n, round_) if n else 0
-            idx = [stream.next() for _ in range(steps)]
-            plans.append((train, idx, stream.position(), n))
             x, y = train.x, train.y
-            groups[(tuple(stream.sizes), x.shape[1:], x.dtype, y.shape[1:], y.dtype)].append(i)
+            n = y.shape[0]   # len(train), without Tensor.__len__'s Python frame
+            pos = state.get("sampler")
+            epoch, offset = (pos["epoch"], pos["offset"]) if pos is not None else (0, 0)
+            if by_count is None:
+                steps = num_steps(cid, n, round_) if n else 0
+            else:
+                steps = by_count.get(n)
+                if steps is None:
+                    steps = by_count[n] = num_steps(cid, n, round_)
+            idx, sizes, end = _draw(n, batch_size, seed, cid, epoch, offset, steps, generator)
+            plans.append((train, idx, end, n))
+            key = (sizes, x.shape[1:], x.dtype, y.shape[1:], y.dtype)
+            members = groups.get(key)
+            if members is None:
+                groups[key] = [i]
+            else:
+                members.append(i)
         out: list[Any] = [None] * len(jobs)
         trainer.model.train()
         for sig, members in groups.items():
@@ -159,21 +179,23 @@ class VectorEngine(Engine):
         if steps == 0:
             return
         x0 = plans[0][0].x
-        if sum(p[3] for p in plans) * x0[0].numel() * x0.element_size() <= _STACK_BYTES:
+        total = sum(p[3] for p in plans)
+        if total * x0[0].numel() * x0.element_size() <= _STACK_BYTES:
             c = len(plans)
-            xs = [p[0].x for p in plans]
-            xs = torch.cat(xs, out=self._scratch("xs", (sum(p[3] for p in plans),) + x0.shape[1:],
-                                                 x0.dtype, x0.device))   # all clients' samples, in turn
+            shape = tuple(x0.shape[1:])
+            xs = torch.cat([p[0].x for p in plans],   # all clients' samples, in turn
+                           out=self._scratch("xs", (total,) + shape, x0.dtype, x0.device))
             ys = torch.cat([p[0].y for p in plans])
-            sizes = torch.tensor([0] + [p[3] for p in plans[:-1]])
-            first = sizes.cumsum(0).unsqueeze(1)             # each client's first row
+            yshape = tuple(ys.shape[1:])
+            first = torch.tensor(list(itertools.accumulate((p[3] for p in plans[:-1]), initial=0)),
+                                 device=x0.device).unsqueeze(1)   # each client's first row
             for s in range(steps):
-                rows = (torch.stack([p[1][s] for p in plans]) + first).reshape(-1).to(xs.device)
+                rows = (torch.stack([p[1][s] for p in plans]).to(x0.device) + first).view(-1)
                 b = rows.numel() // c
-                xb = torch.index_select(xs, 0, rows, out=self._scratch("xb", (len(rows),) + xs.shape[1:],
+                xb = torch.index_select(xs, 0, rows, out=self._scratch("xb", (len(rows),) + shape,
                                                                        xs.dtype, xs.device))
-                yield (xb.reshape((c, b) + tuple(xs.shape[1:])).to(self.device),
-                       ys.index_select(0, rows).reshape((c, b) + tuple(ys.shape[1:])).to(self.device))
+                yield (xb.view((c, b) + shape).to(self.device),
+                       ys.index_select(0, rows).view((c, b) + yshape).to(self.device))
         else:
             for s in range(steps):
                 xb, yb = VectorEngine._gather(plans, s)
@@ -212,9 +234,13 @@ class VectorEngine(Engine):
         params = {n: model_in[n].detach() for n in self.names}
         bufs: dict[str, torch.Tensor] = {}
         loss_sum = torch.zeros(c, dtype=torch.float64, device=self.device)
+        dense = self._dense
         for s, (xb, yb) in enumerate(self._batches(plans, steps)):
-            with torch.enable_grad():
-                grads, loss = (self._step if s else self._first_step)(params, xb, yb)
+            if dense is not None and dense.applies(xb, yb):
+                grads, loss = dense(params, xb, yb, shared=not s)
+            else:
+                with torch.enable_grad():
+                    grads, loss = (self._step if s else self._first_step)(params, xb, yb)
             loss_sum += loss.double()
             for n in self.names:
                 d = term.adjust(ctx, n, grads[n], params[n])
@@ -239,37 +265,25 @@ class VectorEngine(Engine):
         return params, loss_sum.tolist()
 
 
-class _LazyStream(BatchStream):
-    """`BatchStream`'s batches, with each epoch's permutation drawn only when a batch needs it
-    (a client resumed at the end of an epoch would otherwise draw one it never uses), from a
-    generator the caller may share between streams (it is re-seeded for every permutation).
-    `sizes` lists the sizes of the batches drawn so far."""
-
-    def __init__(self, n: int, batch_size: int, seed: int, client_id: int,
-                 epoch: int = 0, offset: int = 0, generator: torch.Generator | None = None):
-        self.n, self.batch_size = n, batch_size
-        self.seed, self.client_id = seed, client_id
-        self.epoch, self.offset = epoch, offset
-        self._perm = None
-        self._generator = generator if generator is not None else torch.Generator()
-        self.sizes: list[int] = []
-
-    def _permutation(self, epoch: int) -> torch.Tensor:
-        g = self._generator.manual_seed(self.epoch_seed(self.seed, self.client_id, epoch))
-        return torch.randperm(self.n, generator=g)
-
-    def next(self) -> torch.Tensor:
-        if self.offset >= self.n:
-            self.epoch += 1
-            self.offset = 0
-            self._perm = None
-        if self._perm is None:
-            self._perm = self._permutation(self.epoch)
-        start = self.offset
-        size = min(self.batch_size, self.n - start)
-        self.offset = start + size
-        self.sizes.append(size)
-        return self._perm[start:start + size]
+def _draw(n: int, batch_size: int, seed: int, client_id: int, epoch: int, offset: int,
+          steps: int, generator: torch.Generator) -> tuple[list[torch.Tensor], tuple[int, ...], dict]:
+    """The next `steps` batches of client `client_id`'s `BatchStream` from position
+    (epoch, offset): their indices, their sizes and the position after them. Each epoch's
+    permutation is drawn only when a batch needs it (a client resumed at the end of an epoch
+    would otherwise draw one it never uses), with `generator` re-seeded for it: one generator
+    for all clients, not one object per client."""
+    idx, sizes = [], []
+    perm = None
+    for _ in range(steps):
+        if offset >= n:
+            epoch, offset, perm = epoch + 1, 0, None
+        if perm is None:
+            perm = torch.randperm(n, generator=generator.manual_seed(epoch_seed(seed, client_id, epoch)))
+        size = min(batch_size, n - offset)
+        idx.append(perm if size == n else perm[offset:offset + size])
+        sizes.append(size)
+        offset += size
+    return idx, tuple(sizes), {"epoch": epoch, "offset": offset}
 
 
 def _form_of(trainer) -> tuple[VectorTerm | None, str | None]:

@@ -23,6 +23,9 @@ log = logging.getLogger("fedcore.worker")
 Handler = Callable[["Worker", Any], None]
 
 
+_EVENTS: dict[str, str] = {}   # message type -> the event its arrival raises (made once per type)
+
+
 def handler_name(fn: Callable) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
@@ -96,7 +99,7 @@ class Worker:
 
     # ------------------------------------------------------------ dispatch
     def _dispatch(self, event: str, payload: Any) -> None:
-        reg = self.handlers.get(event)
+        reg = self.handlers.entries.get(event)
         if reg is None:
             log.warning("%s %d: no handler for event '%s'; ignored", self.role, self.id, event)
             return
@@ -114,7 +117,21 @@ class Worker:
         """A message arrived (called by the scheduler at its arrival time)."""
         clock = self.course.scheduler.now
         self.now = clock if clock > self.busy_until else self.busy_until
-        self._dispatch(receiving(msg.msg_type), msg)
+        event = _EVENTS.get(msg.msg_type)
+        if event is None:
+            event = _EVENTS[msg.msg_type] = receiving(msg.msg_type)
+        reg = self.handlers.entries.get(event)
+        if reg is None:
+            self._dispatch(event, msg)   # logs the missing handler
+            return
+        try:   # `_dispatch`, inlined: this runs for every message
+            reg.fn(self, msg)
+        except HandlerError:
+            raise
+        except Exception as exc:
+            raise HandlerError(
+                f"handler {reg.name} for event '{event}' on {self.role} {self.id} "
+                f"(round {msg.round}) raised {type(exc).__name__}: {exc}") from exc
 
     def trigger(self, event: str, payload: Any = None) -> None:
         """Raise a condition event now, at this worker's current time."""

@@ -208,11 +208,14 @@ def test_measured_time_runs_sequentially_with_a_reason(caplog):
                                                   (7, 3, 2, 7), (5, 8, 0, 0)])
 def test_the_vectorized_stream_gives_the_batch_streams_batches(n, bs, epoch, offset):
     from fedcore.contract import BatchStream
-    from fedcore.vectorized import _LazyStream
-    a, b = BatchStream(n, bs, 4, 9, epoch, offset), _LazyStream(n, bs, 4, 9, epoch, offset)
-    for _ in range(6):
-        assert torch.equal(a.next(), b.next())
-        assert a.position() == b.position()
+    from fedcore.vectorized import _draw
+    for steps in range(7):
+        a = BatchStream(n, bs, 4, 9, epoch, offset)
+        idx, sizes, end = _draw(n, bs, 4, 9, epoch, offset, steps, torch.Generator())
+        expected = [a.next() for _ in range(steps)]
+        assert len(idx) == steps and all(torch.equal(e, i) for e, i in zip(expected, idx))
+        assert sizes == tuple(len(e) for e in expected)
+        assert end == a.position()
 
 
 def test_vectorized_results_carry_their_exact_encoded_size():

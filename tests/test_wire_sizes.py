@@ -30,6 +30,19 @@ def test_envelope_size_per_receiver_is_exact(sender):
                              for r in receivers)
 
 
+def test_messages_of_one_layout_share_sizes_that_stay_exact():
+    # the size tables are shared by messages whose ids, rounds and timestamps encode to the
+    # same lengths: every combination of lengths (0 included) must still be exact
+    content = {"model": {"w": torch.zeros(4)}, "num_samples": 2}
+    for sender in (0, 1, 63, 64, 8191, 8192, -1, -65):
+        for round_ in (0, 1, 63, 64, 9000):
+            for ts in (0.0, 2.5, 1e300):
+                msg = Message("updates", sender, (0, 70), round_, ts, content)
+                for r in (0, 70):
+                    assert msg.nbytes_to(r) == len(encode_envelope("updates", sender, [r], round_, ts,
+                                                                   content))
+
+
 @pytest.mark.parametrize("content", CONTENTS + [True, False, None, 0, -2 ** 63, 2 ** 63 - 1, 1e-300,
                                                  torch.arange(12.0).reshape(3, 4).t(),
                                                  [[{"a": []}], ()], {"k": b""}],
