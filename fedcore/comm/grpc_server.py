@@ -160,7 +160,11 @@ class GrpcServerComm:
 
     async def _main(self, loop: asyncio.AbstractEventLoop, bound: futures.Future) -> None:
         slots = self.num_clients + 16   # streams: one per client, a few for refusals in flight
-        server = grpc.aio.server(options=grpc_options(self.chunk_size, server=True),
+        # A whole fleet may dial at once: calls not yet taken by the loop wait in gRPC's backlog
+        # (whose default limits, 1,000 soft and 3,000 hard, would refuse most of a burst).
+        backlog = [("grpc.server.max_pending_requests", max(1000, slots)),
+                   ("grpc.server.max_pending_requests_hard_limit", max(3000, 2 * slots))]
+        server = grpc.aio.server(options=grpc_options(self.chunk_size, server=True) + backlog,
                                  maximum_concurrent_rpcs=slots)
         handler = grpc.method_handlers_generic_handler(
             "fedcore.Fedcore", {"Connect": grpc.stream_stream_rpc_method_handler(self._connect)})
