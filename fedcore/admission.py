@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import math
-import statistics
 from typing import Any
 
 import torch
@@ -91,6 +90,24 @@ def _distance(content: dict, reference: dict[str, torch.Tensor]) -> float:
     return math.sqrt(total)
 
 
+def medians_of_others(values: list[float]) -> list[float]:
+    """For each value, the median of all the other values (as `statistics.median` gives it),
+    from one sort: removing the value at sorted position p shifts only the positions after p,
+    so each median is read off the sorted list, O(n log n) for a round of n updates. A NaN
+    counts as infinitely far (it has no place in an order)."""
+    n = len(values)
+    ranked_values = [v if v == v else math.inf for v in values]
+    order = sorted(range(n), key=ranked_values.__getitem__)
+    ranked = [ranked_values[i] for i in order]
+    half, odd = divmod(n - 1, 2)
+    out = [0.0] * n
+    for p, i in enumerate(order):
+        def kth(k: int) -> float:   # the k-th smallest of the others
+            return ranked[k] if k < p else ranked[k + 1]
+        out[i] = kth(half) if odd else (kth(half - 1) + kth(half)) / 2
+    return out
+
+
 def admit_updates(server, updates: list[ReceivedUpdate]) -> list[ReceivedUpdate]:
     """The updates that may be aggregated; each refusal is counted and logged."""
     course = server.course
@@ -119,12 +136,11 @@ def admit_updates(server, updates: list[ReceivedUpdate]) -> list[ReceivedUpdate]
     reference = server.aggregator.global_state
     norms = [_distance(u.content, reference) for u in kept]
     admitted = []
-    for i, u in enumerate(kept):
-        median = statistics.median(norms[:i] + norms[i + 1:])
-        if median > 0 and not norms[i] <= ratio * median:  # `not <=` also refuses NaN
+    for u, norm, median in zip(kept, norms, medians_of_others(norms)):
+        if median > 0 and not norm <= ratio * median:  # `not <=` also refuses NaN
             note(server, "update norm far above the round's others",
                  f"round {server.round}: refused client {u.client_id}'s update: its distance "
-                 f"{norms[i]:.3g} from the global model exceeds admission.norm_ratio={ratio:g} "
+                 f"{norm:.3g} from the global model exceeds admission.norm_ratio={ratio:g} "
                  f"x the median {median:.3g} of the round's others")
         else:
             admitted.append(u)

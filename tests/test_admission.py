@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from fedcore.admission import Snapshot, admit_updates, finite_state
+from fedcore.admission import Snapshot, admit_updates, finite_state, medians_of_others
 from fedcore.quiet import QuietLog
 from fedcore.contract import ReceivedUpdate
 from fedcore.course import Course
@@ -213,3 +213,16 @@ def test_metrics_gate_takes_one_finite_answer_per_evaluation_asked():
     assert not metrics(2, 4, float("nan")) and not metrics(2, 4, 0.7)  # its one answer was spent
     assert refused == ["unrequested or duplicate metrics"] * 3 + ["non-finite metrics",
                                                                   "unrequested or duplicate metrics"]
+
+
+def test_medians_of_the_others_from_one_sort_equal_the_median_of_each_others_list():
+    import random
+    import statistics
+    rng = random.Random(5)
+    for n in list(range(2, 12)) + [57, 200]:
+        for _ in range(20):
+            values = [float(rng.choice([rng.random(), rng.randint(0, 3)])) for _ in range(n)]  # ties too
+            expected = [statistics.median(values[:i] + values[i + 1:]) for i in range(n)]
+            assert medians_of_others(values) == expected
+    # a NaN distance counts as infinitely far: it is never a median below the real ones
+    assert medians_of_others([1.0, float("nan"), 3.0]) == [float("inf"), 2.0, float("inf")]
