@@ -143,9 +143,10 @@ class Fleet:
 
     async def run(self) -> None:
         a = self.args
+        # Distinct options per channel keep gRPC from sharing one connection among them.
         channels = [grpc.aio.insecure_channel(f"127.0.0.1:{a.port}",
-                                              options=grpc_options(CHUNK, server=False))
-                    for _ in range(a.channels)]
+                                              options=grpc_options(CHUNK, server=False) + [("fedcore.conn", i)])
+                    for i in range(a.channels or a.count)]
         tasks = []
         for i, cid in enumerate(range(a.first, a.first + a.count)):
             tasks.append(asyncio.create_task(self.client(channels[i % len(channels)], cid)))
@@ -178,7 +179,8 @@ def main(argv=None) -> int:
     p.add_argument("--heartbeat", type=float, default=5.0, help="seconds between idle heartbeats")
     p.add_argument("--first-chunk", type=int, default=FIRST_CHUNK,
                    help="bytes of a message's first chunk (as the course's clients size it)")
-    p.add_argument("--channels", type=int, default=8, help="HTTP/2 connections shared by the clients")
+    p.add_argument("--channels", type=int, default=8,
+                   help="HTTP/2 connections shared by the clients (0: one per client, as in a real fleet)")
     args = p.parse_args(argv)
     asyncio.run(Fleet(args).run())
     return 0

@@ -91,7 +91,7 @@ def course_cfg(n: int, rounds: int, path: Path) -> Path:
     return path
 
 
-def run_one(n: int, rounds: int, procs: int, workdir: Path, timeout: float) -> dict | None:
+def run_one(n: int, rounds: int, procs: int, workdir: Path, timeout: float, channels: int) -> dict | None:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     cfg = course_cfg(n, rounds, workdir / f"w7_{n}.yaml")
     out = workdir / f"out_{n}"
@@ -116,7 +116,8 @@ def run_one(n: int, rounds: int, procs: int, workdir: Path, timeout: float) -> d
         gens.append(subprocess.Popen(
             [sys.executable, "-m", "bench.fleet", "--port", str(port), "--first", str(first),
              "--count", str(count), "--token", TOKEN, "--first-chunk", str(FIRST),
-             "--heartbeat", str(HEARTBEAT_INTERVAL)],
+             "--heartbeat", str(HEARTBEAT_INTERVAL),
+             "--channels", str(channels)],
             stdout=subprocess.PIPE, stderr=(workdir / f"fleet_{n}_{i}.log").open("wb"),
             env=env, cwd=ROOT, text=True))
         first += count
@@ -173,6 +174,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--procs", type=int, default=4, help="load-generator processes")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per fleet size")
+    p.add_argument("--channels", type=int, default=8,
+                   help="connections per load-generator process (0: one per client, as in a real fleet)")
     p.add_argument("--logs", help="keep the server's and load generators' logs in this folder")
     args = p.parse_args(argv)
     results = []
@@ -180,7 +183,7 @@ def main(argv=None) -> int:
         Path(args.logs).mkdir(parents=True, exist_ok=True)
     with (contextlib.nullcontext(args.logs) if args.logs else tempfile.TemporaryDirectory(prefix="w7_")) as tmp:
         for n in (int(x) for x in args.clients.split(",")):
-            res = run_one(n, args.rounds, args.procs, Path(tmp), args.timeout)
+            res = run_one(n, args.rounds, args.procs, Path(tmp), args.timeout, args.channels)
             if res is None:
                 continue
             results.append(res)

@@ -156,15 +156,21 @@ def message_bound(model) -> int:
     return 4 * sum(t.numel() * t.element_size() for t in model.state_dict().values()) + 2 ** 20
 
 
-def _raise_open_files_limit() -> None:
-    """Serve with as many open files as the system allows a process (idle sockets cost one each)."""
+def _raise_open_files_limit(clients: int) -> None:
+    """Serve with as many open files as the system allows a process (each client's connection,
+    and each idle socket, costs one); warn when that is fewer than the course's clients need."""
     try:
         import resource
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         if soft != hard:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
     except (ImportError, ValueError, OSError):  # no such limit here, or not allowed to change it
-        pass
+        return
+    if soft != resource.RLIM_INFINITY and soft < clients + 64:
+        log.warning("this process may open %d files, fewer than %d clients' connections need; "
+                    "raise the limit (ulimit -n, or LimitNOFILE= for a service) to at least %d",
+                    soft, clients, clients + 64)
 
 
 def _measured_time() -> TimeModel:
@@ -269,7 +275,7 @@ class ServerCourse(Course):
             self.build()
         self.write_header()
         self.check()
-        _raise_open_files_limit()
+        _raise_open_files_limit(self.num_clients)
         # What is built so far (model, data, libraries) lives as long as the server: kept out of
         # the collector's scans. And a fleet's sessions are many long-lived objects, which full
         # collections would walk again and again: collect young objects in larger batches.

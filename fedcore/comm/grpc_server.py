@@ -343,17 +343,19 @@ class GrpcServerComm:
             log.info("client %d %s from %s", cid, how, peer)
         return s, token_
 
-    async def _connect(self, request_iterator, context):
+    async def _connect(self, request_iterator, context) -> None:
         """The Connect RPC: admit, welcome, then write the session's outbox until the stream ends
-        while a second coroutine reads what the client sends."""
+        while a second coroutine reads what the client sends.
+
+        Frames go through `context.write` and `context.read` rather than a response generator
+        and the request iterator, which would each keep the last frame alive while waiting for
+        the next: two model-sized buffers per idle client, gigabytes in a fleet."""
         try:
             s, token = self._admit(context)
         except _Refused as refused:
             await context.abort(refused.code, refused.detail)
         status = _StreamStatus(Reassembler(self.max_message, self.chunk_size))
-        reader = asyncio.get_running_loop().create_task(self._read(s, request_iterator, status))
-        yield pb.Frame(welcome=pb.Welcome(client_id=s.client_id, server_session=self.server_session,
-                                          max_chunk_bytes=self.chunk_size)).SerializeToString()
+        reader = asyncio.get_running_loop().create_task(self._read(s, context, status))
 
         def alive() -> bool:
             if status.done or s.state != "live" or context.done() or self._stopping.is_set():
@@ -367,8 +369,11 @@ class GrpcServerComm:
             return True
 
         try:
+            await context.write(pb.Frame(welcome=pb.Welcome(
+                client_id=s.client_id, server_session=self.server_session,
+                max_chunk_bytes=self.chunk_size)).SerializeToString())
             async for frame in s.outbox.frames(token, alive, self.hb_interval, heartbeat_frame):
-                yield frame
+                await context.write(frame)
                 frame = None   # not kept while the stream waits for its next message
         finally:
             s.outbox.release(token)
@@ -376,18 +381,20 @@ class GrpcServerComm:
         if status.error is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, status.error)
 
-    async def _read(self, s: Session, requests, status: _StreamStatus) -> None:
+    async def _read(self, s: Session, context, status: _StreamStatus) -> None:
         """Reader of one stream: frames -> messages -> scheduler events."""
         reasm = status.reasm
         try:
-            async for raw in requests:
+            while True:
+                raw = await context.read()
+                if raw is grpc.aio.EOF:
+                    reasm.end_of_stream()
+                    break
                 s.last_seen = time.monotonic()
                 more = await self._take(s, parse_frame(raw, self.max_frame), reasm)
                 raw = None   # not kept while waiting for the next frame: a fleet waits at once
                 if not more:
                     break
-            else:
-                reasm.end_of_stream()
         except WireError as exc:
             status.error = str(exc)
             self.quiet("malformed message", f"client {s.client_id} ({s.peer}): refused a message: {exc}")
