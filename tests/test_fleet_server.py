@@ -236,3 +236,12 @@ def test_hundreds_of_streams_share_one_thread_and_one_encoded_broadcast():
         assert len(seen) == n and all(p == payload for p in seen)
     finally:
         comm.stop(0.5)
+
+
+def test_events_handed_over_together_run_in_order_until_one_stops_the_scheduler():
+    from fedcore.comm.grpc_server import _Batch
+    from fedcore.scheduler import Scheduler
+    scheduler, ran = Scheduler(), []
+    events = [lambda: ran.append(1), lambda: (ran.append(2), scheduler.stop()), lambda: ran.append(3)]
+    _Batch(events, scheduler)()
+    assert ran == [1, 2]     # as the third would have stayed in the stopped scheduler's queue

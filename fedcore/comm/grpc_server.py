@@ -129,6 +129,7 @@ class GrpcServerComm:
         self._stopping: asyncio.Event | None = None
         self._decoder: futures.ThreadPoolExecutor | None = None
         self._grace = 1.0
+        self._handover: list = []         # events for the scheduler, gathered on the loop
 
     # ------------------------------------------------------------ lifecycle
     def attach(self, worker) -> None:
@@ -403,7 +404,7 @@ class GrpcServerComm:
                 if ended:
                     s.state = "lost"
             if ended:
-                self.scheduler.call_soon(_Lost(self, s.client_id, f"refused: {str(exc)[:200]}"))
+                self._hand_over(_Lost(self, s.client_id, f"refused: {str(exc)[:200]}"))
         except asyncio.CancelledError:
             pass   # the stream's writer ended the call
         except Exception as exc:  # the stream broke (RpcError, cancellation): the session may come back
@@ -413,6 +414,18 @@ class GrpcServerComm:
             reasm.drop()
             s.receiving = False
             s.outbox.wake()
+
+    def _hand_over(self, event) -> None:
+        """Queue `event` for the course's scheduler thread (on the loop). Events gathered while
+        the loop runs one pass go over together, in order: waking the scheduler thread once per
+        pass instead of once per message spares both threads (they share one interpreter lock)."""
+        self._handover.append(event)
+        if len(self._handover) == 1:
+            self._loop.call_soon(self._flush_handover)
+
+    def _flush_handover(self) -> None:
+        events, self._handover = self._handover, []
+        self.scheduler.call_soon(events[0] if len(events) == 1 else _Batch(events, self.scheduler))
 
     async def _take(self, s: Session, frame: pb.Frame, reasm: Reassembler) -> bool:
         """One frame from `s`'s stream; False once the stream is to end (the client left)."""
@@ -431,12 +444,12 @@ class GrpcServerComm:
             else:
                 msg = self._decode(s, data)
             s.last_delivered = frame.chunk.message_id
-            self.scheduler.call_soon(_Arrival(self, msg, len(data)))
+            self._hand_over(_Arrival(self, msg, len(data)))
         elif kind == "bye":
             with self._lock:
                 if s.state == "live":
                     s.state = "left"
-            self.scheduler.call_soon(_Lost(self, s.client_id, f"left: {frame.bye.reason[:200]}"))
+            self._hand_over(_Lost(self, s.client_id, f"left: {frame.bye.reason[:200]}"))
             return False
         elif kind == "welcome":
             raise WireError("a client sent a server's welcome frame")
@@ -480,6 +493,22 @@ class _Arrival:
             return
         comm.server.deliver(msg)
         comm.after_delivery()
+
+
+class _Batch:
+    """Events handed over together, run in the order they came; those after one that stopped
+    the scheduler are left unrun, as they would have been left in its queue."""
+
+    __slots__ = ("events", "scheduler")
+
+    def __init__(self, events: list, scheduler):
+        self.events, self.scheduler = events, scheduler
+
+    def __call__(self) -> None:
+        for event in self.events:
+            if getattr(self.scheduler, "stopped", False):
+                return
+            event()
 
 
 class _Lost:
