@@ -12,30 +12,27 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections import deque
 from typing import AsyncIterator, Callable, Iterable, Iterator
 
 from fedcore.comm.chunking import chunk_frames
+from fedcore.comm.stream import OwnedQueue
 
 __all__ = ["AsyncOutbox", "wake_all"]
 
 
-class AsyncOutbox:
+class AsyncOutbox(OwnedQueue):
     """Queued encoded messages of one session, drained by a coroutine on `loop`."""
-
-    __slots__ = ("chunk_size", "first_size", "_items", "_lock", "_ids", "_loop", "_ready", "_owner")
 
     def __init__(self, chunk_size: int, first_size: int, ids: Iterator[int], loop: asyncio.AbstractEventLoop):
         """`first_size` bounds a message's first chunk (`chunking.first_chunk_size`); `ids`
         numbers the messages: the server shares one counter among a client's successive
         sessions, whose receiver must see increasing ids across them."""
-        self.chunk_size, self.first_size = chunk_size, first_size
-        self._items: deque = deque()
         self._lock = threading.Lock()
+        super().__init__(self._lock)
+        self.chunk_size, self.first_size = chunk_size, first_size
         self._ids = ids
         self._loop = loop
         self._ready = asyncio.Event()
-        self._owner: object | None = None
 
     def put_message(self, parts: tuple[bytes, ...], sha: bytes | None = None, notify: bool = True) -> int:
         """Queue one encoded envelope (as parts; `sha` its SHA-256 when already known). With
@@ -46,26 +43,6 @@ class AsyncOutbox:
         if notify:
             self.wake()
         return mid
-
-    def clear(self) -> None:
-        with self._lock:
-            self._items.clear()
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._items)
-
-    def claim(self) -> object:
-        """Make the calling stream the only one that drains this outbox; returns its token."""
-        token = object()
-        self._owner = token
-        self.wake()
-        return token
-
-    def release(self, token: object) -> None:
-        if self._owner is token:
-            self._owner = None
-        self.wake()
 
     def wake(self) -> None:
         """Wake the draining stream, from any thread."""

@@ -22,7 +22,7 @@ from fedcore.errors import ConfigError
 from fedcore.wire.codec import WireError
 from fedcore.wire import fedcore_pb2 as pb
 
-__all__ = ["METHOD", "Outbox", "heartbeat_frame", "bye_frame", "parse_frame", "grpc_options",
+__all__ = ["METHOD", "OwnedQueue", "Outbox", "heartbeat_frame", "bye_frame", "parse_frame", "grpc_options",
            "server_credentials", "channel_credentials", "MD_TOKEN", "MD_CLIENT_ID", "MD_SESSION",
            "MD_COURSE", "TOKEN_ENV", "read_token", "read_tokens", "allowed_silence"]
 
@@ -65,18 +65,53 @@ def parse_frame(raw: bytes, max_frame_bytes: int) -> pb.Frame:
     return frame
 
 
-class Outbox:
+class OwnedQueue:
+    """Outgoing items of one session, drained by one stream at a time: the stream that claims
+    the queue owns it (a reconnect's stream takes over), and a stream that no longer owns it
+    stops. Subclasses say how a waiting stream is woken."""
+
+    def __init__(self, guard):
+        self._items: deque = deque()
+        self._guard = guard            # a lock (or condition) around the items
+        self._owner: object | None = None
+
+    def clear(self) -> None:
+        with self._guard:
+            self._items.clear()
+
+    def __len__(self) -> int:
+        with self._guard:
+            return len(self._items)
+
+    def claim(self) -> object:
+        """Make the calling stream the only one that drains this queue; returns its token."""
+        token = object()
+        with self._guard:
+            self._owner = token
+        self.wake()
+        return token
+
+    def release(self, token: object) -> None:
+        with self._guard:
+            if self._owner is token:
+                self._owner = None
+        self.wake()
+
+    def wake(self) -> None:
+        raise NotImplementedError
+
+
+class Outbox(OwnedQueue):
     """Queued outgoing items (encoded messages or single frames) of one session."""
 
     def __init__(self, chunk_size: int, ids: Iterator[int] | None = None, first_size: int = FIRST_CHUNK):
         """`ids` numbers the messages; share one counter among outboxes whose receiver must see
         increasing ids across them (a server's successive sessions with the same client).
         `first_size` bounds a message's first chunk (`chunking.first_chunk_size`)."""
-        self.chunk_size, self.first_size = chunk_size, first_size
-        self._items: deque = deque()
         self._cond = threading.Condition()
+        super().__init__(self._cond)
+        self.chunk_size, self.first_size = chunk_size, first_size
         self._ids = ids if ids is not None else itertools.count(1)
-        self._owner: object | None = None
 
     def put_message(self, parts: tuple[bytes, ...]) -> int:
         with self._cond:
@@ -88,28 +123,6 @@ class Outbox:
     def put_frame(self, frame: bytes) -> None:
         with self._cond:
             self._items.append(("frame", 0, frame))
-            self._cond.notify_all()
-
-    def clear(self) -> None:
-        with self._cond:
-            self._items.clear()
-
-    def __len__(self) -> int:
-        with self._cond:
-            return len(self._items)
-
-    def claim(self) -> object:
-        """Make the calling stream the only one that drains this outbox; returns its token."""
-        token = object()
-        with self._cond:
-            self._owner = token
-            self._cond.notify_all()
-        return token
-
-    def release(self, token: object) -> None:
-        with self._cond:
-            if self._owner is token:
-                self._owner = None
             self._cond.notify_all()
 
     def wake(self) -> None:
