@@ -75,7 +75,7 @@ def sample_cap(course) -> int | None:
 
 def _distance(content: dict, reference: dict[str, torch.Tensor]) -> float:
     """Euclidean norm (float64) of the update's tensors, the model's taken relative to the
-    global model: how far this update would pull the aggregate."""
+    global model (`reference`, already in float64): how far this update would pull the aggregate."""
     total = 0.0
     for key, value in content.items():
         if not isinstance(value, dict):
@@ -85,7 +85,7 @@ def _distance(content: dict, reference: dict[str, torch.Tensor]) -> float:
                 continue
             d = t.double()
             if key == "model" and name in reference:
-                d = d - reference[name].double()
+                d = d - reference[name]
             total += float(torch.sum(d * d))
     return math.sqrt(total)
 
@@ -133,7 +133,8 @@ def admit_updates(server, updates: list[ReceivedUpdate]) -> list[ReceivedUpdate]
     ratio = norm_ratio(course)
     if ratio is None or len(kept) < 2:
         return kept
-    reference = server.aggregator.global_state
+    reference = {k: t.double() for k, t in server.aggregator.global_state.items()
+                 if isinstance(t, torch.Tensor)}   # once per round, not once per update
     norms = [_distance(u.content, reference) for u in kept]
     admitted = []
     for u, norm, median in zip(kept, norms, medians_of_others(norms)):
