@@ -175,3 +175,17 @@ def test_torchless_client_over_tls_with_tokens_and_a_server_restart(tmp_path, pr
                           f"outdir={tmp_path / 'out2'}")
     wait_for(lambda: "client 1 connected" in text(again), 60, "the reconnect to the new server")
     assert client.poll() is None, text(client)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_the_torch_forms_finiteness_check_sees_nan_and_inf_in_every_float_dtype(dtype):
+    from fedcore.tensor_forms import get_form
+    torch_form = get_form("torch")
+    t = torch.randn(5, 3).to(dtype)
+    assert torch_form.all_finite(t) and torch_form.all_finite(t.t())
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        u = t.clone()
+        u[2, 1] = bad
+        assert not torch_form.all_finite(u) and not torch_form.all_finite(u.t())   # views too
+    assert torch_form.all_finite(torch.randn(3, requires_grad=True).to(dtype))
+    assert torch_form.all_finite(torch.tensor([1, 2]))                  # integers are finite

@@ -157,9 +157,10 @@ class Reassembler:
     def in_progress(self) -> bool:
         return self._buf is not None
 
-    def feed(self, chunk: pb.Chunk) -> bytearray | None:
+    def feed(self, chunk: pb.Chunk) -> bytes | bytearray | None:
         """Take one chunk; return the whole envelope's bytes when this chunk completes it
-        (the reassembly buffer itself: protobuf parses it without another copy)."""
+        (the chunk's own bytes, or the reassembly buffer: protobuf parses either without
+        another copy)."""
         if len(chunk.data) > self.max_chunk:
             raise WireError(f"chunk of {len(chunk.data)} bytes exceeds the {self.max_chunk}-byte limit")
         if self._buf is None:
@@ -170,6 +171,12 @@ class Reassembler:
                                 f"{self.max_message}-byte limit (distribute.max_message_bytes)")
             if len(chunk.sha256) != 32:
                 raise WireError("first chunk of a message lacks its SHA-256")
+            if len(chunk.data) == chunk.total_size:   # a whole message in one chunk: no buffer
+                data = chunk.data
+                if hashlib.sha256(data).digest() != chunk.sha256:
+                    raise WireError(f"message {chunk.message_id} failed its integrity check (SHA-256 mismatch)")
+                self.last_chunk = time.monotonic()
+                return data
             self._id, self._total, self._sha = chunk.message_id, chunk.total_size, chunk.sha256
             self._buf = bytearray()
             self.started = time.monotonic()

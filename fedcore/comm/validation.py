@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from fedcore.tensor_forms import first_nonfinite
+from fedcore.tensor_forms import first_nonfinite, get_form
 
 __all__ = ["CHECKS", "UPDATE_LAYOUTS", "check_content", "check_join_in", "check_updates",
            "check_metrics", "model_layout", "first_nonfinite", "MAX_METRICS", "MAX_METRIC_NAME"]
@@ -68,10 +68,13 @@ def _check_map(key: str, got: Any, expected: dict[str, torch.Tensor]) -> str | N
             got_s = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
             where = name if key == "model" else f"{key}.{name}"
             return f"update entry '{where}' is {got_s}, expected {tuple(ref.shape)} {ref.dtype}"
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        if not _TORCH.all_finite(t):
             where = name if key == "model" else f"{key}.{name}"
             return f"update entry '{where}' has non-finite values"
     return None
+
+
+_TORCH = get_form("torch")
 
 
 def _algorithm(server) -> str | None:
