@@ -63,11 +63,7 @@ class AsyncOutbox(OwnedQueue):
                 with self._lock:   # a message queued between the look and the clear is not missed
                     item = self._items[0] if self._items else None
                 if item is None:
-                    try:
-                        async with asyncio.timeout(interval):
-                            await self._ready.wait()
-                    except TimeoutError:
-                        pass
+                    await _wait(self._ready, interval)
                     with self._lock:
                         item = self._items[0] if self._items else None
             if not mine():
@@ -87,6 +83,21 @@ class AsyncOutbox(OwnedQueue):
             with self._lock:
                 if self._items and self._items[0] is item:
                     self._items.popleft()
+
+
+async def _wait(event: asyncio.Event, seconds: float) -> None:
+    """Wait until `event` is set or `seconds` have passed."""
+    try:
+        if _TIMEOUT is not None:   # Python 3.11+: a timer, no extra task
+            async with _TIMEOUT(seconds):
+                await event.wait()
+        else:
+            await asyncio.wait_for(event.wait(), seconds)
+    except asyncio.TimeoutError:
+        pass
+
+
+_TIMEOUT = getattr(asyncio, "timeout", None)
 
 
 def wake_all(outboxes: Iterable[AsyncOutbox]) -> None:
