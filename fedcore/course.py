@@ -216,7 +216,7 @@ class Course:
             for w in [self.server] + [self.clients[c] for c in self.client_ids]:
                 self.scheduler.schedule(0.0, PRIORITY_TIMER, StartEvent(w, "start"))
         self.monitor.start()
-        frozen = _freeze_built_objects()
+        frozen = freeze_built_objects()
         try:
             self.scheduler.run()
         except (KeyboardInterrupt, StopRun) as stop:
@@ -269,13 +269,13 @@ class Course:
         return self.server.now
 
 
-def _freeze_built_objects() -> bool:
+def freeze_built_objects() -> bool:
     """Keep the objects that exist when the course starts (its data, clients, model, and
     everything imported) out of the garbage collector's full collections while it runs: they
     live to the end, and a course allocates enough per round that a full collection would
     otherwise walk them all every few hundred rounds (about 0.15 s each for W1's 1,000 clients).
-    They are still freed by reference counting; the freeze is lifted when the run ends. Returns False (and does nothing) where the process already froze
-    objects of its own."""
+    They are still freed by reference counting; the freeze is lifted when the run ends.
+    Returns False (and does nothing) where the process already froze objects of its own."""
     if gc.get_freeze_count():
         return False
     gc.freeze()
