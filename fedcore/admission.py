@@ -31,6 +31,7 @@ import torch
 from fedcore.config import declare, positive
 from fedcore.contract import ReceivedUpdate, clone_tree
 from fedcore.quiet import QuietLog
+from fedcore.tensor_forms import get_form
 
 __all__ = ["admit_updates", "Snapshot", "finite_state", "reject_round", "note", "sample_cap",
            "norm_ratio"]
@@ -149,8 +150,10 @@ def admit_updates(server, updates: list[ReceivedUpdate]) -> list[ReceivedUpdate]
 
 
 def finite_state(state: dict[str, Any]) -> bool:
-    return all(bool(torch.isfinite(t).all()) for t in state.values()
-               if isinstance(t, torch.Tensor) and t.is_floating_point())
+    return all(_TORCH.all_finite(t) for t in state.values() if isinstance(t, torch.Tensor))
+
+
+_TORCH = get_form("torch")
 
 
 class Snapshot:

@@ -44,6 +44,10 @@ class AsyncOutbox(OwnedQueue):
             self.wake()
         return mid
 
+    def _head(self):
+        with self._lock:
+            return self._items[0] if self._items else None
+
     def wake(self) -> None:
         """Wake the draining stream, from any thread."""
         wake_all((self,))
@@ -56,16 +60,13 @@ class AsyncOutbox(OwnedQueue):
             return self._owner is token and alive()
 
         while True:
-            with self._lock:
-                item = self._items[0] if self._items else None
+            item = self._head()
             if item is None and mine():
                 self._ready.clear()
-                with self._lock:   # a message queued between the look and the clear is not missed
-                    item = self._items[0] if self._items else None
+                item = self._head()   # a message queued between the look and the clear is not missed
                 if item is None:
                     await _wait(self._ready, interval)
-                    with self._lock:
-                        item = self._items[0] if self._items else None
+                    item = self._head()
             if not mine():
                 return
             if item is None:

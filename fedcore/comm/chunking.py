@@ -52,7 +52,12 @@ def envelope_parts(header: pb.Envelope, content: bytes) -> tuple[bytes, bytes, b
     Protobuf fields may come in any order, so header + tag + length + content
     parses as one Envelope; the content is never copied per receiver.
     """
-    return header.SerializeToString(), b"\x3a" + _varint(len(content)), content
+    return header.SerializeToString(), _content_field(content), content
+
+
+def _content_field(content: bytes) -> bytes:
+    """The tag and length that make `content` an Envelope's field 7."""
+    return b"\x3a" + _varint(len(content))
 
 
 class SharedContent:
@@ -67,7 +72,7 @@ class SharedContent:
     __slots__ = ("field", "content", "_digest")
 
     def __init__(self, content: bytes):
-        self.field = b"\x3a" + _varint(len(content))
+        self.field = _content_field(content)
         self.content = content
         self._digest = hashlib.sha256(self.field)
         self._digest.update(content)
@@ -142,6 +147,13 @@ def chunk_frames(parts: Sequence[bytes], message_id: int, chunk_size: int,
         first = False
 
 
+def _verified(data: bytes | bytearray, sha: bytes, message_id: int) -> bytes | bytearray:
+    """`data`, once its SHA-256 is the one its first chunk announced."""
+    if hashlib.sha256(data).digest() != sha:
+        raise WireError(f"message {message_id} failed its integrity check (SHA-256 mismatch)")
+    return data
+
+
 class Reassembler:
     """Rebuilds the envelopes of one stream from its chunks, refusing anything irregular."""
 
@@ -172,11 +184,8 @@ class Reassembler:
             if len(chunk.sha256) != 32:
                 raise WireError("first chunk of a message lacks its SHA-256")
             if len(chunk.data) == chunk.total_size:   # a whole message in one chunk: no buffer
-                data = chunk.data
-                if hashlib.sha256(data).digest() != chunk.sha256:
-                    raise WireError(f"message {chunk.message_id} failed its integrity check (SHA-256 mismatch)")
                 self.last_chunk = time.monotonic()
-                return data
+                return _verified(chunk.data, chunk.sha256, chunk.message_id)
             self._id, self._total, self._sha = chunk.message_id, chunk.total_size, chunk.sha256
             self._buf = bytearray()
             self.started = time.monotonic()
@@ -196,9 +205,7 @@ class Reassembler:
         if len(self._buf) < self._total:
             return None
         data, self._buf = self._buf, None
-        if hashlib.sha256(data).digest() != self._sha:
-            raise WireError(f"message {self._id} failed its integrity check (SHA-256 mismatch)")
-        return data
+        return _verified(data, self._sha, self._id)
 
     def stalled(self, timeout: float, min_rate: float) -> str | None:
         """Why the message in progress has taken too long (None if it has not): a chunk must come
