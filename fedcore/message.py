@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from fedcore.wire.codec import receiver_width
+from fedcore.wire.codec import receiver_width, timestamp_size
 
 __all__ = ["Message", "SERVER_ID", "receiving"]
 
@@ -103,11 +103,11 @@ _SHARED_LIMIT = 4096   # distinct envelope layouts kept; beyond that the table s
 def _envelope_sizes_of(msg: Message) -> dict[int, int]:
     """The table of envelope sizes (by receiver id width) shared by every message of the same
     layout. An envelope's size depends on its sender and round only through their encoded
-    lengths (nothing when 0), on its timestamp only through whether it is 0, and on its content
+    lengths (nothing when 0), on its timestamp only through whether it is +0.0, and on its content
     only through the content's size: messages that agree on these have envelopes of one size."""
     sender, round_ = msg.sender, msg.round
     key = (msg.msg_type, (_WIDTHS.get(sender) or _width(sender)) if sender else 0,
-           (_WIDTHS.get(round_) or _width(round_)) if round_ else 0, msg.timestamp != 0.0,
+           (_WIDTHS.get(round_) or _width(round_)) if round_ else 0, timestamp_size(msg.timestamp),
            msg.content_size)
     sizes = _SHARED_SIZES.get(key)
     if sizes is None:

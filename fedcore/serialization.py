@@ -19,7 +19,7 @@ import torch
 
 from fedcore.wire import fedcore_pb2 as pb
 from fedcore.wire.codec import (MAX_DEPTH, WireError, decode_envelope, encode_value, from_value,
-                                receiver_width, tensor_wire)
+                                receiver_width, tensor_wire, timestamp_size)
 
 __all__ = [
     "WireError", "ALLOWED_DTYPES", "to_value", "encode_value", "from_value", "encoded_size",
@@ -176,8 +176,7 @@ def envelope_size(msg_type: str, sender: int, receivers, round_: int, timestamp:
         size += _field(sum(_varint_size(_zigzag(r)) for r in receivers))
     if round_:
         size += 1 + _varint_size(_zigzag(round_))
-    if timestamp != 0.0:
-        size += 9
+    size += timestamp_size(timestamp)
     if auth:
         size += _field(len(auth.encode("utf-8")))
     if content_size is None:

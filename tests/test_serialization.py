@@ -59,7 +59,8 @@ def test_random_contents_round_trip_with_exact_predicted_size():
 
 def test_envelope_size_matches_encoding():
     content = {"model": {"w": torch.randn(10, 7), "b": torch.zeros(7)}, "num_samples": 42}
-    for sender, receivers, rnd, ts in [(0, [1], 1, 0.5), (3, [0], 0, 0.0), (0, [1000], 77, 123.25)]:
+    for sender, receivers, rnd, ts in [(0, [1], 1, 0.5), (3, [0], 0, 0.0), (3, [0], 0, -0.0),
+                                       (0, [1000], 77, 123.25)]:
         data = encode_envelope("updates", sender, receivers, rnd, ts, content, auth="")
         assert len(data) == envelope_size("updates", sender, receivers, rnd, ts, content)
         env = decode_envelope(data)

@@ -36,7 +36,7 @@ def test_messages_of_one_layout_share_sizes_that_stay_exact():
     content = {"model": {"w": torch.zeros(4)}, "num_samples": 2}
     for sender in (0, 1, 63, 64, 8191, 8192, -1, -65):
         for round_ in (0, 1, 63, 64, 9000):
-            for ts in (0.0, 2.5, 1e300):
+            for ts in (0.0, -0.0, 2.5, 1e300):
                 msg = Message("updates", sender, (0, 70), round_, ts, content)
                 for r in (0, 70):
                     assert msg.nbytes_to(r) == len(encode_envelope("updates", sender, [r], round_, ts,

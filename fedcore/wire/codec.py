@@ -46,6 +46,12 @@ def receiver_width(receiver: int) -> int:
     return varint_size(zigzag(receiver))
 
 
+def timestamp_size(timestamp: float) -> int:
+    """Bytes of an envelope's timestamp field: none for +0.0 (proto3's default, left out),
+    9 for any other value, -0.0 included (its bits differ from the default's)."""
+    return 9 if timestamp != 0.0 or math.copysign(1.0, timestamp) < 0 else 0
+
+
 def varint_size(n: int) -> int:
     if n < 0:
         n += 1 << 64
