@@ -8,6 +8,7 @@ the queue is empty.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 from pathlib import Path
@@ -216,9 +217,9 @@ class Course:
             for w in [self.server] + [self.clients[c] for c in self.client_ids]:
                 self.scheduler.schedule(0.0, PRIORITY_TIMER, StartEvent(w, "start"))
         self.monitor.start()
-        frozen = freeze_built_objects()
         try:
-            self.scheduler.run()
+            with collector_for_run():
+                self.scheduler.run()
         except (KeyboardInterrupt, StopRun) as stop:
             # Ctrl-C or a callback: keep what the run has so far, as a deployed server does; the
             # global model is the last aggregated one (aggregators replace it whole, never in part).
@@ -228,8 +229,6 @@ class Course:
                 raise
             return summary
         finally:
-            if frozen:
-                gc.unfreeze()
             close_executor(self)
             self.store.close()
         if not self.server.finished:
@@ -269,17 +268,33 @@ class Course:
         return self.server.now
 
 
-def freeze_built_objects() -> bool:
-    """Keep the objects that exist when the course starts (its data, clients, model, and
-    everything imported) out of the garbage collector's full collections while it runs: they
-    live to the end, and a course allocates enough per round that a full collection would
-    otherwise walk them all every few hundred rounds (about 0.15 s each for W1's 1,000 clients).
-    They are still freed by reference counting; the freeze is lifted when the run ends.
-    Returns False (and does nothing) where the process already froze objects of its own."""
-    if gc.get_freeze_count():
-        return False
-    gc.freeze()
-    return True
+@contextlib.contextmanager
+def collector_for_run():
+    """The garbage collector's settings while a course runs, undone afterwards (the course may
+    run inside a user's own process).
+
+    The objects that exist when it starts (its data, clients, model, and everything imported)
+    are frozen: they live to the end, and a course allocates enough per round that a full
+    collection would otherwise walk them all every few hundred rounds (about 0.15 s each for
+    W1's 1,000 clients); they are still freed by reference counting. And young objects are
+    collected in larger batches: a round makes and drops thousands of short-lived objects, and
+    at the default threshold a young collection ran about once a round, in the middle of it,
+    walking objects that were about to be freed anyway. Where the process has already frozen
+    objects of its own, its freeze is left alone."""
+    frozen = not gc.get_freeze_count()
+    if frozen:
+        gc.freeze()
+    thresholds = gc.get_threshold()
+    gc.set_threshold(_YOUNG_OBJECTS, *thresholds[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*thresholds)
+        if frozen:
+            gc.unfreeze()
+
+
+_YOUNG_OBJECTS = 100_000   # net new container objects between young collections (Python: 700)
 
 
 def raise_if_diverged(server) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 
 from fedcore.comm.stream import TOKEN_ENV
 from fedcore.config import declare, non_negative, positive, validator
-from fedcore.course import Course, StartEvent, freeze_built_objects, raise_if_diverged
+from fedcore.course import Course, StartEvent, collector_for_run, raise_if_diverged
 from fedcore.executor import apply_torch_threads
 from fedcore.errors import EXIT_OK, ConfigError, FedcoreError
 from fedcore.form_boundary import make_trainer
@@ -276,20 +276,12 @@ class ServerCourse(Course):
         self.write_header()
         self.check()
         _raise_open_files_limit(self.num_clients)
-        # What is built so far (model, data, libraries) lives as long as the server: kept out of
-        # the collector's scans. And a fleet's sessions are many long-lived objects, which full
-        # collections would walk again and again: collect young objects in larger batches.
-        # Both are undone when the server stops (it may run inside a user's own process).
+        # What is built so far (model, data, libraries) lives as long as the server, and a
+        # fleet's sessions are many long-lived objects: collected first, then frozen, with
+        # young objects collected in larger batches (`collector_for_run`).
         gc.collect()
-        frozen = freeze_built_objects()
-        thresholds = gc.get_threshold()
-        gc.set_threshold(100_000, 20, 10)
-        try:
+        with collector_for_run():
             return self._serve()
-        finally:
-            gc.set_threshold(*thresholds)
-            if frozen:
-                gc.unfreeze()
 
     def _serve(self) -> dict[str, Any]:
         port = self.comm.start()

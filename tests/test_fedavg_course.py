@@ -153,3 +153,30 @@ def test_init_from_loads_the_initial_model(tmp_path):
     torch.save(state, tmp_path / "init.pt")
     course2 = Course(small_cfg(tmp_path / "b", model__init_from=str(tmp_path / "init.pt"))).build()
     assert all(torch.equal(v, state[k]) for k, v in course2.server.aggregator.global_state.items())
+
+
+def test_the_run_tunes_the_garbage_collector_and_puts_it_back():
+    """While a course runs, what it built is frozen and young objects are collected in larger
+    batches; afterwards the process's own settings are back (it may be a user's notebook)."""
+    from fedcore.monitor import Callback
+
+    seen = {}
+
+    class Watch(Callback):
+        def on_record(self, record):
+            seen.setdefault("during", (gc.get_threshold(), gc.get_freeze_count() > 0))
+
+    before = gc.get_threshold()
+    gc.set_threshold(555, 11, 12)
+    try:
+        cfg = small_cfg(None, federate__total_round_num=1)
+        Course(cfg, callbacks=[Watch()]).build().run()
+        assert seen["during"][0] == (100_000, 11, 12) and seen["during"][1]
+        assert gc.get_threshold() == (555, 11, 12) and gc.get_freeze_count() == 0
+        # a process that froze objects of its own keeps its freeze
+        gc.freeze()
+        Course(small_cfg(None, federate__total_round_num=1)).build().run()
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
