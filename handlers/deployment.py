@@ -134,6 +134,7 @@ def round_check(server, _event=None) -> None:
     replied, waiting = len(server.buffer), len(server.selected)
     if getattr(server, "deploy_half", None) is None and replied and replied >= waiting:
         server.deploy_half = server.now
+        server.deploy_slowest_half = max(getattr(server, "deploy_slowest_half", 0.0), server.now - since)
     deadline = _deadline(server, since)
     if deadline is not None and server.selected and server.now - since > deadline:
         if server.course.cfg["distribute.round_deadline"] is not None:
@@ -148,19 +149,22 @@ def round_check(server, _event=None) -> None:
 
 
 def _deadline(server, since: float) -> float | None:
-    """This round's deadline in seconds (None: none yet). Derived, it also leaves room for the
-    model to go down and its update to come up on the slowest link served
+    """This round's deadline in seconds (None: none yet). Derived, it is measured on the time
+    half of this round's clients took to reply, or, until they have, on the slowest earlier
+    round's (a round whose clients mostly hang would otherwise never get one); and it leaves
+    room for the model to go down and its update to come up on the slowest link served
     (distribute.min_bytes_per_second), so a slow link is not mistaken for a hung client."""
     cfg = server.course.cfg
     if cfg["distribute.round_deadline"] is not None:
         return cfg["distribute.round_deadline"]
     half = getattr(server, "deploy_half", None)
-    if half is None:
+    took = half - since if half is not None else getattr(server, "deploy_slowest_half", None)
+    if took is None:
         return None
     if not hasattr(server, "model_bytes"):
         server.model_bytes = sum(t.numel() * t.element_size() for t in server.aggregator.global_state.values())
     transfer = 2 * server.model_bytes / cfg["distribute.min_bytes_per_second"]
-    return max(cfg["distribute.heartbeat_timeout"], cfg["distribute.deadline_factor"] * (half - since)) + transfer
+    return max(cfg["distribute.heartbeat_timeout"], cfg["distribute.deadline_factor"] * took) + transfer
 
 
 @behaviours.register("deployment")

@@ -149,7 +149,33 @@ def test_derived_deadline_waits_for_half_the_replies_then_drops_the_rest():
     assert "derived round deadline of 20.2s" in course.monitor.extra_summary["dropped"][0]["reason"]
 
 
-def test_without_replies_there_is_no_derived_deadline_and_lists_stay_bounded():
+def test_a_round_where_no_one_replies_gets_the_deadline_of_the_slowest_earlier_round():
+    # one hung client sampled alone (or a hung majority) never lets a round reach half its
+    # replies: the deadline then comes from the earlier rounds, or the course would stall
+    course, server = _server(distribute__heartbeat_timeout=10.0, distribute__deadline_factor=5.0)
+    course.server = server
+    server.aggregator = type("A", (), {"global_state": {"w": torch.zeros(250)}})()  # 1000 bytes
+    server.buffer, server.selected = [], {1, 2}
+    server.trigger("round_check")                      # round 4 first seen at 0
+    server.now = 4.0
+    server.buffer.append("u1")
+    server.selected -= {1}
+    server.trigger("round_check")                      # half of round 4 replied after 4 s
+    server.now = 6.0
+    server.buffer.append("u2")
+    server.selected.clear()                            # round 4 complete
+    server.round, server.buffer, server.selected = 5, [], {3}
+    server.trigger("round_check")                      # round 5 first seen at 6
+    server.now = 6.0 + 20.2                            # max(10, 5 x 4) + 2 x 1000 / 10000
+    server.trigger("round_check")
+    assert server.selected == {3} and course.raised == []
+    server.now = 6.0 + 20.3
+    server.trigger("round_check")
+    assert server.selected == set() and course.raised == [("all_joined_in", 26.3)]
+    assert "derived round deadline of 20.2s" in course.monitor.extra_summary["dropped"][0]["reason"]
+
+
+def test_before_any_round_has_half_its_replies_there_is_no_derived_deadline_and_lists_stay_bounded():
     course, server = _server()
     server.aggregator = type("A", (), {"global_state": {}})()
     server.trigger("round_check")
