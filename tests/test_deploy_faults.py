@@ -72,7 +72,7 @@ def test_restarted_client_rejoins_then_ctrl_c_and_a_vanished_server_end_everyone
     # The new process joins under the same id and trains again from the next round on.
     wait_for(lambda: any(r["num_updates"] == 2 for r in _records(out)[lost_round + 1:]), 180,
              "a round with both clients after the restart")
-    assert text(server).count("client 2 connected") == 2
+    assert "client 2 admitted by" in text(clients[2])   # the new process, under the old id
 
     # Ctrl-C on a client: it says goodbye and exits 130; the server stops waiting for it.
     interrupt(clients[1])
@@ -90,3 +90,39 @@ def test_restarted_client_rejoins_then_ctrl_c_and_a_vanished_server_end_everyone
     assert wait_exit(clients[2], 60) == 4
     last = text(clients[2]).strip().splitlines()[-1]
     assert last.startswith("fedcore: no server at 127.0.0.1:") and "distribute.retry_timeout" in last
+
+
+@pytest.mark.parametrize("by_server", [False, True], ids=["grpc-limit", "server-refusal"])
+def test_a_server_busy_at_its_call_limit_is_retried_but_its_own_refusal_is_final(tmp_path, procs, by_server):
+    # gRPC answers RESOURCE_EXHAUSTED for the server when its limit on concurrent calls is
+    # reached (a burst of connections): the client waits and retries, as for a server not up
+    # yet. The server's own RESOURCE_EXHAUSTED (every client id taken) is marked and final.
+    from concurrent import futures
+
+    import grpc
+
+    from fedcore.comm.stream import REFUSED
+
+    def connect(requests, context):
+        if by_server:
+            context.set_trailing_metadata(REFUSED)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "all 3 client ids are taken")
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "Concurrent RPC limit exceeded!")
+
+    busy = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    busy.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "fedcore.Fedcore", {"Connect": grpc.stream_stream_rpc_method_handler(connect)}),))
+    port = busy.add_insecure_port("127.0.0.1:0")
+    busy.start()
+    try:
+        cfg = write_cfg(tmp_path / "course.yaml", FAST_FAULTS)
+        client = procs.fedcore("client", cfg, "distribute.role=client", f"distribute.server_port={port}",
+                               "distribute.client_id=1")
+        code = wait_exit(client, 60)
+    finally:
+        busy.stop(0)
+    log = text(client)
+    if by_server:
+        assert code == 2 and "all 3 client ids are taken" in log
+    else:
+        assert code == 4 and "server busy" in log and "giving up" in log, log[-2000:]

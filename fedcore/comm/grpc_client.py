@@ -32,7 +32,7 @@ import grpc
 
 from fedcore.comm.chunking import FRAME_OVERHEAD, Reassembler, envelope_parts, first_chunk_size
 from fedcore.comm.fingerprint import fingerprint
-from fedcore.comm.stream import (METHOD, MD_CLIENT_ID, MD_COURSE, MD_SESSION, MD_TOKEN, Outbox,
+from fedcore.comm.stream import (METHOD, MD_CLIENT_ID, MD_COURSE, MD_REFUSED, MD_SESSION, MD_TOKEN, Outbox,
                                  allowed_silence, bye_frame, channel_credentials, grpc_options,
                                  heartbeat_frame, parse_frame, read_token)
 from fedcore.errors import EXIT_SERVER_GONE, ConfigError, FedcoreError
@@ -193,9 +193,11 @@ class GrpcClientComm:
                 stream = _Stream(Reassembler(self.max_message, self.chunk_size))
                 token = self.outbox.claim()
                 self._stream = stream
+                answered = False   # whether the server's side of this call sent anything
                 try:
                     stream.call = connect(self._requests(token, stream), metadata=self.metadata)
                     for raw in stream.call:
+                        answered = True
                         stream.last_recv = last_ok = time.monotonic()
                         attempt = 0
                         self._on_frame(parse_frame(raw, self.chunk_size + FRAME_OVERHEAD), stream)
@@ -213,7 +215,12 @@ class GrpcClientComm:
                         self._fail(ConfigError(f"distribute.token: the server at {self.address} refused "
                                                f"this client (UNAUTHENTICATED: {detail}); check the token"))
                         return
-                    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):
+                    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and not answered \
+                            and not _refused_by_server(exc):
+                        # gRPC's own limit on concurrent calls (a burst of connections, or
+                        # streams of peers that stopped reading): the server is busy, not refusing
+                        reason = f"server busy ({code.name}: {detail})"
+                    elif code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):
                         if self.client_id is None:
                             self._fail(ConfigError(f"distribute.client_id: the server at {self.address} "
                                                    f"refused this client ({code.name}: {detail})"))
@@ -221,7 +228,8 @@ class GrpcClientComm:
                             self._fail(ProtocolRefused(f"the server refused a message from client "
                                                        f"{self.client_id} ({code.name}: {detail})"))
                         return
-                    reason = f"{code.name}: {detail}"
+                    else:
+                        reason = f"{code.name}: {detail}"
                 except WireError as exc:
                     reason = f"bad data from the server: {exc}"
                     log.error("client %s: %s", self.client_id, reason)
@@ -324,3 +332,12 @@ class _Raise:
 
     def __call__(self) -> None:
         raise self.err
+
+
+def _refused_by_server(exc: grpc.RpcError) -> bool:
+    """Whether fedcore's server refused the call itself (it says so in the trailing metadata),
+    rather than gRPC on its behalf."""
+    try:
+        return any(key == MD_REFUSED for key, _ in exc.trailing_metadata() or ())
+    except Exception:  # noqa: BLE001 - an error without a call's metadata was not the server's
+        return False
