@@ -1,16 +1,18 @@
 """Resource bounds against real processes: idle sockets at a low descriptor limit, a 1 GiB
-announcement, a message that stops half-way."""
+announcement, a message that stops half-way, a peer that stops reading."""
+import hashlib
 import json
 import os
 import resource
 import socket
+import threading
 import time
 
 import grpc
 import pytest
 
 from tests.deploy_helpers import server_port, text, wait_exit, wait_for, write_cfg
-from tests.hostile import Hostile, load_proto
+from tests.hostile import METHOD, Hostile, _value, load_proto
 
 pytestmark = pytest.mark.slow
 
@@ -102,3 +104,62 @@ def test_a_1_gib_announcement_and_a_stalled_message_cost_the_server_no_memory(tm
     wait_exit(server, 60)
     refused = json.loads((out / "summary.json").read_text())["deployment"]["refused"]
     assert refused["malformed message"] == 20 and refused["stalled message"] == 1
+
+
+def test_a_peer_that_stops_reading_holds_at_most_three_streams_and_locks_no_one_out(tmp_path, procs):
+    # A token holder joins as client 2 and never reads: the 4.8 MB model's write waits in flow
+    # control for good. It then opens stream after stream under its session; each takes the
+    # session over and gets stuck the same way. Its fourth and later calls are refused, so the
+    # server's limit on concurrent calls (sized per id) keeps room for everyone else.
+    pb = load_proto(tmp_path / "proto")
+    cfg = write_cfg(tmp_path / "course.yaml", {
+        "federate.client_num": 2, "federate.total_round_num": 2, "model.type": "mlp",
+        "model.hidden": [100_000], "eval.clients": False, "distribute.insecure": True,
+        "distribute.token": "t", "distribute.heartbeat_interval": 0.5,
+        "distribute.heartbeat_timeout": 4.0, "distribute.round_deadline": 3.0})
+    out = tmp_path / "out"
+    server = procs.fedcore("server", cfg, "distribute.role=server", "distribute.server_port=0",
+                           f"outdir={out}")
+    port = server_port(out, server)
+    honest = procs.fedcore("client1", cfg, "distribute.role=client", f"distribute.server_port={port}",
+                           "distribute.client_id=1")
+    env = pb.Envelope(msg_type="join_in", sender=2, receivers=[0])
+    env.content.CopyFrom(_value(pb, {"client_id": 2, "num_samples": 30}))
+    data = env.SerializeToString()
+    join = pb.Frame(chunk=pb.Chunk(message_id=1, offset=0, total_size=len(data), data=data,
+                                   sha256=hashlib.sha256(data).digest())).SerializeToString()
+    beat = pb.Frame(heartbeat=pb.Heartbeat(sent_at=0.0)).SerializeToString()
+    stop = threading.Event()
+
+    def frames(first):   # what the peer sends: heartbeats only, so it is never lost
+        yield from first
+        while not stop.wait(0.3):
+            yield beat
+
+    md = [("fedcore-client-id", "2"), ("fedcore-session", "stuck"), ("authorization", "Bearer t")]
+    channels, calls = [], []
+    try:
+        for k in range(5):   # a connection of its own for each: none of them is read
+            channels.append(grpc.insecure_channel(f"127.0.0.1:{port}",
+                                                  options=[("grpc.use_local_subchannel_pool", 1)]))
+            calls.append(channels[-1].stream_stream(METHOD)(frames([join] if k == 0 else []), metadata=md))
+            if k == 0:   # the round starts once both joined: the model's write then waits
+                wait_for(lambda: "client 1 joined the course" in text(server)
+                         and "client 2 joined the course" in text(server), 60, "both clients to join")
+            time.sleep(1.0)
+        for call in calls[3:]:
+            wait_for(call.done, 30, "the call beyond three to be refused")
+            assert call.code() == grpc.StatusCode.UNAVAILABLE and "streams open" in call.details()
+        assert not any(call.done() for call in calls[:3])
+        channels[0].close()   # cancelled under a waiting write: the server ends that stream quietly
+        assert wait_exit(server, 120) == 0, text(server)[-3000:]
+        assert wait_exit(honest, 60) == 0
+    finally:
+        stop.set()
+        for channel in channels:
+            channel.close()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rounds"] == 2
+    assert summary["deployment"]["refused"]["too many open streams for one id"] == 2
+    log = text(server)
+    assert "Traceback" not in log and "destroyed but it is pending" not in log, log[-3000:]

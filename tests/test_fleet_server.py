@@ -245,3 +245,22 @@ def test_events_handed_over_together_run_in_order_until_one_stops_the_scheduler(
     events = [lambda: ran.append(1), lambda: (ran.append(2), scheduler.stop()), lambda: ran.append(3)]
     _Batch(events, scheduler)()
     assert ran == [1, 2]     # as the third would have stayed in the stopped scheduler's queue
+
+
+def test_a_peer_connecting_again_and_again_does_not_flood_the_log(caplog):
+    cfg = small_cfg(None, federate__mode="distributed", federate__client_num=2, distribute__role="server",
+                    distribute__server_port=0, distribute__insecure=True, distribute__token="t")
+    comm = GrpcServerComm(cfg, _Now(), lambda *a: None, lambda *a: None)
+    comm.attach(_Inbox())
+    port = comm.start()
+    bye = pb.Frame(bye=pb.Bye(reason="again")).SerializeToString()
+    try:
+        with caplog.at_level("INFO", logger="fedcore.deploy"), grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            for k in range(40):   # a fresh session each time: "connected", not "reconnected"
+                md = ((MD_CLIENT_ID, "1"), (MD_SESSION, f"s{k}"), (MD_TOKEN, "Bearer t"))
+                for _ in ch.stream_stream(METHOD)(iter([bye]), metadata=md):
+                    pass
+    finally:
+        comm.stop(0.5)
+    lines = [r.getMessage() for r in caplog.records if "client 1 connected" in r.getMessage()]
+    assert len(lines) == 1 and comm.describe()["1"]["state"] == "left"

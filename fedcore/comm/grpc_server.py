@@ -38,8 +38,8 @@ from fedcore.quiet import QuietLog
 from fedcore.comm.async_outbox import AsyncOutbox, wake_all
 from fedcore.comm.chunking import FRAME_OVERHEAD, Reassembler, SharedContent, first_chunk_size
 from fedcore.comm.fingerprint import differing_keys
-from fedcore.comm.stream import (MD_CLIENT_ID, MD_COURSE, MD_SESSION, MD_TOKEN, allowed_silence, grpc_options, heartbeat_frame, parse_frame,
-                                 read_token, read_tokens, server_credentials)
+from fedcore.comm.stream import (MD_CLIENT_ID, MD_COURSE, MD_SESSION, MD_TOKEN, REFUSED, allowed_silence, grpc_options,
+                                 heartbeat_frame, parse_frame, read_token, read_tokens, server_credentials)
 from fedcore.comm.metrics_gate import MetricsGate
 from fedcore.comm.validation import check_content
 from fedcore.errors import ConfigError
@@ -70,6 +70,12 @@ class Session:
 
 # Received messages above this many bytes are decoded on a worker thread, not the event loop.
 DECODE_OFF_LOOP = 256 * 1024
+
+# Calls one client id may hold open at once: its live stream and a few that a reconnect replaced
+# but whose pending write still waits in flow control (a peer that stopped reading; gRPC's
+# asyncio API cannot reset one stream). Beyond that its calls are refused, so the limit on
+# concurrent calls, sized to this many per id, always leaves room for every other client.
+OPEN_PER_ID = 3
 
 
 class _Refused(Exception):
@@ -130,6 +136,7 @@ class GrpcServerComm:
         self._decoder: futures.ThreadPoolExecutor | None = None
         self._grace = 1.0
         self._handover: list = []         # events for the scheduler, gathered on the loop
+        self._open: dict[int, int] = {}   # client id -> its calls still running (under _lock)
 
     # ------------------------------------------------------------ lifecycle
     def attach(self, worker) -> None:
@@ -157,6 +164,7 @@ class GrpcServerComm:
                 log.error("gRPC server loop ended: %s: %s", type(exc).__name__, exc)
         finally:
             self._loop = None
+            _finish_tasks(loop)
             loop.close()
 
     async def _main(self, loop: asyncio.AbstractEventLoop, bound: futures.Future) -> None:
@@ -166,7 +174,7 @@ class GrpcServerComm:
         backlog = [("grpc.server.max_pending_requests", max(1000, slots)),
                    ("grpc.server.max_pending_requests_hard_limit", max(3000, 2 * slots))]
         server = grpc.aio.server(options=grpc_options(self.chunk_size, server=True) + backlog,
-                                 maximum_concurrent_rpcs=slots)
+                                 maximum_concurrent_rpcs=OPEN_PER_ID * self.num_clients + 16)
         handler = grpc.method_handlers_generic_handler(
             "fedcore.Fedcore", {"Connect": grpc.stream_stream_rpc_method_handler(self._connect)})
         server.add_generic_rpc_handlers((handler,))
@@ -317,12 +325,15 @@ class GrpcServerComm:
                 if cid == 0:
                     raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                    f"all {self.num_clients} client ids are taken (federate.client_num)")
+            busy = self._open.get(cid, 0)   # calls of this id still running
             s = self.sessions.get(cid)
-            if s is not None and s.state == "live" and s.session_id != session_id:
+            live = None
+            if busy >= OPEN_PER_ID:
+                pass
+            elif s is not None and s.state == "live" and s.session_id != session_id:
                 # Never swapped in: a live session keeps its id until it leaves or goes silent.
                 live = s
             else:
-                live = None
                 if s is None or s.state != "live":
                     s = Session(cid, session_id, AsyncOutbox(self.chunk_size, self.first_size, self._ids, self._loop), peer)
                     self.sessions[cid] = s
@@ -331,7 +342,13 @@ class GrpcServerComm:
                     how = "reconnected"
                 s.peer, s.last_seen = peer, time.monotonic()
                 s.streams += 1
+                self._open[cid] = busy + 1
                 token_ = s.outbox.claim()
+        if busy >= OPEN_PER_ID:
+            self._refuse(grpc.StatusCode.UNAVAILABLE, "too many open streams for one id",
+                         f"client id {cid} still has {busy} streams open; try again once they end",
+                         f"refused {peer}: client {cid} already has {busy} streams open "
+                         "(its earlier ones are not reading what they were sent)")
         if live is not None:
             self._refuse(grpc.StatusCode.ALREADY_EXISTS, "second session for a live id",
                          f"client id {cid} already has a live session; a second one is refused until "
@@ -341,7 +358,7 @@ class GrpcServerComm:
         if how == "reconnected":  # a peer may reconnect on purpose, again and again
             self.quiet_info(f"reconnected {cid}", f"client {cid} reconnected from {peer}", logging.INFO)
         else:
-            log.info("client %d %s from %s", cid, how, peer)
+            self.quiet_info(f"connected {cid}", f"client {cid} connected from {peer}", logging.INFO)
         return s, token_
 
     async def _connect(self, request_iterator, context) -> None:
@@ -354,7 +371,17 @@ class GrpcServerComm:
         try:
             s, token = self._admit(context)
         except _Refused as refused:
-            await context.abort(refused.code, refused.detail)
+            await context.abort(refused.code, refused.detail, REFUSED)
+        try:
+            await self._stream(s, token, context)
+        finally:
+            with self._lock:
+                left = self._open.pop(s.client_id) - 1
+                if left:
+                    self._open[s.client_id] = left
+
+    async def _stream(self, s: Session, token, context) -> None:
+        """An admitted stream: the welcome, then the outbox's frames, until the stream ends."""
         status = _StreamStatus(Reassembler(self.max_message, self.chunk_size))
         reader = asyncio.get_running_loop().create_task(self._read(s, context, status))
 
@@ -376,11 +403,16 @@ class GrpcServerComm:
             async for frame in s.outbox.frames(token, alive, self.hb_interval, heartbeat_frame):
                 await context.write(frame)
                 frame = None   # not kept while the stream waits for its next message
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the call ended under a write (peer cancelled, connection gone)
+            log.debug("client %d: stream ended while writing: %s: %s", s.client_id, type(exc).__name__, exc)
+            return
         finally:
             s.outbox.release(token)
             reader.cancel()   # the call is ending: nothing more will be read from it
         if status.error is not None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, status.error)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, status.error, REFUSED)
 
     async def _read(self, s: Session, context, status: _StreamStatus) -> None:
         """Reader of one stream: frames -> messages -> scheduler events."""
@@ -488,7 +520,7 @@ class _Arrival:
         if self.nbytes:
             comm.count_bytes(msg, SERVER_ID, self.nbytes)
         if msg.msg_type == "join_in":
-            log.info("client %d joined the course", msg.sender)
+            comm.quiet_info(f"joined {msg.sender}", f"client {msg.sender} joined the course", logging.INFO)
         elif msg.msg_type == "metrics" and not comm.metrics_gate.admit(msg):
             return
         comm.server.deliver(msg)
@@ -519,3 +551,18 @@ class _Lost:
 
     def __call__(self) -> None:
         self.comm.on_lost(self.client_id, self.reason)
+
+
+def _finish_tasks(loop: asyncio.AbstractEventLoop) -> None:
+    """Before the loop closes: end the streams still waiting (a write held up by a peer that
+    stopped reading) and close their frame generators, so no task or generator is destroyed
+    pending (asyncio would log each as an error)."""
+    try:
+        pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+        for task in pending:
+            task.cancel()
+        if pending:
+            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+    except Exception as exc:  # noqa: BLE001 - the server is stopping: say so, go on stopping
+        log.debug("gRPC server loop: tasks left at stop: %s: %s", type(exc).__name__, exc)

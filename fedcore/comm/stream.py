@@ -31,6 +31,8 @@ MD_TOKEN = "authorization"          # "Bearer <token>"
 MD_CLIENT_ID = "fedcore-client-id"  # requested id; "0" lets the server assign one
 MD_SESSION = "fedcore-session"      # random per client process: tells a reconnect from a restart
 MD_COURSE = "fedcore-course"        # fingerprint of the course-defining config (comm/fingerprint.py)
+MD_REFUSED = "fedcore-refused"      # trailing metadata: the server refused the call itself (not gRPC)
+REFUSED = ((MD_REFUSED, "1"),)
 TOKEN_ENV = "FEDCORE_TOKEN"         # where a process finds its token when no file or key names it
 
 
@@ -193,7 +195,11 @@ def grpc_options(chunk_size: int, server: bool) -> list[tuple[str, int]]:
                  ("grpc.keepalive_permit_without_calls", 1),
                  ("grpc.http2.max_ping_strikes", 0),
                  ("grpc.server_handshake_timeout_ms", 5_000),
-                 ("grpc.max_connection_idle_ms", 10_000)]
+                 ("grpc.max_connection_idle_ms", 10_000),
+                 # a connection whose peer no longer answers pings (process stopped, network
+                 # gone) is closed, ending its streams even where a write waits on flow control;
+                 # the answer may queue behind a chunk on a slow link, hence the long timeout
+                 ("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 120_000)]
     else:
         # The ping's answer may queue behind a chunk on a slow link: liveness is the heartbeats'
         # job (distribute.heartbeat_timeout, paced by bytes); keepalive only holds NATs open.
