@@ -344,6 +344,16 @@ def _compose(item, values: dict, sources: dict, chain: tuple[Path, ...] = ()) ->
     sources.update(dict.fromkeys(flat, label))
 
 
+def composed_keys(path: str | Path) -> dict[str, Any]:
+    """The dotted keys a YAML config sets, the files under its `defaults:` merged first, as
+    `load_config` composes them (plug-ins imported, nothing validated yet): for a tool that
+    writes a config elsewhere, where the `defaults:` paths would no longer resolve."""
+    load_builtin_plugins()
+    values: dict[str, Any] = {}
+    _compose(Path(path), values, {})
+    return values
+
+
 def load_config(path: str | Path | dict | list | tuple | None = None, overrides: Iterable[str] = (),
                 extra: dict[str, Any] | None = None, extra_source: str = "arguments") -> Config:
     """Compose configs, apply `KEY=VALUE` overrides and `extra`, import plug-ins, validate.

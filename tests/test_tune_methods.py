@@ -153,6 +153,30 @@ def test_the_command_line_runs_a_study(tmp_path, capsys):
     assert load_config(tmp_path / "s/best_config.yaml")["federate.total_round_num"] == 2
 
 
+def test_a_base_config_is_read_as_the_run_reads_it_defaults_merged_and_empty_refused(tmp_path, capsys):
+    from fedcore.tune.__main__ import main
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    (folder / "common.yaml").write_text(yaml.safe_dump(dict(BASE, **{"federate.total_round_num": 2})))
+    (folder / "study.yaml").write_text("defaults: [common.yaml]\nmodel:\n  hidden: [8]\n")
+    space = tmp_path / "space.yaml"
+    space.write_text("train:\n  optimizer:\n    lr: {type: choice, values: [1.0]}\n")
+    # base.yaml is written into the study's folder, away from common.yaml: the defaults are
+    # merged before it is, as `fedcore.run --cfg configs/study.yaml` merges them
+    rc = main(["--cfg", str(folder / "study.yaml"), "--space", str(space), "--method", "grid",
+               "--outdir", str(tmp_path / "s")])
+    assert rc == 0, capsys.readouterr()
+    best = load_config(tmp_path / "s/best_config.yaml")
+    assert best["model.hidden"] == [8] and best["federate.client_num"] == 8
+    ran = load_config(folder / "study.yaml", ["train.optimizer.lr=1.0"])
+    assert all(best[k] == ran[k] for k in ("data.synthetic.dim", "train.local_steps", "train.optimizer.lr",
+                                           "federate.total_round_num", "eval.clients"))
+    (folder / "empty.yaml").write_text("")
+    rc = main(["--cfg", str(folder / "empty.yaml"), "--space", str(space), "--method", "grid",
+               "--outdir", str(tmp_path / "e")])
+    assert rc == 2 and "is empty" in capsys.readouterr().err
+
+
 def test_virtual_time_budget_and_test_metric_warning(tmp_path, caplog):
     space = {"train.optimizer.lr": {"type": "choice", "values": [0.3, 1.0, 3.0]}}
     probe = tune(dict(BASE, **{"federate.total_round_num": 3}), {"train.optimizer.lr": {"type": "choice", "values": [1.0]}},

@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from fedcore.config import Config, composed_keys
 from fedcore.errors import ConfigError
 from fedcore.tune.runner import CourseRun, Job, run_jobs
 from fedcore.tune.space import SearchSpace
@@ -276,21 +277,14 @@ class Study:
 
 
 def _base_tree(base: str | Path | dict) -> dict:
+    """The base config as one nested tree: a YAML file is composed as `fedcore.run` reads it
+    (its `defaults:` merged in, since base.yaml is written elsewhere; an empty file refused)."""
     if isinstance(base, dict):
         tree: dict = {}
         for key, value in base.items():
             _set_dotted(tree, key, value)
         return tree
-    p = Path(base)
-    if not p.is_file():
-        raise ConfigError(f"--cfg: file '{p}' does not exist")
-    try:
-        tree = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"--cfg: '{p}' is not valid YAML ({str(exc).splitlines()[0]})") from None
-    if not isinstance(tree, dict):
-        raise ConfigError(f"--cfg: '{p}' must hold a mapping of config keys")
-    return tree
+    return Config(composed_keys(base)).as_tree()
 
 
 def _set_dotted(tree: dict, key: str, value: Any) -> None:
