@@ -354,6 +354,16 @@ def composed_keys(path: str | Path) -> dict[str, Any]:
     return values
 
 
+def import_named_plugins(paths: Iterable[str | Path] = (), overrides: Iterable[str] = ()) -> None:
+    """Import the plug-in modules that config files (with their `defaults:`) and `plugins=`
+    overrides name, so that their keys are known, e.g. to `--help-key`; nothing is validated."""
+    for path in paths:
+        composed_keys(path)
+    for key, value in map(parse_override, overrides):
+        if key == "plugins":
+            _import_plugins(value or [])
+
+
 def load_config(path: str | Path | dict | list | tuple | None = None, overrides: Iterable[str] = (),
                 extra: dict[str, Any] | None = None, extra_source: str = "arguments") -> Config:
     """Compose configs, apply `KEY=VALUE` overrides and `extra`, import plug-ins, validate.

@@ -47,11 +47,12 @@ def resolve_outdir(cfg) -> Path:
 
 
 def _run(args) -> int:
-    from fedcore.config import describe_key, load_config, reference_markdown
+    from fedcore.config import describe_key, import_named_plugins, load_config, reference_markdown
     if args.list_keys:
         print(reference_markdown(), end="")
         return EXIT_OK
     if args.help_key:
+        import_named_plugins(args.cfg or (), args.overrides)   # a plug-in's keys are known too
         print(describe_key(args.help_key))
         return EXIT_OK
     if not args.cfg:

@@ -1,6 +1,7 @@
 """Config: YAML + dotted overrides, schema defaults, and one-line errors with exit code 2."""
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -66,6 +67,17 @@ def test_cli_help_key():
     assert r.returncode == 0
     assert "int" in r.stdout and "default 10" in r.stdout and "rounds" in r.stdout
     assert _cli("--help-key", "federate.total_rnd").returncode == 2
+
+
+def test_cli_help_key_knows_the_keys_of_the_plugins_a_config_or_override_names(tmp_path):
+    root = Path(__file__).resolve().parents[1]   # where `tests.slow_plugin` imports from
+    r = _cli("--help-key", "slow_test.pause", "plugins=[tests.slow_plugin]", cwd=root)
+    assert r.returncode == 0 and "slow_test.pause: float" in r.stdout, r.stderr
+    base = _write(tmp_path, "plugins: [tests.slow_plugin]\n")
+    (tmp_path / "mine.yaml").write_text(f"defaults: [{base.name}]\n")
+    r = _cli("--cfg", str(tmp_path / "mine.yaml"), "--help-key", "slow_test", cwd=root)
+    assert r.returncode == 0 and "slow_test.pause: float" in r.stdout, r.stderr
+    assert _cli("--help-key", "slow_test.pause", cwd=root).returncode == 2   # named by nothing
 
 
 def test_config_reference_in_docs_is_current():
