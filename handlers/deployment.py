@@ -17,8 +17,10 @@ A synchronous round has a deadline even when `distribute.round_deadline` is
 unset: once half of its clients have replied, taking t seconds, the others
 are dropped after max(`distribute.heartbeat_timeout`,
 `distribute.deadline_factor` x t) plus the time the model takes down and up
-at `distribute.min_bytes_per_second`. A client whose trainer hangs while its
-heartbeats flow cannot hold the course.
+at `distribute.min_bytes_per_second`; until half have replied, t is the slowest
+earlier round's. A client whose trainer hangs while its heartbeats flow cannot
+hold the course (in the first round, only `distribute.round_deadline` bounds a
+hung majority).
 """
 from __future__ import annotations
 
@@ -55,7 +57,7 @@ def _listed(server, key: str, entry: dict) -> None:
 def arm(server, _event=None) -> None:
     """Server `start`: with `distribute.min_clients`, start after the join timeout."""
     cfg = server.course.cfg
-    server.deploy_round = (None, 0.0)
+    server.deploy_round, server.deploy_from = (None, 0.0), server.round
     if cfg["distribute.min_clients"] is not None:
         server.set_timer(cfg["distribute.join_timeout"], "join_timeout")
 
@@ -90,6 +92,7 @@ def _drop(server, ids: list[int], why: str) -> None:
     if not hit:
         return
     server.selected.difference_update(hit)
+    server.deploy_dropped = (server.round, id(server.buffer))   # its time measures no one
     log.warning("round %d: dropped client(s) %s from the round: %s", server.round, hit, why)
     _listed(server, "dropped", {"round": server.round, "clients": hit, "reason": why})
     if not server.selected:
@@ -118,7 +121,11 @@ def client_lost(server, info) -> None:
 
 def round_check(server, _event=None) -> None:
     """Periodic: enforce `distribute.round_deadline`; restart a round no one was sampled for."""
-    if not server.started or server.finished:
+    last_check, server.deploy_checked = getattr(server, "deploy_checked", None), server.now
+    if not server.started:
+        server.deploy_from = server.round   # the round the course will start from
+        return
+    if server.finished:
         return
     if _async(server):
         if not server.in_flight and server.course.client_ids:
@@ -129,12 +136,22 @@ def round_check(server, _event=None) -> None:
     this_round = (server.round, id(server.buffer))  # a round run again gets a new buffer
     seen_round, since = getattr(server, "deploy_round", (None, 0.0))
     if seen_round != this_round:
+        # Rounds that completed with every reply between two checks, too fast for a check to
+        # see half of them in: their whole time (at most the time since then) is the measure
+        # for a later round in which no one replies (one sampled client that hangs).
+        if seen_round is None:   # the first check since the start: rounds done since the last
+            if server.round > getattr(server, "deploy_from", server.round) and last_check is not None \
+                    and getattr(server, "deploy_dropped", None) is None:
+                _note_round_time(server, server.now - last_check)
+        elif getattr(server, "deploy_half", None) is None \
+                and getattr(server, "deploy_dropped", None) != seen_round:
+            _note_round_time(server, server.now - since)
         server.deploy_round, server.deploy_half = (this_round, server.now), None
         return
     replied, waiting = len(server.buffer), len(server.selected)
     if getattr(server, "deploy_half", None) is None and replied and replied >= waiting:
         server.deploy_half = server.now
-        server.deploy_slowest_half = max(getattr(server, "deploy_slowest_half", 0.0), server.now - since)
+        _note_round_time(server, server.now - since)
     deadline = _deadline(server, since)
     if deadline is not None and server.selected and server.now - since > deadline:
         if server.course.cfg["distribute.round_deadline"] is not None:
@@ -148,17 +165,24 @@ def round_check(server, _event=None) -> None:
         server.trigger("all_joined_in")
 
 
+def _note_round_time(server, seconds: float) -> None:
+    """Remember the slowest time to half a round's replies (or, where the checks saw a round
+    only once it was over, to all of them)."""
+    server.deploy_slowest = max(getattr(server, "deploy_slowest", 0.0), seconds)
+
+
 def _deadline(server, since: float) -> float | None:
     """This round's deadline in seconds (None: none yet). Derived, it is measured on the time
     half of this round's clients took to reply, or, until they have, on the slowest earlier
-    round's (a round whose clients mostly hang would otherwise never get one); and it leaves
+    round's that completed without drops (a round whose clients mostly hang would otherwise
+    never get one); and it leaves
     room for the model to go down and its update to come up on the slowest link served
     (distribute.min_bytes_per_second), so a slow link is not mistaken for a hung client."""
     cfg = server.course.cfg
     if cfg["distribute.round_deadline"] is not None:
         return cfg["distribute.round_deadline"]
     half = getattr(server, "deploy_half", None)
-    took = half - since if half is not None else getattr(server, "deploy_slowest_half", None)
+    took = half - since if half is not None else getattr(server, "deploy_slowest", None)
     if took is None:
         return None
     if not hasattr(server, "model_bytes"):

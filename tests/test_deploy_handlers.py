@@ -175,6 +175,48 @@ def test_a_round_where_no_one_replies_gets_the_deadline_of_the_slowest_earlier_r
     assert "derived round deadline of 20.2s" in course.monitor.extra_summary["dropped"][0]["reason"]
 
 
+def test_rounds_faster_than_the_checks_measure_later_ones_but_dropped_rounds_do_not():
+    course, server = _server(distribute__heartbeat_timeout=10.0, distribute__deadline_factor=5.0)
+    course.server = server
+    server.aggregator = type("A", (), {"global_state": {"w": torch.zeros(250)}})()  # 1000 bytes
+    server.buffer, server.selected = [], {1}
+    server.trigger("round_check")                      # round 4 first seen at 0
+    server.now = 3.0                                   # it completed between two checks
+    server.round, server.buffer, server.selected = 5, [], {1}
+    server.trigger("round_check")                      # round 5 first seen at 3: round 4 took <= 3 s
+    server.now = 3.0 + 15.2                            # max(10, 5 x 3) + 0.2
+    server.trigger("round_check")
+    assert server.selected == {1}
+    server.now = 3.0 + 15.3
+    server.trigger("round_check")
+    assert server.selected == set() and course.raised == [("all_joined_in", 18.3)]
+    # round 5 ended by its deadline: its 15.3 s say nothing of how long a round takes
+    server.buffer, server.selected = [], {2}           # round 5 sampled again
+    server.trigger("round_check")
+    server.now = 18.3 + 15.3
+    server.trigger("round_check")
+    assert server.selected == set() and server.deploy_slowest == 3.0
+
+
+def test_rounds_done_before_the_first_check_saw_one_measure_the_next():
+    # tiny models: the first rounds complete between two checks, and the first round a check
+    # sees is the one where the only sampled client hangs
+    course, server = _server(distribute__heartbeat_timeout=10.0, distribute__deadline_factor=5.0)
+    course.server = server
+    server.aggregator = type("A", (), {"global_state": {"w": torch.zeros(250)}})()  # 1000 bytes
+    server.started, server.round = False, 1
+    server.trigger("round_check")                      # at 0: not started, round 1 to come
+    server.started, server.round, server.buffer, server.selected = True, 3, [], {1}
+    server.now = 0.5
+    server.trigger("round_check")                      # rounds 1 and 2 took at most 0.5 s
+    server.now = 0.5 + 10.2                            # max(10, 5 x 0.5) + 0.2
+    server.trigger("round_check")
+    assert server.selected == {1}
+    server.now = 0.5 + 10.3
+    server.trigger("round_check")
+    assert server.selected == set() and course.raised == [("all_joined_in", 10.8)]
+
+
 def test_before_any_round_has_half_its_replies_there_is_no_derived_deadline_and_lists_stay_bounded():
     course, server = _server()
     server.aggregator = type("A", (), {"global_state": {}})()

@@ -146,6 +146,29 @@ def test_a_hung_trainer_with_live_heartbeats_is_dropped_by_the_default_deadline(
     assert all("derived round deadline of 3." in d["reason"] and d["clients"] == [2] for d in summary["dropped"])
 
 
+def test_a_hung_client_sampled_alone_is_dropped_by_the_deadline_of_earlier_rounds(tmp_path, procs):
+    # one client per round: a round where it hangs never has half its replies; the deadline
+    # comes from the earlier rounds (which complete between two of the server's checks)
+    cfg = write_cfg(tmp_path / "course.yaml", {
+        "federate.client_num": 3, "federate.sample_client_num": 1, "federate.total_round_num": 3,
+        "eval.clients": False, "plugins": ["tests.slow_plugin"], "algorithm.name": "fedavg_pausing",
+        "slow_test.pause": 0.0, "slow_test.hang_clients": [1], "distribute.insecure": True,
+        "distribute.token": "t", "distribute.heartbeat_interval": 0.5, "distribute.heartbeat_timeout": 3.0})
+    out = tmp_path / "out"
+    server = procs.fedcore("server", cfg, "distribute.role=server", "distribute.server_port=0",
+                           f"outdir={out}")
+    port = server_port(out, server)
+    clients = [procs.fedcore(f"client{k}", cfg, "distribute.role=client", f"distribute.server_port={port}",
+                             f"distribute.client_id={k}") for k in (1, 2, 3)]
+    assert wait_exit(server, 180) == 0, text(server)[-3000:]
+    records = _strict(out / "metrics.jsonl")
+    assert [r["num_updates"] for r in records] == [1, 1, 1]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["dropped_total"] >= 1   # with seed 0, client 1 is sampled in round 2
+    assert all("derived round deadline of 3." in d["reason"] and d["clients"] == [1] for d in summary["dropped"])
+    assert all(wait_exit(c, 60) == 0 for c in clients[1:])
+
+
 def test_a_client_on_a_100_kb_per_s_link_with_a_multi_mb_model_finishes_its_rounds(tmp_path, procs):
     from tests.throttle import Throttle
     hidden = 46_000  # mlp 8 -> 46000 -> 3: 552,003 float32 parameters, 2.2 MB (> one 2 MiB chunk)
