@@ -36,6 +36,26 @@ def _server(**cfg):
     return course, server
 
 
+def _timed_server():
+    """A server for the deadline tests: heartbeat timeout 10 s, deadline factor 5, and a
+    1000-byte model (its transfer down and up at the default 10,000 B/s adds 0.2 s)."""
+    course, server = _server(distribute__heartbeat_timeout=10.0, distribute__deadline_factor=5.0)
+    course.server = server
+    server.aggregator = type("A", (), {"global_state": {"w": torch.zeros(250)}})()
+    return course, server
+
+
+def _kept_until(server, start: float, deadline: float) -> None:
+    """The sampled clients are waited for until `deadline` seconds after `start`, then dropped."""
+    waiting = set(server.selected)
+    server.now = start + deadline
+    server.trigger("round_check")
+    assert server.selected == waiting
+    server.now = start + deadline + 0.1
+    server.trigger("round_check")
+    assert server.selected == set()
+
+
 def test_lost_client_is_dropped_and_the_round_completes_with_the_others():
     course, server = _server()
     server.buffer = ["update from 1", "update from 3"]
@@ -130,9 +150,7 @@ def test_async_round_with_everyone_lost_restarts_with_the_clients_that_return(tm
 
 
 def test_derived_deadline_waits_for_half_the_replies_then_drops_the_rest():
-    course, server = _server(distribute__heartbeat_timeout=10.0, distribute__deadline_factor=5.0)
-    course.server = server
-    server.aggregator = type("A", (), {"global_state": {"w": torch.zeros(250)}})()  # 1000 bytes
+    course, server = _timed_server()
     server.buffer, server.selected = [], {1, 2, 3, 4}
     server.trigger("round_check")                      # the round is first seen at 0
     server.now = 4.0
@@ -152,9 +170,7 @@ def test_derived_deadline_waits_for_half_the_replies_then_drops_the_rest():
 def test_a_round_where_no_one_replies_gets_the_deadline_of_the_slowest_earlier_round():
     # one hung client sampled alone (or a hung majority) never lets a round reach half its
     # replies: the deadline then comes from the earlier rounds, or the course would stall
-    course, server = _server(distribute__heartbeat_timeout=10.0, distribute__deadline_factor=5.0)
-    course.server = server
-    server.aggregator = type("A", (), {"global_state": {"w": torch.zeros(250)}})()  # 1000 bytes
+    course, server = _timed_server()
     server.buffer, server.selected = [], {1, 2}
     server.trigger("round_check")                      # round 4 first seen at 0
     server.now = 4.0
@@ -166,30 +182,20 @@ def test_a_round_where_no_one_replies_gets_the_deadline_of_the_slowest_earlier_r
     server.selected.clear()                            # round 4 complete
     server.round, server.buffer, server.selected = 5, [], {3}
     server.trigger("round_check")                      # round 5 first seen at 6
-    server.now = 6.0 + 20.2                            # max(10, 5 x 4) + 2 x 1000 / 10000
-    server.trigger("round_check")
-    assert server.selected == {3} and course.raised == []
-    server.now = 6.0 + 20.3
-    server.trigger("round_check")
-    assert server.selected == set() and course.raised == [("all_joined_in", 26.3)]
+    _kept_until(server, 6.0, 20.2)                     # max(10, 5 x 4) + 2 x 1000 / 10000
+    assert course.raised == [("all_joined_in", server.now)]
     assert "derived round deadline of 20.2s" in course.monitor.extra_summary["dropped"][0]["reason"]
 
 
 def test_rounds_faster_than_the_checks_measure_later_ones_but_dropped_rounds_do_not():
-    course, server = _server(distribute__heartbeat_timeout=10.0, distribute__deadline_factor=5.0)
-    course.server = server
-    server.aggregator = type("A", (), {"global_state": {"w": torch.zeros(250)}})()  # 1000 bytes
+    course, server = _timed_server()
     server.buffer, server.selected = [], {1}
     server.trigger("round_check")                      # round 4 first seen at 0
     server.now = 3.0                                   # it completed between two checks
     server.round, server.buffer, server.selected = 5, [], {1}
     server.trigger("round_check")                      # round 5 first seen at 3: round 4 took <= 3 s
-    server.now = 3.0 + 15.2                            # max(10, 5 x 3) + 0.2
-    server.trigger("round_check")
-    assert server.selected == {1}
-    server.now = 3.0 + 15.3
-    server.trigger("round_check")
-    assert server.selected == set() and course.raised == [("all_joined_in", 18.3)]
+    _kept_until(server, 3.0, 15.2)                     # max(10, 5 x 3) + 0.2
+    assert course.raised == [("all_joined_in", server.now)]
     # round 5 ended by its deadline: its 15.3 s say nothing of how long a round takes
     server.buffer, server.selected = [], {2}           # round 5 sampled again
     server.trigger("round_check")
@@ -201,20 +207,14 @@ def test_rounds_faster_than_the_checks_measure_later_ones_but_dropped_rounds_do_
 def test_rounds_done_before_the_first_check_saw_one_measure_the_next():
     # tiny models: the first rounds complete between two checks, and the first round a check
     # sees is the one where the only sampled client hangs
-    course, server = _server(distribute__heartbeat_timeout=10.0, distribute__deadline_factor=5.0)
-    course.server = server
-    server.aggregator = type("A", (), {"global_state": {"w": torch.zeros(250)}})()  # 1000 bytes
+    course, server = _timed_server()
     server.started, server.round = False, 1
     server.trigger("round_check")                      # at 0: not started, round 1 to come
     server.started, server.round, server.buffer, server.selected = True, 3, [], {1}
     server.now = 0.5
     server.trigger("round_check")                      # rounds 1 and 2 took at most 0.5 s
-    server.now = 0.5 + 10.2                            # max(10, 5 x 0.5) + 0.2
-    server.trigger("round_check")
-    assert server.selected == {1}
-    server.now = 0.5 + 10.3
-    server.trigger("round_check")
-    assert server.selected == set() and course.raised == [("all_joined_in", 10.8)]
+    _kept_until(server, 0.5, 10.2)                     # max(10, 5 x 0.5) + 0.2
+    assert course.raised == [("all_joined_in", server.now)]
 
 
 def test_before_any_round_has_half_its_replies_there_is_no_derived_deadline_and_lists_stay_bounded():
