@@ -87,7 +87,8 @@ declare("distribute.round_deadline", float, None, "server, sync course: seconds 
         "distribute.deadline_factor)", check=positive)
 declare("distribute.deadline_factor", float, 5.0, "server, sync course without round_deadline: once "
         "half the round's clients have replied, the rest are dropped after this many times as long "
-        "as that took (at least distribute.heartbeat_timeout)", check=lambda v: None if v >= 1 else
+        "as that took (at least distribute.heartbeat_timeout); until then, this many times the "
+        "slowest earlier round's time", check=lambda v: None if v >= 1 else
         "must be at least 1")
 declare("distribute.retry_timeout", float, 60.0, "client: seconds without a server before giving up "
         "(exit code 4)", check=positive)
