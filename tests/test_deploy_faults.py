@@ -126,3 +126,65 @@ def test_a_server_busy_at_its_call_limit_is_retried_but_its_own_refusal_is_final
         assert code == 2 and "all 3 client ids are taken" in log
     else:
         assert code == 4 and "server busy" in log and "giving up" in log, log[-2000:]
+
+
+def _server_that(frames_for):
+    """A fake server whose Connect answers each call with `frames_for(call_number)`."""
+    from concurrent import futures
+
+    import grpc
+
+    calls = []
+
+    def connect(requests, context):
+        calls.append(1)
+        yield from frames_for(len(calls))
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "fedcore.Fedcore", {"Connect": grpc.stream_stream_rpc_method_handler(connect)}),))
+    return server, server.add_insecure_port("127.0.0.1:0")
+
+
+def _welcome(client_id):
+    from fedcore.wire import fedcore_pb2 as pb
+    return pb.Frame(welcome=pb.Welcome(client_id=client_id, server_session="s",
+                                       max_chunk_bytes=1 << 20)).SerializeToString()
+
+
+def _message(msg_type, content, message_id):
+    from fedcore.comm.chunking import chunk_frames, envelope_parts
+    from fedcore.wire import fedcore_pb2 as pb
+    from fedcore.wire.codec import encode_value
+    header = pb.Envelope(msg_type=msg_type, sender=0, receivers=[1], round=1, timestamp=1.0)
+    return list(chunk_frames(envelope_parts(header, encode_value(content)), message_id, 1 << 20))
+
+
+SERVERS = {   # what a broken or hostile server does on every call, and how the client ends
+    "welcomes-another-id": (lambda n: [_welcome(99)], 4, "welcome names client id 99, not 1"),
+    "welcomes-twice": (lambda n: [_welcome(1), _welcome(1)], 4, "a second welcome on one stream"),
+    "welcomes-then-hangs-up": (lambda n: [_welcome(1)], 4, "the server closed the stream"),
+    "sends-an-unusable-model": (lambda n: [_welcome(1), *_message("models", {}, 1),
+                                           *_message("finish", {}, 2)] if n == 1 else [],
+                                0, "the server's 'models' could not be used"),
+}
+
+
+@pytest.mark.parametrize("kind", SERVERS)
+def test_a_client_survives_what_a_broken_server_sends_and_gives_up_on_one_that_never_works(tmp_path, procs, kind):
+    # a client leaves a server that breaks the protocol and dials again; one that never keeps
+    # a session going is given up on after retry_timeout (exit 4, the last error named),
+    # however often it welcomes; content its handlers cannot use is skipped with one line
+    frames_for, code, said = SERVERS[kind]
+    server, port = _server_that(frames_for)
+    server.start()
+    try:
+        cfg = write_cfg(tmp_path / "course.yaml", {**FAST_FAULTS, "distribute.retry_timeout": 3.0,
+                                                   "distribute.heartbeat_timeout": 1.0})
+        client = procs.fedcore("client", cfg, "distribute.role=client", f"distribute.server_port={port}",
+                               "distribute.client_id=1")
+        assert wait_exit(client, 60) == code, text(client)[-2000:]
+    finally:
+        server.stop(0)
+    log = text(client)
+    assert said in log and "Traceback" not in log, log[-2000:]

@@ -97,3 +97,14 @@ def test_malformed_bytes_and_pickles_are_refused():
     good.map.entries[0].value.tensor.dtype = "object"
     with pytest.raises(WireError):
         from_value(good)
+
+
+@pytest.mark.parametrize("form", ["torch", "numpy"])
+def test_an_empty_tensor_of_impossible_shape_is_refused_not_a_crash(form):
+    # zero elements, so its (empty) bytes match; no library can lay the shape out
+    from fedcore.wire import fedcore_pb2 as pb
+    from fedcore.wire.codec import decode_tensor
+    for shape in ([0, 2 ** 62, 2 ** 62], [0, 2 ** 40, 2 ** 30]):
+        with pytest.raises(WireError, match="too large"):
+            decode_tensor(pb.Tensor(dtype="float32", shape=shape, data=b""), form)
+    assert tuple(decode_tensor(pb.Tensor(dtype="float32", shape=[0, 5], data=b""), form).shape) == (0, 5)

@@ -12,8 +12,12 @@ still alive) is tried again the same way; one that finds this client's
 course config different ends it with exit code 2, naming the keys.
 
 A client never dies because of what it was sent: a model or evaluation
-request with non-finite values is reported and skipped, and an update that
-came out non-finite is reported and not sent; the client waits for the next.
+request with non-finite values, or one its handlers cannot use (another
+layout), is reported and skipped, and an update that came out non-finite is
+reported and not sent; the client waits for the next. A server that welcomes
+it under another id, or sends what no server may (data that does not decode,
+a second welcome), is left and dialed again; one that never keeps a session
+going is given up on after `distribute.retry_timeout`, as an absent one.
 
 This module needs numpy, grpcio and protobuf, not torch: received tensors are
 decoded into `tensor_form` (the form its trainer works in, see
@@ -37,6 +41,8 @@ from fedcore.comm.stream import (METHOD, MD_CLIENT_ID, MD_COURSE, MD_REFUSED, MD
                                  heartbeat_frame, parse_frame, read_token)
 from fedcore.errors import EXIT_SERVER_GONE, ConfigError, FedcoreError
 from fedcore.message import SERVER_ID, Message
+from fedcore.quiet import QuietLog
+from fedcore.scheduler import HandlerError
 from fedcore.tensor_forms import first_nonfinite, get_form
 from fedcore.wire import fedcore_pb2 as pb
 from fedcore.wire.codec import WireError, decode_envelope, encode_value, from_value
@@ -63,13 +69,15 @@ def backoff_delay(attempt: int, initial: float, maximum: float, rng: random.Rand
 
 
 class _Stream:
-    __slots__ = ("done", "last_recv", "call", "reasm")
+    __slots__ = ("done", "last_recv", "call", "reasm", "welcomed", "why")
 
     def __init__(self, reasm: Reassembler):
         self.done = False
-        self.last_recv = time.monotonic()
+        self.last_recv = time.monotonic()   # the last frame after the welcome (or the dial)
         self.call = None
         self.reasm = reasm
+        self.welcomed = False
+        self.why = ""   # why this client cancelled the call, if it did
 
 
 class GrpcClientComm:
@@ -89,6 +97,7 @@ class GrpcClientComm:
         self.hb_interval, self.hb_timeout = d["heartbeat_interval"], d["heartbeat_timeout"]
         self.min_rate = d["min_bytes_per_second"]
         self.retry_timeout = d["retry_timeout"]
+        self.requested_id, self.num_clients = d["client_id"] or 0, cfg.get("federate.client_num")
         self.backoff = (d["backoff_initial"], d["backoff_max"])
         self.metadata = [(MD_CLIENT_ID, str(d["client_id"] or 0)), (MD_SESSION, secrets.token_hex(8)),
                          (MD_COURSE, fingerprint(cfg))]
@@ -110,6 +119,7 @@ class GrpcClientComm:
         self._rng = random.Random()
         self._thread: threading.Thread | None = None
         self._stream: _Stream | None = None
+        self.quiet = QuietLog(log)   # per kind of unusable message, a line now and then
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -198,9 +208,12 @@ class GrpcClientComm:
                     stream.call = connect(self._requests(token, stream), metadata=self.metadata)
                     for raw in stream.call:
                         answered = True
-                        stream.last_recv = last_ok = time.monotonic()
-                        attempt = 0
-                        self._on_frame(parse_frame(raw, self.chunk_size + FRAME_OVERHEAD), stream)
+                        # only what a welcomed session sends counts as a working server: one that
+                        # welcomes and then breaks the stream, again and again, is given up on
+                        # after retry_timeout like an absent one
+                        if self._on_frame(parse_frame(raw, self.chunk_size + FRAME_OVERHEAD), stream):
+                            stream.last_recv = last_ok = time.monotonic()
+                            attempt = 0
                     reason = "the server closed the stream"
                 except grpc.RpcError as exc:
                     code = exc.code()
@@ -229,9 +242,14 @@ class GrpcClientComm:
                                                        f"{self.client_id} ({code.name}: {detail})"))
                         return
                     else:
-                        reason = f"{code.name}: {detail}"
-                except WireError as exc:
+                        reason = stream.why or f"{code.name}: {detail}"
+                except (WireError, FedcoreError) as exc:
                     reason = f"bad data from the server: {exc}"
+                    log.error("client %s: %s", self.client_id, reason)
+                    if stream.call is not None:
+                        stream.call.cancel()
+                except Exception as exc:  # noqa: BLE001 - whatever the server's data did, not a dead thread
+                    reason = f"bad data from the server: {type(exc).__name__}: {exc}"
                     log.error("client %s: %s", self.client_id, reason)
                     if stream.call is not None:
                         stream.call.cancel()
@@ -265,8 +283,9 @@ class GrpcClientComm:
             allowed = allowed_silence(self.hb_timeout, stream.reasm.in_progress, self.chunk_size,
                                       self.min_rate)
             if time.monotonic() - stream.last_recv > allowed:
-                log.warning("client %s: server silent for %gs (distribute.heartbeat_timeout); reconnecting",
-                            self.client_id, allowed)
+                stream.why = (f"server silent for {allowed:g}s (distribute.heartbeat_timeout)" if stream.welcomed
+                              else f"no welcome from the server within {allowed:g}s")
+                log.warning("client %s: %s; reconnecting", self.client_id, stream.why)
                 if stream.call is not None:
                     stream.call.cancel()
                 return None
@@ -274,22 +293,24 @@ class GrpcClientComm:
 
         yield from self.outbox.frames(token, alive, self.hb_interval, idle)
 
-    def _on_frame(self, frame: pb.Frame, stream: _Stream) -> None:
+    def _on_frame(self, frame: pb.Frame, stream: _Stream) -> bool:
+        """Take one frame; True if it shows a working session (any good frame after this
+        stream's welcome, the welcome itself not included). What no server may send raises
+        WireError."""
         kind = frame.WhichOneof("kind")
         if kind == "welcome":
-            w = frame.welcome
-            new_server = self.server_session is not None and w.server_session != self.server_session
-            self.client_id, self.server_session, self.connected = w.client_id, w.server_session, True
-            if new_server:
-                self._last_delivered = 0
-                log.warning("client %d: the server restarted; joining again", self.client_id)
-                if self.on_new_server is not None:
-                    self.scheduler.call_soon(self.on_new_server)
-            self._welcomed.set()
-        elif kind == "chunk":
+            self._welcome(frame.welcome, stream)
+            return False
+        if not stream.welcomed:
+            if kind == "chunk":
+                raise WireError("the server sent a message before its welcome")
+            return False   # a heartbeat, or a goodbye, from a server that has not admitted us
+        if kind == "chunk":
             data = stream.reasm.feed(frame.chunk)
-            if data is None or frame.chunk.message_id <= self._last_delivered:
-                return
+            if data is None:
+                return True   # a message under way (a slow link may take minutes over one)
+            if frame.chunk.message_id <= self._last_delivered:
+                return True
             env = decode_envelope(data)
             content = from_value(env.content, self.tensor_form)
             if self.device is not None:
@@ -302,13 +323,35 @@ class GrpcClientComm:
             if bad is not None:
                 log.warning("client %s: round %d: the server's '%s' is not finite (%s): skipped; "
                             "waiting for the next", self.client_id, msg.round, msg.msg_type, bad)
-                return
+                return True
             if self.worker is None:
                 self._early.append(msg)
             else:
                 self.scheduler.call_soon(_Delivery(self, msg))
         elif kind == "bye":
             log.warning("client %s: the server is leaving (%s)", self.client_id, frame.bye.reason)
+        return True
+
+    def _welcome(self, w: pb.Welcome, stream: _Stream) -> None:
+        """The server admitted this stream: under the id asked for (or one in range, where the
+        server assigns it), and the same id again on every later stream."""
+        if stream.welcomed:
+            raise WireError("the server sent a second welcome on one stream")
+        expected = self.client_id or self.requested_id
+        top = self.num_clients or w.client_id   # a course's client count, where the config says
+        if not 1 <= w.client_id <= top or (expected and w.client_id != expected):
+            raise WireError(f"the server's welcome names client id {w.client_id}, not "
+                            + (f"{expected}" if expected else f"one in 1..{self.num_clients}"))
+        stream.welcomed = True
+        stream.last_recv = time.monotonic()
+        new_server = self.server_session is not None and w.server_session != self.server_session
+        self.client_id, self.server_session, self.connected = w.client_id, w.server_session, True
+        if new_server:
+            self._last_delivered = 0
+            log.warning("client %d: the server restarted; joining again", self.client_id)
+            if self.on_new_server is not None:
+                self.scheduler.call_soon(self.on_new_server)
+        self._welcomed.set()
 
 
 class _Delivery:
@@ -318,8 +361,15 @@ class _Delivery:
         self.comm, self.msg = comm, msg
 
     def __call__(self) -> None:
-        worker = self.comm.worker
-        worker.deliver(self.msg)
+        worker, msg = self.comm.worker, self.msg
+        try:
+            worker.deliver(msg)
+        except HandlerError as exc:
+            # what the server sent could not be used (a model of another layout, say): the
+            # client says so and waits for the next message rather than dying of it
+            self.comm.quiet(f"unusable {msg.msg_type}", f"client {self.comm.client_id}: round {msg.round}: "
+                            f"the server's '{msg.msg_type}' could not be used ({exc}); skipped",
+                            logging.ERROR)
         if getattr(worker, "finished", False):
             self.comm.scheduler.stop()
 

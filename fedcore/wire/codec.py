@@ -167,13 +167,15 @@ def decode_tensor(t: pb.Tensor, form: str = "torch") -> Any:
     shape = tuple(t.shape)
     if any(d < 0 for d in shape):
         raise WireError(f"tensor shape {shape} has a negative dimension")
+    if math.prod(d for d in shape if d) >= 2 ** 62:   # empty, yet no library could lay it out
+        raise WireError(f"tensor shape {shape} is too large")
     expected = math.prod(shape) * itemsize
     if expected != len(t.data):
         raise WireError(f"tensor of shape {shape} and dtype {t.dtype} needs {expected} bytes, got {len(t.data)}")
     try:
         return get_form(form).from_wire(t.dtype, shape, t.data)
-    except ValueError as exc:
-        raise WireError(str(exc)) from None
+    except (ValueError, RuntimeError, OverflowError) as exc:   # what a form's library refuses
+        raise WireError(f"tensor of shape {shape} and dtype {t.dtype}: {exc}") from None
 
 
 def decode_envelope(data: bytes) -> pb.Envelope:
