@@ -188,6 +188,7 @@ def test_a_deployed_client_skips_a_non_finite_model_and_never_sends_a_non_finite
     comm = GrpcClientComm(cfg, _Sched())
     comm.client_id, comm.worker = 1, object()
     stream = _Stream(Reassembler(2 ** 20, comm.chunk_size))
+    stream.welcomed = True   # messages come after the server's welcome
     bad = {"model": {"w": torch.tensor([1.0, float("inf")])}}
     for raw in chunk_frames((encode_envelope("models", 0, [1], 2, 0.0, bad),), 1, 1024):
         comm._on_frame(parse_frame(raw, 4096), stream)
