@@ -175,9 +175,9 @@ def _deadline(server, since: float) -> float | None:
     """This round's deadline in seconds (None: none yet). Derived, it is measured on the time
     half of this round's clients took to reply, or, until they have, on the slowest earlier
     round's that completed without drops (a round whose clients mostly hang would otherwise
-    never get one); and it leaves
-    room for the model to go down and its update to come up on the slowest link served
-    (distribute.min_bytes_per_second), so a slow link is not mistaken for a hung client."""
+    never get one); and it leaves room for the model to go down and its update to come up on
+    the slowest link served (distribute.min_bytes_per_second), so a slow link is not mistaken
+    for a hung client."""
     cfg = server.course.cfg
     if cfg["distribute.round_deadline"] is not None:
         return cfg["distribute.round_deadline"]

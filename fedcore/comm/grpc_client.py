@@ -243,13 +243,9 @@ class GrpcClientComm:
                         return
                     else:
                         reason = stream.why or f"{code.name}: {detail}"
-                except (WireError, FedcoreError) as exc:
-                    reason = f"bad data from the server: {exc}"
-                    log.error("client %s: %s", self.client_id, reason)
-                    if stream.call is not None:
-                        stream.call.cancel()
                 except Exception as exc:  # noqa: BLE001 - whatever the server's data did, not a dead thread
-                    reason = f"bad data from the server: {type(exc).__name__}: {exc}"
+                    said = exc if isinstance(exc, (WireError, FedcoreError)) else f"{type(exc).__name__}: {exc}"
+                    reason = f"bad data from the server: {said}"
                     log.error("client %s: %s", self.client_id, reason)
                     if stream.call is not None:
                         stream.call.cancel()

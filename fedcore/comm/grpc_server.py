@@ -326,11 +326,14 @@ class GrpcServerComm:
                     raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                    f"all {self.num_clients} client ids are taken (federate.client_num)")
             busy = self._open.get(cid, 0)   # calls of this id still running
+            if busy >= OPEN_PER_ID:
+                self._refuse(grpc.StatusCode.UNAVAILABLE, "too many open streams for one id",
+                             f"client id {cid} still has {busy} streams open; try again once they end",
+                             f"refused {peer}: client {cid} already has {busy} streams open "
+                             "(its earlier ones are not reading what they were sent)")
             s = self.sessions.get(cid)
             live = None
-            if busy >= OPEN_PER_ID:
-                pass
-            elif s is not None and s.state == "live" and s.session_id != session_id:
+            if s is not None and s.state == "live" and s.session_id != session_id:
                 # Never swapped in: a live session keeps its id until it leaves or goes silent.
                 live = s
             else:
@@ -344,11 +347,6 @@ class GrpcServerComm:
                 s.streams += 1
                 self._open[cid] = busy + 1
                 token_ = s.outbox.claim()
-        if busy >= OPEN_PER_ID:
-            self._refuse(grpc.StatusCode.UNAVAILABLE, "too many open streams for one id",
-                         f"client id {cid} still has {busy} streams open; try again once they end",
-                         f"refused {peer}: client {cid} already has {busy} streams open "
-                         "(its earlier ones are not reading what they were sent)")
         if live is not None:
             self._refuse(grpc.StatusCode.ALREADY_EXISTS, "second session for a live id",
                          f"client id {cid} already has a live session; a second one is refused until "
