@@ -1,5 +1,7 @@
-"""FedRep and pFedMe under the other executors: the processes executor gives the sequential
-numbers and personal states; the vectorized one runs them sequentially and says why."""
+"""FedRep and pFedMe as whole courses: the processes executor gives the sequential numbers and
+personal states, the vectorized one runs them sequentially and says why, and a course resumed
+from a checkpoint continues with every client's head or personal model."""
+import json
 import logging
 
 import pytest
@@ -13,10 +15,13 @@ CASES = {"fedrep": dict(algorithm__fedrep__head_steps=2),
          "pfedme": dict(algorithm__pfedme__inner_steps=2)}
 
 
+COMMON = dict(model__type="mlp", model__hidden=[6], train__local_steps=2,
+              federate__sample_client_num=4, federate__total_round_num=3)
+
+
 def _run(algorithm, executor):
     cfg = small_cfg(None, algorithm__name=algorithm, executor=executor, executor_workers=2,
-                    model__type="mlp", model__hidden=[6], train__local_steps=2,
-                    federate__sample_client_num=4, federate__total_round_num=3, **CASES[algorithm])
+                    **COMMON, **CASES[algorithm])
     course = Course(cfg).build()
     course.run()
     return course
@@ -48,3 +53,19 @@ def test_vectorized_runs_them_sequentially_with_a_reason(caplog, algorithm):
     trainer = {"fedrep": "FedRepTrainer", "pfedme": "PFedMeTrainer"}[algorithm]
     assert [m for m in (r.getMessage() for r in caplog.records)
             if f"trainer {trainer} changes" in m and m.endswith("running sequentially")]
+
+
+@pytest.mark.parametrize("algorithm", sorted(CASES))
+def test_a_resumed_course_continues_with_the_personal_state(tmp_path, algorithm):
+    common = dict(algorithm__name=algorithm, **COMMON, **CASES[algorithm])
+    full = Course(small_cfg(tmp_path / "full", checkpoint__every=1, **common))
+    full.run()
+    resumed = Course(small_cfg(tmp_path / "resumed", **common,
+                               resume_from=str(tmp_path / "full" / "checkpoints" / "round_1.pt")))
+    resumed.run()
+    rows = [json.loads(x) for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    again = [json.loads(x) for x in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
+    keys = ("round", "test_acc", "client_test_acc_mean", "client_test_acc_std", "bytes_up")
+    assert [[r.get(k) for k in keys] for r in rows] == [[r.get(k) for k in keys] for r in again]
+    for cid in full.client_ids:
+        assert _same_tree(full.trainer.store.load(cid), resumed.trainer.store.load(cid))
