@@ -42,7 +42,8 @@ def head_entries(model: nn.Module, patterns: list[str] | None) -> set[str]:
     """State-dict names of the head: those matching `patterns`, or the last layer with parameters."""
     names = list(model.state_dict())
     if patterns is None:
-        last = [prefix for prefix, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))]
+        last = [prefix for prefix, m in model.named_modules()
+                if any(True for _ in m.parameters(recurse=False))]
         if not last:
             return set()
         prefix = last[-1]

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from fedcore.config import declare, non_negative, positive, validator
+from fedcore.config import declare, positive, validator
 from fedcore.contract import Algorithm, Trainer
 from fedcore.errors import ConfigError
 from fedcore.algorithms.fedrep import UniformAggregator
