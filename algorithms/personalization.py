@@ -6,7 +6,10 @@
 - `ditto` (Li et al., 2021): besides the usual update from the global model
   w, each client trains a personal model v on its data with the objective
   F_k(v) + lambda/2 ||v - w||^2 (`personalization.ditto_lambda`) and is
-  evaluated with v. lambda -> infinity gives the global model, 0 pure local training.
+  evaluated with v. As in the paper's Algorithm 1 and its authors' code, every
+  personal model starts from w^0, the initial model shared by all (not from
+  the first global model the client happens to receive), so lambda = 0 is pure
+  local training from w^0; lambda -> infinity gives the global model.
 - `finetune` ("localized FedAvg"): before each evaluation a client fine-tunes
   the received global model on its own training split for
   `personalization.local_steps` steps and is evaluated with the result
@@ -27,7 +30,7 @@ from fedcore.contract import BatchStream, Trainer, evaluate_model
 from fedcore.config import declare, non_negative, positive, validator
 from fedcore.errors import ConfigError
 
-__all__ = ["batchnorm_entries", "ExcludeEntries", "local_train", "install"]
+__all__ = ["batchnorm_entries", "ExcludeEntries", "local_train", "evaluate_with", "install"]
 
 declare("personalization.method", str, "none", "none, fedbn (BatchNorm stays local), ditto "
         "(a personal model regularised toward the global one) or finetune (local fine-tuning "
@@ -123,17 +126,24 @@ def _install_fedbn(course) -> None:
         server.aggregator.set_shared(ExcludeEntries(server.aggregator.shared, bn))
 
 
+def evaluate_with(trainer: Trainer, data, entries: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The trainer's model with `entries` loaded (a personal model), on the client's test split."""
+    _load(trainer, entries)
+    return evaluate_model(trainer.model, data.test.x, data.test.y, trainer.loss,
+                          trainer.cfg["eval.batch_size"])
+
+
 def _install_ditto(course) -> None:
     trainer, cfg = course.trainer, course.cfg
     lam, store = cfg["personalization.ditto_lambda"], trainer.store
-    fit, evaluate = trainer.fit, trainer.evaluate
+    initial = _snapshot(trainer)   # w^0: installed before any training, from the course's model
+    fit = trainer.fit
 
     def ditto_fit(client_id, data, received, round_):
         result = fit(client_id, data, received, round_)
         state = store.load(client_id)
         trainer.load_global(received["model"], state)
-        if "ditto_model" in state:
-            _load(trainer, state["ditto_model"])
+        _load(trainer, state.get("ditto_model", initial))
         ref = {n: received["model"][n].detach() for n in trainer.param_names if n in received["model"]}
         named = [(p, ref[n]) for n, p in zip(trainer.param_names, trainer.params) if n in ref]
 
@@ -147,12 +157,8 @@ def _install_ditto(course) -> None:
         return result
 
     def ditto_evaluate(client_id, data, received):
-        state = store.load(client_id)
-        if "ditto_model" not in state:
-            return evaluate(client_id, data, received)
-        _load(trainer, state["ditto_model"])
-        return evaluate_model(trainer.model, data.test.x, data.test.y, trainer.loss,
-                              cfg["eval.batch_size"])
+        # a client not yet trained is evaluated with its personal model as it stands: w^0
+        return evaluate_with(trainer, data, store.load(client_id).get("ditto_model", initial))
     trainer.fit, trainer.evaluate = ditto_fit, ditto_evaluate
 
 

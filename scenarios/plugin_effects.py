@@ -122,7 +122,11 @@ def personalization(seeds, rounds) -> str:
                       ("Ditto, lambda 0.1", dict(personalization__method="ditto")),
                       ("Ditto, lambda 1", dict(personalization__method="ditto",
                                                personalization__ditto_lambda=1.0)),
-                      ("FedAvg + local fine-tuning", dict(personalization__method="finetune"))]:
+                      ("FedAvg + local fine-tuning", dict(personalization__method="finetune")),
+                      ("FedRep, 2 head epochs", dict(personalization__method="none", algorithm__name="fedrep",
+                                                     algorithm__fedrep__head_epochs=2)),
+                      ("pFedMe, lambda 15", dict(personalization__method="none", algorithm__name="pfedme",
+                                                 algorithm__pfedme__personal_lr=0.05))]:
         res = [run("personalization_dirichlet", s, rounds, **kw) for s in seeds]
         rows.append([label, mean_of(res, "client_test_acc_mean", True),
                      mean_of(res, "client_test_acc_p10", True), mean_of(res, "client_test_acc_std", True),

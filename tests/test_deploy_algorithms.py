@@ -3,7 +3,8 @@
 Synchronous courses with fixed seeds and full participation must end with the
 simulation's final model (to 1e-6) and count the same bytes per round:
 SCAFFOLD (its updates carry control-variate deltas, its broadcast the server's
-control variate), FedDyn, DiLoCo (inner optimizer state stays with each client
+control variate), FedDyn, FedRep and pFedMe (heads and personal models stay
+with each client), DiLoCo (inner optimizer state stays with each client
 and is never sent), FedAdam on FedNova (the normalizing factor crosses the
 wire, the server optimizer's moments stay with the server) and FedAvg with
 local DP noise combined by the coordinate median (two behaviour plug-ins, each
@@ -43,6 +44,11 @@ SYNC_COURSES = {
                         "server_optimizer.type": "adam", "server_optimizer.lr": 0.05},
     "local_dp_median": {"privacy.dp.mode": "local", "privacy.dp.noise_multiplier": 0.1,
                         "aggregator.robust_rule": "median"},
+    # personalization: FedRep's heads and pFedMe's personal models stay in each client's state,
+    # only the representation / the local model crosses the wire
+    "fedrep": {"algorithm.name": "fedrep", "model.type": "mlp", "model.hidden": [6],
+               "algorithm.fedrep.head_epochs": 2},
+    "pfedme": {"algorithm.name": "pfedme", "algorithm.pfedme.beta": 1.5},
 }
 
 

@@ -1,8 +1,11 @@
 """FedBN keeps BatchNorm out of the payload; Ditto and fine-tuning personalize; performance_drop."""
+import copy
+
 import pytest
 import torch
 
 from fedcore.algorithms.personalization import batchnorm_entries
+from fedcore.contract import BatchStream, evaluate_model
 from fedcore.course import Course
 from fedcore.errors import ConfigError
 from fedcore.message import SERVER_ID, Message
@@ -144,3 +147,74 @@ def test_fedbn_composes_with_algorithms_that_keep_per_entry_state(algorithm):
     for k in bn:
         assert torch.equal(agg.global_state[k], init[k])
     assert not torch.equal(agg.global_state["1.weight"], init["1.weight"])
+
+
+def _record_fits(course) -> list[tuple[int, int]]:
+    """(client, round) of every fit, in order (wrapping whatever fit the behaviours installed)."""
+    fits, fit = [], course.trainer.fit
+    course.trainer.fit = lambda cid, data, received, r: fits.append((cid, r)) or fit(cid, data, received, r)
+    return fits
+
+
+def test_ditto_lambda_zero_is_local_training_from_the_initial_model():
+    # Li et al. 2021, Algorithm 1: every personal model v_k starts from w^0; with lambda = 0 its
+    # update is plain SGD on the client's own loss, so v_k is local training from w^0.
+    cfg = small_cfg(None, personalization__method="ditto", personalization__ditto_lambda=0.0,
+                    federate__sample_client_num=3, train__local_steps=3,
+                    train__optimizer__momentum=0.5, **dict(SKEWED, federate__total_round_num=5))
+    course = Course(cfg).build()
+    w0 = {k: v.clone() for k, v in course.server.aggregator.global_state.items()}
+    fits = _record_fits(course)
+    course.run()
+    late = [c for c in course.client_ids if min((r for k, r in fits if k == c), default=1) > 1]
+    assert late, "partial participation must leave some client's first round after the first"
+    again = [c for c in course.client_ids if sum(k == c for k, _ in fits) > 1]
+    assert again, "some client must train its personal model in several rounds"
+    for cid in course.client_ids:
+        model = copy.deepcopy(course.trainer.model)
+        model.load_state_dict(w0)
+        train = course.clients[cid].data.train
+        for r in (r for k, r in fits if k == cid):       # the rounds this client was sampled in
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+            batches = BatchStream(len(train), 10, cfg["seed"] * 1009 + 3 * r + 1, cid)  # Ditto's v-stream
+            model.train()
+            for _ in range(3):
+                idx = batches.next()
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(model(train.x[idx]), train.y[idx]).backward()
+                opt.step()
+        state = course.trainer.store.load(cid)
+        if cid not in {k for k, _ in fits}:
+            assert "ditto_model" not in state
+            continue
+        expected = model.state_dict()
+        assert all(torch.equal(state["ditto_model"][k], expected[k]) for k in expected), cid
+
+
+def test_a_never_trained_ditto_client_is_evaluated_with_the_initial_model():
+    cfg = small_cfg(None, personalization__method="ditto", **SKEWED)
+    course = Course(cfg).build()
+    w0 = {k: v.clone() for k, v in course.server.aggregator.global_state.items()}
+    course.run()
+    model = copy.deepcopy(course.trainer.model)
+    model.load_state_dict(w0)
+    test = course.clients[1].data.test
+    expected = evaluate_model(model, test.x, test.y, "cross_entropy")
+    course.trainer.store.save(1, {})             # as a client that was never sampled
+    got = course.trainer.evaluate(1, course.clients[1].data, course.server.aggregator.broadcast(9))
+    assert got == expected
+
+
+def test_ditto_personal_models_survive_a_checkpoint(tmp_path):
+    common = dict(personalization__method="ditto", federate__sample_client_num=3,
+                  **dict(SKEWED, federate__total_round_num=4))
+    full = Course(small_cfg(tmp_path / "full", checkpoint__every=2, **common))
+    full.run()
+    resumed = Course(small_cfg(tmp_path / "resumed", **common,
+                               resume_from=str(tmp_path / "full" / "checkpoints" / "round_2.pt")))
+    resumed.run()
+    for cid in full.client_ids:
+        a, b = full.trainer.store.load(cid), resumed.trainer.store.load(cid)
+        assert ("ditto_model" in a) == ("ditto_model" in b)
+        if "ditto_model" in a:
+            assert all(torch.equal(a["ditto_model"][k], b["ditto_model"][k]) for k in a["ditto_model"])
