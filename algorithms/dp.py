@@ -182,10 +182,14 @@ class _Ledger:
                 self.releases[c] = self.releases.get(c, 0) + 1
         most = max(self.releases.values(), default=0)
         if most == 0:
-            return {"dp_epsilon": None}  # no noisy release yet: nothing to account
-        acc = RdpAccountant()
-        acc.step(1.0, self.sigma, most)
-        return {"dp_epsilon": acc.epsilon(self.delta)}
+            return {"dp_epsilon": None, "dp_epsilon_replace_one": None}  # nothing released yet
+        # a client's data against none (a zero update: sensitivity C), and against any other
+        # data of that client (replace-one: sensitivity 2C, i.e. noise multiplier sigma / 2)
+        zero_out, replace_one = RdpAccountant(), RdpAccountant()
+        zero_out.step(1.0, self.sigma, most)
+        replace_one.step(1.0, self.sigma / 2, most)
+        return {"dp_epsilon": zero_out.epsilon(self.delta),
+                "dp_epsilon_replace_one": replace_one.epsilon(self.delta)}
 
 
 def _install_central(course, q: float) -> None:
@@ -269,6 +273,8 @@ def install(course) -> None:
         course.monitor.extra_summary.update(dp_epsilon=out["dp_epsilon"], dp_delta=ledger.delta,
                                             dp_mode=ledger.mode, dp_noisy_clients=len(noisy),
                                             dp_noise_source=source)
+        if "dp_epsilon_replace_one" in out:
+            course.monitor.extra_summary["dp_epsilon_replace_one"] = out["dp_epsilon_replace_one"]
         return out
     aggregator.aggregate = accounted
 

@@ -1,12 +1,13 @@
 """DP on updates: clipping bounds the norm exactly, noise has std sigma*C, accounting in records."""
 import json
+import math
 
 import pytest
 import torch
 
 from fedcore.algorithms.combine import flatten, float_names
 from fedcore.algorithms.dp import central_dp_rule, clip_delta, gaussian_noise, privatize
-from fedcore.algorithms.dp_accountant import dp_epsilon
+from fedcore.algorithms.dp_accountant import DEFAULT_ORDERS, dp_epsilon
 from fedcore.algorithms.dp_noise import noise_generator
 from fedcore.course import Course
 from fedcore.errors import ConfigError
@@ -64,6 +65,18 @@ def test_local_dp_on_a_fraction_of_clients_reports_epsilon(tmp_path):
     # every client takes part each round: the noisy releases are 3 Gaussian mechanisms (q = 1)
     assert [r["dp_epsilon"] for r in records] == pytest.approx(
         [dp_epsilon(1.0, 2.0, k, 1e-5) for k in (1, 2, 3)])
+
+
+def test_local_dp_also_reports_epsilon_against_any_other_data_of_the_client(tmp_path):
+    # replace-one: ||clip(a) - clip(b)|| <= 2C, so k Gaussian releases of noise sigma C have
+    # RDP k alpha (2C)^2 / (2 sigma^2 C^2) = k alpha 2 / sigma^2 (Mironov 2017, Prop. 7)
+    summary, records = _run(tmp_path, privacy__dp__mode="local", privacy__dp__noise_multiplier=2.0)
+    for k, r in zip((1, 2, 3), records):   # converted as Balle et al. (2020), at the same orders
+        by_hand = min(k * a * 2 / 2.0 ** 2 + math.log1p(-1 / a) - (math.log(1e-5) + math.log(a)) / (a - 1)
+                      for a in DEFAULT_ORDERS)
+        assert r["dp_epsilon_replace_one"] == pytest.approx(by_hand, rel=1e-12)
+        assert r["dp_epsilon_replace_one"] > 2 * r["dp_epsilon"]
+    assert summary["dp_epsilon_replace_one"] == records[-1]["dp_epsilon_replace_one"]
 
 
 def test_central_dp_accounts_subsampled_rounds(tmp_path):
