@@ -18,6 +18,8 @@ import torch
 from fedcore.algorithms.combine import flatten, float_names
 from fedcore.algorithms.dp import gaussian_noise
 from fedcore.algorithms.dp_noise import noise_generator
+from fedcore.course import Course
+from tests.conftest import small_cfg
 from tests.deploy_helpers import text, wait_exit, write_cfg
 
 pytestmark = pytest.mark.slow
@@ -36,10 +38,16 @@ def _deploy(tmp_path, procs, runs: dict[str, dict]) -> dict:
             "privacy.dp.noise_multiplier": SIGMA, "privacy.dp.clip_norm": CLIP,
             "plugins": ["tests.dp_spy_plugin"], "dp_test.spy": True, **keys})
         out = tmp_path / name
-        launched[name] = (out, procs.start(name, ["-m", "fedcore.launch", "--cfg", str(cfg), f"outdir={out}"]))
+        launched[name] = (out, procs.start(name, ["-m", "fedcore.launch", "--cfg", str(cfg),
+                                                  f"outdir={out}"]))
     for out, launcher in launched.values():
         assert wait_exit(launcher, 300) == 0, text(launcher)[-3000:]
-    return {name: (out, json.loads((out / "summary.json").read_text())) for name, (out, _) in launched.items()}
+    return {name: (out, json.loads((out / "summary.json").read_text()))
+            for name, (out, _) in launched.items()}
+
+
+def _records(outdir):
+    return [json.loads(line) for line in (outdir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
 def _vec(model, names) -> torch.Tensor:
@@ -101,3 +109,28 @@ def test_a_client_cannot_regenerate_central_noise(tmp_path, procs):
     noise_norm = SIGMA * CLIP * math.sqrt(numel) / k
     assert 0.5 * math.sqrt(2) * noise_norm < left < 1.5 * math.sqrt(2) * noise_norm + 3 * CLIP / k
     assert summary["dp_noise_source"] == "os"
+
+
+def test_seeded_central_dp_with_an_empty_round_deploys_as_it_simulates(tmp_path, procs):
+    """Poisson sampling in a deployment: with seeded noise and coins (the diagnostic switch) the
+    deployed course, an empty round included, ends with the simulation's model."""
+    keys = {"privacy.dp.mode": "central", "federate.sample_client_num": 1,
+            "federate.total_round_num": 3, "eval.clients": False,
+            "privacy.dp.noise_multiplier": 0.5, "privacy.dp.clip_norm": 0.5}
+    for seed in range(20):   # q = 1/3: a seed whose 3 rounds include an empty sample
+        sim_dir = tmp_path / f"sim{seed}"
+        Course(small_cfg(sim_dir, seed=seed, federate__client_num=3,
+                         **{k.replace(".", "__"): v for k, v in keys.items()})).run()
+        sizes = [r["num_updates"] for r in _records(sim_dir)]
+        if 0 in sizes:
+            break
+    assert 0 in sizes and len(set(sizes)) > 1, sizes
+    cfg = write_cfg(tmp_path / "course.yaml", {**keys, **SEEDED, "seed": seed})
+    out = tmp_path / "deployed"
+    launcher = procs.start("launch", ["-m", "fedcore.launch", "--cfg", str(cfg), f"outdir={out}"])
+    assert wait_exit(launcher, 300) == 0, text(launcher)[-3000:]
+    assert [r["num_updates"] for r in _records(out)] == sizes
+    deployed = torch.load(out / "final_model.pt", weights_only=True)
+    simulated = torch.load(sim_dir / "final_model.pt", weights_only=True)
+    for entry in simulated:
+        assert torch.allclose(deployed[entry], simulated[entry], rtol=0, atol=1e-6), entry
