@@ -5,7 +5,10 @@ list, or a fraction, as in the paper's experiment on the share of clients
 adding noise) clips its delta to `clip_norm` C and adds N(0, (sigma C)^2) per
 coordinate before sending. `central` is the server variant (DP-FedAvg,
 McMahan et al., 2018): every delta is clipped to C, the clipped deltas are
-averaged with equal weights and N(0, (sigma C)^2) / m is added to the mean of m.
+summed, N(0, (sigma C)^2) is added and the total is divided by the expected cohort size
+qN (the fixed-denominator estimator of DP-FedAvg, so the divisor reveals nothing about who
+took part); clients are then Poisson-sampled with q = clients per round / N, as the bound
+assumes, and a round whose sample is empty still releases its noise.
 
 The server keeps an RDP accountant (`dp_accountant`) and writes the
 client-level epsilon spent at `privacy.dp.delta` into each round's record
@@ -13,6 +16,9 @@ client-level epsilon spent at `privacy.dp.delta` into each round's record
 round with q = clients per round / N. Local: each noisy release is a Gaussian
 mechanism (q = 1) on that client's update; the epsilon of the client that
 released most often is reported.
+
+Noise comes from `dp_noise`: seeded in simulation, the OS's randomness in deployment.
+The neighbouring relation, sensitivities and assumptions: docs/algorithms/dp.md.
 """
 from __future__ import annotations
 
@@ -24,9 +30,13 @@ import torch
 from fedcore import registry
 from fedcore.algorithms.combine import Deltas, flatten, float_names, replace_combination, unflatten
 from fedcore.algorithms.dp_accountant import RdpAccountant
+from fedcore.algorithms.dp_noise import (deployed, noise_generator, noise_source, resolved_noise_source,
+                                         standard_normal)
 from fedcore.algorithms.participants import chosen_clients
 from fedcore.config import declare, non_negative, positive, validator
+from fedcore.contract import ReceivedUpdate
 from fedcore.errors import ConfigError
+from fedcore.sampling import PoissonSampler
 from fedcore.schema import clients_per_round
 
 __all__ = ["clip_delta", "gaussian_noise", "noise_generator", "privatize", "central_dp_rule", "install"]
@@ -63,11 +73,31 @@ def _check_dp(cfg) -> None:
             raise ConfigError(f"privacy.dp.mode: central DP cannot wrap algorithm.name "
                               f"{cfg['algorithm.name']} (its aggregation uses more than the mean "
                               "model); use privacy.dp.mode=local")
+        _check_central_sampling(cfg)
     if mode == "local" and cfg["algorithm.name"] == "scaffold":
         # dc_i = -c - dy_i/(K eta) would release the clipped-and-noised dy_i exactly
         raise ConfigError("privacy.dp.mode: local DP cannot wrap algorithm.name scaffold (its "
                           "control-variate update reveals the model delta without noise); use "
                           "privacy.dp.mode=none or another algorithm")
+
+
+def _check_central_sampling(cfg) -> None:
+    """Central DP's bound holds for synchronous rounds on a Poisson sample: refuse the rest."""
+    if cfg["asyn.use"] or cfg["asyn.overselection"]:
+        raise ConfigError("privacy.dp.mode: central DP's privacy bound is for synchronous rounds on a "
+                          "Poisson sample; set asyn.use and asyn.overselection to false")
+    if cfg["federate.sampler"] != "uniform":
+        raise ConfigError(f"federate.sampler: central DP samples clients itself (Poisson, as its "
+                          f"privacy bound assumes), not by {cfg['federate.sampler']}; set uniform")
+    if cfg["secure_aggregation.enabled"]:
+        if clients_per_round(cfg) < cfg["federate.client_num"]:
+            raise ConfigError("privacy.dp.mode: central DP under secure aggregation needs every client "
+                              "in every round (a secure round cannot yet run on a Poisson sample); "
+                              "drop federate.sample_client_num/rate or use privacy.dp.mode=local")
+        if deployed(cfg) and resolved_noise_source(cfg) == "os":
+            raise ConfigError("privacy.dp.mode: central DP under secure aggregation still draws its "
+                              "noise from the course seed, which every client holds; use "
+                              "privacy.dp.mode=local in a deployment")
 
 
 # ---------------------------------------------------------------- the mechanism
@@ -78,14 +108,9 @@ def clip_delta(vector: torch.Tensor, clip_norm: float) -> tuple[torch.Tensor, fl
     return vector * factor, norm
 
 
-def gaussian_noise(numel: int, std: float, generator: torch.Generator) -> torch.Tensor:
-    """N(0, std^2) noise, float64, drawn from `generator`."""
-    return torch.randn(numel, generator=generator, dtype=torch.float64) * std
-
-
-def noise_generator(seed: int, client_id: int, round_: int) -> torch.Generator:
-    """The seeded source of one client's (or, id 0, the server's) noise in one round."""
-    return torch.Generator().manual_seed((seed * 1_000_003 + client_id) * 100_003 + round_ + 7)
+def gaussian_noise(numel: int, std: float, generator) -> torch.Tensor:
+    """N(0, std^2) noise, float64, drawn from `generator` (a torch.Generator or OS_NOISE)."""
+    return standard_normal(numel, generator) * std
 
 
 def privatize(model: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], clip_norm: float,
@@ -104,16 +129,20 @@ def privatize(model: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]
     return out, norm
 
 
-def central_dp_rule(clip_norm: float, noise_multiplier: float, seed: int):
-    """A combination rule: equal-weight mean of clipped deltas plus N(0, (sigma C)^2) / m."""
+def central_dp_rule(clip_norm: float, noise_multiplier: float, noise, expected: float | None = None):
+    """A combination rule: (sum of clipped deltas + N(0, (sigma C)^2)) / `expected`, the expected
+    cohort size (None: the number of deltas, right only for a cohort of fixed size). `noise` is
+    the course seed (seeded noise) or a function of the round giving the noise source."""
+    source = noise if callable(noise) else (lambda round_: noise_generator(noise, 0, round_))
+
     def rule(deltas: Deltas, weights: list[float], client_ids: list[int], round_: int):
         names = list(deltas[0])
         clipped, norms = zip(*(clip_delta(flatten(d, names), clip_norm) for d in deltas))
         total = torch.stack(clipped).sum(dim=0)
         if noise_multiplier > 0:
             total = total + gaussian_noise(total.numel(), noise_multiplier * clip_norm,
-                                           noise_generator(seed, 0, round_)).to(total.device)
-        mean = total / len(deltas)
+                                           source(round_)).to(total.device)
+        mean = total / (expected or len(deltas))
         return unflatten(mean, deltas[0], names), {
             "dp_clipped": sum(1 for n in norms if n > clip_norm)}
     return rule
@@ -153,54 +182,88 @@ class _Ledger:
                 self.releases[c] = self.releases.get(c, 0) + 1
         most = max(self.releases.values(), default=0)
         if most == 0:
-            return {"dp_epsilon": None}  # no noisy release yet: nothing to account
-        acc = RdpAccountant()
-        acc.step(1.0, self.sigma, most)
-        return {"dp_epsilon": acc.epsilon(self.delta)}
+            return {"dp_epsilon": None, "dp_epsilon_replace_one": None}  # nothing released yet
+        # a client's data against none (a zero update: sensitivity C), and against any other
+        # data of that client (replace-one: sensitivity 2C, i.e. noise multiplier sigma / 2)
+        zero_out, replace_one = RdpAccountant(), RdpAccountant()
+        zero_out.step(1.0, self.sigma, most)
+        replace_one.step(1.0, self.sigma / 2, most)
+        return {"dp_epsilon": zero_out.epsilon(self.delta),
+                "dp_epsilon_replace_one": replace_one.epsilon(self.delta)}
+
+
+def _install_central(course, q: float) -> None:
+    """The server clips, noises and divides by the expected cohort; clients are Poisson-sampled
+    (coins from the OS when the noise is), and a round whose sample is empty releases noise."""
+    cfg, server = course.cfg, course.server
+    sigma = cfg["privacy.dp.noise_multiplier"]
+    if sigma > 0:
+        old = server.sampler
+        server.sampler = PoissonSampler(old.client_ids, cfg["seed"], old.timing, rate=q,
+                                        secret=resolved_noise_source(cfg) == "os")
+    if cfg["secure_aggregation.enabled"]:
+        # the clients clip and the noise goes on the unmasked sum (handlers/secure_aggregation.py):
+        # the server has no single update to clip
+        return
+    aggregator = server.aggregator
+    replace_combination(aggregator, central_dp_rule(
+        cfg["privacy.dp.clip_norm"], sigma, lambda round_: noise_source(cfg, 0, round_),
+        expected=clients_per_round(cfg)), "privacy.dp.mode central")
+    combine = aggregator.aggregate
+
+    def releasing_empty_rounds(updates, round_):
+        if not updates:  # the server's own unchanged model: a zero delta, so noise alone is added
+            updates = [ReceivedUpdate(0, {"model": dict(aggregator.global_state), "num_samples": 1.0},
+                                      round_)]
+        return combine(updates, round_)
+    aggregator.aggregate = releasing_empty_rounds
+    aggregator.releases_empty_rounds = sigma > 0
+
+
+def _install_local(course, noisy: set[int]) -> None:
+    """Each chosen client clips its update and adds noise before sending it."""
+    cfg, trainer = course.cfg, course.trainer
+    clip, sigma = cfg["privacy.dp.clip_norm"], cfg["privacy.dp.noise_multiplier"]
+    fit = trainer.fit
+
+    def private_fit(client_id, data, received, round_):
+        result = fit(client_id, data, received, round_)
+        if client_id in noisy:
+            source = noise_source(cfg, client_id, round_)
+            if "delta" in result.content:  # updates sent as deltas (FedBuff): noise those
+                delta = result.content["delta"]
+                zero = {n: torch.zeros_like(t) for n, t in delta.items()}
+                delta, norm = privatize(delta, zero, clip, sigma, source)
+                result.content = dict(result.content, delta=delta)
+            else:
+                model, norm = privatize(result.content["model"], received["model"], clip, sigma, source)
+                result.content = dict(result.content, model=model)
+            result.metrics["dp_update_norm"] = norm
+        return result
+    trainer.fit = private_fit
 
 
 def install(course) -> None:
     """Behaviour: local DP on the chosen clients' trainer output, or central DP on the server."""
     cfg = course.cfg
-    clip, sigma, seed = cfg["privacy.dp.clip_norm"], cfg["privacy.dp.noise_multiplier"], cfg["seed"]
     # In a deployment a client process has no server and the server process no trainer:
     # each installs its own half. The noisy clients are drawn over the whole federation.
     server = course.server
-    if cfg["privacy.dp.mode"] == "central":
-        # Under secure aggregation the clients clip and the noise goes on the unmasked sum
-        # (handlers/secure_aggregation.py): the server has no single update to clip.
-        if server is not None and not cfg["secure_aggregation.enabled"]:
-            replace_combination(server.aggregator, central_dp_rule(clip, sigma, seed),
-                                "privacy.dp.mode central")
-        noisy: set[int] = set()
-    else:
+    noisy: set[int] = set()
+    if cfg["privacy.dp.mode"] == "local":
         noisy = chosen_clients(list(range(1, course.num_clients + 1)), cfg["privacy.dp.clients"],
-                               cfg["privacy.dp.fraction"], seed, 8101, "privacy.dp")
-    if cfg["privacy.dp.mode"] == "local" and course.trainer is not None:
-        trainer = course.trainer
-        fit = trainer.fit
-
-        def private_fit(client_id, data, received, round_):
-            result = fit(client_id, data, received, round_)
-            if client_id in noisy:
-                gen = noise_generator(seed, client_id, round_)
-                if "delta" in result.content:  # updates sent as deltas (FedBuff): noise those
-                    delta = result.content["delta"]
-                    zero = {n: torch.zeros_like(t) for n, t in delta.items()}
-                    delta, norm = privatize(delta, zero, clip, sigma, gen)
-                    result.content = dict(result.content, delta=delta)
-                else:
-                    model, norm = privatize(result.content["model"], received["model"], clip, sigma, gen)
-                    result.content = dict(result.content, model=model)
-                result.metrics["dp_update_norm"] = norm
-            return result
-        trainer.fit = private_fit
+                               cfg["privacy.dp.fraction"], cfg["seed"], 8101, "privacy.dp")
+        if course.trainer is not None:
+            _install_local(course, noisy)
     if server is None:
         return
     ledger = _Ledger(course)
+    if cfg["privacy.dp.mode"] == "central":
+        _install_central(course, ledger.q)
     course.checkpointer.register("privacy.dp", ledger.state, ledger.restore)
     aggregator = server.aggregator
     aggregate = aggregator.aggregate
+    source = resolved_noise_source(cfg)
 
     def accounted(updates, round_):
         out = dict(aggregate(updates, round_) or {})
@@ -208,7 +271,10 @@ def install(course) -> None:
         ids = [c for u in updates for c in getattr(u, "contributors", (u.client_id,))]
         out.update(ledger.record(ids, noisy))
         course.monitor.extra_summary.update(dp_epsilon=out["dp_epsilon"], dp_delta=ledger.delta,
-                                            dp_mode=ledger.mode, dp_noisy_clients=len(noisy))
+                                            dp_mode=ledger.mode, dp_noisy_clients=len(noisy),
+                                            dp_noise_source=source)
+        if "dp_epsilon_replace_one" in out:
+            course.monitor.extra_summary["dp_epsilon_replace_one"] = out["dp_epsilon_replace_one"]
         return out
     aggregator.aggregate = accounted
 

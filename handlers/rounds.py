@@ -43,7 +43,9 @@ def aggregate(server, updates: list[ReceivedUpdate], extra: dict | None = None) 
         return _rejected(server, "every update of the round was refused")
     snapshot = admission.Snapshot(server.aggregator)
     fields = {"num_updates": len(updates)}
-    if updates:  # a round with nothing to aggregate (a skipped secure round) keeps the model
+    # a round with nothing to aggregate (a skipped secure round) keeps the model, unless the
+    # aggregator releases something each round (central DP's noise, whoever took part)
+    if updates or getattr(server.aggregator, "releases_empty_rounds", False):
         fields.update(server.aggregator.aggregate(updates, server.round) or {})
         if not admission.finite_state(server.aggregator.global_state):
             snapshot.restore()

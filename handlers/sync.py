@@ -18,6 +18,8 @@ def start_round(server, _event=None) -> None:
     server.selected = set(server.sampler.sample(k, server.course.client_ids))
     server.buffer = []
     server.send("models", sorted(server.selected), server.aggregator.broadcast(server.round))
+    if not server.selected:  # an empty sample (Poisson sampling): the round aggregates nothing now
+        server.trigger("all_received")
 
 
 def collect_update(server, msg) -> None:
@@ -46,7 +48,7 @@ def install(course) -> None:
     evaluation.install(course)
     rounds.install(course)
     s = course.server_table
-    s.register("all_joined_in", start_round, sends=("models",))
+    s.register("all_joined_in", start_round, sends=("models", "all_received"))
     s.register("receiving_updates", collect_update, sends=("all_received",))
     s.register("all_received", aggregate_and_move_on,
-               sends=("models", "eval_request", "max_rounds_reached", "early_stop"))
+               sends=("models", "all_received", "eval_request", "max_rounds_reached", "early_stop"))

@@ -42,8 +42,10 @@ SYNC_COURSES = {
                         "data.synthetic.samples_per_client": None, "train.local_time_budget": 0.3,
                         "time.profiles": {"type": "lognormal", "median": 100, "sigma": 0.7},
                         "server_optimizer.type": "adam", "server_optimizer.lr": 0.05},
+    # seeded noise, asked for explicitly: a deployment draws OS noise unless told otherwise
     "local_dp_median": {"privacy.dp.mode": "local", "privacy.dp.noise_multiplier": 0.1,
-                        "aggregator.robust_rule": "median"},
+                        "aggregator.robust_rule": "median", "privacy.dp.noise_source": "seeded",
+                        "privacy.dp.seeded_noise_in_deployment": True},
     # personalization: FedRep's heads and pFedMe's personal models stay in each client's state,
     # only the representation / the local model crosses the wire
     "fedrep": {"algorithm.name": "fedrep", "model.type": "mlp", "model.hidden": [6],

@@ -1,13 +1,17 @@
 """DP on updates: clipping bounds the norm exactly, noise has std sigma*C, accounting in records."""
 import json
+import math
 
 import pytest
 import torch
 
-from fedcore.algorithms.dp import central_dp_rule, clip_delta, privatize
-from fedcore.algorithms.dp_accountant import dp_epsilon
+from fedcore.algorithms.combine import flatten, float_names
+from fedcore.algorithms.dp import central_dp_rule, clip_delta, gaussian_noise, privatize
+from fedcore.algorithms.dp_accountant import DEFAULT_ORDERS, dp_epsilon
+from fedcore.algorithms.dp_noise import noise_generator
 from fedcore.course import Course
 from fedcore.errors import ConfigError
+from fedcore.sampling import PoissonSampler
 from tests.conftest import small_cfg
 
 
@@ -63,6 +67,18 @@ def test_local_dp_on_a_fraction_of_clients_reports_epsilon(tmp_path):
         [dp_epsilon(1.0, 2.0, k, 1e-5) for k in (1, 2, 3)])
 
 
+def test_local_dp_also_reports_epsilon_against_any_other_data_of_the_client(tmp_path):
+    # replace-one: ||clip(a) - clip(b)|| <= 2C, so k Gaussian releases of noise sigma C have
+    # RDP k alpha (2C)^2 / (2 sigma^2 C^2) = k alpha 2 / sigma^2 (Mironov 2017, Prop. 7)
+    summary, records = _run(tmp_path, privacy__dp__mode="local", privacy__dp__noise_multiplier=2.0)
+    for k, r in zip((1, 2, 3), records):   # converted as Balle et al. (2020), at the same orders
+        by_hand = min(k * a * 2 / 2.0 ** 2 + math.log1p(-1 / a) - (math.log(1e-5) + math.log(a)) / (a - 1)
+                      for a in DEFAULT_ORDERS)
+        assert r["dp_epsilon_replace_one"] == pytest.approx(by_hand, rel=1e-12)
+        assert r["dp_epsilon_replace_one"] > 2 * r["dp_epsilon"]
+    assert summary["dp_epsilon_replace_one"] == records[-1]["dp_epsilon_replace_one"]
+
+
 def test_central_dp_accounts_subsampled_rounds(tmp_path):
     summary, records = _run(tmp_path, privacy__dp__mode="central", privacy__dp__noise_multiplier=1.0,
                             federate__sample_client_num=3)
@@ -109,3 +125,64 @@ def test_dp_refuses_algorithms_it_cannot_wrap_at_config_time():
         small_cfg(algorithm__name="fedbuff", privacy__dp__mode="central")
     with pytest.raises(ConfigError, match="median cannot be combined with algorithm.name fedbuff"):
         small_cfg(algorithm__name="fedbuff", aggregator__robust_rule="median")
+
+
+# ---------------------------------------------------------------- central DP on a Poisson sample
+def test_poisson_sampler_includes_each_client_independently_with_rate_q():
+    sampler = PoissonSampler(list(range(1, 11)), seed=5, rate=0.3)
+    draws = [set(sampler.sample(3, list(range(1, 11)))) for _ in range(4000)]
+    sizes = [len(d) for d in draws]
+    for c in (1, 5, 10):
+        assert sum(c in d for d in draws) / 4000 == pytest.approx(0.3, abs=0.03)
+    assert sum(1 in d and 2 in d for d in draws) / 4000 == pytest.approx(0.09, abs=0.02)  # q^2
+    assert sizes.count(0) / 4000 == pytest.approx(0.7 ** 10, abs=0.015)   # may be empty
+    assert sum(sizes) / 4000 == pytest.approx(3.0, abs=0.1)
+    again = PoissonSampler(list(range(1, 11)), seed=5, rate=0.3)
+    assert [set(again.sample(3, list(range(1, 11)))) for _ in range(50)] == draws[:50]
+    secret = [PoissonSampler(list(range(1, 11)), seed=5, rate=0.5, secret=True) for _ in range(2)]
+    assert [s.sample(5, list(range(1, 11))) for s in secret for _ in range(20)][:20] != \
+        [secret[1].sample(5, list(range(1, 11))) for _ in range(20)]   # OS coins: no seed repeats them
+
+
+def test_central_dp_samples_by_poisson_and_divides_by_the_expected_cohort(tmp_path):
+    summary, records = _run(tmp_path, privacy__dp__mode="central", federate__sample_client_num=3,
+                            eval__clients=False)
+    sizes = [r["num_updates"] for r in records]
+    assert len(set(sizes)) > 1 and all(0 <= m <= 6 for m in sizes)   # the cohort size varies
+    assert records[-1]["dp_epsilon"] == pytest.approx(dp_epsilon(0.5, 1.0, 3, 1e-5))
+    deltas = [{"w": torch.tensor([3.0, 4.0], dtype=torch.float64)},
+              {"w": torch.tensor([0.0, 0.5], dtype=torch.float64)}]
+    mean, _ = central_dp_rule(1.0, 0.0, 0, expected=4)(deltas, [1.0, 1.0], [1, 2], 1)
+    assert mean["w"].tolist() == pytest.approx([0.6 / 4, 1.3 / 4])   # (clipped sum) / qN
+
+
+def test_an_empty_sample_still_releases_the_noise_and_is_accounted(tmp_path):
+    course = Course(small_cfg(tmp_path, privacy__dp__mode="central", privacy__dp__noise_multiplier=2.0,
+                              privacy__dp__clip_norm=0.5, federate__sample_client_num=3,
+                              federate__total_round_num=1, eval__clients=False, model__dtype="float64"))
+    course.build()
+    course.server.sampler.sample = lambda k, candidates: []   # nobody drawn this round
+    before = {k: v.clone() for k, v in course.server.aggregator.global_state.items()}
+    course.run()
+    after = course.server.aggregator.global_state
+    names = float_names(before)
+    moved = flatten({n: after[n] - before[n] for n in names}, names)
+    expected = gaussian_noise(moved.numel(), 2.0 * 0.5, noise_generator(0, 0, 1)) / 3
+    assert torch.allclose(moved, expected, rtol=0, atol=1e-12)
+    record = course.monitor.records[0]
+    assert record["num_updates"] == 0
+    assert record["dp_epsilon"] == pytest.approx(dp_epsilon(0.5, 2.0, 1, 1e-5))
+
+
+@pytest.mark.parametrize("override, needle", [
+    ({"asyn__use": True, "asyn__min_received_num": 2}, "synchronous rounds on a Poisson sample"),
+    ({"asyn__overselection": True}, "synchronous rounds on a Poisson sample"),
+    ({"federate__sampler": "group"}, "central DP samples clients itself"),
+    ({"secure_aggregation__enabled": True, "federate__sample_client_num": 3},
+     "needs every client in every round"),
+    ({"secure_aggregation__enabled": True, "federate__mode": "distributed"},
+     "under secure aggregation still draws its noise from the course seed"),
+])
+def test_central_dp_refuses_samplings_its_bound_does_not_cover(override, needle):
+    with pytest.raises(ConfigError, match=needle):
+        small_cfg(None, privacy__dp__mode="central", **override)

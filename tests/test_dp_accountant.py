@@ -1,5 +1,6 @@
 """The RDP accountant against published reference values and closed forms."""
 import math
+import warnings
 
 import pytest
 
@@ -69,3 +70,22 @@ def test_accountant_composes_steps():
 def test_more_noise_less_epsilon():
     assert dp_epsilon(0.01, 2.0, 1000, 1e-5) < dp_epsilon(0.01, 1.0, 1000, 1e-5)
     assert len(DEFAULT_ORDERS) == len(set(DEFAULT_ORDERS))
+
+
+@pytest.mark.parametrize("q, sigma, steps", [
+    (0.5, 1.0, 3),              # a course's central DP: 3 of 6 clients per round (Poisson)
+    (2 / 3, 5.0, 1),            # the deployment test's 2 of 3 clients
+    (0.01, 1.1, 1000), (0.3, 0.7, 40), (256 / 60000, 1.1, 14063), (1.0, 2.0, 5)])
+def test_epsilon_equals_opacus_rdp_analysis(q, sigma, steps):
+    """An independent implementation of the same bound: Opacus's RDP analysis of the
+    Poisson-subsampled Gaussian (the sampling central DP does), at the same orders, with the
+    same conversion (Balle et al. 2020)."""
+    rdp = pytest.importorskip("opacus.accountants.analysis.rdp",
+                              reason="opacus (test-only, in the dev extra) is not installed")
+    orders = list(DEFAULT_ORDERS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # Opacus warns when the best order is at an end of the list
+        theirs, _ = rdp.get_privacy_spent(
+            orders=orders, rdp=rdp.compute_rdp(q=q, noise_multiplier=sigma, steps=steps, orders=orders),
+            delta=1e-5)
+    assert dp_epsilon(q, sigma, steps, 1e-5) == pytest.approx(float(theirs), rel=1e-6)
