@@ -21,7 +21,7 @@ from fedcore.checkpoint import Checkpointer, load_tensor_file, resume
 from fedcore.comm.inprocess import InProcessComm
 from fedcore.completeness import CheckResult, require_complete
 from fedcore.device import DeviceStateStore, apply_determinism, place_data, resolve_device
-from fedcore.errors import ConfigError, CourseDiverged, FedcoreError
+from fedcore.errors import ConfigError, CourseDiverged, FedcoreError, NothingAggregated
 from fedcore.executor import close_executor, install_executor
 from fedcore.form_boundary import make_trainer
 from fedcore.loggers import make_loggers
@@ -302,6 +302,9 @@ def raise_if_diverged(server) -> None:
     why = getattr(server, "diverged", None)
     if why:
         raise CourseDiverged(why)
+    why = getattr(server, "unaggregated", None)   # a secure course that aggregated no round
+    if why:
+        raise NothingAggregated(why)
 
 
 class StartEvent:
