@@ -27,7 +27,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 __all__ = ["SIGNATURE_BYTES", "new_signing_key", "sign", "verify", "public_hex", "write_roster",
            "load_roster", "load_signing_key", "keys_statement", "shares_statement", "survivors_statement",
-           "key_digest", "Identity", "course_identity"]
+           "key_digest", "Identity", "course_identity", "main"]
 
 SIGNATURE_BYTES = 64
 
@@ -152,3 +152,21 @@ def course_identity(course) -> Identity:
         ident = Identity(roster, keys)
     course.secagg_identity = ident
     return ident
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m fedcore.algorithms.secagg_identity --out DIR --clients N`: what an operator
+    hands out: DIR/secagg_client_<k>.key to client k, DIR/secagg_roster.json to everyone."""
+    import argparse
+    parser = argparse.ArgumentParser(prog="python -m fedcore.algorithms.secagg_identity")
+    parser.add_argument("--out", required=True, help="folder for the key files and the roster")
+    parser.add_argument("--clients", type=int, required=True, help="client ids 1..N")
+    args = parser.parse_args(argv)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    roster, _ = write_roster(args.out, list(range(1, args.clients + 1)))
+    print(roster)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from fedcore.algorithms.secagg_identity import write_roster
 from fedcore.course import Course
 from tests.conftest import small_cfg
 from tests.deploy_helpers import server_port, text, wait_exit, write_cfg
@@ -41,7 +42,7 @@ def test_a_secure_course_over_grpc_equals_its_simulation(tmp_path, procs):
     assert [r["round"] for r in dep] == [r["round"] for r in sim] == [1, 2]
     for d, s in zip(dep, sim):
         assert d["num_updates"] == s["num_updates"] == 3
-        assert d["secagg_messages"] == s["secagg_messages"] == 3 * 7
+        assert d["secagg_messages"] == s["secagg_messages"] == 3 * 9
         assert d["secagg_bytes"] == s["secagg_bytes"]
 
 
@@ -50,13 +51,14 @@ def test_a_client_killed_after_sharing_is_recovered(tmp_path, procs):
               "federate.client_num": 4, "distribute.insecure": True, "distribute.token": "t",
               "distribute.heartbeat_interval": 0.2, "distribute.heartbeat_timeout": 3.0,
               "distribute.retry_timeout": 2.0}
-    cfg = write_cfg(tmp_path / "course.yaml", {**KEYS, **faults})
+    roster, key_files = write_roster(tmp_path, [1, 2, 3, 4])     # the operator's part
+    cfg = write_cfg(tmp_path / "course.yaml", {**KEYS, **faults, "secure_aggregation.roster": str(roster)})
     out = tmp_path / "deployed"
     server = procs.fedcore("server", cfg, "distribute.role=server", "distribute.server_port=0",
                            f"outdir={out}")
     port = server_port(out, server)
-    clients = [procs.fedcore(f"client{k}", cfg, "distribute.role=client",
-                             f"distribute.server_port={port}", f"distribute.client_id={k}")
+    clients = [procs.fedcore(f"client{k}", cfg, "distribute.role=client", f"distribute.server_port={port}",
+                             f"distribute.client_id={k}", f"secure_aggregation.signing_key={key_files[k]}")
                for k in (1, 2, 3, 4)]
     assert wait_exit(server, 240) == 0, text(server)[-3000:]
     assert wait_exit(clients[3], 10) == -9                  # SIGKILLed itself after sharing
