@@ -1,0 +1,201 @@
+"""Adversaries against secure aggregation, each the project's own server or client with one
+stage changed. Loaded by tests through `plugins: [tests.secagg_adversary_plugin]`, in
+simulation and in deployed processes alike.
+
+`secagg_test.adversary` picks the change; `secagg_test.bad_client` is the client that
+misbehaves (client adversaries). Server adversaries replace the consistency and unmask
+stages so that different clients are shown different survivor sets:
+- `pairs_server`: the attack of issue 25 (each of clients 2..n told "only you and client 1
+  survived", client 1 told "1 and 2");
+- `split_server`: two survivor sets of three that overlap in the victim, each consistent;
+- `padded_server`: every client told the victim and itself survived, padded with ids that
+  are no neighbours (clients not in the round).
+Client adversaries: `garbage_shares` (random ciphertexts, signed), `one_bad_share` (one
+holder's share off by one, properly encrypted and signed), `false_weight` (declares 10^6),
+`replay` (resends its round-1 masked input), `withhold` (never answers the unmask request),
+`out_of_range` (+1000 on the first coordinate of its delta, past the clip, in round 1).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from fedcore.config import declare
+from fedcore.handlers import secagg_client, secure_aggregation as secagg
+from fedcore.registry import behaviours
+
+SERVERS = ("pairs_server", "split_server", "padded_server")
+CLIENTS = ("garbage_shares", "one_bad_share", "false_weight", "replay", "withhold", "out_of_range")
+declare("secagg_test.adversary", str, "none", "tests: the secure-aggregation adversary",
+        choices=("none",) + SERVERS + CLIENTS)
+declare("secagg_test.bad_client", int, 0, "tests: the misbehaving client")
+
+
+def _sign(client, statement):
+    from fedcore.algorithms.secagg_identity import course_identity, sign
+    return sign(course_identity(client.course).signing_key(client.id), statement)
+
+
+class _Intercept:
+    """client.send with the content of one message type rewritten."""
+
+    def __init__(self, client, msg_type, rewrite):
+        self.client, self.msg_type, self.rewrite, self.send = client, msg_type, rewrite, client.send
+
+    def __enter__(self):
+        def send(msg_type, receiver, content, round_=None, **kw):
+            if msg_type == self.msg_type:
+                content = self.rewrite(content, round_)
+            return self.send(msg_type, receiver, content, round_=round_, **kw)
+        self.client.send = send
+
+    def __exit__(self, *exc):
+        self.client.send = self.send
+
+
+def _garbage(client, content, round_):
+    from fedcore.algorithms.secagg_identity import shares_statement
+    cts = [os.urandom(len(ct)) for ct in content["ciphertexts"]]
+    sigs = [_sign(client, shares_statement(round_, client.id, v, ct, content["commitments"]))
+            for v, ct in zip(content["to"], cts)]
+    return {**content, "ciphertexts": cts, "signatures": sigs}
+
+
+def _false_weight(client, content, round_):
+    from fedcore.algorithms.secagg_identity import keys_statement
+    weight = 10 ** 6
+    sig = _sign(client, keys_statement(round_, client.id, content["cipher_key"], content["mask_key"], weight))
+    return {**content, "weight": weight, "signature": sig}
+
+
+def _client_stage(kind):
+    """(event, the bad client's version of its handler given the original)."""
+    if kind == "garbage_shares":
+        def bad(orig, client, msg):
+            with _Intercept(client, "secagg_encrypted_shares", lambda c, r: _garbage(client, c, r)):
+                orig(client, msg)
+        return "receiving_secagg_neighbour_keys", bad
+    if kind == "one_bad_share":
+        def bad(orig, client, msg):
+            split = secagg_client.split
+
+            def off_by_one(secret, holders, threshold):
+                shares, commitments = split(secret, holders, threshold)
+                shares[min(holders)] += 1
+                return shares, commitments
+            secagg_client.split = off_by_one
+            try:
+                orig(client, msg)
+            finally:
+                secagg_client.split = split
+        return "receiving_secagg_neighbour_keys", bad
+    if kind == "false_weight":
+        def bad(orig, client, msg):
+            with _Intercept(client, "secagg_public_keys", lambda c, r: _false_weight(client, c, r)):
+                orig(client, msg)
+        return "receiving_models", bad
+    if kind == "replay":
+        def bad(orig, client, msg):
+            kept = getattr(client, "replayed", None)
+
+            def rewrite(content, round_):
+                if kept is None:
+                    client.replayed = content["masked"].clone()
+                    return content
+                return {**content, "masked": kept.clone()}
+            with _Intercept(client, "secagg_masked_input", rewrite):
+                orig(client, msg)
+        return "receiving_secagg_routed_shares", bad
+    if kind == "withhold":
+        return "receiving_secagg_unmask_request", lambda orig, client, msg: None
+    if kind == "out_of_range":
+        def bad(orig, client, msg):
+            st, s = client.secagg, secagg_client._settings(client)
+            if msg.round == 1 and st is not None and st.vector is not None:
+                step = 1000 / (2 * s.clip) * ((1 << s.bits) - 1) * st.weight   # +1000 in the delta
+                st.vector[0] = np.uint64((int(st.vector[0]) + int(step)) % s.modulus)
+            orig(client, msg)
+        return "receiving_secagg_routed_shares", bad
+    raise ValueError(kind)
+
+
+# ---------------------------------------------------------------- the lying server
+def _views(server, sr, kind):
+    from fedcore.algorithms.secagg_identity import course_identity
+    s0 = sorted(sr.masked)
+    victim, others = s0[0], s0[1:]
+    if kind == "pairs_server":
+        views = {u: [victim, u] for u in others}
+        views[victim] = [victim, others[0]]
+    elif kind == "split_server":
+        first, second = others[:len(others) // 2], others[len(others) // 2:]
+        a, b = sorted([victim, *first, second[0]]), [victim, *second]   # with 4: {1,2,3} and {1,3,4}
+        views = {u: (b if u in second else a) for u in s0}
+    else:
+        outside = [c for c in course_identity(server.course).roster if c not in s0]
+        views = {u: sorted({victim, u, *outside}) for u in s0}
+    return s0, views
+
+
+def _lying_consistency(kind):
+    def request(server, _event=None):
+        sr = server.secagg
+        s0, sr.views = _views(server, sr, kind)
+        sr.survivors = s0
+        sr.dropped = {}
+        for u, view in sr.views.items():
+            keys = [sr.keys[s][0] + sr.keys[s][1] if s in sr.keys else os.urandom(64) for s in view]
+            sr.view_keys = getattr(sr, "view_keys", {})
+            sr.view_keys[u] = keys
+            secagg._send(server, sr, "secagg_consistency_check", u, {"survivors": view, "keys": keys})
+        secagg._next_stage(server, sr, "signatures", s0)
+    return request
+
+
+def _take_any_signature(server, msg):
+    sr = secagg._accept(server, msg, "signatures")
+    if sr is not None:
+        sr.signatures[msg.sender] = msg.content["signature"]
+        secagg._received(server, msg, "signatures")
+
+
+def _lying_unmask(server, _event=None):
+    sr = server.secagg
+    signers = sorted(sr.signatures)
+    if not signers:
+        return secagg.request_unmasking(server)
+    for u in signers:
+        view = sr.views[u]
+        dropped = [v for v in sr.survivors if v not in view and v in sr.graph[u]]
+        secagg._send(server, sr, "secagg_unmask_request", u, {
+            "survivors": view, "keys": sr.view_keys[u], "dropped": dropped, "signers": signers,
+            "signatures": [sr.signatures[s] for s in signers]})
+    secagg._next_stage(server, sr, "unmask", signers)
+
+
+def install(course) -> None:
+    kind = course.cfg["secagg_test.adversary"]
+    if kind in SERVERS:
+        if course.server is None:
+            return
+        t = course.server_table
+        for event, fn in (("secagg_inputs_collected", _lying_consistency(kind)),
+                          ("receiving_secagg_survivor_signature", _take_any_signature),
+                          ("secagg_signatures_collected", _lying_unmask)):
+            t.register(event, fn, sends=t.get(event).sends)
+        return
+    bad_id = course.cfg["secagg_test.bad_client"]
+    event, bad = _client_stage(kind)
+    reg = course.client_table.get(event)
+
+    def stage(client, msg):
+        if client.id == bad_id:
+            return bad(reg.fn, client, msg)
+        return reg.fn(client, msg)
+    course.client_table.register(event, stage, sends=reg.sends)
+
+
+install.enabled = lambda cfg: cfg["secagg_test.adversary"] != "none"
+behaviours.register("secagg_adversary", install)

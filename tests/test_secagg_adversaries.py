@@ -1,0 +1,171 @@
+"""Secure aggregation against the adversaries it is named for, each built from the project's
+own server or client with one stage changed (tests/secagg_adversary_plugin.py): a server
+that shows clients different survivor sets learns no share, and one misbehaving client
+neither nullifies nor ends a course, nor poisons it through the mask."""
+import json
+import logging
+
+import pytest
+
+from fedcore.course import Course
+from fedcore.errors import NothingAggregated
+from fedcore.message import SERVER_ID
+from tests.conftest import small_cfg
+
+SECURE = {"secure_aggregation__enabled": True, "model__dtype": "float64", "eval__clients": False,
+          "plugins": ["tests.secagg_adversary_plugin"]}
+
+
+def _course(tmp_path, adversary, bad=0, **extra):
+    cfg = small_cfg(tmp_path, secagg_test__adversary=adversary, secagg_test__bad_client=bad, **{**SECURE, **extra})
+    return Course(cfg).build()
+
+
+def _capture(course):
+    """Every message the clients send to the server."""
+    sent = []
+    course.comm.filters.append(lambda msg, receiver: sent.append(msg) or True if receiver == SERVER_ID else True)
+    return sent
+
+
+# ---------------------------------------------------------------- an active server
+@pytest.mark.parametrize("adversary, extra, refusal", [
+    # issue 25's attack: 4 clients, k = 3, t = 2, each of 2, 3, 4 told "only you and client 1 survived"
+    ("pairs_server", {}, "1 survivor(s) masked their input with mine, fewer than the threshold 2"),
+    # two survivor sets, each locally plausible: each gathers 2 signatures, the quorum is 3
+    ("split_server", {}, "2 valid signature(s) from survivors on the survivor set I signed, fewer than 3"),
+    # a survivor list padded with clients that were never neighbours (not in the round)
+    ("padded_server", {"federate__client_num": 6, "federate__sample_client_num": 4},
+     "1 survivor(s) masked their input with mine, fewer than the threshold 2"),
+], ids=["pairs", "split", "padded"])
+def test_a_server_showing_clients_different_survivor_sets_gets_no_share(tmp_path, caplog, adversary, extra, refusal):
+    course = _course(tmp_path / "out", adversary, **{"federate__client_num": 4, "federate__total_round_num": 1,
+                                                     **extra})
+    sent = _capture(course)
+    with caplog.at_level(logging.WARNING, logger="fedcore.secagg"), pytest.raises(NothingAggregated):
+        course.run()
+    reveals = [m for m in sent if m.msg_type == "secagg_unmask_shares"]
+    assert reveals == []                                   # no client revealed anything
+    refusals = [m for m in sent if m.msg_type == "secagg_abort"]
+    assert sorted(m.sender for m in refusals) == sorted(m.sender for m in sent if m.msg_type == "secagg_masked_input")
+    assert any(refusal in m.content["reason"] for m in refusals), [m.content for m in refusals]
+    rec = course.monitor.records[0]
+    assert rec["secagg_aborted"] == 1 and rec["num_updates"] == 0 and rec["secagg_refusals"] == 4
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["secagg_aborted_rounds"] == [1]
+    assert any("secure aggregation refused" in r.getMessage() for r in caplog.records)
+
+
+def test_a_server_substituting_a_clients_keys_is_refused(tmp_path):
+    """The server cannot hand out keys of its own for a client: each is signed by the client's
+    roster key, so its neighbours refuse the round before sharing anything."""
+    course = _course(tmp_path / "out", "none", federate__client_num=4, federate__total_round_num=1)
+    from fedcore.algorithms.secagg_crypto import new_private_key, public_bytes
+    original = course.server.send
+
+    def substitute(msg_type, receiver, content, round_=None, **kw):
+        if msg_type == "secagg_neighbour_keys" and 1 in content["ids"]:
+            i = content["ids"].index(1)
+            content = {**content, "mask_keys": [*content["mask_keys"][:i], public_bytes(new_private_key()),
+                                                *content["mask_keys"][i + 1:]]}
+        return original(msg_type, receiver, content, round_=round_, **kw)
+    course.server.send = substitute
+    sent = _capture(course)
+    with pytest.raises(NothingAggregated):
+        course.run()
+    assert not [m for m in sent if m.msg_type in ("secagg_encrypted_shares", "secagg_unmask_shares") and m.sender != 1]
+    reasons = [m.content["reason"] for m in sent if m.msg_type == "secagg_abort"]
+    assert len(reasons) == 3 and all("client 1's keys are not signed by client 1" in r for r in reasons)
+
+
+# ---------------------------------------------------------------- one misbehaving client
+FIVE = {"federate__client_num": 5, "federate__total_round_num": 3}
+
+
+def _without(tmp_path, bad):
+    """The honest course in which client `bad` vanishes after sharing, every round: the sum of
+    the others (the protocol's dropout recovery, tested against the plain sum elsewhere)."""
+    trace = tmp_path / "devices.json"
+    trace.write_text(json.dumps([{"client_id": c, "dropout": 1.0 if c == bad else 0.0} for c in range(1, 6)]))
+    course = _course(tmp_path / "without", "none", time__profiles={"type": "trace", "path": str(trace)}, **FIVE)
+    return course, course.run()
+
+
+def _max_diff(a, b):
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+@pytest.mark.parametrize("adversary, what", [
+    ("garbage_shares", "client 5 excluded: its shares failed their checks at client(s) [1, 2, 3, 4]"),
+    ("false_weight", "client 5 excluded: it declared weight 1000000, outside 1..{train} (its join)"),
+])
+def test_a_client_excluded_before_masking_leaves_the_course_of_the_others(tmp_path, caplog, adversary, what):
+    course = _course(tmp_path / "out", adversary, bad=5, **FIVE)
+    with caplog.at_level(logging.WARNING, logger="fedcore.secagg"):
+        summary = course.run()
+    assert [r["num_updates"] for r in course.monitor.records] == [4, 4, 4]
+    assert all(r["secagg_excluded"] == [5] for r in course.monitor.records)
+    assert summary["secagg_excluded"] == {"5": 3}
+    what = what.format(train=len(course.clients[5].data.train))   # the sample count it joined with
+    assert what in caplog.text and "learning rate" not in caplog.text
+    reference, ref_summary = _without(tmp_path, 5)
+    assert abs(summary["final_test_acc"] - ref_summary["final_test_acc"]) <= 0.05
+    # the same four updates are summed: equal models within the quantization bound, 3 rounds
+    bound = 3 * course.cfg["secure_aggregation.clip"] / ((1 << course.cfg["secure_aggregation.bits"]) - 1)
+    assert _max_diff(course.server.aggregator.global_state, reference.server.aggregator.global_state) <= bound
+
+
+@pytest.mark.parametrize("adversary, extra, report", [
+    # one holder (the lowest id) gets a share off by one: it reports it, the other three shares rebuild
+    ("one_bad_share", {}, "the share from client 5 fails its check against the dealer's commitments"),
+    # no unmask answer from client 5: the others' shares of every seed are enough (t = 3 of 4)
+    ("withhold", {"secure_aggregation__stage_timeout": 5.0}, "no secagg_unmask_shares from client(s) [5]"),
+], ids=["one_bad_share", "withhold"])
+def test_a_client_the_protocol_tolerates_is_summed_with_the_rest(tmp_path, caplog, adversary, extra, report):
+    course = _course(tmp_path / "out", adversary, bad=5, **FIVE, **extra)
+    with caplog.at_level(logging.WARNING, logger="fedcore"):
+        summary = course.run()
+    assert [r["num_updates"] for r in course.monitor.records] == [5, 5, 5]
+    assert report in caplog.text
+    honest = _course(tmp_path / "honest", "none", **FIVE)
+    honest_summary = honest.run()
+    bound = 3 * course.cfg["secure_aggregation.clip"] / ((1 << course.cfg["secure_aggregation.bits"]) - 1)
+    assert _max_diff(course.server.aggregator.global_state, honest.server.aggregator.global_state) <= bound
+    assert abs(summary["final_test_acc"] - honest_summary["final_test_acc"]) <= 0.05
+
+
+def test_a_replayed_masked_input_is_left_out_and_its_masks_removed(tmp_path, caplog):
+    course = _course(tmp_path / "out", "replay", bad=5, **FIVE)
+    with caplog.at_level(logging.WARNING, logger="fedcore.secagg"):
+        summary = course.run()
+    assert [r["num_updates"] for r in course.monitor.records] == [5, 4, 4]
+    assert [r["secagg_excluded"] for r in course.monitor.records] == [[], [5], [5]]
+    assert "client 5 excluded: it replayed a masked input already sent" in caplog.text
+    _, ref_summary = _without(tmp_path, 5)
+    assert abs(summary["final_test_acc"] - ref_summary["final_test_acc"]) <= 0.05
+
+
+def test_an_out_of_range_secure_input_is_refused_and_the_model_stays_within_reach(tmp_path, caplog):
+    course = _course(tmp_path / "out", "out_of_range", bad=5, **FIVE)
+    before = {k: v.clone() for k, v in course.server.aggregator.global_state.items()}
+    rounds = {}
+    aggregate = course.server.aggregator.aggregate
+
+    def spy(updates, round_):
+        start = {k: v.clone() for k, v in course.server.aggregator.global_state.items()}
+        out = aggregate(updates, round_)
+        rounds[round_] = _max_diff(course.server.aggregator.global_state, start)
+        return out
+    course.server.aggregator.aggregate = spy
+    with caplog.at_level(logging.WARNING, logger="fedcore.secagg"):
+        summary = course.run()
+    rec = course.monitor.records
+    assert rec[0]["secagg_out_of_range"] == 1 and rec[0]["num_updates"] == 0
+    assert summary["secagg_out_of_range_rounds"] == [1]
+    assert "round 1 out_of_range: the unmasked sum is refused: a coordinate is" in caplog.text
+    assert 1 not in rounds          # round 1's sum never reached the aggregator
+    assert [r["num_updates"] for r in rec[1:]] == [5, 5]
+    # every adopted step is a weighted mean of clipped deltas: no coordinate moves more than c
+    clip = course.cfg["secure_aggregation.clip"]
+    assert all(step <= clip + 1e-9 for step in rounds.values())
+    assert _max_diff(course.server.aggregator.global_state, before) <= 2 * clip + 1e-9
