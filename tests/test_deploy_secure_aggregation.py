@@ -77,3 +77,39 @@ def test_a_client_killed_after_sharing_is_recovered(tmp_path, procs):
     Course(small_cfg(sim_dir, federate__client_num=4, time__profiles={"type": "trace", "path": str(trace)},
                      **{k.replace(".", "__"): v for k, v in KEYS.items()})).run()
     _same_model(out, sim_dir)
+
+
+ADVERSARY = {**KEYS, "plugins": ["tests.secagg_adversary_plugin"], "federate.client_num": 4,
+             "distribute.heartbeat_interval": 0.5}
+
+
+def test_a_lying_server_over_grpc_gets_no_share_and_exits_non_zero(tmp_path, procs):
+    """The server shows two survivor sets ({1,2,3} to clients 1 and 2, {1,3,4} to 3 and 4): each
+    gathers two signatures, short of the quorum of 3, so every client refuses to unmask."""
+    cfg = write_cfg(tmp_path / "course.yaml", {**ADVERSARY, "secagg_test.adversary": "split_server",
+                                               "federate.total_round_num": 1})
+    out = tmp_path / "deployed"
+    launcher = procs.start("launch", ["-m", "fedcore.launch", "--cfg", str(cfg), f"outdir={out}"])
+    assert wait_exit(launcher, 300) == 6, text(launcher)[-3000:]     # nothing was aggregated
+    log = text(launcher)
+    for k in (1, 2, 3, 4):
+        assert (f"client {k}: round 1: secure aggregation refused: 2 valid signature(s) from survivors "
+                "on the survivor set I signed, fewer than 3") in log
+    assert "no round of the course could be aggregated" in log
+    (rec,) = _records(out / "metrics.jsonl")
+    assert rec["secagg_aborted"] == 1 and rec["secagg_refusals"] == 4 and rec["num_updates"] == 0
+
+
+def test_a_client_sending_garbage_shares_over_grpc_is_excluded_and_the_rest_train(tmp_path, procs):
+    keys = {**ADVERSARY, "secagg_test.adversary": "garbage_shares", "secagg_test.bad_client": 4}
+    cfg = write_cfg(tmp_path / "course.yaml", keys)
+    out = tmp_path / "deployed"
+    launcher = procs.start("launch", ["-m", "fedcore.launch", "--cfg", str(cfg), f"outdir={out}"])
+    assert wait_exit(launcher, 300) == 0, text(launcher)[-3000:]
+    log = text(launcher)
+    assert "client 4 excluded: its shares failed their checks at client(s) [1, 2, 3]" in log
+    assert [r["num_updates"] for r in _records(out / "metrics.jsonl")] == [3, 3]
+    # the same adversary in simulation: the same model
+    sim_dir = tmp_path / "simulated"
+    Course(small_cfg(sim_dir, **{k.replace(".", "__"): v for k, v in keys.items()})).run()
+    _same_model(out, sim_dir)
