@@ -93,6 +93,10 @@ def _check(cfg) -> None:
     if m < 2 or t > k_eff:
         raise ConfigError(f"secure_aggregation.threshold: {t} exceeds the {k_eff} neighbour(s) a client "
                           f"has with {m} clients per round; lower it or sample more clients")
+    quorum = cfg["secure_aggregation.signature_quorum"]
+    if quorum is not None and quorum > m:
+        raise ConfigError(f"secure_aggregation.signature_quorum: {quorum} exceeds the {m} clients per round; "
+                          "no survivor set could gather it")
 
 
 @dataclass(frozen=True)

@@ -364,3 +364,65 @@ def test_a_field_too_small_for_the_sum_stops_the_course_with_the_fix():
     course = Course(small_cfg(None, secure_aggregation__modulus=1_000_003, **SECURE))
     with pytest.raises(HandlerError, match="may overflow the field; lower secure_aggregation.bits"):
         course.run()
+
+
+# ---------------------------------------------------------------- verifiable shares and identities
+def _probably_prime(n: int, rounds: int = 32) -> bool:
+    """Miller-Rabin with random bases (independent of the project's deterministic test)."""
+    import random
+    if n % 2 == 0:
+        return n == 2
+    d, r = n - 1, 0
+    while d % 2 == 0:
+        d, r = d // 2, r + 1
+    rng = random.Random(12345)
+    for _ in range(rounds):
+        x = pow(rng.randrange(2, n - 1), d, n)
+        if x in (1, n - 1):
+            continue
+        for _ in range(r - 1):
+            x = x * x % n
+            if x == n - 1:
+                break
+        else:
+            return False
+    return True
+
+
+def test_feldman_commitments_live_in_a_prime_order_group_and_catch_a_bad_share():
+    from fedcore.shamir import GENERATOR, GROUP_P, PRIME, commit, random_secret, verify_share
+    assert PRIME.bit_length() == 256 and GROUP_P.bit_length() == 2048
+    assert _probably_prime(PRIME) and _probably_prime(GROUP_P) and (GROUP_P - 1) % PRIME == 0
+    assert GENERATOR != 1 and pow(GENERATOR, PRIME, GROUP_P) == 1      # g generates the order-q subgroup
+    secret = random_secret()
+    shares, commitments = split(secret, [1, 2, 4, 5], threshold=3)
+    assert commitments[0] == commit(secret) and len(commitments) == 3
+    assert all(verify_share(x, y, commitments) for x, y in shares.items())
+    assert not verify_share(2, (shares[2] + 1) % (PRIME), commitments)     # off by one
+    assert not verify_share(3, shares[2], commitments)                     # another holder's share
+    assert combine({x: shares[x] for x in (1, 4, 5)}, 3, 32) == secret
+
+
+def test_roster_keys_sign_for_their_client_only(tmp_path):
+    import os
+    import stat
+    from fedcore.algorithms.secagg_identity import (keys_statement, load_roster, load_signing_key, main, sign,
+                                                    verify)
+    assert main(["--out", str(tmp_path), "--clients", "3"]) == 0
+    roster = load_roster(tmp_path / "secagg_roster.json")
+    key2 = load_signing_key(tmp_path / "secagg_client_2.key")
+    assert stat.S_IMODE(os.stat(tmp_path / "secagg_client_2.key").st_mode) == 0o600
+    statement = keys_statement(1, 2, b"c" * 32, b"m" * 32, 30)
+    assert verify(roster, 2, statement, sign(key2, statement))
+    assert not verify(roster, 3, statement, sign(key2, statement))          # not client 3's key
+    assert not verify(roster, 2, keys_statement(2, 2, b"c" * 32, b"m" * 32, 30), sign(key2, statement))
+    assert not verify(roster, 2, keys_statement(1, 2, b"c" * 32, b"m" * 32, 31), sign(key2, statement))
+
+
+def test_a_deployed_secure_course_without_a_roster_is_refused():
+    common = dict(distribute__token="t", distribute__insecure=True, **SECURE)
+    with pytest.raises(ConfigError) as err:
+        small_cfg(None, distribute__role="server", **common)
+    assert "secure_aggregation.roster: a deployed secure course needs the operator's roster" in str(err.value)
+    with pytest.raises(ConfigError, match="secure_aggregation.signing_key: a deployed secure client needs"):
+        small_cfg(None, distribute__role="client", secure_aggregation__roster="r.json", **common)
