@@ -9,11 +9,14 @@ stages so that different clients are shown different survivor sets:
   survived", client 1 told "1 and 2");
 - `split_server`: two survivor sets of three that overlap in the victim, each consistent;
 - `padded_server`: every client told the victim and itself survived, padded with ids that
-  are no neighbours (clients not in the round).
+  are no neighbours (clients not in the round);
+- `overlap_server`: one consistent, signed survivor set, but the unmask request also lists a
+  survivor as dropped (asking for its seed share and its mask-key share at once).
 Client adversaries: `garbage_shares` (random ciphertexts, signed), `one_bad_share` (one
 holder's share off by one, properly encrypted and signed), `false_weight` (declares 10^6),
 `replay` (resends its round-1 masked input), `withhold` (never answers the unmask request),
-`out_of_range` (+1000 on the first coordinate of its delta, past the clip, in round 1).
+`out_of_range` (+1000 on the first coordinate of its delta, past the clip, in round 1),
+`out_of_range_weight` (a weight 10^6 above the one it declared, inside its masked input, round 1).
 """
 from __future__ import annotations
 
@@ -26,8 +29,9 @@ from fedcore.config import declare
 from fedcore.handlers import secagg_client, secure_aggregation as secagg
 from fedcore.registry import behaviours
 
-SERVERS = ("pairs_server", "split_server", "padded_server")
-CLIENTS = ("garbage_shares", "one_bad_share", "false_weight", "replay", "withhold", "out_of_range")
+SERVERS = ("pairs_server", "split_server", "padded_server", "overlap_server")
+CLIENTS = ("garbage_shares", "one_bad_share", "false_weight", "replay", "withhold", "out_of_range",
+           "out_of_range_weight")
 declare("secagg_test.adversary", str, "none", "tests: the secure-aggregation adversary",
         choices=("none",) + SERVERS + CLIENTS)
 declare("secagg_test.bad_client", int, 0, "tests: the misbehaving client")
@@ -110,12 +114,13 @@ def _client_stage(kind):
         return "receiving_secagg_routed_shares", bad
     if kind == "withhold":
         return "receiving_secagg_unmask_request", lambda orig, client, msg: None
-    if kind == "out_of_range":
+    if kind in ("out_of_range", "out_of_range_weight"):
         def bad(orig, client, msg):
             st, s = client.secagg, secagg_client._settings(client)
             if msg.round == 1 and st is not None and st.vector is not None:
                 step = 1000 / (2 * s.clip) * ((1 << s.bits) - 1) * st.weight   # +1000 in the delta
-                st.vector[0] = np.uint64((int(st.vector[0]) + int(step)) % s.modulus)
+                at, step = (0, step) if kind == "out_of_range" else (-1, 10 ** 6)
+                st.vector[at] = np.uint64((int(st.vector[at]) + int(step)) % s.modulus)
             orig(client, msg)
         return "receiving_secagg_routed_shares", bad
     raise ValueError(kind)
@@ -175,8 +180,26 @@ def _lying_unmask(server, _event=None):
     secagg._next_stage(server, sr, "unmask", signers)
 
 
+def _overlapping_unmask(server, _event=None):
+    """The honest request, but each signer's dropped list also names a survivor neighbour."""
+    sr = server.secagg
+    signers = sorted(sr.signatures)
+    for u in signers:
+        secagg._send(server, sr, "secagg_unmask_request", u, {
+            "survivors": sr.survivors, "keys": secagg._survivor_keys(sr),
+            "dropped": [v for v in sr.survivors if v in sr.graph[u]][:1], "signers": signers,
+            "signatures": [sr.signatures[s] for s in signers]})
+    secagg._next_stage(server, sr, "unmask", signers)
+
+
 def install(course) -> None:
     kind = course.cfg["secagg_test.adversary"]
+    if kind == "overlap_server":
+        if course.server is not None:
+            t = course.server_table
+            t.register("secagg_signatures_collected", _overlapping_unmask,
+                       sends=t.get("secagg_signatures_collected").sends)
+        return
     if kind in SERVERS:
         if course.server is None:
             return

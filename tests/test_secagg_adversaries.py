@@ -37,7 +37,9 @@ def _capture(course):
     # a survivor list padded with clients that were never neighbours (not in the round)
     ("padded_server", {"federate__client_num": 6, "federate__sample_client_num": 4},
      "1 survivor(s) masked their input with mine, fewer than the threshold 2"),
-], ids=["pairs", "split", "padded"])
+    # one consistent, signed set, but a survivor also listed as dropped: both its shares asked for
+    ("overlap_server", {}, "client(s) [2] listed as dropped are not my neighbours or are also survivors"),
+], ids=["pairs", "split", "padded", "overlap"])
 def test_a_server_showing_clients_different_survivor_sets_gets_no_share(tmp_path, caplog, adversary, extra, refusal):
     course = _course(tmp_path / "out", adversary, **{"federate__client_num": 4, "federate__total_round_num": 1,
                                                      **extra})
@@ -145,8 +147,12 @@ def test_a_replayed_masked_input_is_left_out_and_its_masks_removed(tmp_path, cap
     assert abs(summary["final_test_acc"] - ref_summary["final_test_acc"]) <= 0.05
 
 
-def test_an_out_of_range_secure_input_is_refused_and_the_model_stays_within_reach(tmp_path, caplog):
-    course = _course(tmp_path / "out", "out_of_range", bad=5, **FIVE)
+@pytest.mark.parametrize("adversary, why", [
+    ("out_of_range", "a coordinate is"),
+    ("out_of_range_weight", "its total weight is"),   # a weight inside the input unlike the one declared
+])
+def test_an_out_of_range_secure_input_is_refused_and_the_model_stays_within_reach(tmp_path, caplog, adversary, why):
+    course = _course(tmp_path / "out", adversary, bad=5, **FIVE)
     before = {k: v.clone() for k, v in course.server.aggregator.global_state.items()}
     rounds = {}
     aggregate = course.server.aggregator.aggregate
@@ -162,7 +168,7 @@ def test_an_out_of_range_secure_input_is_refused_and_the_model_stays_within_reac
     rec = course.monitor.records
     assert rec[0]["secagg_out_of_range"] == 1 and rec[0]["num_updates"] == 0
     assert summary["secagg_out_of_range_rounds"] == [1]
-    assert "round 1 out_of_range: the unmasked sum is refused: a coordinate is" in caplog.text
+    assert f"round 1 out_of_range: the unmasked sum is refused: {why}" in caplog.text
     assert 1 not in rounds          # round 1's sum never reached the aggregator
     assert [r["num_updates"] for r in rec[1:]] == [5, 5]
     # every adopted step is a weighted mean of clipped deltas: no coordinate moves more than c
