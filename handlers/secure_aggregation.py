@@ -1,40 +1,47 @@
-"""Secure aggregation (SecAgg+, Bell et al. 2020; the full graph is Bonawitz et al. 2017):
-the server learns the sum of the round's updates and nothing else about any one of them.
+"""Secure aggregation (SecAgg+, Bell et al. 2020; the full graph is Bonawitz et al. 2017, with
+its consistency check against an active server): the server learns the sum of the round's
+updates and nothing else about any one of them.
 
 A behaviour switched on by `secure_aggregation.enabled`. It replaces the
-synchronous round's exchange of plain updates with four stages, each a
+synchronous round's exchange of plain updates with five stages, each a
 message type answered by the clients and a condition event raised on the
 server when the stage's replies are in (or the stage timed out, or a
-deployment lost the missing clients):
+deployment lost the missing clients, or they refused the round):
 
 1. `models` -> clients train, quantize their update, keep it, and advertise two
-   X25519 public keys (`secagg_public_keys`) -> `secagg_keys_collected`;
+   X25519 public keys and their weight, signed (`secagg_public_keys`) -> `secagg_keys_collected`;
 2. `secagg_neighbour_keys` (each client's neighbours in a k-regular graph, or all
-   others) -> clients Shamir-share their mask key and a fresh self-mask seed,
-   each share AES-GCM-encrypted for its holder (`secagg_encrypted_shares`) ->
-   `secagg_shares_collected`;
-3. `secagg_routed_shares` -> clients send their input plus self mask plus
-   pairwise masks, mod p (`secagg_masked_input`) -> `secagg_inputs_collected`;
-4. `secagg_unmask_request` (who dropped, who survived) -> clients reveal, per
-   neighbour, the seed share of a survivor or the key share of a dropout
-   (`secagg_unmask_shares`) -> `secagg_shares_revealed`: the server removes the
-   masks (algorithms/secure_sum.py) and aggregates the unmasked sum.
+   others, with their signed keys) -> clients Shamir-share their mask key and a fresh
+   self-mask seed with Feldman commitments, each share AES-GCM-encrypted for its holder
+   and signed (`secagg_encrypted_shares`) -> `secagg_shares_collected`;
+3. `secagg_routed_shares` -> clients check their shares, then send their input plus self
+   mask plus pairwise masks, mod p, naming dealers of bad shares (`secagg_masked_input`)
+   -> `secagg_inputs_collected`;
+4. `secagg_consistency_check` (the survivor set) -> clients sign it
+   (`secagg_survivor_signature`) -> `secagg_signatures_collected`;
+5. `secagg_unmask_request` (the set, its signatures, who dropped) -> clients that see a
+   quorum of signatures on the set they signed reveal, per neighbour, the seed share of a
+   survivor or the key share (and pairwise key) of a dropout (`secagg_unmask_shares`)
+   -> `secagg_shares_revealed`: the server removes the masks (algorithms/secure_sum.py),
+   checks the sum is in range and aggregates it.
 
-Fewer survivors than the threshold at any stage: the round is skipped (one
-warning, the model unchanged, `secagg_skipped: 1` in its record) and the next
-round starts. Client stages are in handlers/secagg_client.py.
+A client that cheats is excluded by name (handlers/secagg_blame.py); one that sees a
+lying server refuses the round (`secagg_abort`). Fewer survivors than needed at any
+stage: the round is skipped (one warning, the model unchanged, `secagg_skipped: 1` in its
+record) and the next round starts. Client stages are in handlers/secagg_client.py.
 """
 from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from fedcore.algorithms.secagg_settings import Settings, neighbour_graph
 from fedcore.handlers import rounds, secagg_checks, secagg_client, sync  # noqa: F401  (checks register)
+from fedcore.handlers.secagg_blame import (ServerRound, checked_shares, exclude, keys_problem, settle_survivors,
+                                           shares_problem, survivor_keys)
 from fedcore.message import SERVER_ID
 from fedcore.registry import behaviours
 from fedcore.scheduler import PRIORITY_TIMER
@@ -50,41 +57,6 @@ STAGES = (("keys", "secagg_public_keys", "secagg_keys_collected"),
           ("signatures", "secagg_survivor_signature", "secagg_signatures_collected"),
           ("unmask", "secagg_unmask_shares", "secagg_shares_revealed"))
 _EVENT = {stage: event for stage, _, event in STAGES}
-
-
-# ---------------------------------------------------------------- the server's round
-@dataclass
-class ServerRound:
-    serial: int
-    round: int
-    stage: str = "keys"
-    threshold: int = 0
-    keys: dict[int, tuple[bytes, bytes]] = field(default_factory=dict)     # U1: (cipher pk, mask pk)
-    weights: dict[int, int] = field(default_factory=dict)                  # declared, signed
-    key_signatures: dict[int, bytes] = field(default_factory=dict)
-    graph: dict[int, list[int]] = field(default_factory=dict)
-    shares: dict[int, dict[int, tuple[bytes, bytes]]] = field(default_factory=dict)  # U2: dealer -> holder -> (ct, sig)
-    commitments: dict[int, bytes] = field(default_factory=dict)
-    masked: dict[int, np.ndarray] = field(default_factory=dict)            # U3
-    bad_shares: dict[int, list[int]] = field(default_factory=dict)         # holder -> dealers it reported
-    survivors: list[int] = field(default_factory=list)
-    dropped: dict[int, list[int]] = field(default_factory=dict)            # dropped -> survivors masked with it
-    signatures: dict[int, bytes] = field(default_factory=dict)
-    revealed: dict[str, dict[int, dict[int, bytes]]] = field(
-        default_factory=lambda: {"seed": {}, "key": {}, "pair": {}})       # kind -> secret's owner -> holder -> bytes
-    excluded: dict[int, str] = field(default_factory=dict)                 # client -> what it did
-    refusals: dict[int, str] = field(default_factory=dict)                 # client -> why it refused
-    messages: int = 0
-    nbytes: int = 0
-
-    def count(self, nbytes: int, messages: int = 1) -> None:
-        self.messages += messages
-        self.nbytes += nbytes
-
-    def fields(self) -> dict[str, Any]:
-        return {"secagg_messages": self.messages, "secagg_bytes": self.nbytes,
-                "secagg_dropped": len(self.dropped), "secagg_excluded": sorted(self.excluded),
-                "secagg_refusals": len(self.refusals)}
 
 
 _serials = itertools.count(1)
@@ -142,64 +114,35 @@ def _received(server, msg, stage: str) -> None:
         server.trigger(_EVENT[stage])
 
 
-def _exclude(server, sr: ServerRound, client: int, what: str) -> None:
-    """Leave a misbehaving client out of the rest of the round, naming it and what it did."""
-    if client not in sr.excluded:
-        sr.excluded[client] = what
-        log.warning("secure aggregation: round %d: client %d excluded: %s", sr.round, client, what)
-        blamed = server.course.monitor.extra_summary.setdefault("secagg_excluded", {})
-        blamed[str(client)] = blamed.get(str(client), 0) + 1
-
-
-def _weight_bound(server, client: int) -> int:
-    """The largest weight a client may declare: 1 when all weigh 1, else its sample count at join."""
-    s = _settings(server)
-    declared = getattr(server, "declared_samples", {}).get(client)
-    if s.uniform:
-        return 1
-    return s.client_weight(declared) if declared is not None else s.modulus
-
-
 def collect_keys(server, msg) -> None:
-    """Keys, declared weight and signature; a bad signature, a weight above what the client
-    declared at join, or keys seen before (a replay) exclude it before anyone uses its keys."""
-    from fedcore.algorithms.secagg_identity import course_identity, keys_statement, verify
+    """Keys, declared weight and signature; a client whose declaration fails the checks
+    (secagg_blame.keys_problem) is excluded before anyone uses its keys."""
     sr = _accept(server, msg, "keys")
     if sr is None:
         return
     c, u = msg.content, msg.sender
-    bound, seen = _weight_bound(server, u), server.secagg_seen_keys
-    if not verify(course_identity(server.course).roster, u,
-                  keys_statement(msg.round, u, c["cipher_key"], c["mask_key"], c["weight"]), c["signature"]):
-        _exclude(server, sr, u, "its keys are not signed with its roster key")
-    elif not 1 <= c["weight"] <= bound:
-        _exclude(server, sr, u, f"it declared weight {c['weight']}, outside 1..{bound} (its join)")
-    elif c["cipher_key"] in seen or c["mask_key"] in seen:
-        _exclude(server, sr, u, "it replayed public keys of an earlier round")
+    problem = keys_problem(server, msg)
+    if problem is not None:
+        exclude(server, sr, u, problem)
     else:
         sr.keys[u] = (c["cipher_key"], c["mask_key"])
         sr.weights[u], sr.key_signatures[u] = c["weight"], c["signature"]
-    seen.update((c["cipher_key"], c["mask_key"]))
+    server.secagg_seen_keys.update((c["cipher_key"], c["mask_key"]))
     _received(server, msg, "keys")
 
 
 def collect_shares(server, msg) -> None:
-    """Each share is checked as signed by its dealer over the commitments it lies on; a dealer
-    whose signature or commitments fail is excluded (its holders would refuse the round)."""
-    from fedcore.algorithms.secagg_identity import course_identity, shares_statement, verify
-    from fedcore.shamir import COMMITMENT_BYTES
+    """Signed shares with their commitments; a dealer whose signature or commitments fail is
+    excluded (its holders would refuse the round)."""
     sr = _accept(server, msg, "shares")
     if sr is None:
         return
     c, u = msg.content, msg.sender
-    roster, mine = course_identity(server.course).roster, set(sr.graph.get(u, ()))
+    mine = set(sr.graph.get(u, ()))
     bundle = {v: (ct, sig) for v, ct, sig in zip(c["to"], c["ciphertexts"], c["signatures"]) if v in mine}
-    if len(c["commitments"]) != 2 * sr.threshold * COMMITMENT_BYTES:
-        _exclude(server, sr, u, f"it sent {len(c['commitments'])} bytes of commitments, not "
-                 f"{2 * sr.threshold} commitments")
-    elif not all(verify(roster, u, shares_statement(msg.round, u, v, ct, c["commitments"]), sig)
-                 for v, (ct, sig) in bundle.items()):
-        _exclude(server, sr, u, "its encrypted shares are not signed with its roster key")
+    problem = shares_problem(server, sr, msg, bundle)
+    if problem is not None:
+        exclude(server, sr, u, problem)
     else:
         sr.shares[u], sr.commitments[u] = bundle, c["commitments"]
     _received(server, msg, "shares")
@@ -214,7 +157,7 @@ def collect_masked_input(server, msg) -> None:
     y = msg.content["masked"].numpy().astype(np.uint64)
     digest = hashlib.sha256(y.tobytes()).digest()
     if digest in server.secagg_seen_inputs:
-        _exclude(server, sr, msg.sender, "it replayed a masked input already sent")
+        exclude(server, sr, msg.sender, "it replayed a masked input already sent")
     else:
         server.secagg_seen_inputs.add(digest)
         sr.masked[msg.sender] = y
@@ -227,7 +170,7 @@ def collect_signature(server, msg) -> None:
     sr = _accept(server, msg, "signatures")
     if sr is None:
         return
-    statement = survivors_statement(sr.round, sr.survivors, key_digest(_survivor_keys(sr)))
+    statement = survivors_statement(sr.round, sr.survivors, key_digest(survivor_keys(sr)))
     if verify(course_identity(server.course).roster, msg.sender, statement, msg.content["signature"]):
         sr.signatures[msg.sender] = msg.content["signature"]
     else:
@@ -327,39 +270,15 @@ def route_shares(server, _event=None) -> None:
     _next_stage(server, sr, "inputs", u2)
 
 
-def _survivor_keys(sr: ServerRound) -> list[bytes]:
-    return [sr.keys[s][0] + sr.keys[s][1] for s in sr.survivors]
-
-
-def _settle_survivors(server, sr: ServerRound) -> None:
-    """The survivors: masked senders whose seed at least t holders can rebuild from good
-    shares; a client whose shares too many holders reported bad leaves the sum (named)."""
-    survivors = set(sr.masked)
-    changed = True
-    while changed:
-        changed = False
-        for v in sorted(survivors):
-            holders = [u for u in sr.shares.get(v, {}) if u in survivors]
-            good = [u for u in holders if v not in sr.bad_shares.get(u, [])]
-            bad = sorted(set(holders) - set(good))
-            if bad and len(good) < sr.threshold:
-                _exclude(server, sr, v, f"its shares failed their checks at client(s) {bad}")
-                survivors.discard(v)
-                changed = True
-    sr.survivors = sorted(survivors)
-    sr.dropped = {v: [u for u in sorted(sr.shares[v]) if u in survivors]
-                  for v in sorted(sr.shares) if v not in survivors}
-
-
 def request_consistency(server, _event=None) -> None:
     """`secagg_inputs_collected`: settle the survivor set and ask each survivor to sign it."""
     sr = server.secagg
     if not _enough(server, sr, sorted(sr.masked), "sent masked inputs"):
         return
-    _settle_survivors(server, sr)
+    settle_survivors(server, sr)
     if not _enough(server, sr, sr.survivors, "remain with shares that passed their checks"):
         return
-    keys = _survivor_keys(sr)
+    keys = survivor_keys(sr)
     for u in sr.survivors:
         _send(server, sr, "secagg_consistency_check", u, {"survivors": sr.survivors, "keys": keys})
     _next_stage(server, sr, "signatures", sr.survivors)
@@ -374,36 +293,13 @@ def request_unmasking(server, _event=None) -> None:
     if sr.dropped:
         log.warning("secure aggregation: round %d: client(s) %s dropped after sharing; their masks "
                     "are rebuilt from the survivors' shares", sr.round, sorted(sr.dropped))
-    keys, sigs = _survivor_keys(sr), [sr.signatures[u] for u in signers]
+    keys, sigs = survivor_keys(sr), [sr.signatures[u] for u in signers]
     for u in signers:
         mine = set(sr.graph[u])
         _send(server, sr, "secagg_unmask_request", u, {
             "survivors": sr.survivors, "keys": keys, "dropped": [v for v in sr.dropped if v in mine],
             "signers": signers, "signatures": sigs})
     _next_stage(server, sr, "unmask", signers)
-
-
-def _checked_shares(server, sr: ServerRound, kind: str, owners) -> dict[int, dict[int, int]]:
-    """The revealed shares of `kind` that lie on their owner's committed polynomial; a holder
-    that reveals one that does not is named and its share ignored."""
-    from fedcore.shamir import commitments_from_bytes, share_from_bytes, verify_share
-    out = {}
-    for v in owners:
-        polys = commitments_from_bytes(sr.commitments[v], 2 * sr.threshold)
-        poly = polys[:sr.threshold] if kind == "key" else polys[sr.threshold:]
-        out[v] = {}
-        for holder, raw in sr.revealed[kind].get(v, {}).items():
-            if holder not in sr.shares[v]:
-                continue   # v gave it no share
-            try:
-                y = share_from_bytes(raw)
-            except ValueError:
-                y = None
-            if y is not None and verify_share(holder, y, poly):
-                out[v][holder] = y
-            else:
-                _exclude(server, sr, holder, f"it revealed a false share of client {v}'s {kind}")
-    return out
 
 
 def unmask_and_aggregate(server, _event=None) -> None:
@@ -414,8 +310,8 @@ def unmask_and_aggregate(server, _event=None) -> None:
     survivors = sr.survivors
     try:
         total = unmask({v: sr.masked[v] for v in survivors}, sr.dropped, {u: sr.keys[u][1] for u in sr.keys},
-                       _checked_shares(server, sr, "seed", survivors),
-                       _checked_shares(server, sr, "key", sr.dropped),
+                       checked_shares(server, sr, "seed", survivors),
+                       checked_shares(server, sr, "key", sr.dropped),
                        {v: dict(sr.revealed["pair"].get(v, {})) for v in sr.dropped}, sr.threshold, s.modulus)
     except (ShareShortage, ValueError) as exc:
         _skip(server, sr, f"cannot unmask: {exc}")

@@ -74,13 +74,18 @@ def _false_weight(client, content, round_):
     return {**content, "weight": weight, "signature": sig}
 
 
+def _rewriting(msg_type, rewrite):
+    """The stage as the project runs it, with what it sends as `msg_type` rewritten."""
+    def bad(orig, client, msg):
+        with _Intercept(client, msg_type, lambda content, round_: rewrite(client, content, round_)):
+            orig(client, msg)
+    return bad
+
+
 def _client_stage(kind):
     """(event, the bad client's version of its handler given the original)."""
     if kind == "garbage_shares":
-        def bad(orig, client, msg):
-            with _Intercept(client, "secagg_encrypted_shares", lambda c, r: _garbage(client, c, r)):
-                orig(client, msg)
-        return "receiving_secagg_neighbour_keys", bad
+        return "receiving_secagg_neighbour_keys", _rewriting("secagg_encrypted_shares", _garbage)
     if kind == "one_bad_share":
         def bad(orig, client, msg):
             split = secagg_client.split
@@ -96,10 +101,7 @@ def _client_stage(kind):
                 secagg_client.split = split
         return "receiving_secagg_neighbour_keys", bad
     if kind == "false_weight":
-        def bad(orig, client, msg):
-            with _Intercept(client, "secagg_public_keys", lambda c, r: _false_weight(client, c, r)):
-                orig(client, msg)
-        return "receiving_models", bad
+        return "receiving_models", _rewriting("secagg_public_keys", _false_weight)
     if kind == "replay":
         def bad(orig, client, msg):
             kept = getattr(client, "replayed", None)
@@ -186,7 +188,7 @@ def _overlapping_unmask(server, _event=None):
     signers = sorted(sr.signatures)
     for u in signers:
         secagg._send(server, sr, "secagg_unmask_request", u, {
-            "survivors": sr.survivors, "keys": secagg._survivor_keys(sr),
+            "survivors": sr.survivors, "keys": secagg.survivor_keys(sr),
             "dropped": [v for v in sr.survivors if v in sr.graph[u]][:1], "signers": signers,
             "signatures": [sr.signatures[s] for s in signers]})
     secagg._next_stage(server, sr, "unmask", signers)

@@ -367,32 +367,11 @@ def test_a_field_too_small_for_the_sum_stops_the_course_with_the_fix():
 
 
 # ---------------------------------------------------------------- verifiable shares and identities
-def _probably_prime(n: int, rounds: int = 32) -> bool:
-    """Miller-Rabin with random bases (independent of the project's deterministic test)."""
-    import random
-    if n % 2 == 0:
-        return n == 2
-    d, r = n - 1, 0
-    while d % 2 == 0:
-        d, r = d // 2, r + 1
-    rng = random.Random(12345)
-    for _ in range(rounds):
-        x = pow(rng.randrange(2, n - 1), d, n)
-        if x in (1, n - 1):
-            continue
-        for _ in range(r - 1):
-            x = x * x % n
-            if x == n - 1:
-                break
-        else:
-            return False
-    return True
-
-
 def test_feldman_commitments_live_in_a_prime_order_group_and_catch_a_bad_share():
     from fedcore.shamir import GENERATOR, GROUP_P, PRIME, commit, random_secret, verify_share
+    isprime = pytest.importorskip("sympy").isprime     # an independent primality test (torch needs sympy)
     assert PRIME.bit_length() == 256 and GROUP_P.bit_length() == 2048
-    assert _probably_prime(PRIME) and _probably_prime(GROUP_P) and (GROUP_P - 1) % PRIME == 0
+    assert isprime(PRIME) and isprime(GROUP_P) and (GROUP_P - 1) % PRIME == 0
     assert GENERATOR != 1 and pow(GENERATOR, PRIME, GROUP_P) == 1      # g generates the order-q subgroup
     secret = random_secret()
     shares, commitments = split(secret, [1, 2, 4, 5], threshold=3)
