@@ -135,10 +135,12 @@ def share_keys(client, msg) -> None:
         if not verify(ident.roster, v, keys_statement(msg.round, v, ck, mk, w), sig):
             return _abort(client, st, f"client {v}'s keys are not signed by client {v} (roster)")
         st.neighbours[v] = (ck, mk)
-    holders = sorted(st.neighbours)
-    st.threshold = _settings(client).threshold(len(holders))
-    if st.threshold > len(holders):
-        return _abort(client, st, f"{len(holders)} neighbour(s), fewer than the threshold {st.threshold}")
+    holders, s = sorted(st.neighbours), _settings(client)
+    st.threshold = s.threshold(len(holders))
+    floor = s.threshold(s.neighbours if 0 < s.neighbours < s.per_round - 1 else s.per_round - 1)
+    if len(holders) < max(st.threshold, floor):    # a server cannot shrink my threshold at will
+        return _abort(client, st, f"{len(holders)} neighbour(s), fewer than the threshold "
+                      f"{max(st.threshold, floor)} the configuration gives")
     st.seed = random_secret()
     key_shares, key_commit = split(private_bytes(st.mask_key), holders, st.threshold)
     seed_shares, seed_commit = split(st.seed, holders, st.threshold)

@@ -175,3 +175,21 @@ def test_an_out_of_range_secure_input_is_refused_and_the_model_stays_within_reac
     clip = course.cfg["secure_aggregation.clip"]
     assert all(step <= clip + 1e-9 for step in rounds.values())
     assert _max_diff(course.server.aggregator.global_state, before) <= 2 * clip + 1e-9
+
+
+def test_a_server_shrinking_a_clients_neighbour_list_is_refused(tmp_path):
+    """With the default threshold a client derives t from its neighbour count; a server showing
+    it 2 of its 5 neighbours (t would drop to 2) meets the configured floor: t = 5 // 2 + 1 = 3."""
+    course = _course(tmp_path / "out", "none", federate__client_num=6, federate__total_round_num=1)
+    original = course.server.send
+
+    def shrink(msg_type, receiver, content, round_=None, **kw):
+        if msg_type == "secagg_neighbour_keys" and receiver == 1:
+            content = {k: v[:2] for k, v in content.items()}
+        return original(msg_type, receiver, content, round_=round_, **kw)
+    course.server.send = shrink
+    sent = _capture(course)
+    course.run()
+    reasons = {m.sender: m.content["reason"] for m in sent if m.msg_type == "secagg_abort"}
+    assert reasons == {1: "2 neighbour(s), fewer than the threshold 3 the configuration gives"}
+    assert not [m for m in sent if m.msg_type == "secagg_encrypted_shares" and m.sender == 1]
