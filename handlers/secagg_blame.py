@@ -66,12 +66,15 @@ def exclude(server, sr: ServerRound, client: int, what: str) -> None:
 
 
 def _weight_bound(server, client: int) -> int:
-    """The largest weight a client may declare: 1 when all weigh 1, else its sample count at join."""
+    """The largest weight a client may declare: 1 when all weigh 1, else the sample count it
+    joined with, capped as admission caps it (admission.max_num_samples)."""
+    from fedcore.admission import sample_cap
     s = Settings.of(server.course.cfg)
-    declared = getattr(server, "declared_samples", {}).get(client)
     if s.uniform:
         return 1
-    return s.client_weight(declared) if declared is not None else s.modulus
+    bounds = [b for b in (getattr(server, "declared_samples", {}).get(client), sample_cap(server.course))
+              if b is not None]
+    return s.client_weight(min(bounds)) if bounds else s.modulus
 
 
 def keys_problem(server, msg) -> str | None:

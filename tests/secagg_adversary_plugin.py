@@ -14,9 +14,11 @@ stages so that different clients are shown different survivor sets:
   survivor as dropped (asking for its seed share and its mask-key share at once).
 Client adversaries: `garbage_shares` (random ciphertexts, signed), `one_bad_share` (one
 holder's share off by one, properly encrypted and signed), `false_weight` (declares 10^6),
-`replay` (resends its round-1 masked input), `withhold` (never answers the unmask request),
+`replay` (resends its round-1 masked input), `replay_keys` (advertises its round-1 public
+keys again, signed for the new round), `withhold` (never answers the unmask request),
 `out_of_range` (+1000 on the first coordinate of its delta, past the clip, in round 1),
-`out_of_range_weight` (a weight 10^6 above the one it declared, inside its masked input, round 1).
+`out_of_range_weight` (a weight 10^6 above the one it declared, inside its masked input, round 1),
+`garbage_input` (a masked input of random field elements, every round).
 """
 from __future__ import annotations
 
@@ -30,8 +32,8 @@ from fedcore.handlers import secagg_client, secure_aggregation as secagg
 from fedcore.registry import behaviours
 
 SERVERS = ("pairs_server", "split_server", "padded_server", "overlap_server")
-CLIENTS = ("garbage_shares", "one_bad_share", "false_weight", "replay", "withhold", "out_of_range",
-           "out_of_range_weight")
+CLIENTS = ("garbage_shares", "one_bad_share", "false_weight", "replay", "replay_keys", "withhold",
+           "out_of_range", "out_of_range_weight", "garbage_input")
 declare("secagg_test.adversary", str, "none", "tests: the secure-aggregation adversary",
         choices=("none",) + SERVERS + CLIENTS)
 declare("secagg_test.bad_client", int, 0, "tests: the misbehaving client")
@@ -82,6 +84,17 @@ def _rewriting(msg_type, rewrite):
     return bad
 
 
+def _replayed_keys(client, content, round_):
+    from fedcore.algorithms.secagg_identity import keys_statement
+    first = getattr(client, "first_keys", None)
+    if first is None:
+        client.first_keys = content
+        return content
+    ck, mk = first["cipher_key"], first["mask_key"]
+    return {**content, "cipher_key": ck, "mask_key": mk,
+            "signature": _sign(client, keys_statement(round_, client.id, ck, mk, content["weight"]))}
+
+
 def _client_stage(kind):
     """(event, the bad client's version of its handler given the original)."""
     if kind == "garbage_shares":
@@ -102,6 +115,8 @@ def _client_stage(kind):
         return "receiving_secagg_neighbour_keys", bad
     if kind == "false_weight":
         return "receiving_models", _rewriting("secagg_public_keys", _false_weight)
+    if kind == "replay_keys":
+        return "receiving_models", _rewriting("secagg_public_keys", _replayed_keys)
     if kind == "replay":
         def bad(orig, client, msg):
             kept = getattr(client, "replayed", None)
@@ -114,6 +129,12 @@ def _client_stage(kind):
             with _Intercept(client, "secagg_masked_input", rewrite):
                 orig(client, msg)
         return "receiving_secagg_routed_shares", bad
+    if kind == "garbage_input":
+        def garbage(client, content, round_):
+            p = secagg_client._settings(client).modulus
+            draw = np.random.default_rng(round_).integers(0, p, content["masked"].numel(), dtype=np.int64)
+            return {**content, "masked": torch.from_numpy(draw)}
+        return "receiving_secagg_routed_shares", _rewriting("secagg_masked_input", garbage)
     if kind == "withhold":
         return "receiving_secagg_unmask_request", lambda orig, client, msg: None
     if kind in ("out_of_range", "out_of_range_weight"):

@@ -136,13 +136,19 @@ def test_a_client_the_protocol_tolerates_is_summed_with_the_rest(tmp_path, caplo
     assert abs(summary["final_test_acc"] - honest_summary["final_test_acc"]) <= 0.05
 
 
-def test_a_replayed_masked_input_is_left_out_and_its_masks_removed(tmp_path, caplog):
-    course = _course(tmp_path / "out", "replay", bad=5, **FIVE)
+@pytest.mark.parametrize("adversary, what", [
+    # its masks are removed as a dropout's (its partners' shares of its key)
+    ("replay", "client 5 excluded: it replayed a masked input already sent"),
+    # excluded before anyone uses the keys: nobody masks with it
+    ("replay_keys", "client 5 excluded: it replayed public keys of an earlier round"),
+])
+def test_a_replay_from_round_2_on_is_left_out_and_the_others_train(tmp_path, caplog, adversary, what):
+    course = _course(tmp_path / "out", adversary, bad=5, **FIVE)
     with caplog.at_level(logging.WARNING, logger="fedcore.secagg"):
         summary = course.run()
     assert [r["num_updates"] for r in course.monitor.records] == [5, 4, 4]
     assert [r["secagg_excluded"] for r in course.monitor.records] == [[], [5], [5]]
-    assert "client 5 excluded: it replayed a masked input already sent" in caplog.text
+    assert what in caplog.text
     _, ref_summary = _without(tmp_path, 5)
     assert abs(summary["final_test_acc"] - ref_summary["final_test_acc"]) <= 0.05
 
@@ -193,3 +199,15 @@ def test_a_server_shrinking_a_clients_neighbour_list_is_refused(tmp_path):
     reasons = {m.sender: m.content["reason"] for m in sent if m.msg_type == "secagg_abort"}
     assert reasons == {1: "2 neighbour(s), fewer than the threshold 3 the configuration gives"}
     assert not [m for m in sent if m.msg_type == "secagg_encrypted_shares" and m.sender == 1]
+
+
+def test_a_garbage_masked_input_every_round_stops_the_course_non_zero(tmp_path, caplog):
+    """Garbage inside the mask cannot be told from the sum whose it is: every round's sum is
+    refused, nothing is adopted, and the course ends with exit code 6 rather than 0."""
+    course = _course(tmp_path / "out", "garbage_input", bad=5, federate__client_num=5, federate__total_round_num=2)
+    before = {k: v.clone() for k, v in course.server.aggregator.global_state.items()}
+    with caplog.at_level(logging.WARNING, logger="fedcore.secagg"), pytest.raises(NothingAggregated) as stop:
+        course.run()
+    assert stop.value.exit_code == 6 and "round 2 out_of_range" in str(stop.value)
+    assert [r["secagg_out_of_range"] for r in course.monitor.records] == [1, 1]
+    assert _max_diff(course.server.aggregator.global_state, before) == 0
