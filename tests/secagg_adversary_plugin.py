@@ -18,7 +18,8 @@ holder's share off by one, properly encrypted and signed), `false_weight` (decla
 keys again, signed for the new round), `withhold` (never answers the unmask request),
 `out_of_range` (+1000 on the first coordinate of its delta, past the clip, in round 1),
 `out_of_range_weight` (a weight 10^6 above the one it declared, inside its masked input, round 1),
-`garbage_input` (a masked input of random field elements, every round).
+`garbage_input` (a masked input of random field elements, every round), `false_reveal` (every
+seed share it reveals off by one).
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from fedcore.registry import behaviours
 
 SERVERS = ("pairs_server", "split_server", "padded_server", "overlap_server")
 CLIENTS = ("garbage_shares", "one_bad_share", "false_weight", "replay", "replay_keys", "withhold",
-           "out_of_range", "out_of_range_weight", "garbage_input")
+           "out_of_range", "out_of_range_weight", "garbage_input", "false_reveal")
 declare("secagg_test.adversary", str, "none", "tests: the secure-aggregation adversary",
         choices=("none",) + SERVERS + CLIENTS)
 declare("secagg_test.bad_client", int, 0, "tests: the misbehaving client")
@@ -135,6 +136,12 @@ def _client_stage(kind):
             draw = np.random.default_rng(round_).integers(0, p, content["masked"].numel(), dtype=np.int64)
             return {**content, "masked": torch.from_numpy(draw)}
         return "receiving_secagg_routed_shares", _rewriting("secagg_masked_input", garbage)
+    if kind == "false_reveal":
+        def off_by_one(client, content, round_):
+            from fedcore.shamir import PRIME, share_from_bytes, share_to_bytes
+            bad = [share_to_bytes((share_from_bytes(b) + 1) % PRIME) for b in content["seed_shares"]]
+            return {**content, "seed_shares": bad}
+        return "receiving_secagg_unmask_request", _rewriting("secagg_unmask_shares", off_by_one)
     if kind == "withhold":
         return "receiving_secagg_unmask_request", lambda orig, client, msg: None
     if kind in ("out_of_range", "out_of_range_weight"):

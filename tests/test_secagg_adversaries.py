@@ -122,7 +122,9 @@ def test_a_client_excluded_before_masking_leaves_the_course_of_the_others(tmp_pa
     ("one_bad_share", {}, "the share from client 5 fails its check against the dealer's commitments"),
     # no unmask answer from client 5: the others' shares of every seed are enough (t = 3 of 4)
     ("withhold", {"secure_aggregation__stage_timeout": 5.0}, "no secagg_unmask_shares from client(s) [5]"),
-], ids=["one_bad_share", "withhold"])
+    # false seed shares in the unmask stage: caught against the commitments, the other holders' shares used
+    ("false_reveal", {}, "client 5 excluded: it revealed a false share of client 1's seed"),
+], ids=["one_bad_share", "withhold", "false_reveal"])
 def test_a_client_the_protocol_tolerates_is_summed_with_the_rest(tmp_path, caplog, adversary, extra, report):
     course = _course(tmp_path / "out", adversary, bad=5, **FIVE, **extra)
     with caplog.at_level(logging.WARNING, logger="fedcore"):
