@@ -19,7 +19,8 @@ keys again, signed for the new round), `withhold` (never answers the unmask requ
 `out_of_range` (+1000 on the first coordinate of its delta, past the clip, in round 1),
 `out_of_range_weight` (a weight 10^6 above the one it declared, inside its masked input, round 1),
 `garbage_input` (a masked input of random field elements, every round), `false_reveal` (every
-seed share it reveals off by one).
+seed share it reveals off by one), `other_key_then_drop` (shares a mask key other than the one
+it advertised, then vanishes before sending its masked input).
 """
 from __future__ import annotations
 
@@ -31,10 +32,12 @@ import torch
 from fedcore.config import declare
 from fedcore.handlers import secagg_client, secure_aggregation as secagg
 from fedcore.registry import behaviours
+from fedcore.shamir import random_secret
 
 SERVERS = ("pairs_server", "split_server", "padded_server", "overlap_server")
 CLIENTS = ("garbage_shares", "one_bad_share", "false_weight", "replay", "replay_keys", "withhold",
-           "out_of_range", "out_of_range_weight", "garbage_input", "false_reveal")
+           "out_of_range", "out_of_range_weight", "garbage_input", "false_reveal",
+           "other_key_then_drop")
 declare("secagg_test.adversary", str, "none", "tests: the secure-aggregation adversary",
         choices=("none",) + SERVERS + CLIENTS)
 declare("secagg_test.bad_client", int, 0, "tests: the misbehaving client")
@@ -136,6 +139,17 @@ def _client_stage(kind):
             draw = np.random.default_rng(round_).integers(0, p, content["masked"].numel(), dtype=np.int64)
             return {**content, "masked": torch.from_numpy(draw)}
         return "receiving_secagg_routed_shares", _rewriting("secagg_masked_input", garbage)
+    if kind == "other_key_then_drop":
+        def bad(orig, client, msg):
+            from fedcore.algorithms import secagg_crypto
+            real = secagg_crypto.private_bytes
+            secagg_crypto.private_bytes = lambda key: random_secret()
+            try:
+                orig(client, msg)
+            finally:
+                secagg_crypto.private_bytes = real
+            client.secagg.seed = b""          # and it never masks: a dropout after sharing
+        return "receiving_secagg_neighbour_keys", bad
     if kind == "false_reveal":
         def off_by_one(client, content, round_):
             from fedcore.shamir import PRIME, share_from_bytes, share_to_bytes

@@ -213,3 +213,17 @@ def test_a_garbage_masked_input_every_round_stops_the_course_non_zero(tmp_path, 
     assert stop.value.exit_code == 6 and "round 2 out_of_range" in str(stop.value)
     assert [r["secagg_out_of_range"] for r in course.monitor.records] == [1, 1]
     assert _max_diff(course.server.aggregator.global_state, before) == 0
+
+
+def test_a_dropout_that_shared_another_mask_key_is_removed_by_the_pairwise_keys(tmp_path, caplog):
+    """Client 5 shares a key unlike its advertised mask key and vanishes after sharing: the key
+    rebuilt from its shares does not match, so the survivors' revealed pairwise keys remove
+    its masks, and the round sums the other four as if it had simply dropped."""
+    course = _course(tmp_path / "out", "other_key_then_drop", bad=5, secure_aggregation__stage_timeout=5.0,
+                     **FIVE)
+    with caplog.at_level(logging.WARNING, logger="fedcore.secagg"):
+        course.run()
+    assert [(r["num_updates"], r["secagg_dropped"]) for r in course.monitor.records] == [(4, 1)] * 3
+    reference, _ = _without(tmp_path, 5)
+    bound = 3 * course.cfg["secure_aggregation.clip"] / ((1 << course.cfg["secure_aggregation.bits"]) - 1)
+    assert _max_diff(course.server.aggregator.global_state, reference.server.aggregator.global_state) <= bound
