@@ -13,9 +13,10 @@ there, sent as 32 big-endian bytes; a commitment travels as 256 bytes.
 """
 from __future__ import annotations
 
+import functools
 import secrets
 
-__all__ = ["PRIME", "GROUP_P", "GENERATOR", "SHARE_BYTES", "COMMITMENT_BYTES", "random_secret", "split",
+__all__ = ["PRIME", "GROUP_P", "GENERATOR", "SHARE_BYTES", "COMMITMENT_BYTES", "g_pow", "random_secret", "split",
            "commit", "verify_share", "combine", "share_to_bytes", "share_from_bytes",
            "commitments_to_bytes", "commitments_from_bytes"]
 
@@ -36,6 +37,29 @@ GENERATOR = int(
     "4d188835ddd5aeba41fa57d1846a5b91", 16)
 SHARE_BYTES = 32
 COMMITMENT_BYTES = 256
+
+
+@functools.lru_cache(maxsize=1)
+def _g_table() -> list[list[int]]:
+    """g^(d * 256^i) for each byte position i of an exponent and each byte value d: with it,
+    g^e is 32 multiplications instead of a 256-bit exponentiation (some 20 times faster)."""
+    table, base = [], GENERATOR
+    for _ in range(SHARE_BYTES):
+        row = [1]
+        for _ in range(255):
+            row.append(row[-1] * base % GROUP_P)
+        table.append(row)
+        base = row[-1] * base % GROUP_P
+    return table
+
+
+def g_pow(exponent: int) -> int:
+    """g^exponent mod P, for 0 <= exponent < q."""
+    out = 1
+    for row, byte in zip(_g_table(), exponent.to_bytes(SHARE_BYTES, "little")):
+        if byte:
+            out = out * row[byte] % GROUP_P
+    return out
 
 
 def random_secret() -> bytes:
@@ -64,12 +88,12 @@ def split(secret: bytes, holders: list[int], threshold: int) -> tuple[dict[int, 
         for c in reversed(coeffs):  # Horner
             y = (y * x + c) % PRIME
         shares[x] = y
-    return shares, [pow(GENERATOR, c, GROUP_P) for c in coeffs]
+    return shares, [g_pow(c) for c in coeffs]
 
 
 def commit(secret: bytes) -> int:
     """g^secret: the commitment to the constant term, what `split`'s first commitment is."""
-    return pow(GENERATOR, int.from_bytes(secret, "big") % PRIME, GROUP_P)
+    return g_pow(int.from_bytes(secret, "big") % PRIME)
 
 
 def verify_share(x: int, y: int, commitments: list[int]) -> bool:
@@ -80,7 +104,7 @@ def verify_share(x: int, y: int, commitments: list[int]) -> bool:
     for c in commitments:
         expected = expected * pow(c, power, GROUP_P) % GROUP_P
         power = power * x % PRIME
-    return pow(GENERATOR, y, GROUP_P) == expected
+    return g_pow(y) == expected
 
 
 def combine(shares: dict[int, int], threshold: int, length: int = SHARE_BYTES) -> bytes:

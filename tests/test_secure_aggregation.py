@@ -368,11 +368,14 @@ def test_a_field_too_small_for_the_sum_stops_the_course_with_the_fix():
 
 # ---------------------------------------------------------------- verifiable shares and identities
 def test_feldman_commitments_live_in_a_prime_order_group_and_catch_a_bad_share():
-    from fedcore.shamir import GENERATOR, GROUP_P, PRIME, commit, random_secret, verify_share
+    from fedcore.shamir import GENERATOR, GROUP_P, PRIME, commit, g_pow, random_secret, verify_share
     isprime = pytest.importorskip("sympy").isprime     # an independent primality test (torch needs sympy)
     assert PRIME.bit_length() == 256 and GROUP_P.bit_length() == 2048
     assert isprime(PRIME) and isprime(GROUP_P) and (GROUP_P - 1) % PRIME == 0
     assert GENERATOR != 1 and pow(GENERATOR, PRIME, GROUP_P) == 1      # g generates the order-q subgroup
+    rng = np.random.default_rng(7)
+    for e in [0, 1, 255, 256, PRIME - 1] + [int.from_bytes(rng.bytes(32), "big") % PRIME for _ in range(20)]:
+        assert g_pow(e) == pow(GENERATOR, e, GROUP_P)                  # the table against plain pow
     secret = random_secret()
     shares, commitments = split(secret, [1, 2, 4, 5], threshold=3)
     assert commitments[0] == commit(secret) and len(commitments) == 3
