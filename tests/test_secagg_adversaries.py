@@ -97,14 +97,23 @@ def _max_diff(a, b):
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
+def _bound(course, rounds=3):
+    """The quantization error of `rounds` secure rounds: c / (2^bits - 1) per coordinate each."""
+    return rounds * course.cfg["secure_aggregation.clip"] / ((1 << course.cfg["secure_aggregation.bits"]) - 1)
+
+
+def _run(course, caplog, logger="fedcore.secagg"):
+    with caplog.at_level(logging.WARNING, logger=logger):
+        return course.run()
+
+
 @pytest.mark.parametrize("adversary, what", [
     ("garbage_shares", "client 5 excluded: its shares failed their checks at client(s) [1, 2, 3, 4]"),
     ("false_weight", "client 5 excluded: it declared weight 1000000, outside 1..{train} (its join)"),
 ])
 def test_a_client_excluded_before_masking_leaves_the_course_of_the_others(tmp_path, caplog, adversary, what):
     course = _course(tmp_path / "out", adversary, bad=5, **FIVE)
-    with caplog.at_level(logging.WARNING, logger="fedcore.secagg"):
-        summary = course.run()
+    summary = _run(course, caplog)
     assert [r["num_updates"] for r in course.monitor.records] == [4, 4, 4]
     assert all(r["secagg_excluded"] == [5] for r in course.monitor.records)
     assert summary["secagg_excluded"] == {"5": 3}
@@ -113,8 +122,7 @@ def test_a_client_excluded_before_masking_leaves_the_course_of_the_others(tmp_pa
     reference, ref_summary = _without(tmp_path, 5)
     assert abs(summary["final_test_acc"] - ref_summary["final_test_acc"]) <= 0.05
     # the same four updates are summed: equal models within the quantization bound, 3 rounds
-    bound = 3 * course.cfg["secure_aggregation.clip"] / ((1 << course.cfg["secure_aggregation.bits"]) - 1)
-    assert _max_diff(course.server.aggregator.global_state, reference.server.aggregator.global_state) <= bound
+    assert _max_diff(course.server.aggregator.global_state, reference.server.aggregator.global_state) <= _bound(course)
 
 
 @pytest.mark.parametrize("adversary, extra, report", [
@@ -127,14 +135,12 @@ def test_a_client_excluded_before_masking_leaves_the_course_of_the_others(tmp_pa
 ], ids=["one_bad_share", "withhold", "false_reveal"])
 def test_a_client_the_protocol_tolerates_is_summed_with_the_rest(tmp_path, caplog, adversary, extra, report):
     course = _course(tmp_path / "out", adversary, bad=5, **FIVE, **extra)
-    with caplog.at_level(logging.WARNING, logger="fedcore"):
-        summary = course.run()
+    summary = _run(course, caplog, "fedcore")
     assert [r["num_updates"] for r in course.monitor.records] == [5, 5, 5]
     assert report in caplog.text
     honest = _course(tmp_path / "honest", "none", **FIVE)
     honest_summary = honest.run()
-    bound = 3 * course.cfg["secure_aggregation.clip"] / ((1 << course.cfg["secure_aggregation.bits"]) - 1)
-    assert _max_diff(course.server.aggregator.global_state, honest.server.aggregator.global_state) <= bound
+    assert _max_diff(course.server.aggregator.global_state, honest.server.aggregator.global_state) <= _bound(course)
     assert abs(summary["final_test_acc"] - honest_summary["final_test_acc"]) <= 0.05
 
 
@@ -146,8 +152,7 @@ def test_a_client_the_protocol_tolerates_is_summed_with_the_rest(tmp_path, caplo
 ])
 def test_a_replay_from_round_2_on_is_left_out_and_the_others_train(tmp_path, caplog, adversary, what):
     course = _course(tmp_path / "out", adversary, bad=5, **FIVE)
-    with caplog.at_level(logging.WARNING, logger="fedcore.secagg"):
-        summary = course.run()
+    summary = _run(course, caplog)
     assert [r["num_updates"] for r in course.monitor.records] == [5, 4, 4]
     assert [r["secagg_excluded"] for r in course.monitor.records] == [[], [5], [5]]
     assert what in caplog.text
@@ -171,8 +176,7 @@ def test_an_out_of_range_secure_input_is_refused_and_the_model_stays_within_reac
         rounds[round_] = _max_diff(course.server.aggregator.global_state, start)
         return out
     course.server.aggregator.aggregate = spy
-    with caplog.at_level(logging.WARNING, logger="fedcore.secagg"):
-        summary = course.run()
+    summary = _run(course, caplog)
     rec = course.monitor.records
     assert rec[0]["secagg_out_of_range"] == 1 and rec[0]["num_updates"] == 0
     assert summary["secagg_out_of_range_rounds"] == [1]
@@ -221,9 +225,7 @@ def test_a_dropout_that_shared_another_mask_key_is_removed_by_the_pairwise_keys(
     its masks, and the round sums the other four as if it had simply dropped."""
     course = _course(tmp_path / "out", "other_key_then_drop", bad=5, secure_aggregation__stage_timeout=5.0,
                      **FIVE)
-    with caplog.at_level(logging.WARNING, logger="fedcore.secagg"):
-        course.run()
+    _run(course, caplog)
     assert [(r["num_updates"], r["secagg_dropped"]) for r in course.monitor.records] == [(4, 1)] * 3
     reference, _ = _without(tmp_path, 5)
-    bound = 3 * course.cfg["secure_aggregation.clip"] / ((1 << course.cfg["secure_aggregation.bits"]) - 1)
-    assert _max_diff(course.server.aggregator.global_state, reference.server.aggregator.global_state) <= bound
+    assert _max_diff(course.server.aggregator.global_state, reference.server.aggregator.global_state) <= _bound(course)
