@@ -162,6 +162,9 @@ def collect_masked_input(server, msg) -> None:
         server.secagg_seen_inputs.add(digest)
         sr.masked[msg.sender] = y
         sr.bad_shares[msg.sender] = [v for v in msg.content["bad_shares"] if msg.sender in sr.shares.get(v, {})]
+        if sr.bad_shares[msg.sender]:
+            log.warning("secure aggregation: round %d: client %d reports a bad share from client(s) %s",
+                        sr.round, msg.sender, sr.bad_shares[msg.sender])
     _received(server, msg, "inputs")
 
 

@@ -127,7 +127,8 @@ def test_a_client_excluded_before_masking_leaves_the_course_of_the_others(tmp_pa
 
 @pytest.mark.parametrize("adversary, extra, report", [
     # one holder (the lowest id) gets a share off by one: it reports it, the other three shares rebuild
-    ("one_bad_share", {}, "the share from client 5 fails its check against the dealer's commitments"),
+    ("one_bad_share", {}, "client 1: round 1: the share from client 5 fails its check against the dealer's "
+                          "commitments; reported"),
     # no unmask answer from client 5: the others' shares of every seed are enough (t = 3 of 4)
     ("withhold", {"secure_aggregation__stage_timeout": 5.0}, "no secagg_unmask_shares from client(s) [5]"),
     # false seed shares in the unmask stage: caught against the commitments, the other holders' shares used
@@ -138,6 +139,8 @@ def test_a_client_the_protocol_tolerates_is_summed_with_the_rest(tmp_path, caplo
     summary = _run(course, caplog, "fedcore")
     assert [r["num_updates"] for r in course.monitor.records] == [5, 5, 5]
     assert report in caplog.text
+    if adversary == "one_bad_share":    # and the server's log names the dealer too
+        assert "round 1: client 1 reports a bad share from client(s) [5]" in caplog.text
     honest = _course(tmp_path / "honest", "none", **FIVE)
     honest_summary = honest.run()
     assert _max_diff(course.server.aggregator.global_state, honest.server.aggregator.global_state) <= _bound(course)
