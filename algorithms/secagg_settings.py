@@ -35,6 +35,15 @@ declare("secure_aggregation.stage_timeout", float, None, "seconds the server wai
         "replies before going on without the silent clients (default: in simulation with device "
         "dropouts, twice the slowest modelled round trip; otherwise wait, or distribute.round_deadline)",
         check=positive)
+declare("secure_aggregation.roster", str, None, "deployment: JSON file {client id: Ed25519 public key "
+        "hex} the operator gives every process out of band; the keys clients sign with (fedcore.launch "
+        "writes a fresh one; in simulation every key is made in-process)")
+declare("secure_aggregation.signing_key", str, None, "deployed client: file holding its Ed25519 "
+        "private key (hex), whose public key is its entry in secure_aggregation.roster")
+declare("secure_aggregation.signature_quorum", int, None, "signatures from survivors a client needs on "
+        "the survivor set before it reveals shares (default: a majority of the clients per round, at "
+        "least the threshold; raise it to (clients + colluders) / 2 + 1 to tolerate colluding clients)",
+        check=positive)
 
 # algorithms whose server rule needs more than the weighted mean of the models
 _REFUSED = {"scaffold": "its control variates are averaged alongside the model",
@@ -65,6 +74,14 @@ def _check(cfg) -> None:
                           f"refuses; set attack.type=none {off}")
     if cfg["asyn.use"]:
         raise ConfigError(f"asyn.use: secure aggregation needs synchronous rounds; set asyn.use=false {off}")
+    role = cfg["distribute.role"]
+    if role is not None and not cfg["secure_aggregation.roster"]:
+        raise ConfigError("secure_aggregation.roster: a deployed secure course needs the operator's roster "
+                          "of client signing keys (fedcore.launch writes one; python -m "
+                          f"fedcore.algorithms.secagg_identity --out DIR --clients N makes one) {off}")
+    if role == "client" and not cfg["secure_aggregation.signing_key"]:
+        raise ConfigError("secure_aggregation.signing_key: a deployed secure client needs its signing key "
+                          f"file, the private half of its roster entry {off}")
     from fedcore.algorithms.secagg_crypto import is_prime
     if not is_prime(cfg["secure_aggregation.modulus"]):
         raise ConfigError(f"secure_aggregation.modulus: {cfg['secure_aggregation.modulus']} is not prime "
@@ -76,6 +93,10 @@ def _check(cfg) -> None:
     if m < 2 or t > k_eff:
         raise ConfigError(f"secure_aggregation.threshold: {t} exceeds the {k_eff} neighbour(s) a client "
                           f"has with {m} clients per round; lower it or sample more clients")
+    quorum = cfg["secure_aggregation.signature_quorum"]
+    if quorum is not None and quorum > m:
+        raise ConfigError(f"secure_aggregation.signature_quorum: {quorum} exceeds the {m} clients per round; "
+                          "no survivor set could gather it")
 
 
 @dataclass(frozen=True)
@@ -88,6 +109,7 @@ class Settings:
     bits: int
     modulus: int
     per_round: int
+    fixed_quorum: int | None
     uniform: bool             # every client weighs 1 (central DP; DiLoCo's uniform weighting)
     dp_clip: float | None     # central DP: the L2 bound each client applies to its delta
 
@@ -98,11 +120,19 @@ class Settings:
                               and cfg["algorithm.diloco.aggregation_weighting"] == "uniform")
         return cls(cfg["secure_aggregation.num_neighbours"], cfg["secure_aggregation.threshold"],
                    cfg["secure_aggregation.clip"], cfg["secure_aggregation.bits"],
-                   cfg["secure_aggregation.modulus"], clients_per_round(cfg), uniform,
+                   cfg["secure_aggregation.modulus"], clients_per_round(cfg),
+                   cfg["secure_aggregation.signature_quorum"], uniform,
                    cfg["privacy.dp.clip_norm"] if central else None)
 
     def threshold(self, neighbours: int) -> int:
         return self.fixed_threshold if self.fixed_threshold is not None else neighbours // 2 + 1
+
+    def quorum(self, threshold: int) -> int:
+        """Signatures needed on a survivor set: two different sets cannot both gather a majority
+        of the round's clients when each honest client signs one set per round."""
+        if self.fixed_quorum is not None:
+            return self.fixed_quorum
+        return max(threshold, self.per_round // 2 + 1)
 
     @staticmethod
     def names(model: dict[str, torch.Tensor]) -> list[str]:

@@ -22,8 +22,8 @@ import torch
 from fedcore.contract import ReceivedUpdate
 from fedcore.shamir import combine
 
-__all__ = ["MASK_INFO", "mask_sign", "pair_mask", "unmask", "mean_delta", "unmasked_update",
-           "ShareShortage"]
+__all__ = ["MASK_INFO", "mask_sign", "pair_key", "pair_mask", "unmask", "mean_delta", "unmasked_update",
+           "ShareShortage", "out_of_range"]
 
 MASK_INFO = b"fedcore secagg pairwise mask"
 SEED_BYTES = 32
@@ -38,20 +38,31 @@ def mask_sign(u: int, v: int) -> int:
     return 1 if u < v else -1
 
 
+def pair_key(private, peer_public: bytes) -> bytes:
+    """The seed of the pairwise mask of a pair: HKDF(X25519(one's mask key, the other's))."""
+    from fedcore.algorithms.secagg_crypto import agree
+    return agree(private, peer_public, MASK_INFO)
+
+
 def pair_mask(private, peer_public: bytes, length: int, modulus: int) -> np.ndarray:
-    from fedcore.algorithms.secagg_crypto import agree, prg_field
-    return prg_field(agree(private, peer_public, MASK_INFO), length, modulus)
+    from fedcore.algorithms.secagg_crypto import prg_field
+    return prg_field(pair_key(private, peer_public), length, modulus)
 
 
-def unmask(masked: dict[int, np.ndarray], dropped: list[int], mask_neighbours: dict[int, list[int]],
-           mask_keys: dict[int, bytes], seed_shares: dict[int, dict[int, int]],
-           key_shares: dict[int, dict[int, int]], threshold: int, modulus: int) -> np.ndarray:
+def unmask(masked: dict[int, np.ndarray], dropped: dict[int, list[int]], mask_keys: dict[int, bytes],
+           seed_shares: dict[int, dict[int, int]], key_shares: dict[int, dict[int, int]],
+           pair_keys: dict[int, dict[int, bytes]], threshold: int, modulus: int) -> np.ndarray:
     """sum_k x_k mod p over the survivors (`masked`), every mask removed.
 
-    `mask_neighbours[v]`: the clients v exchanged pairwise masks with; `mask_keys[v]`: v's
-    public mask key; `seed_shares[v]` / `key_shares[v]`: holder -> Shamir share of v's
-    self-mask seed (survivors) / mask private key (dropped clients)."""
-    from fedcore.algorithms.secagg_crypto import field_add, field_sub, prg_field
+    `dropped[v]`: the survivors that masked their input with v, a client outside the sum;
+    `mask_keys[v]`: v's public mask key; `seed_shares[v]`: holder -> Shamir share of
+    survivor v's self-mask seed; `key_shares[v]`: holder -> share of dropped v's mask key;
+    `pair_keys[v]`: survivor u -> the pairwise mask key u revealed for dropped v. Shares are
+    taken as checked (Feldman) by the caller. A dropped client's key rebuilt from t shares
+    removes all its masks if it matches its public key; otherwise each survivor's revealed
+    pairwise key does."""
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+    from fedcore.algorithms.secagg_crypto import field_add, field_sub, prg_field, public_bytes
     length = next(iter(masked.values())).size
     total = np.zeros(length, dtype=np.uint64)
     for v in sorted(masked):
@@ -63,16 +74,33 @@ def unmask(masked: dict[int, np.ndarray], dropped: list[int], mask_neighbours: d
         seed = combine(shares, threshold, SEED_BYTES)
         total = field_sub(total, prg_field(seed, length, modulus), modulus)
     for v in sorted(dropped):
-        shares = key_shares.get(v, {})
-        if len(shares) < threshold:
-            raise ShareShortage(f"dropped client {v}'s mask key: {len(shares)} of {threshold} shares")
-        private = combine(shares, threshold, SEED_BYTES)
-        for u in mask_neighbours.get(v, []):
-            if u not in masked:
-                continue   # u dropped too: it never sent the mask
-            mask = pair_mask(private, mask_keys[u], length, modulus)
+        private = None
+        if len(key_shares.get(v, {})) >= threshold:
+            private = X25519PrivateKey.from_private_bytes(combine(key_shares[v], threshold, SEED_BYTES))
+            if public_bytes(private) != mask_keys.get(v):
+                private = None   # v shared a key other than the one it advertised
+        for u in dropped[v]:
+            if private is not None:
+                seed = pair_key(private, mask_keys[u])
+            elif u in pair_keys.get(v, {}):
+                seed = pair_keys[v][u]
+            else:
+                raise ShareShortage(f"dropped client {v}'s mask with client {u}: neither {threshold} "
+                                    "key shares matching its public key nor the pair's key")
+            mask = prg_field(seed, length, modulus)
             total = field_sub(total, mask, modulus) if mask_sign(u, v) > 0 else field_add(total, mask, modulus)
     return total
+
+
+def out_of_range(total: np.ndarray, weight: int, bits: int) -> str | None:
+    """Why an unmasked sum is not one honest inputs can reach, or None: its weight entry must be
+    the declared total `weight`, and each coordinate at most weight * (2^bits - 1)."""
+    if int(total[-1]) != weight:
+        return f"its total weight is {int(total[-1])}, the survivors declared {weight}"
+    top = int(total[:-1].max()) if total.size > 1 else 0
+    if top > weight * ((1 << bits) - 1):
+        return f"a coordinate is {top}, above the {weight * ((1 << bits) - 1)} that weight {weight} allows"
+    return None
 
 
 def mean_delta(total: np.ndarray, clip: float, bits: int) -> tuple[np.ndarray, int]:

@@ -21,7 +21,7 @@ from fedcore.checkpoint import Checkpointer, load_tensor_file, resume
 from fedcore.comm.inprocess import InProcessComm
 from fedcore.completeness import CheckResult, require_complete
 from fedcore.device import DeviceStateStore, apply_determinism, place_data, resolve_device
-from fedcore.errors import ConfigError, CourseDiverged, FedcoreError
+from fedcore.errors import ConfigError, CourseDiverged, FedcoreError, NothingAggregated
 from fedcore.executor import close_executor, install_executor
 from fedcore.form_boundary import make_trainer
 from fedcore.loggers import make_loggers
@@ -298,10 +298,14 @@ _YOUNG_OBJECTS = 100_000   # net new container objects between young collections
 
 
 def raise_if_diverged(server) -> None:
-    """After the outputs are written: a course stopped by divergence exits with its own code."""
+    """After the outputs are written: a course stopped by divergence, or a secure course that
+    aggregated no round, exits with its own code."""
     why = getattr(server, "diverged", None)
     if why:
         raise CourseDiverged(why)
+    why = getattr(server, "unaggregated", None)
+    if why:
+        raise NothingAggregated(why)
 
 
 class StartEvent:

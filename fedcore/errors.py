@@ -6,7 +6,8 @@ import traceback
 from typing import Callable
 
 __all__ = ["exit_code_of", "FedcoreError", "ConfigError", "IncompleteCourseError", "CourseDiverged", "EXIT_OK",
-           "EXIT_FAILURE", "EXIT_CONFIG", "EXIT_INCOMPLETE", "EXIT_SERVER_GONE", "EXIT_DIVERGED"]
+           "EXIT_FAILURE", "EXIT_CONFIG", "EXIT_INCOMPLETE", "EXIT_SERVER_GONE", "EXIT_DIVERGED",
+           "EXIT_NOTHING_AGGREGATED", "NothingAggregated"]
 
 EXIT_OK = 0
 EXIT_FAILURE = 1      # anything else; the cause is printed in one line first
@@ -14,6 +15,7 @@ EXIT_CONFIG = 2       # bad configuration or usage
 EXIT_INCOMPLETE = 3   # the completeness check failed
 EXIT_SERVER_GONE = 4  # a deployed client lost its server for longer than distribute.retry_timeout
 EXIT_DIVERGED = 5     # the global model became non-finite; outputs hold the last finite one
+EXIT_NOTHING_AGGREGATED = 6  # a secure course ended without aggregating any round; the model is the initial one
 
 
 class FedcoreError(Exception):
@@ -38,6 +40,12 @@ class CourseDiverged(FedcoreError):
     """The aggregated global model was not finite; the run's outputs hold the last finite one."""
 
     exit_code = EXIT_DIVERGED
+
+
+class NothingAggregated(FedcoreError):
+    """A secure course ended with every round skipped, aborted or refused: nothing was learnt."""
+
+    exit_code = EXIT_NOTHING_AGGREGATED
 
 
 def exit_code_of(prog: str, command: Callable[[], int], debug: bool = False,

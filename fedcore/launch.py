@@ -6,7 +6,9 @@ and tests; across machines, start each role with `python -m fedcore.run`.
 Without configured tokens it makes one random token per client: the server
 reads them from a private file (mode 0600, deleted at the end) and each client
 gets its own in the environment (FEDCORE_TOKEN), so no token appears on a
-command line or in the run's outputs. Without TLS configured it runs
+command line or in the run's outputs. A secure-aggregation course without a roster gets
+one the same way: a signing key per client (its own file, passed to that client only)
+and the roster of their public keys, all deleted at the end. Without TLS configured it runs
 plaintext on loopback (`distribute.insecure: true`, with its warning).
 Ctrl-C stops every process it started.
 """
@@ -90,6 +92,16 @@ def main(argv: list[str] | None = None) -> int:
         server_extra.append(f"distribute.tokens_file={write_private(secrets_dir / 'tokens.yaml', tokens)}")
         for k, token in tokens.items():
             client_env[k][TOKEN_ENV] = token
+    client_extra: dict[int, list[str]] = {k: [] for k in range(1, n + 1)}
+    keys_dir = None
+    if cfg["secure_aggregation.enabled"] and not cfg["secure_aggregation.roster"]:
+        # the operator's part: one signing key per client and the roster of their public keys
+        from fedcore.algorithms.secagg_identity import write_roster
+        keys_dir = Path(tempfile.mkdtemp(prefix="fedcore-secagg-"))  # mode 0700
+        roster, key_files = write_roster(keys_dir, list(range(1, n + 1)))
+        common.append(f"secure_aggregation.roster={roster}")
+        for k, path in key_files.items():
+            client_extra[k].append(f"secure_aggregation.signing_key={path}")
     if not cfg["distribute.tls.cert"] and not cfg["distribute.insecure"]:
         common.append("distribute.insecure=true")
     base = [sys.executable, "-m", "fedcore.run", "--cfg", args.cfg, *args.overrides, *common]
@@ -108,8 +120,9 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.1)
         port = address_file.read_text().strip().rsplit(":", 1)[1]
         for k in range(1, n + 1):
-            procs.append(subprocess.Popen(base + args.client_opt + ["distribute.role=client", f"distribute.client_id={k}",
-                                                  f"distribute.server_port={port}"], env=client_env[k]))
+            procs.append(subprocess.Popen(base + args.client_opt + client_extra[k] + [
+                "distribute.role=client", f"distribute.client_id={k}", f"distribute.server_port={port}"],
+                env=client_env[k]))
         rc = server.wait()
         clients = procs[1:]
         grace = time.monotonic() + 15.0
@@ -125,8 +138,9 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         _stop(procs, signal.SIGTERM, 5.0)
-        if secrets_dir is not None:
-            shutil.rmtree(secrets_dir, ignore_errors=True)
+        for folder in (secrets_dir, keys_dir):
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
 
 
 def write_private(path: Path, tokens: dict[int, str]) -> Path:

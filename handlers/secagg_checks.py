@@ -22,19 +22,30 @@ def _blobs(v: Any, size: int, count: int) -> bool:
     return isinstance(v, list) and len(v) == count and all(isinstance(b, bytes) and len(b) == size for b in v)
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def _check_keys(content, server) -> str | None:
-    if not isinstance(content, dict) or set(content) != {"cipher_key", "mask_key"} or \
-            not all(isinstance(v, bytes) and len(v) == 32 for v in content.values()):
-        return "secagg_public_keys content must be {cipher_key, mask_key}: 32 bytes each"
+    if not isinstance(content, dict) or set(content) != {"cipher_key", "mask_key", "weight", "signature"} or \
+            not all(isinstance(content[k], bytes) and len(content[k]) == 32 for k in ("cipher_key", "mask_key")) \
+            or not _is_int(content["weight"]) or not 1 <= content["weight"] < 2 ** 63 \
+            or not isinstance(content["signature"], bytes) or len(content["signature"]) != 64:
+        return ("secagg_public_keys content must be {cipher_key, mask_key: 32 bytes each, weight: int >= 1, "
+                "signature: 64 bytes}")
     return None
 
 
 def _check_shares(content, server) -> str | None:
     n = server.course.cfg["federate.client_num"]
-    # nonce 12 + ids 8 + two shares 2 * 66 + tag 16
-    if not isinstance(content, dict) or set(content) != {"to", "ciphertexts"} or \
-            not _ints(content["to"], n) or not _blobs(content["ciphertexts"], 168, len(content["to"])):
-        return "secagg_encrypted_shares content must be {to: [client ids], ciphertexts: [168 bytes each]}"
+    # nonce 12 + ids 8 + two shares 2 * 32 + tag 16
+    if not isinstance(content, dict) or set(content) != {"to", "ciphertexts", "signatures", "commitments"} or \
+            not _ints(content["to"], n) or not _blobs(content["ciphertexts"], 100, len(content["to"])) or \
+            not _blobs(content["signatures"], 64, len(content["to"])) or \
+            not isinstance(content["commitments"], bytes) or len(content["commitments"]) % 256 or \
+            len(content["commitments"]) > 2 * n * 256:
+        return ("secagg_encrypted_shares content must be {to: [client ids], ciphertexts: [100 bytes each], "
+                "signatures: [64 bytes each], commitments: 256 bytes each}")
     return None
 
 
@@ -42,21 +53,40 @@ def _check_masked(content, server) -> str | None:
     s = Settings.of(server.course.cfg)
     model = server.aggregator.broadcast(server.round)["model"]
     length = sum(model[n].numel() for n in s.names(model)) + 1
-    t = content.get("masked") if isinstance(content, dict) and set(content) == {"masked"} else None
-    if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or tuple(t.shape) != (length,):
-        return f"secagg_masked_input content must be {{masked: int64 tensor of {length}}}"
+    ok = isinstance(content, dict) and set(content) == {"masked", "bad_shares"}
+    t = content["masked"] if ok else None
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or tuple(t.shape) != (length,) or \
+            not _ints(content["bad_shares"], server.course.cfg["federate.client_num"]):
+        return f"secagg_masked_input content must be {{masked: int64 tensor of {length}, bad_shares: [client ids]}}"
     if bool((t < 0).any()) or bool((t >= s.modulus).any()):
         return "secagg_masked_input values must lie in the field [0, secure_aggregation.modulus)"
     return None
 
 
+def _check_signature(content, server) -> str | None:
+    if not isinstance(content, dict) or set(content) != {"signature"} or \
+            not isinstance(content["signature"], bytes) or len(content["signature"]) != 64:
+        return "secagg_survivor_signature content must be {signature: 64 bytes}"
+    return None
+
+
 def _check_unmask(content, server) -> str | None:
     n = server.course.cfg["federate.client_num"]
-    if not isinstance(content, dict) or set(content) != {"ids", "shares"} or \
-            not _ints(content["ids"], n) or not _blobs(content["shares"], 66, len(content["ids"])):
-        return "secagg_unmask_shares content must be {ids: [client ids], shares: [66 bytes each]}"
+    pairs = (("seed_ids", "seed_shares"), ("key_ids", "key_shares"), ("pair_ids", "pair_keys"))
+    if not isinstance(content, dict) or set(content) != {k for p in pairs for k in p} or \
+            not all(_ints(content[i], n) and _blobs(content[v], 32, len(content[i])) for i, v in pairs):
+        return ("secagg_unmask_shares content must be {seed_ids, key_ids, pair_ids: [client ids], "
+                "seed_shares, key_shares, pair_keys: [32 bytes each]}")
+    return None
+
+
+def _check_abort(content, server) -> str | None:
+    if not isinstance(content, dict) or set(content) != {"reason"} or not isinstance(content["reason"], str) \
+            or len(content["reason"]) > 200:
+        return "secagg_abort content must be {reason: a string of at most 200 characters}"
     return None
 
 
 CHECKS.update({"secagg_public_keys": _check_keys, "secagg_encrypted_shares": _check_shares,
-               "secagg_masked_input": _check_masked, "secagg_unmask_shares": _check_unmask})
+               "secagg_masked_input": _check_masked, "secagg_survivor_signature": _check_signature,
+               "secagg_unmask_shares": _check_unmask, "secagg_abort": _check_abort})

@@ -1,40 +1,47 @@
-"""Secure aggregation (SecAgg+, Bell et al. 2020; the full graph is Bonawitz et al. 2017):
-the server learns the sum of the round's updates and nothing else about any one of them.
+"""Secure aggregation (SecAgg+, Bell et al. 2020; the full graph is Bonawitz et al. 2017, with
+its consistency check against an active server): the server learns the sum of the round's
+updates and nothing else about any one of them.
 
 A behaviour switched on by `secure_aggregation.enabled`. It replaces the
-synchronous round's exchange of plain updates with four stages, each a
+synchronous round's exchange of plain updates with five stages, each a
 message type answered by the clients and a condition event raised on the
 server when the stage's replies are in (or the stage timed out, or a
-deployment lost the missing clients):
+deployment lost the missing clients, or they refused the round):
 
 1. `models` -> clients train, quantize their update, keep it, and advertise two
-   X25519 public keys (`secagg_public_keys`) -> `secagg_keys_collected`;
+   X25519 public keys and their weight, signed (`secagg_public_keys`) -> `secagg_keys_collected`;
 2. `secagg_neighbour_keys` (each client's neighbours in a k-regular graph, or all
-   others) -> clients Shamir-share their mask key and a fresh self-mask seed,
-   each share AES-GCM-encrypted for its holder (`secagg_encrypted_shares`) ->
-   `secagg_shares_collected`;
-3. `secagg_routed_shares` -> clients send their input plus self mask plus
-   pairwise masks, mod p (`secagg_masked_input`) -> `secagg_inputs_collected`;
-4. `secagg_unmask_request` (who dropped, who survived) -> clients reveal, per
-   neighbour, the seed share of a survivor or the key share of a dropout
-   (`secagg_unmask_shares`) -> `secagg_shares_revealed`: the server removes the
-   masks (algorithms/secure_sum.py) and aggregates the unmasked sum.
+   others, with their signed keys) -> clients Shamir-share their mask key and a fresh
+   self-mask seed with Feldman commitments, each share AES-GCM-encrypted for its holder
+   and signed (`secagg_encrypted_shares`) -> `secagg_shares_collected`;
+3. `secagg_routed_shares` -> clients check their shares, then send their input plus self
+   mask plus pairwise masks, mod p, naming dealers of bad shares (`secagg_masked_input`)
+   -> `secagg_inputs_collected`;
+4. `secagg_consistency_check` (the survivor set) -> clients sign it
+   (`secagg_survivor_signature`) -> `secagg_signatures_collected`;
+5. `secagg_unmask_request` (the set, its signatures, who dropped) -> clients that see a
+   quorum of signatures on the set they signed reveal, per neighbour, the seed share of a
+   survivor or the key share (and pairwise key) of a dropout (`secagg_unmask_shares`)
+   -> `secagg_shares_revealed`: the server removes the masks (algorithms/secure_sum.py),
+   checks the sum is in range and aggregates it.
 
-Fewer survivors than the threshold at any stage: the round is skipped (one
-warning, the model unchanged, `secagg_skipped: 1` in its record) and the next
-round starts. Client stages are in handlers/secagg_client.py.
+A client that cheats is excluded by name (handlers/secagg_blame.py); one that sees a
+lying server refuses the round (`secagg_abort`). Fewer survivors than needed at any
+stage: the round is skipped (one warning, the model unchanged, `secagg_skipped: 1` in its
+record) and the next round starts. Client stages are in handlers/secagg_client.py.
 """
 from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from fedcore.algorithms.secagg_settings import Settings, neighbour_graph
 from fedcore.handlers import rounds, secagg_checks, secagg_client, sync  # noqa: F401  (checks register)
+from fedcore.handlers.secagg_blame import (ServerRound, checked_shares, exclude, keys_problem, settle_survivors,
+                                           shares_problem, survivor_keys)
 from fedcore.message import SERVER_ID
 from fedcore.registry import behaviours
 from fedcore.scheduler import PRIORITY_TIMER
@@ -47,32 +54,9 @@ log = logging.getLogger("fedcore.secagg")
 STAGES = (("keys", "secagg_public_keys", "secagg_keys_collected"),
           ("shares", "secagg_encrypted_shares", "secagg_shares_collected"),
           ("inputs", "secagg_masked_input", "secagg_inputs_collected"),
+          ("signatures", "secagg_survivor_signature", "secagg_signatures_collected"),
           ("unmask", "secagg_unmask_shares", "secagg_shares_revealed"))
 _EVENT = {stage: event for stage, _, event in STAGES}
-
-# ---------------------------------------------------------------- the server's round
-@dataclass
-class ServerRound:
-    serial: int
-    round: int
-    stage: str = "keys"
-    threshold: int = 0
-    keys: dict[int, tuple[bytes, bytes]] = field(default_factory=dict)     # U1: (cipher pk, mask pk)
-    graph: dict[int, list[int]] = field(default_factory=dict)
-    shares: dict[int, dict[int, bytes]] = field(default_factory=dict)      # U2: sender -> holder -> ct
-    masked: dict[int, np.ndarray] = field(default_factory=dict)            # U3
-    dropped: list[int] = field(default_factory=list)
-    revealed: dict[int, dict[int, bytes]] = field(default_factory=dict)    # responder -> v -> share
-    messages: int = 0
-    nbytes: int = 0
-
-    def count(self, nbytes: int, messages: int = 1) -> None:
-        self.messages += messages
-        self.nbytes += nbytes
-
-    def fields(self) -> dict[str, Any]:
-        return {"secagg_messages": self.messages, "secagg_bytes": self.nbytes,
-                "secagg_dropped": len(self.dropped)}
 
 
 _serials = itertools.count(1)
@@ -131,33 +115,96 @@ def _received(server, msg, stage: str) -> None:
 
 
 def collect_keys(server, msg) -> None:
+    """Keys, declared weight and signature; a client whose declaration fails the checks
+    (secagg_blame.keys_problem) is excluded before anyone uses its keys."""
     sr = _accept(server, msg, "keys")
-    if sr is not None:
-        sr.keys[msg.sender] = (msg.content["cipher_key"], msg.content["mask_key"])
-        _received(server, msg, "keys")
+    if sr is None:
+        return
+    c, u = msg.content, msg.sender
+    problem = keys_problem(server, msg)
+    if problem is not None:
+        exclude(server, sr, u, problem)
+    else:
+        sr.keys[u] = (c["cipher_key"], c["mask_key"])
+        sr.weights[u], sr.key_signatures[u] = c["weight"], c["signature"]
+    server.secagg_seen_keys.update((c["cipher_key"], c["mask_key"]))
+    _received(server, msg, "keys")
 
 
 def collect_shares(server, msg) -> None:
+    """Signed shares with their commitments; a dealer whose signature or commitments fail is
+    excluded (its holders would refuse the round)."""
     sr = _accept(server, msg, "shares")
-    if sr is not None:
-        mine = set(sr.graph.get(msg.sender, ()))
-        sr.shares[msg.sender] = {v: ct for v, ct in zip(msg.content["to"], msg.content["ciphertexts"])
-                                 if v in mine}
-        _received(server, msg, "shares")
+    if sr is None:
+        return
+    c, u = msg.content, msg.sender
+    mine = set(sr.graph.get(u, ()))
+    bundle = {v: (ct, sig) for v, ct, sig in zip(c["to"], c["ciphertexts"], c["signatures"]) if v in mine}
+    problem = shares_problem(server, sr, msg, bundle)
+    if problem is not None:
+        exclude(server, sr, u, problem)
+    else:
+        sr.shares[u], sr.commitments[u] = bundle, c["commitments"]
+    _received(server, msg, "shares")
 
 
 def collect_masked_input(server, msg) -> None:
+    """A masked input identical to one seen before is a replay: its sender leaves the sum."""
+    import hashlib
     sr = _accept(server, msg, "inputs")
-    if sr is not None:
-        sr.masked[msg.sender] = msg.content["masked"].numpy().astype(np.uint64)
-        _received(server, msg, "inputs")
+    if sr is None:
+        return
+    y = msg.content["masked"].numpy().astype(np.uint64)
+    digest = hashlib.sha256(y.tobytes()).digest()
+    if digest in server.secagg_seen_inputs:
+        exclude(server, sr, msg.sender, "it replayed a masked input already sent")
+    else:
+        server.secagg_seen_inputs.add(digest)
+        sr.masked[msg.sender] = y
+        sr.bad_shares[msg.sender] = [v for v in msg.content["bad_shares"] if msg.sender in sr.shares.get(v, {})]
+        if sr.bad_shares[msg.sender]:
+            log.warning("secure aggregation: round %d: client %d reports a bad share from client(s) %s",
+                        sr.round, msg.sender, sr.bad_shares[msg.sender])
+    _received(server, msg, "inputs")
+
+
+def collect_signature(server, msg) -> None:
+    from fedcore.algorithms.secagg_identity import course_identity, key_digest, survivors_statement, verify
+    sr = _accept(server, msg, "signatures")
+    if sr is None:
+        return
+    statement = survivors_statement(sr.round, sr.survivors, key_digest(survivor_keys(sr)))
+    if verify(course_identity(server.course).roster, msg.sender, statement, msg.content["signature"]):
+        sr.signatures[msg.sender] = msg.content["signature"]
+    else:
+        log.warning("secure aggregation: round %d: client %d's signature on the survivor set is not valid",
+                    sr.round, msg.sender)
+    _received(server, msg, "signatures")
 
 
 def collect_unmask_shares(server, msg) -> None:
     sr = _accept(server, msg, "unmask")
     if sr is not None:
-        sr.revealed[msg.sender] = dict(zip(msg.content["ids"], msg.content["shares"]))
+        c = msg.content
+        for kind, ids, values in (("seed", c["seed_ids"], c["seed_shares"]), ("key", c["key_ids"], c["key_shares"]),
+                                  ("pair", c["pair_ids"], c["pair_keys"])):
+            for v, value in zip(ids, values):
+                sr.revealed[kind].setdefault(v, {})[msg.sender] = value
         _received(server, msg, "unmask")
+
+
+def client_refused(server, msg) -> None:
+    """`receiving_secagg_abort`: a client refused the round (it saw something only a lying or
+    broken server would send); it is waited for no longer, and the round counts as aborted if
+    it does not complete."""
+    sr = getattr(server, "secagg", None)
+    if sr is None or msg.round != sr.round:
+        return
+    sr.refusals[msg.sender] = str(msg.content.get("reason", ""))
+    log.warning("secure aggregation: round %d: client %d refused the round: %s", sr.round, msg.sender,
+                sr.refusals[msg.sender])
+    if msg.sender in server.selected:
+        _received(server, msg, sr.stage)
 
 
 def refuse_plain_update(server, msg) -> None:
@@ -166,31 +213,39 @@ def refuse_plain_update(server, msg) -> None:
                 server.round, msg.sender)
 
 
-def _enough(server, sr: ServerRound, ids: list[int], what: str) -> bool:
-    if len(ids) >= max(sr.threshold, 2):
+def _enough(server, sr: ServerRound, ids: list[int], what: str, needed: int | None = None) -> bool:
+    needed = needed or max(sr.threshold, 2)
+    if len(ids) >= needed:
         return True
-    _skip(server, sr, f"{len(ids)} client(s) {what}, {max(sr.threshold, 2)} needed")
+    _skip(server, sr, f"{len(ids)} client(s) {what}, {needed} needed")
     return False
 
 
-def _skip(server, sr: ServerRound, why: str) -> None:
-    """Too few survivors: skip the round (model unchanged), logged and recorded."""
-    log.warning("secure aggregation: round %d skipped: %s (secure_aggregation.threshold)", sr.round, why)
-    server.course.monitor.extra_summary.setdefault("secagg_skipped_rounds", []).append(sr.round)
-    fields = {"num_updates": 0, "secagg_skipped": 1, "secagg_survivors": len(sr.masked), **sr.fields()}
+def _skip(server, sr: ServerRound, why: str, kind: str = "skipped") -> None:
+    """The round cannot be aggregated: skip it (model unchanged), logged and recorded. A round
+    that a client refused counts as aborted, one whose sum was out of range as such."""
+    if kind == "skipped" and sr.refusals:
+        kind = "aborted"
+    log.warning("secure aggregation: round %d %s: %s", sr.round, kind, why)
+    server.course.monitor.extra_summary.setdefault(f"secagg_{kind}_rounds", []).append(sr.round)
+    fields = {"num_updates": 0, "secagg_skipped": 1, f"secagg_{kind}": 1, "secagg_survivors": len(sr.masked),
+              **sr.fields()}
     server.secagg, server.selected, server.buffer = None, set(), []
     if rounds.aggregate(server, [], fields):
         start_secure_round(server)
+    elif not server.secagg_aggregated:
+        server.unaggregated = (f"secure aggregation: no round of the course could be aggregated "
+                               f"(last: round {sr.round} {kind}: {why})")
 
 
 def advertise_keys(server, _event=None) -> None:
-    """`secagg_keys_collected`: send each client its neighbours' public keys."""
+    """`secagg_keys_collected`: send each client its neighbours' signed public keys."""
     sr = server.secagg
     u1 = sorted(sr.keys)
     s = _settings(server)
     sr.graph = neighbour_graph(u1, s.neighbours, server.course.cfg["seed"], sr.round)
     sr.threshold = s.threshold(len(sr.graph[u1[0]])) if u1 else 2
-    if not _enough(server, sr, u1, "advertised keys"):
+    if not _enough(server, sr, u1, "advertised valid keys"):
         return
     if sr.threshold > len(sr.graph[u1[0]]):
         _skip(server, sr, f"{len(sr.graph[u1[0]])} neighbour(s) per client, threshold {sr.threshold}")
@@ -198,57 +253,75 @@ def advertise_keys(server, _event=None) -> None:
     for u in u1:
         nb = sr.graph[u]
         _send(server, sr, "secagg_neighbour_keys", u, {
-            "ids": nb, "cipher_keys": [sr.keys[v][0] for v in nb], "mask_keys": [sr.keys[v][1] for v in nb]})
+            "ids": nb, "cipher_keys": [sr.keys[v][0] for v in nb], "mask_keys": [sr.keys[v][1] for v in nb],
+            "weights": [sr.weights[v] for v in nb], "signatures": [sr.key_signatures[v] for v in nb]})
     _next_stage(server, sr, "shares", u1)
 
 
 def route_shares(server, _event=None) -> None:
-    """`secagg_shares_collected`: deliver each encrypted share to its holder."""
+    """`secagg_shares_collected`: deliver each signed, encrypted share to its holder."""
     sr = server.secagg
     u2 = sorted(sr.shares)
     if not _enough(server, sr, u2, "shared their secrets"):
         return
     for v in u2:
         senders = [u for u in u2 if v in sr.shares[u]]
-        _send(server, sr, "secagg_routed_shares", v,
-              {"from": senders, "ciphertexts": [sr.shares[u][v] for u in senders]})
+        _send(server, sr, "secagg_routed_shares", v, {
+            "from": senders, "ciphertexts": [sr.shares[u][v][0] for u in senders],
+            "signatures": [sr.shares[u][v][1] for u in senders],
+            "commitments": [sr.commitments[u] for u in senders]})
     _next_stage(server, sr, "inputs", u2)
 
 
-def request_unmasking(server, _event=None) -> None:
-    """`secagg_inputs_collected`: tell the survivors who dropped, and ask for the shares."""
+def request_consistency(server, _event=None) -> None:
+    """`secagg_inputs_collected`: settle the survivor set and ask each survivor to sign it."""
     sr = server.secagg
-    u3 = sorted(sr.masked)
-    if not _enough(server, sr, u3, "sent masked inputs"):
+    if not _enough(server, sr, sorted(sr.masked), "sent masked inputs"):
         return
-    sr.dropped = [v for v in sorted(sr.shares) if v not in sr.masked]
+    settle_survivors(server, sr)
+    if not _enough(server, sr, sr.survivors, "remain with shares that passed their checks"):
+        return
+    keys = survivor_keys(sr)
+    for u in sr.survivors:
+        _send(server, sr, "secagg_consistency_check", u, {"survivors": sr.survivors, "keys": keys})
+    _next_stage(server, sr, "signatures", sr.survivors)
+
+
+def request_unmasking(server, _event=None) -> None:
+    """`secagg_signatures_collected`: forward the signatures; tell each signer who dropped."""
+    sr = server.secagg
+    signers = sorted(sr.signatures)
+    if not _enough(server, sr, signers, "signed the survivor set", _settings(server).quorum(sr.threshold)):
+        return
     if sr.dropped:
         log.warning("secure aggregation: round %d: client(s) %s dropped after sharing; their masks "
-                    "are rebuilt from the survivors' shares", sr.round, sr.dropped)
-    for u in u3:
-        _send(server, sr, "secagg_unmask_request", u, {"dropped": sr.dropped, "survivors": u3})
-    _next_stage(server, sr, "unmask", u3)
+                    "are rebuilt from the survivors' shares", sr.round, sorted(sr.dropped))
+    keys, sigs = survivor_keys(sr), [sr.signatures[u] for u in signers]
+    for u in signers:
+        mine = set(sr.graph[u])
+        _send(server, sr, "secagg_unmask_request", u, {
+            "survivors": sr.survivors, "keys": keys, "dropped": [v for v in sr.dropped if v in mine],
+            "signers": signers, "signatures": sigs})
+    _next_stage(server, sr, "unmask", signers)
 
 
 def unmask_and_aggregate(server, _event=None) -> None:
-    """`secagg_shares_revealed`: rebuild the secrets, remove the masks, aggregate the sum."""
-    from fedcore.algorithms.secure_sum import ShareShortage, mean_delta, unmask, unmasked_update
-    from fedcore.shamir import share_from_bytes
+    """`secagg_shares_revealed`: rebuild the secrets, remove the masks, check the sum is one
+    honest inputs can reach, and aggregate it."""
+    from fedcore.algorithms.secure_sum import ShareShortage, mean_delta, out_of_range, unmask, unmasked_update
     sr, s, cfg = server.secagg, _settings(server), server.course.cfg
-    survivors = sorted(sr.masked)
-    wanted = set(survivors) | set(sr.dropped)
-    shares: dict[int, dict[int, int]] = {v: {} for v in wanted}
-    receivers = {v: sorted(sr.shares[v]) for v in sr.dropped}
+    survivors = sr.survivors
     try:
-        for holder, revealed in sr.revealed.items():
-            for v, share in revealed.items():
-                if v in wanted and holder in sr.shares.get(v, {}):   # only a holder v gave a share to
-                    shares[v][holder] = share_from_bytes(share)
-        total = unmask(sr.masked, sr.dropped, receivers, {u: sr.keys[u][1] for u in survivors},
-                       {v: shares[v] for v in survivors}, {v: shares[v] for v in sr.dropped},
-                       sr.threshold, s.modulus)
+        total = unmask({v: sr.masked[v] for v in survivors}, sr.dropped, {u: sr.keys[u][1] for u in sr.keys},
+                       checked_shares(server, sr, "seed", survivors),
+                       checked_shares(server, sr, "key", sr.dropped),
+                       {v: dict(sr.revealed["pair"].get(v, {})) for v in sr.dropped}, sr.threshold, s.modulus)
     except (ShareShortage, ValueError) as exc:
         _skip(server, sr, f"cannot unmask: {exc}")
+        return
+    problem = out_of_range(total, sum(sr.weights[v] for v in survivors), s.bits)
+    if problem is not None:
+        _skip(server, sr, f"the unmasked sum is refused: {problem}", kind="out_of_range")
         return
     mean, weight = mean_delta(total, s.clip, s.bits)
     model = server.aggregator.broadcast(sr.round)["model"]
@@ -258,6 +331,7 @@ def unmask_and_aggregate(server, _event=None) -> None:
     update = unmasked_update(server.aggregator, mean, weight, names, survivors, sr.round)
     fields = {"num_updates": len(survivors), "secagg_survivors": len(survivors), **sr.fields()}
     server.secagg = None
+    server.secagg_aggregated += 1
     if rounds.aggregate(server, [update], fields):
         start_secure_round(server)
 
@@ -325,10 +399,13 @@ def install(course) -> None:
     c, s = course.client_table, course.server_table
     c.register("receiving_models", secagg_client.train_and_advertise, sends=("secagg_public_keys",))
     c.register("receiving_secagg_neighbour_keys", secagg_client.share_keys,
-               sends=("secagg_encrypted_shares",))
-    c.register("receiving_secagg_routed_shares", secagg_client.mask_input, sends=("secagg_masked_input",))
+               sends=("secagg_encrypted_shares", "secagg_abort"))
+    c.register("receiving_secagg_routed_shares", secagg_client.mask_input,
+               sends=("secagg_masked_input", "secagg_abort"))
+    c.register("receiving_secagg_consistency_check", secagg_client.sign_survivors,
+               sends=("secagg_survivor_signature", "secagg_abort"))
     c.register("receiving_secagg_unmask_request", secagg_client.reveal_shares,
-               sends=("secagg_unmask_shares",))
+               sends=("secagg_unmask_shares", "secagg_abort"))
     # every stage arms the stage timer; a skipped or finished round goes on as a plain round does
     next_round = ("models", "secagg_stage_timeout", "eval_request", "max_rounds_reached", "early_stop")
     s.register("all_joined_in", start_secure_round, sends=("models", "secagg_stage_timeout"))
@@ -340,16 +417,28 @@ def install(course) -> None:
     s.register("secagg_shares_collected", route_shares,
                sends=("secagg_routed_shares",) + next_round)
     s.register("receiving_secagg_masked_input", collect_masked_input, sends=("secagg_inputs_collected",))
-    s.register("secagg_inputs_collected", request_unmasking,
+    s.register("secagg_inputs_collected", request_consistency,
+               sends=("secagg_consistency_check",) + next_round)
+    s.register("receiving_secagg_survivor_signature", collect_signature,
+               sends=("secagg_signatures_collected",))
+    s.register("secagg_signatures_collected", request_unmasking,
                sends=("secagg_unmask_request",) + next_round)
+    s.register("receiving_secagg_abort", client_refused, sends=tuple(e for _, _, e in STAGES))
     s.register("receiving_secagg_unmask_shares", collect_unmask_shares, sends=("secagg_shares_revealed",))
     s.register("secagg_shares_revealed", unmask_and_aggregate, sends=next_round)
     events = tuple(e for _, _, e in STAGES)
     s.register("secagg_stage_timeout", stage_timeout, sends=events)
     s.register("all_received", stage_complete, sends=events)
+    from fedcore.algorithms.secagg_identity import course_identity
+    try:
+        course_identity(course)   # a missing or wrong key file stops a deployed process at once
+    except ValueError as exc:
+        from fedcore.errors import ConfigError
+        raise ConfigError(str(exc)) from None
     server = getattr(course, "server", None)
     if server is not None:
-        server.secagg = None
+        server.secagg, server.secagg_aggregated = None, 0
+        server.secagg_seen_keys, server.secagg_seen_inputs = set(), set()
         server.secagg_timeout = _auto_timeout(course)
         if not course.wall_clock and course.timing.has_dropouts:
             course.comm.filters.append(_withhold_after_sharing(course.timing))

@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from fedcore.algorithms.secagg_identity import write_roster
 from fedcore.course import Course
 from tests.conftest import small_cfg
 from tests.deploy_helpers import server_port, text, wait_exit, write_cfg
@@ -41,7 +42,7 @@ def test_a_secure_course_over_grpc_equals_its_simulation(tmp_path, procs):
     assert [r["round"] for r in dep] == [r["round"] for r in sim] == [1, 2]
     for d, s in zip(dep, sim):
         assert d["num_updates"] == s["num_updates"] == 3
-        assert d["secagg_messages"] == s["secagg_messages"] == 3 * 7
+        assert d["secagg_messages"] == s["secagg_messages"] == 3 * 9
         assert d["secagg_bytes"] == s["secagg_bytes"]
 
 
@@ -50,13 +51,14 @@ def test_a_client_killed_after_sharing_is_recovered(tmp_path, procs):
               "federate.client_num": 4, "distribute.insecure": True, "distribute.token": "t",
               "distribute.heartbeat_interval": 0.2, "distribute.heartbeat_timeout": 3.0,
               "distribute.retry_timeout": 2.0}
-    cfg = write_cfg(tmp_path / "course.yaml", {**KEYS, **faults})
+    roster, key_files = write_roster(tmp_path, [1, 2, 3, 4])     # the operator's part
+    cfg = write_cfg(tmp_path / "course.yaml", {**KEYS, **faults, "secure_aggregation.roster": str(roster)})
     out = tmp_path / "deployed"
     server = procs.fedcore("server", cfg, "distribute.role=server", "distribute.server_port=0",
                            f"outdir={out}")
     port = server_port(out, server)
-    clients = [procs.fedcore(f"client{k}", cfg, "distribute.role=client",
-                             f"distribute.server_port={port}", f"distribute.client_id={k}")
+    clients = [procs.fedcore(f"client{k}", cfg, "distribute.role=client", f"distribute.server_port={port}",
+                             f"distribute.client_id={k}", f"secure_aggregation.signing_key={key_files[k]}")
                for k in (1, 2, 3, 4)]
     assert wait_exit(server, 240) == 0, text(server)[-3000:]
     assert wait_exit(clients[3], 10) == -9                  # SIGKILLed itself after sharing
@@ -74,4 +76,40 @@ def test_a_client_killed_after_sharing_is_recovered(tmp_path, procs):
     sim_dir = tmp_path / "simulated"
     Course(small_cfg(sim_dir, federate__client_num=4, time__profiles={"type": "trace", "path": str(trace)},
                      **{k.replace(".", "__"): v for k, v in KEYS.items()})).run()
+    _same_model(out, sim_dir)
+
+
+ADVERSARY = {**KEYS, "plugins": ["tests.secagg_adversary_plugin"], "federate.client_num": 4,
+             "distribute.heartbeat_interval": 0.5}
+
+
+def test_a_lying_server_over_grpc_gets_no_share_and_exits_non_zero(tmp_path, procs):
+    """The server shows two survivor sets ({1,2,3} to clients 1 and 2, {1,3,4} to 3 and 4): each
+    gathers two signatures, short of the quorum of 3, so every client refuses to unmask."""
+    cfg = write_cfg(tmp_path / "course.yaml", {**ADVERSARY, "secagg_test.adversary": "split_server",
+                                               "federate.total_round_num": 1})
+    out = tmp_path / "deployed"
+    launcher = procs.start("launch", ["-m", "fedcore.launch", "--cfg", str(cfg), f"outdir={out}"])
+    assert wait_exit(launcher, 300) == 6, text(launcher)[-3000:]     # nothing was aggregated
+    log = text(launcher)
+    for k in (1, 2, 3, 4):
+        assert (f"client {k}: round 1: secure aggregation refused: 2 valid signature(s) from survivors "
+                "on the survivor set I signed, fewer than 3") in log
+    assert "no round of the course could be aggregated" in log
+    (rec,) = _records(out / "metrics.jsonl")
+    assert rec["secagg_aborted"] == 1 and rec["secagg_refusals"] == 4 and rec["num_updates"] == 0
+
+
+def test_a_client_sending_garbage_shares_over_grpc_is_excluded_and_the_rest_train(tmp_path, procs):
+    keys = {**ADVERSARY, "secagg_test.adversary": "garbage_shares", "secagg_test.bad_client": 4}
+    cfg = write_cfg(tmp_path / "course.yaml", keys)
+    out = tmp_path / "deployed"
+    launcher = procs.start("launch", ["-m", "fedcore.launch", "--cfg", str(cfg), f"outdir={out}"])
+    assert wait_exit(launcher, 300) == 0, text(launcher)[-3000:]
+    log = text(launcher)
+    assert "client 4 excluded: its shares failed their checks at client(s) [1, 2, 3]" in log
+    assert [r["num_updates"] for r in _records(out / "metrics.jsonl")] == [3, 3]
+    # the same adversary in simulation: the same model
+    sim_dir = tmp_path / "simulated"
+    Course(small_cfg(sim_dir, **{k.replace(".", "__"): v for k, v in keys.items()})).run()
     _same_model(out, sim_dir)

@@ -13,7 +13,7 @@ from fedcore.algorithms.secagg_crypto import (field_add, new_private_key, prg_fi
                                               quantize)
 from fedcore.algorithms.secagg_settings import MERSENNE_61, neighbour_graph
 from fedcore.course import Course
-from fedcore.errors import ConfigError
+from fedcore.errors import ConfigError, NothingAggregated
 from fedcore.handlers import secagg_client
 from fedcore.message import SERVER_ID, Message
 from fedcore.shamir import combine, split
@@ -69,7 +69,7 @@ def _max_diff(a, b):
 # ---------------------------------------------------------------- building blocks
 def test_shamir_any_threshold_shares_rebuild_the_secret_fewer_do_not():
     secret = bytes(range(32))
-    shares = split(secret, [2, 3, 5, 7, 11], threshold=3)
+    shares, _ = split(secret, [2, 3, 5, 7, 11], threshold=3)
     for pick in ([2, 3, 5], [3, 7, 11], [2, 5, 11, 7]):
         assert combine({x: shares[x] for x in pick}, 3, 32) == secret
     with pytest.raises(ValueError, match="2 share"):
@@ -106,13 +106,14 @@ def _masked_input(seed: int, vector: np.ndarray) -> np.ndarray:
     keys = [X25519PrivateKey.from_private_bytes(rng.bytes(32)) for _ in range(3)]
     st = secagg_client.ClientRound(1, vector.copy(), keys[0], keys[1], threshold=1,
                                    neighbours={2: (b"", public_bytes(keys[2]))}, seed=rng.bytes(32))
-    st.held = {2: (0, 0)}  # one neighbour that shared: one pairwise mask
+    st.partners = {2}  # one neighbour that shared: one pairwise mask
     sent = []
     cfg = small_cfg(None, **SECURE)
     client = SimpleNamespace(id=1, course=SimpleNamespace(cfg=cfg), secagg=st,
                              send=lambda t, r, content, round_: sent.append(content))
     secagg_client.mask_input(client, Message("secagg_routed_shares", 0, 1, 1, 0.0,
-                                              {"from": [], "ciphertexts": []}))
+                                              {"from": [], "ciphertexts": [], "signatures": [],
+                                               "commitments": []}))
     return sent[0]["masked"].numpy().astype(np.uint64)
 
 
@@ -162,9 +163,9 @@ def test_a_secure_course_costs_messages_bytes_and_virtual_time():
     secure = Course(small_cfg(None, **SECURE))
     secure_summary = secure.run()
     rec = secure.monitor.records[0]
-    # seven protocol messages per client (keys, neighbour keys, shares both ways, masked input,
-    # unmask request and reply) besides the model broadcast
-    assert rec["secagg_messages"] == 6 * 7 and rec["secagg_survivors"] == 6
+    # nine protocol messages per client (keys, neighbour keys, shares both ways, masked input,
+    # survivor set and its signature, unmask request and reply) besides the model broadcast
+    assert rec["secagg_messages"] == 6 * 9 and rec["secagg_survivors"] == 6
     assert rec["bytes_up"] > plain.monitor.records[0]["bytes_up"]
     assert secure_summary["virtual_time"] > plain_summary["virtual_time"]
     assert abs(secure_summary["final_test_acc"] - plain_summary["final_test_acc"]) < 0.2
@@ -194,12 +195,15 @@ def test_clients_dropped_after_sharing_are_recovered_from_the_survivors_shares(t
 
 
 def test_fewer_survivors_than_the_threshold_skip_the_round(tmp_path, caplog):
-    cfg = small_cfg(None, federate__client_num=6, time__profiles=_dropout_trace(tmp_path, {1, 2, 3, 4}, 6),
+    cfg = small_cfg(tmp_path / "out", federate__client_num=6, time__profiles=_dropout_trace(tmp_path, {1, 2, 3, 4}, 6),
                     secure_aggregation__threshold=3, **SECURE)
     course = Course(cfg).build()
     before = {k: v.clone() for k, v in course.server.aggregator.global_state.items()}
-    with caplog.at_level(logging.WARNING, logger="fedcore.secagg"):
-        summary = course.run()
+    with caplog.at_level(logging.WARNING, logger="fedcore.secagg"), \
+            pytest.raises(NothingAggregated, match="no round of the course could be aggregated") as stop:
+        course.run()
+    assert stop.value.exit_code == 6    # a course that learnt nothing does not exit 0
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["rounds"] == 2 and summary["secagg_skipped_rounds"] == [1, 2]
     assert all(r["secagg_skipped"] == 1 and r["num_updates"] == 0 for r in course.monitor.records)
     assert _max_diff(course.server.aggregator.global_state, before) == 0
@@ -318,7 +322,11 @@ def test_the_completeness_checker_draws_the_protocol(tmp_path):
                  ("client:receiving_secagg_neighbour_keys", "server:receiving_secagg_encrypted_shares"),
                  ("server:secagg_shares_collected", "client:receiving_secagg_routed_shares"),
                  ("client:receiving_secagg_routed_shares", "server:receiving_secagg_masked_input"),
-                 ("server:secagg_inputs_collected", "client:receiving_secagg_unmask_request"),
+                 ("server:secagg_inputs_collected", "client:receiving_secagg_consistency_check"),
+                 ("client:receiving_secagg_consistency_check", "server:receiving_secagg_survivor_signature"),
+                 ("server:receiving_secagg_survivor_signature", "server:secagg_signatures_collected"),
+                 ("server:secagg_signatures_collected", "client:receiving_secagg_unmask_request"),
+                 ("client:receiving_secagg_unmask_request", "server:receiving_secagg_abort"),
                  ("client:receiving_secagg_unmask_request", "server:receiving_secagg_unmask_shares"),
                  ("server:secagg_shares_revealed", "server:max_rounds_reached")]:
         assert graph.has_edge(a, b), (a, b)
@@ -332,14 +340,20 @@ def test_a_deployed_server_refuses_malformed_protocol_messages():
     course = Course(small_cfg(None, **SECURE)).build()
     server = course.server
     length = sum(t.numel() for t in server.aggregator.broadcast(1)["model"].values()) + 1
-    good = {"masked": torch.zeros(length, dtype=torch.int64)}
+    good = {"masked": torch.zeros(length, dtype=torch.int64), "bad_shares": []}
     assert check_content("secagg_masked_input", good, server) is None
-    bad = [("secagg_masked_input", {"masked": torch.zeros(length, dtype=torch.float32)}, "int64 tensor"),
-           ("secagg_masked_input", {"masked": torch.full((length,), -1, dtype=torch.int64)}, "in the field"),
-           ("secagg_masked_input", {"masked": torch.zeros(length - 1, dtype=torch.int64)}, "int64 tensor"),
+    bad = [("secagg_masked_input", {**good, "masked": torch.zeros(length, dtype=torch.float32)}, "int64 tensor"),
+           ("secagg_masked_input", {**good, "masked": torch.full((length,), -1, dtype=torch.int64)}, "in the field"),
+           ("secagg_masked_input", {**good, "masked": torch.zeros(length - 1, dtype=torch.int64)}, "int64 tensor"),
+           ("secagg_masked_input", {**good, "bad_shares": [0]}, "bad_shares: [client ids]"),
            ("secagg_public_keys", {"cipher_key": b"x" * 31, "mask_key": b"y" * 32}, "32 bytes each"),
-           ("secagg_encrypted_shares", {"to": [1, 99], "ciphertexts": [b"c" * 168] * 2}, "client ids"),
-           ("secagg_unmask_shares", {"ids": [2], "shares": [b"s" * 65]}, "66 bytes each")]
+           ("secagg_encrypted_shares", {"to": [1, 99], "ciphertexts": [b"c" * 100] * 2, "signatures": [b"s" * 64] * 2,
+                                        "commitments": b"c" * 512}, "client ids"),
+           ("secagg_encrypted_shares", {"to": [1], "ciphertexts": [b"c" * 100], "signatures": [b"s" * 64],
+                                        "commitments": b"c" * 500}, "256 bytes each"),
+           ("secagg_survivor_signature", {"signature": b"s" * 63}, "64 bytes"),
+           ("secagg_unmask_shares", {"seed_ids": [2], "seed_shares": [b"s" * 31], "key_ids": [], "key_shares": [],
+                                     "pair_ids": [], "pair_keys": []}, "32 bytes each")]
     for msg_type, content, needle in bad:
         problem = check_content(msg_type, content, server)
         assert problem is not None and needle in problem, (msg_type, problem)
@@ -350,3 +364,47 @@ def test_a_field_too_small_for_the_sum_stops_the_course_with_the_fix():
     course = Course(small_cfg(None, secure_aggregation__modulus=1_000_003, **SECURE))
     with pytest.raises(HandlerError, match="may overflow the field; lower secure_aggregation.bits"):
         course.run()
+
+
+# ---------------------------------------------------------------- verifiable shares and identities
+def test_feldman_commitments_live_in_a_prime_order_group_and_catch_a_bad_share():
+    from fedcore.shamir import GENERATOR, GROUP_P, PRIME, commit, g_pow, random_secret, verify_share
+    isprime = pytest.importorskip("sympy").isprime     # an independent primality test (torch needs sympy)
+    assert PRIME.bit_length() == 256 and GROUP_P.bit_length() == 2048
+    assert isprime(PRIME) and isprime(GROUP_P) and (GROUP_P - 1) % PRIME == 0
+    assert GENERATOR != 1 and pow(GENERATOR, PRIME, GROUP_P) == 1      # g generates the order-q subgroup
+    rng = np.random.default_rng(7)
+    for e in [0, 1, 255, 256, PRIME - 1] + [int.from_bytes(rng.bytes(32), "big") % PRIME for _ in range(20)]:
+        assert g_pow(e) == pow(GENERATOR, e, GROUP_P)                  # the table against plain pow
+    secret = random_secret()
+    shares, commitments = split(secret, [1, 2, 4, 5], threshold=3)
+    assert commitments[0] == commit(secret) and len(commitments) == 3
+    assert all(verify_share(x, y, commitments) for x, y in shares.items())
+    assert not verify_share(2, (shares[2] + 1) % (PRIME), commitments)     # off by one
+    assert not verify_share(3, shares[2], commitments)                     # another holder's share
+    assert combine({x: shares[x] for x in (1, 4, 5)}, 3, 32) == secret
+
+
+def test_roster_keys_sign_for_their_client_only(tmp_path):
+    import os
+    import stat
+    from fedcore.algorithms.secagg_identity import (keys_statement, load_roster, load_signing_key, main, sign,
+                                                    verify)
+    assert main(["--out", str(tmp_path), "--clients", "3"]) == 0
+    roster = load_roster(tmp_path / "secagg_roster.json")
+    key2 = load_signing_key(tmp_path / "secagg_client_2.key")
+    assert stat.S_IMODE(os.stat(tmp_path / "secagg_client_2.key").st_mode) == 0o600
+    statement = keys_statement(1, 2, b"c" * 32, b"m" * 32, 30)
+    assert verify(roster, 2, statement, sign(key2, statement))
+    assert not verify(roster, 3, statement, sign(key2, statement))          # not client 3's key
+    assert not verify(roster, 2, keys_statement(2, 2, b"c" * 32, b"m" * 32, 30), sign(key2, statement))
+    assert not verify(roster, 2, keys_statement(1, 2, b"c" * 32, b"m" * 32, 31), sign(key2, statement))
+
+
+def test_a_deployed_secure_course_without_a_roster_is_refused():
+    common = dict(distribute__token="t", distribute__insecure=True, **SECURE)
+    with pytest.raises(ConfigError) as err:
+        small_cfg(None, distribute__role="server", **common)
+    assert "secure_aggregation.roster: a deployed secure course needs the operator's roster" in str(err.value)
+    with pytest.raises(ConfigError, match="secure_aggregation.signing_key: a deployed secure client needs"):
+        small_cfg(None, distribute__role="client", secure_aggregation__roster="r.json", **common)

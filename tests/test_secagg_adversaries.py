@@ -1,0 +1,234 @@
+"""Secure aggregation against the adversaries it is named for, each built from the project's
+own server or client with one stage changed (tests/secagg_adversary_plugin.py): a server
+that shows clients different survivor sets learns no share, and one misbehaving client
+neither nullifies nor ends a course, nor poisons it through the mask."""
+import json
+import logging
+
+import pytest
+
+from fedcore.course import Course
+from fedcore.errors import NothingAggregated
+from fedcore.message import SERVER_ID
+from tests.conftest import small_cfg
+
+SECURE = {"secure_aggregation__enabled": True, "model__dtype": "float64", "eval__clients": False,
+          "plugins": ["tests.secagg_adversary_plugin"]}
+
+
+def _course(tmp_path, adversary, bad=0, **extra):
+    cfg = small_cfg(tmp_path, secagg_test__adversary=adversary, secagg_test__bad_client=bad, **{**SECURE, **extra})
+    return Course(cfg).build()
+
+
+def _capture(course):
+    """Every message the clients send to the server."""
+    sent = []
+    course.comm.filters.append(lambda msg, receiver: sent.append(msg) or True if receiver == SERVER_ID else True)
+    return sent
+
+
+# ---------------------------------------------------------------- an active server
+@pytest.mark.parametrize("adversary, extra, refusal", [
+    # issue 25's attack: 4 clients, k = 3, t = 2, each of 2, 3, 4 told "only you and client 1 survived"
+    ("pairs_server", {}, "1 survivor(s) masked their input with mine, fewer than the threshold 2"),
+    # two survivor sets, each locally plausible: each gathers 2 signatures, the quorum is 3
+    ("split_server", {}, "2 valid signature(s) from survivors on the survivor set I signed, fewer than 3"),
+    # a survivor list padded with clients that were never neighbours (not in the round)
+    ("padded_server", {"federate__client_num": 6, "federate__sample_client_num": 4},
+     "1 survivor(s) masked their input with mine, fewer than the threshold 2"),
+    # one consistent, signed set, but a survivor also listed as dropped: both its shares asked for
+    ("overlap_server", {}, "client(s) [2] listed as dropped are not my neighbours or are also survivors"),
+], ids=["pairs", "split", "padded", "overlap"])
+def test_a_server_showing_clients_different_survivor_sets_gets_no_share(tmp_path, caplog, adversary, extra, refusal):
+    course = _course(tmp_path / "out", adversary, **{"federate__client_num": 4, "federate__total_round_num": 1,
+                                                     **extra})
+    sent = _capture(course)
+    with caplog.at_level(logging.WARNING, logger="fedcore.secagg"), pytest.raises(NothingAggregated):
+        course.run()
+    reveals = [m for m in sent if m.msg_type == "secagg_unmask_shares"]
+    assert reveals == []                                   # no client revealed anything
+    refusals = [m for m in sent if m.msg_type == "secagg_abort"]
+    assert sorted(m.sender for m in refusals) == sorted(m.sender for m in sent if m.msg_type == "secagg_masked_input")
+    assert any(refusal in m.content["reason"] for m in refusals), [m.content for m in refusals]
+    rec = course.monitor.records[0]
+    assert rec["secagg_aborted"] == 1 and rec["num_updates"] == 0 and rec["secagg_refusals"] == 4
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["secagg_aborted_rounds"] == [1]
+    assert any("secure aggregation refused" in r.getMessage() for r in caplog.records)
+
+
+def test_a_server_substituting_a_clients_keys_is_refused(tmp_path):
+    """The server cannot hand out keys of its own for a client: each is signed by the client's
+    roster key, so its neighbours refuse the round before sharing anything."""
+    course = _course(tmp_path / "out", "none", federate__client_num=4, federate__total_round_num=1)
+    from fedcore.algorithms.secagg_crypto import new_private_key, public_bytes
+    original = course.server.send
+
+    def substitute(msg_type, receiver, content, round_=None, **kw):
+        if msg_type == "secagg_neighbour_keys" and 1 in content["ids"]:
+            i = content["ids"].index(1)
+            content = {**content, "mask_keys": [*content["mask_keys"][:i], public_bytes(new_private_key()),
+                                                *content["mask_keys"][i + 1:]]}
+        return original(msg_type, receiver, content, round_=round_, **kw)
+    course.server.send = substitute
+    sent = _capture(course)
+    with pytest.raises(NothingAggregated):
+        course.run()
+    assert not [m for m in sent if m.msg_type in ("secagg_encrypted_shares", "secagg_unmask_shares") and m.sender != 1]
+    reasons = [m.content["reason"] for m in sent if m.msg_type == "secagg_abort"]
+    assert len(reasons) == 3 and all("client 1's keys are not signed by client 1" in r for r in reasons)
+
+
+# ---------------------------------------------------------------- one misbehaving client
+FIVE = {"federate__client_num": 5, "federate__total_round_num": 3}
+
+
+def _without(tmp_path, bad):
+    """The honest course in which client `bad` vanishes after sharing, every round: the sum of
+    the others (the protocol's dropout recovery, tested against the plain sum elsewhere)."""
+    trace = tmp_path / "devices.json"
+    trace.write_text(json.dumps([{"client_id": c, "dropout": 1.0 if c == bad else 0.0} for c in range(1, 6)]))
+    course = _course(tmp_path / "without", "none", time__profiles={"type": "trace", "path": str(trace)}, **FIVE)
+    return course, course.run()
+
+
+def _max_diff(a, b):
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def _bound(course, rounds=3):
+    """The quantization error of `rounds` secure rounds: c / (2^bits - 1) per coordinate each."""
+    return rounds * course.cfg["secure_aggregation.clip"] / ((1 << course.cfg["secure_aggregation.bits"]) - 1)
+
+
+def _run(course, caplog, logger="fedcore.secagg"):
+    with caplog.at_level(logging.WARNING, logger=logger):
+        return course.run()
+
+
+@pytest.mark.parametrize("adversary, what", [
+    ("garbage_shares", "client 5 excluded: its shares failed their checks at client(s) [1, 2, 3, 4]"),
+    ("false_weight", "client 5 excluded: it declared weight 1000000, outside 1..{train} (its join)"),
+])
+def test_a_client_excluded_before_masking_leaves_the_course_of_the_others(tmp_path, caplog, adversary, what):
+    course = _course(tmp_path / "out", adversary, bad=5, **FIVE)
+    summary = _run(course, caplog)
+    assert [r["num_updates"] for r in course.monitor.records] == [4, 4, 4]
+    assert all(r["secagg_excluded"] == [5] for r in course.monitor.records)
+    assert summary["secagg_excluded"] == {"5": 3}
+    what = what.format(train=len(course.clients[5].data.train))   # the sample count it joined with
+    assert what in caplog.text and "learning rate" not in caplog.text
+    reference, ref_summary = _without(tmp_path, 5)
+    assert abs(summary["final_test_acc"] - ref_summary["final_test_acc"]) <= 0.05
+    # the same four updates are summed: equal models within the quantization bound, 3 rounds
+    assert _max_diff(course.server.aggregator.global_state, reference.server.aggregator.global_state) <= _bound(course)
+
+
+@pytest.mark.parametrize("adversary, extra, report", [
+    # one holder (the lowest id) gets a share off by one: it reports it, the other three shares rebuild
+    ("one_bad_share", {}, "client 1: round 1: the share from client 5 fails its check against the dealer's "
+                          "commitments; reported"),
+    # no unmask answer from client 5: the others' shares of every seed are enough (t = 3 of 4)
+    ("withhold", {"secure_aggregation__stage_timeout": 5.0}, "no secagg_unmask_shares from client(s) [5]"),
+    # false seed shares in the unmask stage: caught against the commitments, the other holders' shares used
+    ("false_reveal", {}, "client 5 excluded: it revealed a false share of client 1's seed"),
+], ids=["one_bad_share", "withhold", "false_reveal"])
+def test_a_client_the_protocol_tolerates_is_summed_with_the_rest(tmp_path, caplog, adversary, extra, report):
+    course = _course(tmp_path / "out", adversary, bad=5, **FIVE, **extra)
+    summary = _run(course, caplog, "fedcore")
+    assert [r["num_updates"] for r in course.monitor.records] == [5, 5, 5]
+    assert report in caplog.text
+    if adversary == "one_bad_share":    # and the server's log names the dealer too
+        assert "round 1: client 1 reports a bad share from client(s) [5]" in caplog.text
+    honest = _course(tmp_path / "honest", "none", **FIVE)
+    honest_summary = honest.run()
+    assert _max_diff(course.server.aggregator.global_state, honest.server.aggregator.global_state) <= _bound(course)
+    assert abs(summary["final_test_acc"] - honest_summary["final_test_acc"]) <= 0.05
+
+
+@pytest.mark.parametrize("adversary, what", [
+    # its masks are removed as a dropout's (its partners' shares of its key)
+    ("replay", "client 5 excluded: it replayed a masked input already sent"),
+    # excluded before anyone uses the keys: nobody masks with it
+    ("replay_keys", "client 5 excluded: it replayed public keys of an earlier round"),
+])
+def test_a_replay_from_round_2_on_is_left_out_and_the_others_train(tmp_path, caplog, adversary, what):
+    course = _course(tmp_path / "out", adversary, bad=5, **FIVE)
+    summary = _run(course, caplog)
+    assert [r["num_updates"] for r in course.monitor.records] == [5, 4, 4]
+    assert [r["secagg_excluded"] for r in course.monitor.records] == [[], [5], [5]]
+    assert what in caplog.text
+    _, ref_summary = _without(tmp_path, 5)
+    assert abs(summary["final_test_acc"] - ref_summary["final_test_acc"]) <= 0.05
+
+
+@pytest.mark.parametrize("adversary, why", [
+    ("out_of_range", "a coordinate is"),
+    ("out_of_range_weight", "its total weight is"),   # a weight inside the input unlike the one declared
+])
+def test_an_out_of_range_secure_input_is_refused_and_the_model_stays_within_reach(tmp_path, caplog, adversary, why):
+    course = _course(tmp_path / "out", adversary, bad=5, **FIVE)
+    before = {k: v.clone() for k, v in course.server.aggregator.global_state.items()}
+    rounds = {}
+    aggregate = course.server.aggregator.aggregate
+
+    def spy(updates, round_):
+        start = {k: v.clone() for k, v in course.server.aggregator.global_state.items()}
+        out = aggregate(updates, round_)
+        rounds[round_] = _max_diff(course.server.aggregator.global_state, start)
+        return out
+    course.server.aggregator.aggregate = spy
+    summary = _run(course, caplog)
+    rec = course.monitor.records
+    assert rec[0]["secagg_out_of_range"] == 1 and rec[0]["num_updates"] == 0
+    assert summary["secagg_out_of_range_rounds"] == [1]
+    assert f"round 1 out_of_range: the unmasked sum is refused: {why}" in caplog.text
+    assert 1 not in rounds          # round 1's sum never reached the aggregator
+    assert [r["num_updates"] for r in rec[1:]] == [5, 5]
+    # every adopted step is a weighted mean of clipped deltas: no coordinate moves more than c
+    clip = course.cfg["secure_aggregation.clip"]
+    assert all(step <= clip + 1e-9 for step in rounds.values())
+    assert _max_diff(course.server.aggregator.global_state, before) <= 2 * clip + 1e-9
+
+
+def test_a_server_shrinking_a_clients_neighbour_list_is_refused(tmp_path):
+    """With the default threshold a client derives t from its neighbour count; a server showing
+    it 2 of its 5 neighbours (t would drop to 2) meets the configured floor: t = 5 // 2 + 1 = 3."""
+    course = _course(tmp_path / "out", "none", federate__client_num=6, federate__total_round_num=1)
+    original = course.server.send
+
+    def shrink(msg_type, receiver, content, round_=None, **kw):
+        if msg_type == "secagg_neighbour_keys" and receiver == 1:
+            content = {k: v[:2] for k, v in content.items()}
+        return original(msg_type, receiver, content, round_=round_, **kw)
+    course.server.send = shrink
+    sent = _capture(course)
+    course.run()
+    reasons = {m.sender: m.content["reason"] for m in sent if m.msg_type == "secagg_abort"}
+    assert reasons == {1: "2 neighbour(s), fewer than the threshold 3 the configuration gives"}
+    assert not [m for m in sent if m.msg_type == "secagg_encrypted_shares" and m.sender == 1]
+
+
+def test_a_garbage_masked_input_every_round_stops_the_course_non_zero(tmp_path, caplog):
+    """Garbage inside the mask cannot be told from the sum whose it is: every round's sum is
+    refused, nothing is adopted, and the course ends with exit code 6 rather than 0."""
+    course = _course(tmp_path / "out", "garbage_input", bad=5, federate__client_num=5, federate__total_round_num=2)
+    before = {k: v.clone() for k, v in course.server.aggregator.global_state.items()}
+    with caplog.at_level(logging.WARNING, logger="fedcore.secagg"), pytest.raises(NothingAggregated) as stop:
+        course.run()
+    assert stop.value.exit_code == 6 and "round 2 out_of_range" in str(stop.value)
+    assert [r["secagg_out_of_range"] for r in course.monitor.records] == [1, 1]
+    assert _max_diff(course.server.aggregator.global_state, before) == 0
+
+
+def test_a_dropout_that_shared_another_mask_key_is_removed_by_the_pairwise_keys(tmp_path, caplog):
+    """Client 5 shares a key unlike its advertised mask key and vanishes after sharing: the key
+    rebuilt from its shares does not match, so the survivors' revealed pairwise keys remove
+    its masks, and the round sums the other four as if it had simply dropped."""
+    course = _course(tmp_path / "out", "other_key_then_drop", bad=5, secure_aggregation__stage_timeout=5.0,
+                     **FIVE)
+    _run(course, caplog)
+    assert [(r["num_updates"], r["secagg_dropped"]) for r in course.monitor.records] == [(4, 1)] * 3
+    reference, _ = _without(tmp_path, 5)
+    assert _max_diff(course.server.aggregator.global_state, reference.server.aggregator.global_state) <= _bound(course)
