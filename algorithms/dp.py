@@ -94,10 +94,6 @@ def _check_central_sampling(cfg) -> None:
             raise ConfigError("privacy.dp.mode: central DP under secure aggregation needs every client "
                               "in every round (a secure round cannot yet run on a Poisson sample); "
                               "drop federate.sample_client_num/rate or use privacy.dp.mode=local")
-        if deployed(cfg) and resolved_noise_source(cfg) == "os":
-            raise ConfigError("privacy.dp.mode: central DP under secure aggregation still draws its "
-                              "noise from the course seed, which every client holds; use "
-                              "privacy.dp.mode=local in a deployment")
 
 
 # ---------------------------------------------------------------- the mechanism

@@ -338,11 +338,13 @@ def unmask_and_aggregate(server, _event=None) -> None:
 
 def _central_noise(model, names: list[str], clip: float, cfg, round_: int) -> np.ndarray:
     """N(0, (sigma C)^2) per coordinate, drawn as plain central DP draws it (in the model's
-    entry order), laid out in the masked vector's order: both courses get the same noise."""
-    from fedcore.algorithms.dp import gaussian_noise, noise_generator
+    entry order), laid out in the masked vector's order: both courses get the same noise. In a
+    deployment it comes from the OS (`privacy.dp.noise_source`), so no client can regenerate it."""
+    from fedcore.algorithms.dp import gaussian_noise
+    from fedcore.algorithms.dp_noise import noise_source
     drawn = [n for n in model if model[n].is_floating_point()]
     noise = gaussian_noise(sum(model[n].numel() for n in drawn),
-                           cfg["privacy.dp.noise_multiplier"] * clip, noise_generator(cfg["seed"], 0, round_))
+                           cfg["privacy.dp.noise_multiplier"] * clip, noise_source(cfg, 0, round_))
     parts, pos = {}, 0
     for n in drawn:
         parts[n] = noise[pos:pos + model[n].numel()].numpy()

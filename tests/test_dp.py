@@ -180,9 +180,25 @@ def test_an_empty_sample_still_releases_the_noise_and_is_accounted(tmp_path):
     ({"federate__sampler": "group"}, "central DP samples clients itself"),
     ({"secure_aggregation__enabled": True, "federate__sample_client_num": 3},
      "needs every client in every round"),
-    ({"secure_aggregation__enabled": True, "federate__mode": "distributed"},
-     "under secure aggregation still draws its noise from the course seed"),
 ])
 def test_central_dp_refuses_samplings_its_bound_does_not_cover(override, needle):
     with pytest.raises(ConfigError, match=needle):
         small_cfg(None, privacy__dp__mode="central", **override)
+
+
+def test_central_noise_on_a_secure_sum_is_seeded_in_simulation_and_from_the_os_when_deployed():
+    """The server's noise on the unmasked sum: a simulation draws what plain central DP draws from
+    the seed; a deployed course draws fresh OS noise, which no client holding the config can regenerate."""
+    import torch as _torch
+    from fedcore.handlers.secure_aggregation import _central_noise
+    model = {"w": _torch.zeros(4, 3), "b": _torch.zeros(3)}
+    names = ["b", "w"]                                # the masked vector's order differs from the model's
+    sim = small_cfg(None, privacy__dp__mode="central", privacy__dp__noise_multiplier=2.0,
+                    secure_aggregation__enabled=True)
+    drawn = gaussian_noise(15, 2.0 * 0.5, noise_generator(sim["seed"], 0, 3))
+    expected = torch.cat([drawn[12:], drawn[:12]]).numpy()
+    assert (_central_noise(model, names, 0.5, sim, 3) == expected).all()
+    deployed = small_cfg(None, privacy__dp__mode="central", privacy__dp__noise_multiplier=2.0,
+                         secure_aggregation__enabled=True, federate__mode="distributed")
+    first, second = _central_noise(model, names, 0.5, deployed, 3), _central_noise(model, names, 0.5, deployed, 3)
+    assert not (first == expected).any() and not (first == second).any()
