@@ -30,7 +30,7 @@ import torch
 from fedcore import registry
 from fedcore.algorithms.combine import Deltas, flatten, float_names, replace_combination, unflatten
 from fedcore.algorithms.dp_accountant import RdpAccountant
-from fedcore.algorithms.dp_noise import (deployed, noise_generator, noise_source, resolved_noise_source,
+from fedcore.algorithms.dp_noise import (noise_generator, noise_source, resolved_noise_source,
                                          standard_normal)
 from fedcore.algorithms.participants import chosen_clients
 from fedcore.config import declare, non_negative, positive, validator
