@@ -180,6 +180,7 @@ class Course:
         """config.yaml and handlers.txt, written before anything runs."""
         if self.outdir is None:
             return
+        self._refuse_another_runs_records()
         self._make_outdir()
         self.cfg.dump(self.outdir / "config.yaml")
         self.cfg.dump_sources(self.outdir / "config_sources.yaml")
@@ -187,6 +188,15 @@ class Course:
         if getattr(self, "behaviours", None):
             sections.append("[behaviours]\n" + "\n".join(f"  {b}" for b in self.behaviours))
         (self.outdir / "handlers.txt").write_text("\n\n".join(sections) + "\n")
+
+    def _refuse_another_runs_records(self) -> None:
+        """A deployed server started again with the same command must not wipe the records of
+        the run it replaces (simulations rerun into their outdir as before)."""
+        metrics = self.outdir / "metrics.jsonl"
+        if (self.wall_clock and not self.cfg["outdir_overwrite"] and not self.cfg["resume_from"]
+                and metrics.is_file() and metrics.stat().st_size > 0):
+            raise ConfigError(f"outdir: '{self.outdir}' holds another run's records (metrics.jsonl); "
+                              "choose a new outdir, or set outdir_overwrite=true to replace them")
 
     def _make_outdir(self) -> None:
         try:

@@ -106,3 +106,33 @@ def test_the_guardian_leaves_processes_alone_after_done(tmp_path):
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_server_refuses_an_outdir_holding_another_runs_records(procs, tmp_path):
+    from fedcore.course import Course
+    from tests.conftest import small_cfg
+    out = tmp_path / "out"
+    Course(small_cfg(out)).run()
+    Course(small_cfg(out)).run()                       # a simulation reruns into its outdir as before
+    before = (out / "metrics.jsonl").read_bytes()      # an earlier run's records: 2 rounds
+    assert before.count(b"\n") == 2
+    cfg = write_cfg(tmp_path / "course.yaml")
+    server = procs.fedcore("server", cfg, "distribute.role=server", "distribute.server_port=0",
+                           "distribute.insecure=true", "distribute.token=t", f"outdir={out}")
+    assert server.wait(120) == 2
+    lines = text(server).strip().splitlines()
+    assert lines[-1] == (f"fedcore: outdir: '{out}' holds another run's records (metrics.jsonl); choose "
+                         "a new outdir, or set outdir_overwrite=true to replace them")
+    assert (out / "metrics.jsonl").read_bytes() == before and not (out / "server_address").exists()
+
+
+def test_outdir_overwrite_lets_a_server_replace_the_records(tmp_path):
+    from fedcore.distributed import ServerCourse
+    from fedcore.errors import ConfigError
+    from tests.conftest import small_cfg
+    (tmp_path / "metrics.jsonl").write_text('{"round": 1}\n')
+    keys = dict(federate__mode="distributed", distribute__role="server", distribute__insecure=True)
+    with pytest.raises(ConfigError, match="holds another run's records"):
+        ServerCourse(small_cfg(tmp_path, **keys), tmp_path).write_header()
+    ServerCourse(small_cfg(tmp_path, outdir_overwrite=True, **keys), tmp_path).write_header()
+    assert (tmp_path / "config.yaml").is_file()
