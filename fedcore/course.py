@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from fedcore import registry
-from fedcore.checkpoint import Checkpointer, load_tensor_file, resume
+from fedcore.checkpoint import Checkpointer, load_tensor_file, resume, stop_at_round_end
 from fedcore.comm.inprocess import InProcessComm
 from fedcore.completeness import CheckResult, require_complete
 from fedcore.device import DeviceStateStore, apply_determinism, place_data, resolve_device
@@ -228,7 +228,7 @@ class Course:
                 self.scheduler.schedule(0.0, PRIORITY_TIMER, StartEvent(w, "start"))
         self.monitor.start()
         try:
-            with collector_for_run():
+            with collector_for_run(), stop_at_round_end(self):
                 self.scheduler.run()
         except (KeyboardInterrupt, StopRun) as stop:
             # Ctrl-C or a callback: keep what the run has so far, as a deployed server does; the

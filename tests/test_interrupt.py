@@ -1,5 +1,7 @@
-"""Ctrl-C in a simulation keeps its summary (stopped_by: interrupted) and the last aggregated model."""
+"""Ctrl-C in a simulation keeps its summary (stopped_by: interrupted) and the last aggregated model;
+a first Ctrl-C or SIGTERM also lets the round end and snapshots it, and the printed command resumes."""
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -9,6 +11,7 @@ import pytest
 import torch
 
 from fedcore.course import Course
+from fedcore.errors import ConfigError
 from fedcore.monitor import Callback
 from tests.conftest import small_cfg
 from tests.deploy_helpers import ROOT, _env, wait_for
@@ -77,3 +80,118 @@ def test_a_callback_can_stop_the_course_and_keep_its_outputs(tmp_path):
     assert summary["stopped_by"] == "pruned" and summary["rounds"] == 2
     assert json.loads((tmp_path / "summary.json").read_text())["stopped_by"] == "pruned"
     assert (tmp_path / "final_model.pt").is_file()
+
+
+class SignalAt(Callback):
+    """Sends this process `signals` as the given round's record is written, as Ctrl-C would."""
+
+    def __init__(self, round_, signals):
+        self.round, self.signals = round_, signals
+
+    def on_record(self, record):
+        if record["round"] == self.round:
+            for sig in self.signals:
+                os.kill(os.getpid(), sig)
+
+
+def _model(path):
+    return torch.load(path / "final_model.pt", weights_only=True)
+
+
+def _same_model(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_finishes_the_round_snapshots_it_and_the_snapshot_resumes_exactly(tmp_path, sig):
+    common = dict(federate__total_round_num=5, federate__sample_client_num=3,
+                  train__optimizer__momentum=0.9, train__preserve_optimizer_state=True)
+    cut = tmp_path / "cut"
+    course = Course(small_cfg(cut, **common), callbacks=[SignalAt(2, [sig])])
+    with pytest.raises(KeyboardInterrupt):
+        course.run()
+    # the course stops once the round in progress is aggregated (round 2's record waits for its
+    # clients' evaluations, which come back in round 3), with that round's snapshot although
+    # checkpoint.every is 0, and the outputs end at that round
+    summary = json.loads((cut / "summary.json").read_text())
+    reached = course.checkpointer.last_round
+    assert summary["stopped_by"] == "interrupted" and summary["rounds"] == reached and 2 <= reached < 5
+    snapshot = cut / "checkpoints" / f"round_{reached}.pt"
+    assert course.checkpointer.last_path == snapshot and snapshot.is_file()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers put back
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+    Course(small_cfg(cut, resume_from=str(snapshot), **common)).run()
+    Course(small_cfg(tmp_path / "full", **common)).run()
+    assert _same_model(_model(cut), _model(tmp_path / "full"))
+    rounds = [json.loads(x)["round"] for x in (cut / "metrics.jsonl").read_text().splitlines()]
+    assert rounds == [1, 2, 3, 4, 5]
+
+
+def test_a_second_interrupt_stops_at_once_without_a_snapshot(tmp_path):
+    course = Course(small_cfg(tmp_path, federate__total_round_num=5, eval__clients=False),
+                    callbacks=[SignalAt(2, [signal.SIGINT, signal.SIGINT])])
+    with pytest.raises(KeyboardInterrupt):
+        course.run()
+    assert course.checkpointer.last_path is None and not (tmp_path / "checkpoints").exists()
+    assert json.loads((tmp_path / "summary.json").read_text())["rounds"] == 2
+
+
+def test_resume_from_a_final_model_names_the_snapshot_to_use(tmp_path):
+    Course(small_cfg(tmp_path / "plain", federate__total_round_num=3)).run()
+    final = tmp_path / "plain" / "final_model.pt"
+    with pytest.raises(ConfigError) as no_snapshot:
+        Course(small_cfg(tmp_path / "again", federate__total_round_num=3, resume_from=str(final))).build()
+    assert str(no_snapshot.value) == (
+        f"resume_from: '{final}' is not a fedcore checkpoint but a model's weights only; that run left "
+        f"no snapshot in {tmp_path / 'plain' / 'checkpoints'} (written every checkpoint.every rounds, "
+        f"and on Ctrl-C); to start a new course from these weights use model.init_from={final}")
+
+    Course(small_cfg(tmp_path / "saved", federate__total_round_num=4, checkpoint__every=1)).run()
+    final = tmp_path / "saved" / "final_model.pt"
+    with pytest.raises(ConfigError) as snapshots:
+        Course(small_cfg(tmp_path / "again", federate__total_round_num=6, resume_from=str(final))).build()
+    newest = tmp_path / "saved" / "checkpoints" / "round_4.pt"   # of rounds 1..4, not 'round_10' sorting
+    assert str(snapshots.value).endswith(f"resume from its newest snapshot, resume_from={newest}")
+
+
+@pytest.mark.slow
+def test_ctrl_c_then_the_printed_command_finishes_the_course_as_if_uninterrupted(tmp_path):
+    """The default config (checkpoint.every: 0) with clients that pause 50 ms before training,
+    so that the interrupt lands mid-course."""
+    cfg = tmp_path / "course.yaml"
+    cfg.write_text("plugins: [tests.slow_plugin]\nalgorithm: {name: fedavg_pausing}\n"
+                   "slow_test: {pause: 0.05}\nfederate: {client_num: 4, total_round_num: 12}\n"
+                   "data: {synthetic: {samples_per_client: 30}}\n")
+    full = tmp_path / "full"
+    done = subprocess.run([sys.executable, "-m", "fedcore.run", "--cfg", str(cfg), f"outdir={full}"],
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+
+    out = tmp_path / "out"
+    p = subprocess.Popen([sys.executable, "-m", "fedcore.run", "--cfg", str(cfg), f"outdir={out}"],
+                         cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        metrics = out / "metrics.jsonl"
+        wait_for(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= 3, 120,
+                 "three rounds")
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130, err
+    lines = err.strip().splitlines()
+    assert lines[-1] == "fedcore: interrupted"
+    reached = json.loads((out / "summary.json").read_text())["rounds"]
+    assert 3 <= reached < 12
+    assert lines[-3] == f"fedcore: stopped after round {reached}; outputs in {out}"
+    prefix = f"fedcore: resume from the snapshot of round {reached} with: "
+    assert lines[-2].startswith(prefix) and (out / "checkpoints" / f"round_{reached}.pt").is_file()
+
+    resumed = subprocess.run(["bash", "-c", lines[-2][len(prefix):]], env=_env(),
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert _same_model(_model(out), _model(full))
+    rounds = [json.loads(x)["round"] for x in metrics.read_text().splitlines()]
+    assert rounds == list(range(1, 13))
