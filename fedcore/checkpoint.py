@@ -172,7 +172,11 @@ def stop_at_round_end(course):
     defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
     previous = {sig: signal.getsignal(sig) for sig in defaults}
 
+    owner = os.getpid()
+
     def request_stop(_signum, _frame) -> None:
+        if os.getpid() != owner:  # a worker forked by `executor: processes`: the course decides
+            return
         if checkpointer.stop_requested:
             raise KeyboardInterrupt
         checkpointer.stop_requested = True

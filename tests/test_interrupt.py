@@ -195,3 +195,35 @@ def test_ctrl_c_then_the_printed_command_finishes_the_course_as_if_uninterrupted
     assert _same_model(_model(out), _model(full))
     rounds = [json.loads(x)["round"] for x in metrics.read_text().splitlines()]
     assert rounds == list(range(1, 13))
+
+
+class CtrlCToTheGroup(Callback):
+    """At the given round's record: SIGINT to this process and its forked workers, as a
+    terminal's Ctrl-C sends it to the whole foreground process group."""
+
+    def __init__(self, round_):
+        self.round = round_
+
+    def on_record(self, record):
+        import multiprocessing
+        if record["round"] == self.round:
+            workers = multiprocessing.active_children()
+            assert workers  # the pool is running
+            for w in workers:
+                os.kill(w.pid, signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_forked_workers_leave_the_interrupt_to_the_course(tmp_path, capfd):
+    common = dict(federate__total_round_num=4, eval__clients=False, executor="processes",
+                  executor_workers=2, torch_threads=1)
+    course = Course(small_cfg(tmp_path / "cut", **common), callbacks=[CtrlCToTheGroup(2)])
+    with pytest.raises(KeyboardInterrupt):
+        course.run()
+    snapshot = course.checkpointer.last_path
+    assert course.checkpointer.last_round == 2 and snapshot.is_file()  # record 2 precedes its snapshot
+    err = capfd.readouterr().err
+    assert err.count("fedcore: stopping when") == err.count("stopping when round 2 ends") == 1  # once, not per worker
+    Course(small_cfg(tmp_path / "cut", resume_from=str(snapshot), **common)).run()
+    Course(small_cfg(tmp_path / "full", **common)).run()
+    assert _same_model(_model(tmp_path / "cut"), _model(tmp_path / "full"))
