@@ -42,25 +42,33 @@ def test_interrupt_writes_summary_and_the_last_aggregated_model(tmp_path):
     assert cut.keys() == full.keys() and all(torch.equal(cut[k], full[k]) for k in cut)
 
 
-@pytest.mark.slow
-def test_sigint_to_the_cli_exits_130_with_outputs(tmp_path):
-    cfg = tmp_path / "long.yaml"
-    cfg.write_text("federate: {client_num: 20, total_round_num: 100000}\n"
-                   "data: {synthetic: {samples_per_client: 50}}\neval: {clients: false}\n")
-    out = tmp_path / "out"
+def _sigint_after(cfg, out, rounds: int, settle: float = 0.0) -> str:
+    """Run `python -m fedcore.run` on `cfg`, SIGINT it once `rounds` records are written; its
+    stderr, after checking that it exited 130."""
     p = subprocess.Popen([sys.executable, "-m", "fedcore.run", "--cfg", str(cfg), f"outdir={out}"],
                          cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         metrics = out / "metrics.jsonl"
-        wait_for(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= 2, 120,
-                 "two rounds")
-        time.sleep(0.2)
+        wait_for(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= rounds, 120,
+                 f"{rounds} rounds")
+        time.sleep(settle)
         p.send_signal(signal.SIGINT)
         _, err = p.communicate(timeout=60)
     finally:
         if p.poll() is None:
             p.kill()
     assert p.returncode == 130, err
+    return err
+
+
+@pytest.mark.slow
+def test_sigint_to_the_cli_exits_130_with_outputs(tmp_path):
+    cfg = tmp_path / "long.yaml"
+    cfg.write_text("federate: {client_num: 20, total_round_num: 100000}\n"
+                   "data: {synthetic: {samples_per_client: 50}}\neval: {clients: false}\n")
+    out = tmp_path / "out"
+    metrics = out / "metrics.jsonl"
+    err = _sigint_after(cfg, out, rounds=2, settle=0.2)
     assert err.strip().splitlines()[-1] == "fedcore: interrupted"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["stopped_by"] == "interrupted" and summary["rounds"] >= 2
@@ -169,19 +177,8 @@ def test_ctrl_c_then_the_printed_command_finishes_the_course_as_if_uninterrupted
     assert done.returncode == 0, done.stderr
 
     out = tmp_path / "out"
-    p = subprocess.Popen([sys.executable, "-m", "fedcore.run", "--cfg", str(cfg), f"outdir={out}"],
-                         cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        metrics = out / "metrics.jsonl"
-        wait_for(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= 3, 120,
-                 "three rounds")
-        p.send_signal(signal.SIGINT)
-        _, err = p.communicate(timeout=60)
-    finally:
-        if p.poll() is None:
-            p.kill()
-    assert p.returncode == 130, err
-    lines = err.strip().splitlines()
+    metrics = out / "metrics.jsonl"
+    lines = _sigint_after(cfg, out, rounds=3).strip().splitlines()
     assert lines[-1] == "fedcore: interrupted"
     reached = json.loads((out / "summary.json").read_text())["rounds"]
     assert 3 <= reached < 12

@@ -9,21 +9,10 @@ from pathlib import Path
 import pytest
 
 from fedcore.launch_guard import _alive
-from tests.deploy_helpers import ROOT, _env, text, wait_for, write_cfg
+from tests.deploy_helpers import ROOT, text, wait_for, write_cfg
+from tests.test_deploy_secrets import _children
 
 GUARD = [sys.executable, "-I", str(ROOT / "fedcore" / "launch_guard.py")]
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    out.append(int(entry.name))
-            except (OSError, ValueError, IndexError):
-                pass
-    return out
 
 
 def _cmdline(pid: int) -> str:
