@@ -7,6 +7,8 @@ is `fedcore.api.run` (this module is callable for that reason).
 Exit codes: 0 success, 2 bad configuration or usage, 3 incomplete course, 4 a
 deployed client lost its server, 5 the global model diverged (non-finite), 130
 interrupted, 1 anything else (the cause in one line before any traceback).
+An interrupted simulation (Ctrl-C or SIGTERM) ends its round, snapshots it and
+prints the outputs folder, the round reached and the command that resumes.
 """
 from __future__ import annotations
 
