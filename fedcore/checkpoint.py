@@ -174,8 +174,11 @@ def stop_at_round_end(course):
 
     owner = os.getpid()
 
-    def request_stop(_signum, _frame) -> None:
-        if os.getpid() != owner:  # a worker forked by `executor: processes`: the course decides
+    def request_stop(signum, _frame) -> None:
+        if os.getpid() != owner:  # a worker forked by `executor: processes`: Ctrl-C is the
+            if signum == signal.SIGTERM:   # course's to handle; SIGTERM (terminate) still ends it
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
             return
         if checkpointer.stop_requested:
             raise KeyboardInterrupt

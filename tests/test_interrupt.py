@@ -224,3 +224,22 @@ def test_forked_workers_leave_the_interrupt_to_the_course(tmp_path, capfd):
     Course(small_cfg(tmp_path / "cut", resume_from=str(snapshot), **common)).run()
     Course(small_cfg(tmp_path / "full", **common)).run()
     assert _same_model(_model(tmp_path / "cut"), _model(tmp_path / "full"))
+
+
+def test_a_forked_worker_still_ends_on_sigterm(tmp_path):
+    """`terminate()` (SIGTERM) is how a pool ends a worker that does not stop: the handler a
+    forked worker inherits from the course must not make it immortal."""
+    import multiprocessing
+
+    class Terminate(Callback):
+        def on_record(self, record):
+            if record["round"] == 1:
+                [worker, *_] = multiprocessing.active_children()
+                worker.terminate()
+                worker.join(10)
+                self.exitcode = worker.exitcode
+
+    seen = Terminate()
+    Course(small_cfg(tmp_path, federate__total_round_num=2, eval__clients=False, executor="processes",
+                     executor_workers=2, torch_threads=1), callbacks=[seen]).run()
+    assert seen.exitcode == -signal.SIGTERM
