@@ -97,7 +97,8 @@ def run_one(n: int, rounds: int, procs: int, workdir: Path, timeout: float, chan
     out = workdir / f"out_{n}"
     server_log = (workdir / f"server_{n}.log").open("wb")
     server = subprocess.Popen([sys.executable, "-m", "fedcore.run", "--cfg", str(cfg),
-                               "distribute.role=server", "distribute.server_port=0", f"outdir={out}"],
+                               "distribute.role=server", "distribute.server_port=0", f"outdir={out}",
+                               "outdir_overwrite=true"],   # a rerun with the same --logs replaces its runs
                               stdout=server_log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     sampler = Sampler(server.pid)
     sampler.start()

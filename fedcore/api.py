@@ -77,7 +77,8 @@ def run(cfg_or_path: str | Path | dict | Iterable | Config | None = None, /, *,
     `cfg_or_path` and `overrides` as in `configure()`. The run writes the usual outputs to
     `outdir` (default `runs/<timestamp>-<name>`) and shows progress as `verbose` says;
     `callbacks` (`fedcore.monitor.Callback`) see every record and the summary as they come.
-    Ctrl-C still writes summary.json and final_model.pt, then raises KeyboardInterrupt.
+    Ctrl-C lets the round end and writes its checkpoint (a second one stops at once), then
+    summary.json and final_model.pt, and raises KeyboardInterrupt.
     """
     from fedcore.course import Course
     from fedcore.run import resolve_outdir

@@ -8,10 +8,18 @@ evaluation requests if it asked for any, and raises `all_joined_in` at the
 checkpoint's virtual time, so a resumed course continues exactly where the
 original was (same models, same metrics; only `bytes_eval` counts the
 re-sent evaluation requests again). Files are read with `weights_only=True`.
+
+Ctrl-C or SIGTERM during a simulation (`stop_at_round_end`) lets the round in
+progress finish, writes its checkpoint whatever `checkpoint.every` says, and
+stops; a second one stops at once (keeping the last checkpoint written, if any).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import signal
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -21,7 +29,7 @@ from fedcore.config import declare, non_negative, validator
 from fedcore.device import CPU, to_cpu, to_device
 from fedcore.errors import ConfigError
 
-__all__ = ["Checkpointer", "resume", "load_tensor_file"]
+__all__ = ["Checkpointer", "resume", "load_tensor_file", "stop_at_round_end"]
 
 log = logging.getLogger("fedcore.checkpoint")
 
@@ -85,6 +93,9 @@ class Checkpointer:
         # name -> (get, set): state that plug-ins keep outside the aggregator and the store
         # (e.g. the privacy ledger); saved with every checkpoint and restored on resume.
         self.extras: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
+        self.stop_requested = False      # set by Ctrl-C/SIGTERM: snapshot at the round's end, stop
+        self.last_path: Path | None = None   # the newest checkpoint this run wrote, and its round
+        self.last_round = 0
 
     def register(self, name: str, get: Callable[[], Any], set_: Callable[[Any], None]) -> None:
         """Have `get()` saved in each checkpoint under `name` and `set_(value)` called on resume;
@@ -94,6 +105,10 @@ class Checkpointer:
     def after_aggregation(self, server) -> None:
         if self.every and server.round % self.every == 0:
             self.save(server, self.folder / f"round_{server.round}.pt")
+        if self.stop_requested and not _last_round(server):
+            if self.last_path is None or self.last_round != server.round:
+                self.save(server, self.folder / f"round_{server.round}.pt")
+            raise KeyboardInterrupt
 
     def save(self, server, path: Path) -> None:
         course = self.course
@@ -121,12 +136,97 @@ class Checkpointer:
         tmp = path.with_suffix(".tmp")
         torch.save(state, tmp)
         tmp.replace(path)
+        self.last_path, self.last_round = path, server.round
         log.info("checkpoint of round %d written to %s", server.round, path)
+
+
+def _snapshot_advice(model_file: Path) -> str:
+    """Where a run's snapshots would be, for one that names its final model instead."""
+    folder = model_file.parent / "checkpoints"
+    rounds = sorted(int(f.stem[6:]) for f in folder.glob("round_*.pt") if f.stem[6:].isdigit())
+    if rounds:
+        return f"resume from its newest snapshot, resume_from={folder / f'round_{rounds[-1]}.pt'}"
+    return (f"that run left no snapshot in {folder} (written every checkpoint.every rounds, and "
+            f"on Ctrl-C); to start a new course from these weights use model.init_from={model_file}")
+
+
+def _last_round(server) -> bool:
+    """True where this aggregation ends the course by rounds or time (nothing left to resume)."""
+    cfg = server.course.cfg
+    limit = cfg["federate.time_limit"]
+    return server.round >= cfg["federate.total_round_num"] or (limit is not None and server.now >= limit)
+
+
+@contextlib.contextmanager
+def stop_at_round_end(course):
+    """While a simulation runs: the first Ctrl-C or SIGTERM asks `course.checkpointer` to write
+    the checkpoint of the round in progress once it is aggregated and stop there, so the course
+    can be resumed whatever `checkpoint.every` says; a second one stops at once. Signals are
+    left alone where the course cannot be resumed (no folder, an async course), off the main
+    thread, and where the embedding program handles them itself."""
+    checkpointer = course.checkpointer
+    if (checkpointer.folder is None or course.cfg["course"] == "async"
+            or threading.current_thread() is not threading.main_thread()):
+        yield
+        return
+    defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+    previous = {sig: signal.getsignal(sig) for sig in defaults}
+
+    owner = os.getpid()
+
+    def request_stop(signum, _frame) -> None:
+        if os.getpid() != owner:  # a worker forked by `executor: processes`: Ctrl-C is the
+            if signum == signal.SIGTERM:   # course's to handle; SIGTERM (terminate) still ends it
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+            return
+        if checkpointer.stop_requested:
+            raise KeyboardInterrupt
+        checkpointer.stop_requested = True
+        # os.write: the interrupted code may be halfway through a write to sys.stderr
+        os.write(2, f"fedcore: stopping when round {course.server.round} ends, to write a snapshot "
+                    "that resumes the course (interrupt again to stop at once)\n".encode())
+
+    for sig, handler in previous.items():
+        if handler is defaults[sig]:
+            signal.signal(sig, request_stop)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            if signal.getsignal(sig) is request_stop:
+                signal.signal(sig, handler)
+
+
+def interrupted_message(course, command: list[str] | None) -> str:
+    """What an operator needs after an interruption: where the outputs are, the round reached,
+    and the command that resumes (`command` is how the course was started, without outdir and
+    resume_from)."""
+    import shlex
+    if course.outdir is None:
+        return ""
+    records = course.monitor.records
+    reached = records[-1]["round"] if records else 0
+    lines = [f"stopped after round {reached}; outputs in {course.outdir.resolve()}"]
+    snapshot = course.checkpointer.last_path
+    if snapshot is None:
+        lines.append("no snapshot was written (stopped at once); rerun the course to train it")
+    elif command is not None:
+        resume_cmd = [*command, f"outdir={course.outdir.resolve()}", f"resume_from={snapshot.resolve()}"]
+        lines.append(f"resume from the snapshot of round {course.checkpointer.last_round} with: "
+                     f"cd {shlex.quote(os.getcwd())} && {shlex.join(resume_cmd)}")
+    else:
+        lines.append(f"resume it with resume_from={snapshot.resolve()}")
+    return "\n".join(f"fedcore: {line}" for line in lines)
 
 
 def resume(course, path: str) -> float:
     """Restore `course` (built, not yet run) from a checkpoint; returns its virtual time."""
     state = load_tensor_file(path, "resume_from", "a fedcore checkpoint")
+    if isinstance(state, dict) and state and "format" not in state \
+            and all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ConfigError(f"resume_from: '{path}' is not a fedcore checkpoint but a model's weights "
+                          f"only; {_snapshot_advice(Path(path))}")
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ConfigError(f"resume_from: '{path}' is not a fedcore checkpoint (format {FORMAT})")
     server, monitor = course.server, course.monitor

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from fedcore import registry
-from fedcore.checkpoint import Checkpointer, load_tensor_file, resume
+from fedcore.checkpoint import Checkpointer, load_tensor_file, resume, stop_at_round_end
 from fedcore.comm.inprocess import InProcessComm
 from fedcore.completeness import CheckResult, require_complete
 from fedcore.device import DeviceStateStore, apply_determinism, place_data, resolve_device
@@ -180,6 +180,7 @@ class Course:
         """config.yaml and handlers.txt, written before anything runs."""
         if self.outdir is None:
             return
+        self._refuse_another_runs_records()
         self._make_outdir()
         self.cfg.dump(self.outdir / "config.yaml")
         self.cfg.dump_sources(self.outdir / "config_sources.yaml")
@@ -187,6 +188,15 @@ class Course:
         if getattr(self, "behaviours", None):
             sections.append("[behaviours]\n" + "\n".join(f"  {b}" for b in self.behaviours))
         (self.outdir / "handlers.txt").write_text("\n\n".join(sections) + "\n")
+
+    def _refuse_another_runs_records(self) -> None:
+        """A deployed server started again with the same command must not wipe the records of
+        the run it replaces (simulations rerun into their outdir as before)."""
+        metrics = self.outdir / "metrics.jsonl"
+        if (self.wall_clock and not self.cfg["outdir_overwrite"] and not self.cfg["resume_from"]
+                and metrics.is_file() and metrics.stat().st_size > 0):
+            raise ConfigError(f"outdir: '{self.outdir}' holds another run's records (metrics.jsonl); "
+                              "choose a new outdir, or set outdir_overwrite=true to replace them")
 
     def _make_outdir(self) -> None:
         try:
@@ -218,7 +228,7 @@ class Course:
                 self.scheduler.schedule(0.0, PRIORITY_TIMER, StartEvent(w, "start"))
         self.monitor.start()
         try:
-            with collector_for_run():
+            with collector_for_run(), stop_at_round_end(self):
                 self.scheduler.run()
         except (KeyboardInterrupt, StopRun) as stop:
             # Ctrl-C or a callback: keep what the run has so far, as a deployed server does; the

@@ -11,10 +11,17 @@ one the same way: a signing key per client (its own file, passed to that client 
 and the roster of their public keys, all deleted at the end. Without TLS configured it runs
 plaintext on loopback (`distribute.insecure: true`, with its warning).
 Ctrl-C stops every process it started.
+
+Its processes never outlive it, however it ends: on Linux each child asks the
+kernel for SIGTERM when the launcher dies (`prctl(PR_SET_PDEATHSIG)`), and on
+every system a guardian process (`fedcore/launch_guard.py`), started first,
+watches a pipe from the launcher whose end the kernel closes even on SIGKILL:
+it then removes the tokens folder and ends the processes the launcher started.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import secrets
 import shutil
@@ -63,6 +70,60 @@ def _stop(procs: list[subprocess.Popen], sig: int, wait: float) -> None:
             p.wait()
 
 
+class _Guardian:
+    """The guardian process (`fedcore.launch_guard`): told each child's pid, and `done` once
+    the launcher has stopped them itself; if the launcher dies first, the guardian acts."""
+
+    def __init__(self):
+        script = Path(__file__).with_name("launch_guard.py")
+        self.proc = subprocess.Popen([sys.executable, "-I", str(script)], stdin=subprocess.PIPE,
+                                     text=True, start_new_session=True)
+
+    def _say(self, line: str) -> None:
+        try:
+            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, ValueError):  # the guardian is gone: the launcher still works
+            pass
+
+    def secrets(self, folder: Path) -> Path:
+        self._say(f"secrets {folder}")
+        return folder
+
+    def watch(self, proc: subprocess.Popen) -> subprocess.Popen:
+        self._say(f"pid {proc.pid}")
+        return proc
+
+    def release(self) -> None:
+        self._say("done")
+        try:
+            self.proc.stdin.close()
+        except BrokenPipeError:
+            pass
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def _die_with_parent():
+    """A `preexec_fn` for Linux: SIGTERM this child when the launcher's thread ends (and at
+    once if the launcher died before the child got this far); None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGTERM)
+    return preexec
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_intermixed_args(argv)  # overrides may follow --check etc.
     from fedcore.config import load_config
@@ -85,10 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     server_extra: list[str] = []
     client_env: dict[int, dict] = {k: dict(os.environ) for k in range(1, n + 1)}
     secrets_dir = None
+    guardian = _Guardian()  # before anything it would have to clean up
     if not any(cfg[k] for k in ("distribute.token", "distribute.tokens", "distribute.token_file",
                                 "distribute.tokens_file")) and not os.environ.get(TOKEN_ENV):
         tokens = {k: secrets.token_hex(16) for k in range(1, n + 1)}
-        secrets_dir = Path(tempfile.mkdtemp(prefix="fedcore-tokens-"))  # mode 0700
+        secrets_dir = guardian.secrets(Path(tempfile.mkdtemp(prefix="fedcore-tokens-")))  # mode 0700
         server_extra.append(f"distribute.tokens_file={write_private(secrets_dir / 'tokens.yaml', tokens)}")
         for k, token in tokens.items():
             client_env[k][TOKEN_ENV] = token
@@ -97,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg["secure_aggregation.enabled"] and not cfg["secure_aggregation.roster"]:
         # the operator's part: one signing key per client and the roster of their public keys
         from fedcore.algorithms.secagg_identity import write_roster
-        keys_dir = Path(tempfile.mkdtemp(prefix="fedcore-secagg-"))  # mode 0700
+        keys_dir = guardian.secrets(Path(tempfile.mkdtemp(prefix="fedcore-secagg-")))  # mode 0700
         roster, key_files = write_roster(keys_dir, list(range(1, n + 1)))
         common.append(f"secure_aggregation.roster={roster}")
         for k, path in key_files.items():
@@ -106,9 +168,11 @@ def main(argv: list[str] | None = None) -> int:
         common.append("distribute.insecure=true")
     base = [sys.executable, "-m", "fedcore.run", "--cfg", args.cfg, *args.overrides, *common]
     procs: list[subprocess.Popen] = []
+    preexec = _die_with_parent()
     try:
-        server = subprocess.Popen(base + args.server_opt + server_extra
-                                  + ["distribute.role=server", "distribute.server_port=0"])
+        server = guardian.watch(subprocess.Popen(base + args.server_opt + server_extra
+                                                 + ["distribute.role=server", "distribute.server_port=0"],
+                                                 preexec_fn=preexec))
         procs.append(server)
         deadline = time.monotonic() + args.startup_timeout
         while not address_file.exists():
@@ -120,9 +184,10 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.1)
         port = address_file.read_text().strip().rsplit(":", 1)[1]
         for k in range(1, n + 1):
-            procs.append(subprocess.Popen(base + args.client_opt + client_extra[k] + [
-                "distribute.role=client", f"distribute.client_id={k}", f"distribute.server_port={port}"],
-                env=client_env[k]))
+            procs.append(guardian.watch(subprocess.Popen(
+                base + args.client_opt + client_extra[k] + [
+                    "distribute.role=client", f"distribute.client_id={k}", f"distribute.server_port={port}"],
+                env=client_env[k], preexec_fn=preexec)))
         rc = server.wait()
         clients = procs[1:]
         grace = time.monotonic() + 15.0
@@ -141,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         for folder in (secrets_dir, keys_dir):
             if folder is not None:
                 shutil.rmtree(folder, ignore_errors=True)
+        guardian.release()
 
 
 def write_private(path: Path, tokens: dict[int, str]) -> Path:

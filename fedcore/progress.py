@@ -14,10 +14,10 @@ from typing import Any, TextIO
 
 from fedcore.monitor import Callback
 
-__all__ = ["Progress", "make_progress"]
+__all__ = ["Progress", "make_progress", "duration_text"]
 
 
-def _duration(seconds: float) -> str:
+def duration_text(seconds: float) -> str:
     seconds = int(round(seconds))
     h, rest = divmod(seconds, 3600)
     m, s = divmod(rest, 60)
@@ -70,7 +70,7 @@ class Progress(Callback):
         eta = wall / done * (self.total - round_) if done > 0 and round_ < self.total else 0.0
         acc_s = f"  test_acc {acc:.4f}" if acc is not None else ""
         self.stream.write(f"round {round_}/{self.total}  virtual {record['virtual_time']:.1f}s  "
-                          f"wall {_duration(wall)}  eta {_duration(eta)}{acc_s}\n")
+                          f"wall {duration_text(wall)}  eta {duration_text(eta)}{acc_s}\n")
         self.stream.flush()
 
     def on_end(self, summary: dict[str, Any]) -> None:

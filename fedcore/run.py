@@ -7,6 +7,8 @@ is `fedcore.api.run` (this module is callable for that reason).
 Exit codes: 0 success, 2 bad configuration or usage, 3 incomplete course, 4 a
 deployed client lost its server, 5 the global model diverged (non-finite), 130
 interrupted, 1 anything else (the cause in one line before any traceback).
+An interrupted simulation (Ctrl-C or SIGTERM) ends its round, snapshots it and
+prints the outputs folder, the round reached and the command that resumes.
 """
 from __future__ import annotations
 
@@ -70,8 +72,23 @@ def _run(args) -> int:
             raise ConfigError("federate.mode: distributed needs fedcore.distributed, which this "
                               "installation lacks; use federate.mode=standalone") from None
         return run_distributed(cfg, outdir, check_only=args.check)
+    from fedcore.checkpoint import interrupted_message
     from fedcore.course import Course
-    return Course(cfg, outdir, progress=cfg["verbose"]).build().check_or_run(args.check)
+    course = Course(cfg, outdir, progress=cfg["verbose"]).build()
+    try:
+        return course.check_or_run(args.check)
+    except KeyboardInterrupt:
+        if course.monitor.started:
+            print(interrupted_message(course, _command(args)), file=sys.stderr)
+        raise
+
+
+def _command(args) -> list[str]:
+    """The command that started this run, as the resume command's start (its own outdir and
+    resume_from are replaced)."""
+    return [sys.executable, "-m", "fedcore.run", *[a for c in args.cfg for a in ("--cfg", c)],
+            *(["--debug"] if args.debug else []),
+            *[o for o in args.overrides if not o.startswith(("outdir=", "resume_from="))]]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,7 +50,9 @@ def test_launch_gives_each_client_its_own_token_off_the_command_line_and_out_of_
 
     tokens = {t for _, t in seen.values() if t}
     servers = [c for c, _ in seen.values() if "distribute.role=server" in c]
-    assert len(seen) == 3 and len(tokens) == 2  # one token per client, the server has none in its env
+    guardians = [t for c, t in seen.values() if "launch_guard.py" in c]
+    assert guardians == [""]  # the guardian holds no token either
+    assert len(seen) == 4 and len(tokens) == 2  # one token per client, the server has none in its env
     assert servers and "distribute.tokens_file=" in servers[0]
     tokens_file = Path(servers[0].split("distribute.tokens_file=")[1].split()[0])
     assert not tokens_file.exists()  # removed when the launch ended

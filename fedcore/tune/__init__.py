@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from fedcore.errors import ConfigError
+from fedcore.tune.progress import StudyProgress
 from fedcore.tune.space import Param, SearchSpace, load_space
 from fedcore.tune.study import Objective, Study
 
@@ -41,12 +42,12 @@ def tune(base: str | Path | dict, space: str | Path | dict | SearchSpace, method
          metric: str = "val_acc", direction: str | None = None, seed: int = 0,
          outdir: str | Path | None = None, parallel: int = 1, min_budget: float | None = None,
          eta: int = 3, pruner: str = "none", arms: int | None = None,
-         sample: str = "random") -> TuneResult:
+         sample: str = "random", progress: bool = False) -> TuneResult:
     """Search `space` over courses of `base` (a YAML path or a dict of dotted keys) with `method`;
     `budget` is each trial's rounds (or virtual seconds), default the base's total_round_num;
     `sample="grid"` makes successive halving start from the space's grid instead of random draws.
-    An outdir that already holds this study's trials resumes it."""
-    from fedcore.tune.methods import METHODS
+    An outdir that already holds this study's trials resumes it. `progress`: a line per finished
+    run on stderr (rewritten in place on a terminal)."""
     from fedcore.tune.report import write_outputs
     if method not in METHOD_NAMES:
         raise ConfigError(f"--method: '{method}' is not one of {', '.join(METHOD_NAMES)}")
@@ -60,6 +61,21 @@ def tune(base: str | Path | dict, space: str | Path | dict | SearchSpace, method
     if outdir is None:
         outdir = Path("runs") / f"{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}-tune-{method}"
     study = Study(base, space, outdir, Objective(metric, direction), budget_unit, seed, parallel)
+    if progress:
+        study.progress = StudyProgress(metric)
+    try:
+        _search(study, method, trials, budget, budget_unit, min_budget, eta, pruner, arms, sample)
+    finally:
+        if study.progress is not None:
+            study.progress.close()
+    summary = write_outputs(study, method)
+    return TuneResult(summary["best_params"], summary["best_objective"], study.outdir / "best_config.yaml",
+                      study.trials(), study.rounds_spent, study.outdir, summary)
+
+
+def _search(study: Study, method: str, trials, budget, budget_unit: str, min_budget, eta: int,
+            pruner: str, arms, sample: str) -> None:
+    from fedcore.tune.methods import METHODS
     if budget is None:
         if budget_unit != "rounds":
             raise ConfigError("--budget: a virtual_time budget needs a value (seconds per trial)")
@@ -76,6 +92,3 @@ def tune(base: str | Path | dict, space: str | Path | dict | SearchSpace, method
             raise ConfigError(f"--trials: --method {method} needs a number of trials")
         METHODS[method](study, trials=trials, budget=float(budget), min_budget=min_budget, eta=eta,
                         pruner=pruner, sample=sample)
-    summary = write_outputs(study, method)
-    return TuneResult(summary["best_params"], summary["best_objective"], study.outdir / "best_config.yaml",
-                      study.trials(), study.rounds_spent, study.outdir, summary)

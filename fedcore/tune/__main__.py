@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     def study() -> int:
         result = tune(args.cfg, args.space, args.method, args.trials, args.budget, args.budget_unit,
                       args.metric, args.direction, args.seed, args.outdir, args.jobs, args.min_budget,
-                      args.eta, args.pruner, args.arms, args.sample)
+                      args.eta, args.pruner, args.arms, args.sample, progress=True)
         s = result.summary
         print(f"{s['method']}: best {s['metric']} {s['best_objective']} with {s['best_params']} "
               f"(trial {s['best_trial']}); {s['trials']} trials, {s['rounds_spent']} rounds; "

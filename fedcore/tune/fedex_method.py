@@ -41,6 +41,7 @@ def candidates_from_space(study: Study, arms: int | None) -> list[dict]:
 
 def fedex_search(study: Study, budget: float, arms: int | None) -> None:
     candidates = candidates_from_space(study, arms)
+    study.expect(1)
     [row] = study.evaluate([(0, {"fedex.candidates": candidates}, budget)])
     if row.status != "complete":
         return

@@ -36,6 +36,7 @@ def random_search(study: Study, trials: int, budget: float, **_: Any) -> None:
     """`trials` configurations drawn independently from the space (seeded), each at `budget`."""
     rng = np.random.default_rng(study.seed)
     draws = [study.space.sample(rng) for _ in range(trials)]
+    study.expect(trials)
     study.evaluate([(i, p, budget) for i, p in enumerate(draws)])
 
 
@@ -45,6 +46,7 @@ def grid_search(study: Study, trials: int | None, budget: float, **_: Any) -> No
     if trials is not None and trials < len(points):
         log.warning("grid: %d points, --trials %d runs only the first ones", len(points), trials)
         points = points[:trials]
+    study.expect(len(points))
     study.evaluate([(i, p, budget) for i, p in enumerate(points)])
 
 
@@ -65,6 +67,15 @@ def _halving(study: Study, configs: list[tuple[int, dict]], budgets: list[float]
         keep = max(1, len(alive) // eta)
         ranked = sorted(zip(rows, alive), key=lambda ra: _rank_key(study, ra[0]))
         alive = [a for _, a in ranked[:keep]]
+
+
+def _halving_runs(configs: int, rungs: int, eta: int) -> int:
+    """Evaluations `_halving` makes: every config on the first rung, 1/eta of them on each next."""
+    total = 0
+    for _ in range(rungs):
+        total += configs
+        configs = max(1, configs // eta)
+    return total
 
 
 def _rank_key(study: Study, row) -> tuple:
@@ -90,6 +101,7 @@ def successive_halving(study: Study, trials: int | None, budget: float, min_budg
     else:
         rng = np.random.default_rng(study.seed)
         configs = [study.space.sample(rng) for _ in range(trials)]
+    study.expect(_halving_runs(len(configs), len(budgets), eta))
     _halving(study, list(enumerate(configs)), budgets, eta)
 
 
@@ -101,10 +113,13 @@ def hyperband(study: Study, trials: int | None, budget: float, min_budget: float
     min_budget = min_budget if min_budget is not None else budget / eta ** 2
     s_max = int(math.floor(math.log(budget / min_budget, eta) + 1e-9))
     rng = np.random.default_rng(study.seed)
-    next_trial = 0
+    brackets = []
     for s in range(s_max, -1, -1):
         n = int(math.ceil((s_max + 1) / (s + 1) * eta ** s))
-        budgets = rung_budgets(budget, budget / eta ** s, eta, study.unit == "rounds")
+        brackets.append((n, rung_budgets(budget, budget / eta ** s, eta, study.unit == "rounds")))
+    study.expect(sum(_halving_runs(n, len(budgets), eta) for n, budgets in brackets))
+    next_trial = 0
+    for n, budgets in brackets:
         configs = [(next_trial + i, study.space.sample(rng)) for i in range(n)]
         next_trial += n
         _halving(study, configs, budgets, eta)
@@ -128,6 +143,8 @@ def tpe(study: Study, trials: int, budget: float, pruner: str = "none",
     states = optuna.trial.TrialState
     for t in ostudy.get_trials(deepcopy=False, states=(states.RUNNING,)):
         ostudy.tell(t.number, state=states.FAIL)   # interrupted by an earlier stop: ask anew
+    finished = len(ostudy.get_trials(deepcopy=False, states=(states.COMPLETE, states.PRUNED)))
+    study.expect(max(0, trials - finished) * len(steps))   # with a pruner: at most that many
     while True:
         done = len(ostudy.get_trials(deepcopy=False, states=(states.COMPLETE, states.PRUNED)))
         if done >= trials:

@@ -13,7 +13,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from fedcore.errors import EXIT_DIVERGED, ConfigError, CourseDiverged
 
@@ -96,10 +96,12 @@ def _guarded(run, job: Job) -> CourseRun:
         return CourseRun([], {}, job.outdir, f"{type(exc).__name__}: {exc}")
 
 
-def run_jobs(jobs: list[Job], parallel: int = 1) -> list[CourseRun]:
+def run_jobs(jobs: list[Job], parallel: int = 1) -> Iterator[CourseRun]:
     """Run `jobs` (in this process when `parallel` is 1, else that many processes at once);
-    results in the order of `jobs`."""
+    yields their results in the order of `jobs`, each as soon as it and those before it end."""
     if parallel <= 1 or len(jobs) <= 1:
-        return [_guarded(_run_course, j) for j in jobs]
+        for j in jobs:
+            yield _guarded(_run_course, j)
+        return
     with ThreadPoolExecutor(max_workers=parallel) as pool:
-        return list(pool.map(lambda j: _guarded(_run_subprocess, j), jobs))
+        yield from pool.map(lambda j: _guarded(_run_subprocess, j), jobs)

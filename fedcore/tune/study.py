@@ -19,6 +19,7 @@ import yaml
 
 from fedcore.config import Config, composed_keys
 from fedcore.errors import ConfigError
+from fedcore.tune.progress import StudyProgress
 from fedcore.tune.runner import CourseRun, Job, run_jobs
 from fedcore.tune.space import SearchSpace
 
@@ -99,6 +100,7 @@ class Study:
             log.warning("objective %s: selecting a configuration on test data makes its test "
                         "score optimistic; use a val_* metric and report test_* once, at the end",
                         objective.metric)
+        self.progress: StudyProgress | None = None   # shown by `python -m fedcore.tune`
         self.rows: list[Row] = []
         self._cache: dict[tuple[int, float], Row] = {}
         self._table = self.outdir / "trials.jsonl"
@@ -133,6 +135,16 @@ class Study:
         return {"federate.time_limit": float(budget)}
 
     # ------------------------------------------------------------ evaluations
+    def expect(self, runs: int) -> None:
+        """A method announces `runs` more evaluations, for the progress display's total."""
+        if self.progress is not None:
+            self.progress.expect(runs)
+
+    def _finished(self, row: Row, cached: bool = False) -> Row:
+        if self.progress is not None:
+            self.progress.finished(row, self.best(), cached)
+        return row
+
     def evaluate(self, requests: list[tuple[int, dict[str, Any], float]],
                  continue_runs: bool = False) -> list[Row]:
         """Rows of trials at budgets: cached ones as recorded, the rest run (in parallel where
@@ -146,16 +158,16 @@ class Study:
                 if cached.params != params:
                     raise ConfigError(f"--outdir: {self.outdir} holds a study whose trial {trial} had "
                                       f"{cached.params}, not {params}; use a new --outdir")
-                out[i] = cached
+                out[i] = self._finished(cached, cached=True)
                 continue
             job, start = self._job(trial, params, float(budget), continue_runs)
             if job is None:  # nothing left to run: the course already reached its last round
-                out[i] = self._record(self._carry(start, float(budget)))
+                out[i] = self._finished(self._record(self._carry(start, float(budget))), cached=True)
                 continue
             jobs.append(job)
             pending.append((i, trial, params, float(budget), start))
         for (i, trial, params, budget, start), run in zip(pending, run_jobs(jobs, self.parallel)):
-            out[i] = self._record(self._row(trial, params, budget, run, start))
+            out[i] = self._finished(self._record(self._row(trial, params, budget, run, start)))
         return [out[i] for i in range(len(requests))]
 
     def _previous(self, trial: int, budget: float) -> Row | None:

@@ -1,0 +1,127 @@
+"""`fedcore.launch` never leaves processes or secrets behind, even when it is SIGKILLed."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fedcore.launch_guard import _alive
+from tests.deploy_helpers import ROOT, text, wait_for, write_cfg
+from tests.test_deploy_secrets import _children
+
+GUARD = [sys.executable, "-I", str(ROOT / "fedcore" / "launch_guard.py")]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return (Path(f"/proc/{pid}") / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc")
+@pytest.mark.slow
+def test_sigkill_of_the_launcher_ends_its_processes_and_removes_its_tokens(procs, tmp_path):
+    cfg = write_cfg(tmp_path / "course.yaml", {
+        "plugins": ["tests.slow_plugin"], "algorithm.name": "fedavg_pausing", "slow_test.pause": 0.3,
+        "federate.client_num": 2, "federate.total_round_num": 10000, "eval.clients": False})
+    out = tmp_path / "out"
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    launcher = procs.start("launch", ["-m", "fedcore.launch", "--cfg", str(cfg), f"outdir={out}"],
+                           env={"TMPDIR": str(temp)})
+    metrics = out / "metrics.jsonl"
+    wait_for(lambda: launcher.poll() is None and metrics.exists() and metrics.read_text().count("\n") >= 2,
+             240, "two rounds of the launched course")
+    assert launcher.poll() is None, text(launcher)[-3000:]
+    children = _children(launcher.pid)
+    tokens = list(temp.glob("fedcore-tokens-*"))
+    courses = [p for p in children if "fedcore.run" in _cmdline(p)]
+    guardians = [p for p in children if "launch_guard.py" in _cmdline(p)]
+    assert len(courses) == 3 and len(guardians) == 1 and len(tokens) == 1  # server, 2 clients
+    assert (tokens[0] / "tokens.yaml").is_file()
+    try:
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(10)
+        t0 = time.monotonic()
+        wait_for(lambda: not tokens[0].exists(), 5, "the tokens folder to be removed")
+        wait_for(lambda: not any(_alive(p) for p in children), 10, "every child of the launcher to end")
+        ended_after = time.monotonic() - t0
+    finally:
+        for p in children:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+    assert ended_after < 10
+    rounds = metrics.read_text().count("\n")
+    time.sleep(1.0)
+    assert metrics.read_text().count("\n") == rounds  # the course is over, not going on as orphans
+
+
+def _sleeper() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+
+def test_the_guardian_alone_ends_the_processes_and_removes_the_secrets_when_its_pipe_closes(tmp_path):
+    """The portable half, without the Linux death signal: the pipe's end is what it acts on."""
+    secrets = tmp_path / "fedcore-tokens-x"
+    secrets.mkdir()
+    (secrets / "tokens.yaml").write_text("1: abc\n")
+    child = _sleeper()
+    try:
+        guard = subprocess.Popen(GUARD, stdin=subprocess.PIPE, text=True, start_new_session=True)
+        guard.stdin.write(f"secrets {secrets}\npid {child.pid}\n")
+        guard.stdin.close()  # as the kernel does when the launcher dies, without "done"
+        assert guard.wait(15) == 0
+        assert child.wait(5) == -signal.SIGTERM
+        assert not secrets.exists()
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_the_guardian_leaves_processes_alone_after_done(tmp_path):
+    secrets = tmp_path / "fedcore-tokens-y"
+    secrets.mkdir()
+    child = _sleeper()
+    try:
+        guard = subprocess.Popen(GUARD, stdin=subprocess.PIPE, text=True, start_new_session=True)
+        guard.communicate(f"secrets {secrets}\npid {child.pid}\ndone\n", timeout=15)
+        assert guard.returncode == 0 and not secrets.exists()
+        time.sleep(0.3)
+        assert child.poll() is None  # the launcher stopped its processes itself: nothing to end
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_server_refuses_an_outdir_holding_another_runs_records(procs, tmp_path):
+    from fedcore.course import Course
+    from tests.conftest import small_cfg
+    out = tmp_path / "out"
+    Course(small_cfg(out)).run()
+    Course(small_cfg(out)).run()                       # a simulation reruns into its outdir as before
+    before = (out / "metrics.jsonl").read_bytes()      # an earlier run's records: 2 rounds
+    assert before.count(b"\n") == 2
+    cfg = write_cfg(tmp_path / "course.yaml")
+    server = procs.fedcore("server", cfg, "distribute.role=server", "distribute.server_port=0",
+                           "distribute.insecure=true", "distribute.token=t", f"outdir={out}")
+    assert server.wait(120) == 2
+    lines = text(server).strip().splitlines()
+    assert lines[-1] == (f"fedcore: outdir: '{out}' holds another run's records (metrics.jsonl); choose "
+                         "a new outdir, or set outdir_overwrite=true to replace them")
+    assert (out / "metrics.jsonl").read_bytes() == before and not (out / "server_address").exists()
+
+
+def test_outdir_overwrite_lets_a_server_replace_the_records(tmp_path):
+    from fedcore.distributed import ServerCourse
+    from fedcore.errors import ConfigError
+    from tests.conftest import small_cfg
+    (tmp_path / "metrics.jsonl").write_text('{"round": 1}\n')
+    keys = dict(federate__mode="distributed", distribute__role="server", distribute__insecure=True)
+    with pytest.raises(ConfigError, match="holds another run's records"):
+        ServerCourse(small_cfg(tmp_path, **keys), tmp_path).write_header()
+    ServerCourse(small_cfg(tmp_path, outdir_overwrite=True, **keys), tmp_path).write_header()
+    assert (tmp_path / "config.yaml").is_file()
