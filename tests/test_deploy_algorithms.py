@@ -7,7 +7,8 @@ control variate), FedDyn, DiLoCo (inner optimizer state stays with each client
 and is never sent), FedAdam on FedNova (the normalizing factor crosses the
 wire, the server optimizer's moments stay with the server) and FedAvg with
 local DP noise combined by the coordinate median (two behaviour plug-ins, each
-process installing its own half).
+process installing its own half), and a drifting client against centered
+clipping (the attack in one client's process, the rule's history in the server's).
 Asynchronous courses (goal_achieved with after_receiving, time_up with a wall
 budget) must finish over gRPC even when a client is SIGKILLed mid-course.
 """
@@ -43,6 +44,9 @@ SYNC_COURSES = {
                         "server_optimizer.type": "adam", "server_optimizer.lr": 0.05},
     "local_dp_median": {"privacy.dp.mode": "local", "privacy.dp.noise_multiplier": 0.1,
                         "aggregator.robust_rule": "median"},
+    # client 1 drifts (only its own process knows), the server clips around its history
+    "drift_centered_clip": {"attack.type": "drift", "attack.clients": [1], "admission.norm_ratio": 50.0,
+                            "aggregator.robust_rule": "centered_clip", "aggregator.cc_tau": 0.1},
 }
 
 
