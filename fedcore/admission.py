@@ -37,8 +37,8 @@ from fedcore.contract import ReceivedUpdate, clone_tree
 from fedcore.quiet import QuietLog
 from fedcore.tensor_forms import get_form
 
-__all__ = ["admit_updates", "Returning", "scaled_update", "Snapshot", "finite_state", "reject_round", "note", "sample_cap",
-           "norm_ratio"]
+__all__ = ["admit_updates", "Returning", "scaled_update", "Snapshot", "finite_state",
+           "reject_round", "note", "sample_cap", "norm_ratio"]
 
 log = logging.getLogger("fedcore.admission")
 
@@ -177,7 +177,8 @@ class Returning:
     instead of refused: it still moves the model no more than an update at the bound, which
     admission admits from anyone, so missing rounds earns no extra influence. A client that
     missed m rounds is returning in the round it comes back in and m rounds more (a late
-    joiner missed every round since the first); a client sending every round keeps the plain rule (refusal)."""
+    joiner missed every round since the first); a client sending every round keeps the plain
+    rule (refusal)."""
 
     def __init__(self, first_round: int):
         self.first = first_round         # the first round admission saw (a resumed course's too)

@@ -146,7 +146,8 @@ def drift(seeds, rounds) -> str:
     return table(["course (robust_drift.yaml; test acc)"] + [name for name, _ in data], rows)
 
 
-SECTIONS = {"robust": robust, "drift": drift, "attacks": attacks, "backdoor": backdoor, "dp_share": dp_share, "dp_central": dp_central,
+SECTIONS = {"robust": robust, "drift": drift,
+            "attacks": attacks, "backdoor": backdoor, "dp_share": dp_share, "dp_central": dp_central,
             "personalization": personalization}
 
 

@@ -253,8 +253,10 @@ def test_a_returning_clients_update_above_the_bound_is_scaled_to_it_not_refused(
 def test_a_client_that_missed_m_rounds_is_returning_when_it_comes_back_and_m_rounds_more():
     from fedcore.admission import Returning
     r = Returning(first_round=1)
+
     def sent(rnd, *ids):
         r.sent([ReceivedUpdate(c, {}, rnd, 0) for c in ids], rnd)
+
     sent(1, 1, 2)
     assert not r.returning(1, 2) and r.returning(3, 2)   # 3 never sent: it missed round 1
     sent(2, 1, 2, 3)                                    # 3 missed 1 round: returning in 2 and 3
@@ -277,6 +279,7 @@ def test_scaled_update_moves_the_model_toward_the_global_one_and_scales_other_te
                            "control": {"c": torch.tensor([2.0, -2.0])}, "num_samples": 7}, 5, 1)
     out = scaled_update(u, {"w": torch.tensor([1.0, 1.0], dtype=torch.float64)}, 0.25)
     # w: 1 + 0.25 x (2, 4) = (1.5, 2); c: 0.25 x (2, -2); integers and counts untouched
-    assert out.content["model"]["w"].tolist() == [1.5, 2.0] and out.content["model"]["w"].dtype == torch.float32
+    w = out.content["model"]["w"]
+    assert w.tolist() == [1.5, 2.0] and w.dtype == torch.float32
     assert out.content["control"]["c"].tolist() == [0.5, -0.5] and out.content["model"]["steps"].item() == 4
     assert (out.client_id, out.round, out.staleness, out.content["num_samples"]) == (2, 5, 1, 7)

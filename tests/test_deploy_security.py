@@ -55,7 +55,8 @@ def test_a_join_with_a_wrong_fingerprint_learns_no_configuration_value(tmp_path,
     ours = course_keys(fedcore.configure(str(cfg)))
     assert ours["seed"] == 48271 and len(ours) > 30
     out = tmp_path / "server"
-    server = procs.fedcore("server", cfg, "distribute.role=server", "distribute.server_port=0", f"outdir={out}")
+    server = procs.fedcore("server", cfg, "distribute.role=server", "distribute.server_port=0",
+                           f"outdir={out}")
     port = server_port(out, server)
     prefix = "course config differs from the server's: "
 
