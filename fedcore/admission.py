@@ -159,6 +159,7 @@ def admit_updates(server, updates: list[ReceivedUpdate]) -> list[ReceivedUpdate]
                  f"{norm:.3g} is scaled to admission.norm_ratio={ratio:g} x the median {median:.3g} "
                  "of the round's others", logging.INFO)
             admitted.append(scaled_update(u, reference, bound / norm))
+            history.still_away(u.client_id, server.round)
         else:
             note(server, "update norm far above the round's others",
                  f"round {server.round}: refused client {u.client_id}'s update: its distance "
@@ -177,13 +178,16 @@ class Returning:
     instead of refused: it still moves the model no more than an update at the bound, which
     admission admits from anyone, so missing rounds earns no extra influence. A client that
     missed m rounds is returning in the round it comes back in and m rounds more (a late
-    joiner missed every round since the first); a client sending every round keeps the plain
-    rule (refusal)."""
+    joiner missed every round since the first), and for m rounds more after each of its
+    updates that had to be scaled: it stops returning once the model fits its data (a client
+    whose updates were refused could never get there); a client sending every round keeps the
+    plain rule (refusal)."""
 
     def __init__(self, first_round: int):
         self.first = first_round         # the first round admission saw (a resumed course's too)
         self.last: dict[int, int] = {}   # client -> last round it sent an update in
         self.until: dict[int, int] = {}  # client -> last round it counts as returning
+        self.span: dict[int, int] = {}   # client -> rounds it missed before it came back
 
     def returning(self, client_id: int, round_: int) -> bool:
         last = self.last.get(client_id, self.first - 1)
@@ -195,8 +199,13 @@ class Returning:
             cid = u.client_id
             last = self.last.get(cid, self.first - 1)
             if last < round_ - 1:
-                self.until[cid] = round_ + (round_ - 1 - last)
+                self.span[cid] = round_ - 1 - last
+                self.until[cid] = round_ + self.span[cid]
             self.last[cid] = max(round_, last)
+
+    def still_away(self, client_id: int, round_: int) -> None:
+        """The client's update this round had to be scaled: it stays returning `span` rounds more."""
+        self.until[client_id] = max(self.until.get(client_id, -1), round_ + self.span.get(client_id, 1))
 
 
 def scaled_update(u: ReceivedUpdate, reference: dict[str, torch.Tensor], s: float) -> ReceivedUpdate:

@@ -271,6 +271,12 @@ def test_a_client_that_missed_m_rounds_is_returning_when_it_comes_back_and_m_rou
     sent(8, 1, 2, 3)
     assert not r.returning(2, 9)
     assert r.returning(1, 10) and not r.returning(1, 9)  # 1 misses round 9
+    r.still_away(2, 9)            # an update of 2's scaled in round 9: returning 2 rounds more
+    assert [r.returning(2, k) for k in (10, 11)] == [True, True]
+    sent(9, 2)
+    sent(10, 2)
+    sent(11, 2)
+    assert not r.returning(2, 12)
 
 
 def test_scaled_update_moves_the_model_toward_the_global_one_and_scales_other_tensors():
