@@ -15,9 +15,9 @@ model) to one delta, and composes with any FedAvg-style aggregator through
 - `centered_clip` (Karimireddy, He, Jaggi, 2021): starting from the previous
   round's combined delta v, L = `cc_iters` times
   v <- v + sum_i p_i (x_i - v) min(1, tau / ||x_i - v||), tau = `cc_tau`, p_i
-  the sample weights. A client that pushes the same way every round moves the
-  model by at most p_i tau per round beyond where the others and the history
-  put it (docs/algorithms/centered_clip.md).
+  the sample weights. However far a client's delta lies from the center, its
+  term in each iteration has norm at most p_i tau, so pushing the same way
+  every round buys nothing from being large (docs/algorithms/centered_clip.md).
 
 Algorithms whose aggregation uses more than the mean model (SCAFFOLD's
 control variates, FedDyn's server state, single-update async mixing) are
