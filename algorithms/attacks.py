@@ -5,7 +5,10 @@ pattern: the bottom-right `size` x `size` patch of an image set to `value`, or
 the last `size` features of a vector input). Model poisoning acts on the
 delta d = w_trained - w_received: `sign_flip` sends w - s d, `scale_update`
 sends w + s d (scaled replacement, Bagdasaryan et al., 2020), `gaussian_update`
-sends w + N(0, std^2) per coordinate.
+sends w + N(0, std^2) per coordinate, and `drift_update` sends w + s ||d|| e along
+one fixed unit direction e every round: an update sized like an honest one (s
+below admission's 10x bound), so no round refuses it, that pulls the model the
+same way round after round.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from fedcore.algorithms.combine import float_names
 from fedcore.scenarios.data import ClientData, Split
 
 __all__ = ["flip_labels", "add_trigger", "poison_backdoor", "sign_flip", "scale_update",
-           "gaussian_update"]
+           "gaussian_update", "fixed_direction", "drift_update"]
 
 
 def flip_labels(y: torch.Tensor, num_classes: int) -> torch.Tensor:
@@ -68,3 +71,19 @@ def gaussian_update(model: dict, reference: dict, std: float, generator: torch.G
     """w_received + N(0, std^2): an update of pure noise."""
     return _map_delta(model, reference, lambda n, d: torch.randn(
         d.shape, generator=generator, dtype=torch.float64).to(d.device) * std)
+
+
+def fixed_direction(model: dict, generator: torch.Generator) -> dict:
+    """A random unit vector over the model's floating entries (float64), drawn once."""
+    names = float_names(model)
+    e = {n: torch.randn(model[n].shape, generator=generator, dtype=torch.float64) for n in names}
+    norm = torch.sqrt(sum((t * t).sum() for t in e.values()))
+    return {n: t / norm for n, t in e.items()}
+
+
+def drift_update(model: dict, reference: dict, scale: float, direction: dict) -> dict:
+    """w_received + scale * ||delta|| * direction: the honest update's size, a fixed direction."""
+    names = float_names(model)
+    size = torch.sqrt(sum(((model[n].to(torch.float64) - reference[n].to(torch.float64)) ** 2).sum()
+                          for n in names)) if names else 0.0
+    return _map_delta(model, reference, lambda n, d: scale * size * direction[n].to(d.device))

@@ -11,7 +11,13 @@ model) to one delta, and composes with any FedAvg-style aggregator through
 - `trimmed_mean` (Yin et al., 2018): per coordinate, drop the k = floor(trim_ratio * n)
   largest and smallest values and average the rest;
 - `norm_bound` (Sun et al., 2019): scale each delta down to L2 norm at most
-  `norm_bound`, then take the sample-weighted mean.
+  `norm_bound`, then take the sample-weighted mean;
+- `centered_clip` (Karimireddy, He, Jaggi, 2021): starting from the previous
+  round's combined delta v, L = `cc_iters` times
+  v <- v + sum_i p_i (x_i - v) min(1, tau / ||x_i - v||), tau = `cc_tau`, p_i
+  the sample weights. However far a client's delta lies from the center, its
+  term in each iteration has norm at most p_i tau, so pushing the same way
+  every round buys nothing from being large (docs/algorithms/centered_clip.md).
 
 Algorithms whose aggregation uses more than the mean model (SCAFFOLD's
 control variates, FedDyn's server state, single-update async mixing) are
@@ -29,9 +35,9 @@ from fedcore.config import declare, non_negative, positive, validator
 from fedcore.errors import ConfigError
 
 __all__ = ["RULES", "INCOMPATIBLE", "krum_scores", "krum_select", "coordinate_median",
-           "trimmed_mean", "clip_to_norm", "make_rule", "install"]
+           "trimmed_mean", "clip_to_norm", "centered_clip", "make_rule", "install"]
 
-RULES = ("none", "krum", "multi_krum", "median", "trimmed_mean", "norm_bound")
+RULES = ("none", "krum", "multi_krum", "median", "trimmed_mean", "norm_bound", "centered_clip")
 INCOMPATIBLE = {
     "scaffold": "its control variates are averaged alongside the model",
     "feddyn": "its server state is built from every client's model",
@@ -40,7 +46,8 @@ INCOMPATIBLE = {
 }
 
 declare("aggregator.robust_rule", str, "none", "how updates are combined: none (the algorithm's "
-        "weighted mean), krum, multi_krum, median, trimmed_mean, norm_bound", choices=RULES)
+        "weighted mean), krum, multi_krum, median, trimmed_mean, norm_bound, centered_clip",
+        choices=RULES)
 declare("aggregator.byzantine_num", int, 0, "krum/multi_krum: assumed number f of Byzantine updates "
         "per aggregation", check=non_negative)
 declare("aggregator.krum_m", int, None, "krum/multi_krum: how many best-scored updates are averaged "
@@ -48,6 +55,10 @@ declare("aggregator.krum_m", int, None, "krum/multi_krum: how many best-scored u
 declare("aggregator.trim_ratio", float, 0.1, "trimmed_mean: fraction trimmed at each end per "
         "coordinate", check=lambda v: None if 0 <= v < 0.5 else "must be in [0, 0.5)")
 declare("aggregator.norm_bound", float, None, "norm_bound: largest L2 norm of an update delta",
+        check=positive)
+declare("aggregator.cc_tau", float, None, "centered_clip: radius tau to which each delta's distance "
+        "from the center (the previous round's combined delta) is clipped", check=positive)
+declare("aggregator.cc_iters", int, 1, "centered_clip: clipping iterations L per aggregation",
         check=positive)
 
 
@@ -76,6 +87,9 @@ def _check_robust(cfg) -> None:
     if rule == "norm_bound" and cfg["aggregator.norm_bound"] is None:
         raise ConfigError("aggregator.norm_bound: robust_rule norm_bound needs a bound, e.g. "
                           "aggregator.norm_bound=1.0")
+    if rule == "centered_clip" and cfg["aggregator.cc_tau"] is None:
+        raise ConfigError("aggregator.cc_tau: robust_rule centered_clip needs a radius, e.g. "
+                          "aggregator.cc_tau=0.1 (about an honest update's norm)")
 
 
 # ---------------------------------------------------------------- the rules on vectors
@@ -119,6 +133,22 @@ def clip_to_norm(vector: torch.Tensor, bound: float) -> torch.Tensor:
     return vector * (bound / norm) if norm > bound else vector.clone()
 
 
+def centered_clip(vectors: torch.Tensor, weights: torch.Tensor, center: torch.Tensor, tau: float,
+                  iters: int) -> tuple[torch.Tensor, int]:
+    """Centered clipping: `iters` times v <- v + sum_i p_i (x_i - v) min(1, tau / ||x_i - v||),
+    from v = `center`, p = `weights` normalized. Returns v and how many rows the last
+    iteration clipped."""
+    p = weights / weights.sum()
+    v, clipped = center, 0
+    for _ in range(iters):
+        diff = vectors - v
+        norms = diff.norm(dim=1)
+        scale = torch.clamp(tau / norms.clamp_min(1e-300), max=1.0)
+        v = v + ((p * scale)[:, None] * diff).sum(dim=0)
+        clipped = int((norms > tau).sum().item())
+    return v, clipped
+
+
 # ---------------------------------------------------------------- as a combination rule
 def make_rule(cfg):
     """The configured rule as a `CombineRule`, or None for `none`."""
@@ -127,6 +157,8 @@ def make_rule(cfg):
         return None
     f, m = cfg["aggregator.byzantine_num"], cfg["aggregator.krum_m"]
     ratio, bound = cfg["aggregator.trim_ratio"], cfg["aggregator.norm_bound"]
+    tau, iters = cfg["aggregator.cc_tau"], cfg["aggregator.cc_iters"]
+    history: dict[str, torch.Tensor] = {}   # centered_clip: the previous combined delta
 
     def rule(deltas: Deltas, weights: list[float], client_ids: list[int], round_: int):
         names = list(deltas[0])
@@ -142,6 +174,13 @@ def make_rule(cfg):
             out = coordinate_median(vecs)
         elif name == "trimmed_mean":
             out = trimmed_mean(vecs, ratio)
+        elif name == "centered_clip":
+            w = torch.tensor(weights, dtype=torch.float64, device=vecs.device)
+            center = history.get("v")
+            if center is None or center.shape != vecs[0].shape:
+                center = torch.zeros_like(vecs[0])
+            out, metrics["robust_clipped"] = centered_clip(vecs, w, center, tau, iters)
+            history["v"] = out
         else:  # norm_bound
             norms = vecs.norm(dim=1)
             scale = torch.clamp(bound / norms.clamp_min(1e-300), max=1.0)

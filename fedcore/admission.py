@@ -11,7 +11,11 @@ deployment alike, and an algorithm never sees an update they refused:
 - **influence**: an update whose distance from the global model exceeds
   `admission.norm_ratio` times the median distance of the round's other
   updates is refused (default 10 in deployment, off in simulation, where
-  attacks are studied on purpose);
+  attacks are studied on purpose). A client that missed rounds (paused, late,
+  not sampled) sends an honest update that is larger until the model fits its
+  data again; above the bound it is scaled down to the bound instead of refused
+  (`Returning`), so an honest returner is not taken for an attacker, and no
+  update moves the model further than the bound allows;
 - **the aggregate**: a non-finite result is never adopted. The previous model
   is kept; in simulation that is divergence and ends the course (exit code 5);
   in deployment the round is run again, and after `admission.max_rejected_rounds`
@@ -33,8 +37,8 @@ from fedcore.contract import ReceivedUpdate, clone_tree
 from fedcore.quiet import QuietLog
 from fedcore.tensor_forms import get_form
 
-__all__ = ["admit_updates", "Snapshot", "finite_state", "reject_round", "note", "sample_cap",
-           "norm_ratio"]
+__all__ = ["admit_updates", "Returning", "scaled_update", "Snapshot", "finite_state",
+           "reject_round", "note", "sample_cap", "norm_ratio"]
 
 log = logging.getLogger("fedcore.admission")
 
@@ -132,21 +136,92 @@ def admit_updates(server, updates: list[ReceivedUpdate]) -> list[ReceivedUpdate]
         else:
             kept.append(u)
     ratio = norm_ratio(course)
-    if ratio is None or len(kept) < 2:
+    if ratio is None:
         return kept
     reference = {k: t.double() for k, t in server.aggregator.global_state.items()
                  if isinstance(t, torch.Tensor)}   # once per round, not once per update
+    history = getattr(server, "admission_history", None)
+    if history is None:
+        history = server.admission_history = Returning(server.round)
+    if len(kept) < 2:
+        history.sent(updates, server.round)
+        return kept
     norms = [_distance(u.content, reference) for u in kept]
     admitted = []
     for u, norm, median in zip(kept, norms, medians_of_others(norms)):
-        if median > 0 and not norm <= ratio * median:  # `not <=` also refuses NaN
+        bound = ratio * median
+        if median <= 0 or norm <= bound:
+            admitted.append(u)
+            continue
+        if math.isfinite(norm) and history.returning(u.client_id, server.round):
+            note(server, "update of a returning client scaled to the bound",
+                 f"round {server.round}: client {u.client_id} missed rounds; its update's distance "
+                 f"{norm:.3g} is scaled to admission.norm_ratio={ratio:g} x the median {median:.3g} "
+                 "of the round's others", logging.INFO)
+            admitted.append(scaled_update(u, reference, bound / norm))
+            history.still_away(u.client_id, server.round)
+        else:
             note(server, "update norm far above the round's others",
                  f"round {server.round}: refused client {u.client_id}'s update: its distance "
                  f"{norm:.3g} from the global model exceeds admission.norm_ratio={ratio:g} "
                  f"x the median {median:.3g} of the round's others")
-        else:
-            admitted.append(u)
+    history.sent(updates, server.round)   # refused ones too: their clients did not miss the round
     return admitted
+
+
+class Returning:
+    """Which clients are returning from missed rounds (paused, lost, late, not sampled).
+
+    The global model moved on without a returning client's data, so its honest update is
+    larger than the others' until the model fits its data again, which takes rounds, and
+    hovers about the bound meanwhile. Its update above the bound is scaled down to the bound
+    instead of refused: it still moves the model no more than an update at the bound, which
+    admission admits from anyone, so missing rounds earns no extra influence. A client that
+    missed m rounds is returning in the round it comes back in and m rounds more (a late
+    joiner missed every round since the first), and for m rounds more after each of its
+    updates that had to be scaled: it stops returning once the model fits its data (a client
+    whose updates were refused could never get there); a client sending every round keeps the
+    plain rule (refusal)."""
+
+    def __init__(self, first_round: int):
+        self.first = first_round         # the first round admission saw (a resumed course's too)
+        self.last: dict[int, int] = {}   # client -> last round it sent an update in
+        self.until: dict[int, int] = {}  # client -> last round it counts as returning
+        self.span: dict[int, int] = {}   # client -> rounds it missed before it came back
+
+    def returning(self, client_id: int, round_: int) -> bool:
+        last = self.last.get(client_id, self.first - 1)
+        return last < round_ - 1 or self.until.get(client_id, -1) >= round_
+
+    def sent(self, updates: list[ReceivedUpdate], round_: int) -> None:
+        """Note the round's updates (admitted or not: a refused client did not miss the round)."""
+        for u in updates:
+            cid = u.client_id
+            last = self.last.get(cid, self.first - 1)
+            if last < round_ - 1:
+                self.span[cid] = round_ - 1 - last
+                self.until[cid] = round_ + self.span[cid]
+            self.last[cid] = max(round_, last)
+
+    def still_away(self, client_id: int, round_: int) -> None:
+        """The client's update this round had to be scaled: it stays returning `span` rounds more."""
+        self.until[client_id] = max(self.until.get(client_id, -1), round_ + self.span.get(client_id, 1))
+
+
+def scaled_update(u: ReceivedUpdate, reference: dict[str, torch.Tensor], s: float) -> ReceivedUpdate:
+    """`u` with its distance from the global model multiplied by `s` (a new content; the model's
+    tensors move toward `reference`, other floating tensors are scaled as they are measured)."""
+    content = dict(u.content)
+    for key, value in u.content.items():
+        if not isinstance(value, dict):
+            continue
+        out = dict(value)
+        for name, t in value.items():
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                base = reference[name] if key == "model" and name in reference else 0.0
+                out[name] = (base + (t.double() - base) * s).to(t.dtype)
+        content[key] = out
+    return ReceivedUpdate(u.client_id, content, u.round, u.staleness)
 
 
 def finite_state(state: dict[str, Any]) -> bool:

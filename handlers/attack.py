@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from fedcore import registry
-from fedcore.algorithms.attacks import (add_trigger, flip_labels, gaussian_update, poison_backdoor,
-                                        scale_update, sign_flip)
+from fedcore.algorithms.attacks import (add_trigger, drift_update, fixed_direction, flip_labels,
+                                        gaussian_update, poison_backdoor, scale_update, sign_flip)
 from fedcore.algorithms.participants import chosen_clients
 from fedcore.config import declare, fraction, positive, validator
 from fedcore.errors import ConfigError
@@ -26,7 +26,7 @@ from fedcore.worker import Stopwatch
 
 __all__ = ["ATTACKS", "attack_and_reply", "backdoor_success", "install"]
 
-ATTACKS = ("none", "label_flip", "sign_flip", "scaled_replacement", "gaussian", "backdoor")
+ATTACKS = ("none", "label_flip", "sign_flip", "scaled_replacement", "gaussian", "backdoor", "drift")
 
 declare("attack.type", str, "none", "what the malicious clients do", choices=ATTACKS)
 declare("attack.clients", list, None, "ids of the malicious clients")
@@ -34,7 +34,8 @@ declare("attack.fraction", float, None, "fraction of clients (seeded draw) that 
         check=lambda v: None if 0 <= v <= 1 else "must be in [0, 1]")
 declare("attack.scale", float, None, "sign_flip: sent w - scale*delta (default 1); "
         "scaled_replacement and backdoor: sent w + scale*delta (default: clients per round, "
-        "resp. 1)", check=positive)
+        "resp. 1); drift: sent w + scale*|delta|*e along one fixed unit direction e (default 7)",
+        check=positive)
 declare("attack.noise_std", float, 1.0, "gaussian: std of the noise sent as an update",
         check=positive)
 declare("attack.target_label", int, 0, "backdoor: the label triggered inputs should get")
@@ -64,7 +65,7 @@ class _Attack:
         self.course = course
         self.kind = cfg["attack.type"]
         self.seed = cfg["seed"]
-        default = {"sign_flip": 1.0, "backdoor": 1.0}.get(self.kind)
+        default = {"sign_flip": 1.0, "backdoor": 1.0, "drift": 7.0}.get(self.kind)
         if default is None:
             from fedcore.schema import clients_per_round
             default = float(clients_per_round(cfg))
@@ -74,6 +75,7 @@ class _Attack:
         self.target = cfg["attack.target_label"]
         self.ratio = cfg["attack.poison_ratio"]
         self._data: dict[int, ClientData] = {}
+        self._direction: dict[int, dict] = {}
 
     def _gen(self, client_id: int, round_: int) -> torch.Generator:
         return torch.Generator().manual_seed((self.seed * 7919 + client_id) * 104_729 + round_)
@@ -97,6 +99,10 @@ class _Attack:
             model = scale_update(model, ref, self.scale) if self.scale != 1.0 else model
         elif self.kind == "gaussian":
             model = gaussian_update(model, ref, self.noise_std, self._gen(client_id, round_))
+        elif self.kind == "drift":   # one direction per attacker for the whole course
+            if client_id not in self._direction:
+                self._direction[client_id] = fixed_direction(ref, self._gen(client_id, 0))
+            model = drift_update(model, ref, self.scale, self._direction[client_id])
         return dict(content, model=model)
 
 

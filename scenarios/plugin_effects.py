@@ -135,7 +135,23 @@ def personalization(seeds, rounds) -> str:
                   "global model on server test"], rows)
 
 
-SECTIONS = {"robust": robust, "attacks": attacks, "backdoor": backdoor, "dp_share": dp_share, "dp_central": dp_central,
+def drift(seeds, rounds) -> str:
+    nothing = dict(attack__type="scaled_replacement", attack__scale=1e-9, aggregator__robust_rule="none")
+    cases = [("no attack, FedAvg", dict(attack__type="none", aggregator__robust_rule="none")),
+             ("no attack, centered_clip", dict(attack__type="none")),
+             ("client 1 sends its received model back (its data lost), FedAvg", nothing),
+             ("client 1 drifts, FedAvg", dict(aggregator__robust_rule="none")),
+             ("client 1 drifts, centered_clip", {})]
+    data = [("natural, 30 a client (the tests' course)", {}),
+            ("natural, 200 a client", dict(data__synthetic__samples_per_client=200)),
+            ("iid, 100 a client", dict(data__synthetic__iid=True, data__synthetic__samples_per_client=100))]
+    rows = [[label] + [mean_of([run("robust_drift", s, rounds, **kw, **d) for s in seeds], "final_test_acc")
+                       for _, d in data] for label, kw in cases]
+    return table(["course (robust_drift.yaml; test acc)"] + [name for name, _ in data], rows)
+
+
+SECTIONS = {"robust": robust, "drift": drift,
+            "attacks": attacks, "backdoor": backdoor, "dp_share": dp_share, "dp_central": dp_central,
             "personalization": personalization}
 
 

@@ -227,3 +227,65 @@ def test_medians_of_the_others_from_one_sort_equal_the_median_of_each_others_lis
             assert medians_of_others(values) == expected
     # a NaN distance counts as infinitely far: it is never a median below the real ones
     assert medians_of_others([1.0, float("nan"), 3.0]) == [float("inf"), 2.0, float("inf")]
+
+
+def test_a_returning_clients_update_above_the_bound_is_scaled_to_it_not_refused():
+    """Rounds 3 and 4 of a course admission first saw in round 3 (distances by hand)."""
+    server = _Server(_Course(), {"w": torch.tensor([1.0, 1.0])})
+    # round 3: clients 1-4 sent every round so far; client 4's distance 30 > 10 x 2 = 20: refused
+    ups = [_update(1, [2.0, 1.0]), _update(2, [1.0, 3.0]), _update(3, [4.0, 5.0]), _update(4, [19.0, 25.0])]
+    assert [u.client_id for u in admit_updates(server, ups)] == [1, 2, 3]
+    # round 4: clients 4 and 5 both at distance 40 (|(24, 32)|, |(0, 40)|), each 10 x the median
+    # of (1, 2, 5, 40) = 35 allowed. Client 5 joins late (it missed round 3): scaled to 35.
+    # Client 4 sent in round 3 (refused, but it was there): refused.
+    server.round = 4
+    ups = [_update(1, [2.0, 1.0]), _update(2, [1.0, 3.0]), _update(3, [4.0, 5.0]),
+           _update(4, [25.0, 33.0]), _update(5, [1.0, 41.0])]
+    kept = admit_updates(server, ups)
+    assert [u.client_id for u in kept] == [1, 2, 3, 5]
+    # client 5's w: (1, 1 + 35)
+    assert kept[3].content["model"]["w"].tolist() == [1.0, 36.0]
+    assert kept[3].content["num_samples"] == 10 and ups[4].content["model"]["w"].tolist() == [1.0, 41.0]
+    assert server.course.monitor.extra_summary["admission"] == {
+        "update norm far above the round's others": 2, "update of a returning client scaled to the bound": 1}
+
+
+def test_a_client_that_missed_m_rounds_is_returning_when_it_comes_back_and_m_rounds_more():
+    from fedcore.admission import Returning
+    r = Returning(first_round=1)
+
+    def sent(rnd, *ids):
+        r.sent([ReceivedUpdate(c, {}, rnd, 0) for c in ids], rnd)
+
+    sent(1, 1, 2)
+    assert not r.returning(1, 2) and r.returning(3, 2)   # 3 never sent: it missed round 1
+    sent(2, 1, 2, 3)                                    # 3 missed 1 round: returning in 2 and 3
+    assert r.returning(3, 3) and not r.returning(2, 3)
+    sent(3, 1, 2, 3)
+    assert not r.returning(3, 4)
+    for rnd in (4, 5):
+        sent(rnd, 1, 3)
+    sent(6, 1, 2, 3)              # 2 missed rounds 4 and 5: returning in 6 and the 2 rounds after
+    assert [r.returning(2, k) for k in (7, 8)] == [True, True]
+    sent(7, 1, 2, 3)
+    sent(8, 1, 2, 3)
+    assert not r.returning(2, 9)
+    assert r.returning(1, 10) and not r.returning(1, 9)  # 1 misses round 9
+    r.still_away(2, 9)            # an update of 2's scaled in round 9: returning 2 rounds more
+    assert [r.returning(2, k) for k in (10, 11)] == [True, True]
+    sent(9, 2)
+    sent(10, 2)
+    sent(11, 2)
+    assert not r.returning(2, 12)
+
+
+def test_scaled_update_moves_the_model_toward_the_global_one_and_scales_other_tensors():
+    from fedcore.admission import scaled_update
+    u = ReceivedUpdate(2, {"model": {"w": torch.tensor([3.0, 5.0]), "steps": torch.tensor(4)},
+                           "control": {"c": torch.tensor([2.0, -2.0])}, "num_samples": 7}, 5, 1)
+    out = scaled_update(u, {"w": torch.tensor([1.0, 1.0], dtype=torch.float64)}, 0.25)
+    # w: 1 + 0.25 x (2, 4) = (1.5, 2); c: 0.25 x (2, -2); integers and counts untouched
+    w = out.content["model"]["w"]
+    assert w.tolist() == [1.5, 2.0] and w.dtype == torch.float32
+    assert out.content["control"]["c"].tolist() == [0.5, -0.5] and out.content["model"]["steps"].item() == 4
+    assert (out.client_id, out.round, out.staleness, out.content["num_samples"]) == (2, 5, 1, 7)

@@ -4,7 +4,8 @@ import json
 import pytest
 import torch
 
-from fedcore.algorithms.attacks import add_trigger, flip_labels, gaussian_update, scale_update, sign_flip
+from fedcore.algorithms.attacks import (add_trigger, drift_update, fixed_direction, flip_labels,
+                                        gaussian_update, scale_update, sign_flip)
 from fedcore.course import Course
 from fedcore.errors import ConfigError
 from tests.conftest import small_cfg
@@ -27,6 +28,18 @@ def test_update_poisoning_by_hand():
                             torch.Generator().manual_seed(0))["w"]
     assert noise.std().item() == pytest.approx(2.0, rel=0.02)
     assert sign_flip(trained, ref, 1.0)["n"].item() == 3  # integer entries untouched
+
+
+def test_drift_update_by_hand():
+    ref = {"w": torch.tensor([1.0, 1.0]), "b": torch.tensor([0.0]), "n": torch.tensor(3)}
+    trained = {"w": torch.tensor([4.0, 1.0]), "b": torch.tensor([4.0]), "n": torch.tensor(3)}  # |delta| = 5
+    e = {"w": torch.tensor([0.6, 0.0], dtype=torch.float64), "b": torch.tensor([0.8], dtype=torch.float64)}
+    out = drift_update(trained, ref, 7.0, e)   # w + 7 x 5 x e
+    assert out["w"].tolist() == [1.0 + 21.0, 1.0] and out["b"].tolist() == [28.0] and out["n"].item() == 3
+    d = fixed_direction({"w": torch.zeros(30), "n": torch.tensor(1)}, torch.Generator().manual_seed(4))
+    assert list(d) == ["w"] and d["w"].norm().item() == pytest.approx(1.0)
+    again = fixed_direction({"w": torch.zeros(30)}, torch.Generator().manual_seed(4))
+    assert torch.equal(d["w"], again["w"])
 
 
 def _course(tmp_path=None, **kw):
@@ -77,3 +90,27 @@ def test_attackers_get_a_derived_role(tmp_path):
     course.run()
     text = (tmp_path / "handlers.txt").read_text()
     assert "[attacker]" in text and "attack_and_reply" in text and "overwritten" not in text
+
+
+def _drift_course(**kw):
+    """The synthetic course of the tests with 5 clients for 30 rounds, admission's 10x bound on;
+    iid and 100 samples a client, so that one client's data is worth little (a client sending
+    nothing costs nothing here) and 100 test samples measure accuracy to 0.01."""
+    cfg = small_cfg(None, federate__client_num=5, federate__total_round_num=30, eval__clients=False,
+                    admission__norm_ratio=10.0, data__synthetic__iid=True,
+                    data__synthetic__samples_per_client=100, **kw)
+    return Course(cfg).run()
+
+
+@pytest.mark.slow
+def test_a_drifting_client_under_admissions_bound_is_held_by_centered_clipping():
+    """7x its own honest update's norm along one fixed direction, every round: admission never
+    refuses it and FedAvg loses more than 0.05; centered clipping keeps it within 0.05."""
+    honest = _drift_course()["final_test_acc"]
+    for attacker in ([1], [3]):
+        drift = dict(attack__type="drift", attack__clients=attacker)
+        plain = _drift_course(**drift)
+        assert "admission" not in plain                     # every update admitted
+        assert plain["final_test_acc"] < honest - 0.05
+        held = _drift_course(aggregator__robust_rule="centered_clip", aggregator__cc_tau=0.1, **drift)
+        assert held["final_test_acc"] >= honest - 0.05, (attacker, held["final_test_acc"], honest)

@@ -8,7 +8,8 @@ with each client), DiLoCo (inner optimizer state stays with each client
 and is never sent), FedAdam on FedNova (the normalizing factor crosses the
 wire, the server optimizer's moments stay with the server) and FedAvg with
 local DP noise combined by the coordinate median (two behaviour plug-ins, each
-process installing its own half).
+process installing its own half), and a drifting client against centered
+clipping (the attack in one client's process, the rule's history in the server's).
 Asynchronous courses (goal_achieved with after_receiving, time_up with a wall
 budget) must finish over gRPC even when a client is SIGKILLed mid-course.
 """
@@ -51,6 +52,9 @@ SYNC_COURSES = {
     "fedrep": {"algorithm.name": "fedrep", "model.type": "mlp", "model.hidden": [6],
                "algorithm.fedrep.head_epochs": 2},
     "pfedme": {"algorithm.name": "pfedme", "algorithm.pfedme.beta": 1.5},
+    # client 1 drifts (only its own process knows), the server clips around its history
+    "drift_centered_clip": {"attack.type": "drift", "attack.clients": [1], "admission.norm_ratio": 50.0,
+                            "aggregator.robust_rule": "centered_clip", "aggregator.cc_tau": 0.1},
 }
 
 

@@ -1,4 +1,7 @@
 """Transport security between real processes: TLS required, tokens checked, refusals clean."""
+import json
+
+import grpc
 import pytest
 
 from tests.deploy_helpers import make_certs, server_port, text, wait_exit, write_cfg
@@ -36,3 +39,50 @@ def test_plaintext_client_and_wrong_token_are_refused_by_a_tls_server(tmp_path, 
 
     assert server.poll() is None  # still serving
     assert "wrong or missing token" in text(server)
+
+
+def test_a_join_with_a_wrong_fingerprint_learns_no_configuration_value(tmp_path, procs):
+    """A token holder without the config probes the server with wrong fingerprints: every
+    course-defining key wrong at once, then each key alone. Each refusal names keys, and its
+    text holds nothing but the fixed sentence and those names: no value, the seed included."""
+    import fedcore
+    from fedcore.comm.fingerprint import course_keys
+    from tests.hostile import Hostile, load_proto
+    pb = load_proto(tmp_path / "proto")
+    cfg = write_cfg(tmp_path / "course.yaml", {"seed": 48271, "model.type": "mlp", "model.hidden": [23],
+                                               "train.optimizer.lr": 0.0731, "distribute.insecure": True,
+                                               "distribute.token": "shared"})
+    ours = course_keys(fedcore.configure(str(cfg)))
+    assert ours["seed"] == 48271 and len(ours) > 30
+    out = tmp_path / "server"
+    server = procs.fedcore("server", cfg, "distribute.role=server", "distribute.server_port=0",
+                           f"outdir={out}")
+    port = server_port(out, server)
+    prefix = "course config differs from the server's: "
+
+    def refusal(fingerprint: str) -> str:
+        probe = Hostile(pb, port, 1, "shared", course=fingerprint).start()
+        try:
+            assert probe.wait_for("never", timeout=30) is None
+            assert probe.status == grpc.StatusCode.FAILED_PRECONDITION, probe.details
+            return probe.details
+        finally:
+            probe.close()
+
+    everything = refusal(";".join(f"{k}=000000000000" for k in ours))
+    assert everything == prefix + ", ".join(sorted(ours)[:8])
+    texts = [everything]
+    for key in ours:
+        texts.append(refusal(f"{key}=000000000000"))
+        assert texts[-1] == prefix + key
+    for t in texts:   # what follows the sentence is key names only
+        assert set(t.removeprefix(prefix).split(", ")) <= set(ours)
+    # and, value by value: none of the server's values appears where a name or the sentence
+    # does not already hold that text (a value such as "synthetic" is also part of a key name)
+    names = prefix + " ".join(ours)
+    for key, value in ours.items():
+        for shown in {str(value), json.dumps(value, default=str)}:
+            if len(shown) >= 2 and shown not in names:
+                assert not any(shown in t for t in texts), (key, shown)
+    assert all("48271" not in t and "0.0731" not in t and "mlp" not in t for t in texts)
+    assert server.poll() is None and "course config differs" in text(server)

@@ -44,7 +44,7 @@ def test_plugin_scenarios_load_and_are_complete(tmp_path):
 
     from fedcore.config import load_config
     root = Path(__file__).resolve().parents[1] / "scenarios"
-    for name in ("robust_signflip", "backdoor_normbound", "dp_fraction", "personalization_dirichlet"):
+    for name in ("robust_signflip", "robust_drift", "backdoor_normbound", "dp_fraction", "personalization_dirichlet"):
         cfg = load_config(root / f"{name}.yaml", [f"outdir={tmp_path / name}", "verbose=false"])
         course = Course(cfg).build()
         assert course.behaviours and course.check().complete, name

@@ -5,8 +5,8 @@ import torch
 from fedcore import registry
 from fedcore.contract import Algorithm, ReceivedUpdate
 from fedcore.algorithms.fedavg import FedAvgAggregator, FedAvgTrainer
-from fedcore.algorithms.robust import (clip_to_norm, coordinate_median, krum_scores, krum_select,
-                                       make_rule, trimmed_mean)
+from fedcore.algorithms.robust import (centered_clip, clip_to_norm, coordinate_median, krum_scores,
+                                       krum_select, make_rule, trimmed_mean)
 from fedcore.algorithms.combine import replace_combination
 from fedcore.course import Course
 from fedcore.errors import ConfigError
@@ -49,6 +49,44 @@ def test_clip_to_norm():
     assert clip_to_norm(T([0.3, 0.4]), 1.0).tolist() == pytest.approx([0.3, 0.4])
 
 
+def test_centered_clip_by_hand():
+    # center (0, 0), tau 1, equal weights: (3, 4) is 5 away -> clipped to (0.6, 0.8); (0.5, 0) and
+    # (0, -0.5) are within tau. One iteration: v = ((0.6, 0.8) + (0.5, 0) + (0, -0.5)) / 3
+    x = T([[3, 4], [0.5, 0], [0, -0.5]])
+    v, clipped = centered_clip(x, T([1, 1, 1]), T([0, 0]), 1.0, 1)
+    assert v.tolist() == pytest.approx([1.1 / 3, 0.3 / 3]) and clipped == 1
+    # weights 2:1:1 and the center (1, 1): x - c = (2, 3) (norm sqrt(13), scaled by 1/sqrt(13)),
+    # (-0.5, -1) (norm sqrt(1.25) > 1, scaled by 1/sqrt(1.25)), (-1, -1.5) (norm sqrt(3.25))
+    v, clipped = centered_clip(x, T([2, 1, 1]), T([1, 1]), 1.0, 1)
+    steps = [(2 / 4 / 13 ** .5, (2, 3)), (1 / 4 / 1.25 ** .5, (-0.5, -1)), (1 / 4 / 3.25 ** .5, (-1, -1.5))]
+    assert v.tolist() == pytest.approx([1 + sum(a * d[i] for a, d in steps) for i in (0, 1)]) and clipped == 3
+
+
+def test_centered_clip_limits():
+    x = T([[3, 4], [0.5, 0], [0, -0.5], [-7, 1]])
+    w = T([1, 2, 3, 4])
+    mean = (x * (w / w.sum())[:, None]).sum(dim=0)
+    for center in (T([0, 0]), T([5, -5])):
+        # tau = infinity: one iteration from any center is the weighted mean (FedAvg)
+        assert centered_clip(x, w, center, float("inf"), 1)[0].tolist() == pytest.approx(mean.tolist())
+        # tau = 0: nothing moves the center, however many iterations
+        assert centered_clip(x, w, center, 0.0, 5)[0].tolist() == center.tolist()
+    # iterating converges to a fixed point v = v + sum p_i clip(x_i - v): more iterations, closer
+    far = [centered_clip(x, w, T([0, 0]), 1.0, L)[0] for L in (1, 5, 200, 201)]
+    assert (far[3] - far[2]).norm() < 1e-9 < (far[1] - far[0]).norm()
+
+
+def test_centered_clip_starts_each_round_from_the_last_combined_delta():
+    cfg = small_cfg(None, aggregator__robust_rule="centered_clip", aggregator__cc_tau=1.0)
+    rule = make_rule(cfg)
+    # round 1 from center 0: (3, 4) clipped to (0.6, 0.8), (0, 0.5) kept: v1 = (0.3, 0.65)
+    v1, m1 = rule([{"w": T([3, 4])}, {"w": T([0, 0.5])}], [1.0, 1.0], [1, 2], 1)
+    assert v1["w"].tolist() == pytest.approx([0.3, 0.65]) and m1["robust_clipped"] == 1
+    # round 2 from v1: the same update (3.3, 4.65) - v1 = (3, 4) clipped again, (0.3, 0.65) - v1 = 0
+    v2, _ = rule([{"w": T([3.3, 4.65])}, {"w": T([0.3, 0.65])}], [1.0, 1.0], [1, 2], 2)
+    assert v2["w"].tolist() == pytest.approx([0.3 + 0.3, 0.65 + 0.4])
+
+
 def _aggregate(rule_name, models, samples, **keys):
     cfg = small_cfg(None, aggregator__robust_rule=rule_name, **keys)
     model = torch.nn.Linear(2, 1, bias=False)
@@ -78,6 +116,11 @@ def test_rules_compose_with_fedavg_aggregator():
     assert w == pytest.approx([0.5, 0.5])  # per coordinate the middle three of five
     w, m = _aggregate("norm_bound", [[3, 4], [0.3, 0.4]], [1, 3], aggregator__norm_bound=1.0)
     assert w == pytest.approx([(0.6 + 3 * 0.3) / 4, (0.8 + 3 * 0.4) / 4]) and m["robust_clipped"] == 1
+    # centered clipping's first round is centered on 0: norm_bound's arithmetic, here
+    w, m = _aggregate("centered_clip", [[3, 4], [0.3, 0.4]], [1, 3], aggregator__cc_tau=1.0)
+    assert w == pytest.approx([(0.6 + 3 * 0.3) / 4, (0.8 + 3 * 0.4) / 4]) and m["robust_clipped"] == 1
+    w, _ = _aggregate("centered_clip", models, [1, 1, 2, 1, 1], aggregator__cc_tau=1e300)  # FedAvg
+    assert w == pytest.approx([(0 + 1 + 1 + 0 + 10) / 6, (0 + 0 + 1 + 1 + 10) / 6])
 
 
 def test_rule_refused_with_control_variate_algorithms(monkeypatch):
@@ -95,6 +138,8 @@ def test_bad_robust_keys_fail_at_config_time():
         small_cfg(None, aggregator__robust_rule="trimmed_mean", aggregator__trim_ratio=0.5)
     with pytest.raises(ConfigError, match="aggregator.byzantine_num: krum needs more than f \\+ 2 = 6"):
         small_cfg(None, aggregator__robust_rule="krum", aggregator__byzantine_num=4)  # 6 clients
+    with pytest.raises(ConfigError, match="aggregator.cc_tau: robust_rule centered_clip needs a radius"):
+        small_cfg(None, aggregator__robust_rule="centered_clip")
     with pytest.raises(ConfigError, match="did you mean 'median'"):
         small_cfg(None, aggregator__robust_rule="medain")
 

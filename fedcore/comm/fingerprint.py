@@ -4,8 +4,10 @@ A client started with another model, dataset or algorithm than its server
 would otherwise fail deep inside a round (or, worse, train something else).
 The client sends one short hash per course-defining key when it connects; the
 server compares them with its own and refuses a client whose keys differ,
-naming them. It guards against mistakes, not against a hostile client (which
-can send any fingerprint): the wire checks and admission do that.
+naming the keys and never their values: a token holder without the config must
+not learn the course's values (its `seed` included) from a refusal. It guards
+against mistakes, not against a hostile client (which can send any
+fingerprint): the wire checks and admission do that.
 """
 from __future__ import annotations
 
@@ -51,13 +53,13 @@ def fingerprint(cfg) -> str:
 
 
 def differing_keys(cfg, theirs: str) -> list[str]:
-    """The keys whose values differ between `cfg` and the fingerprint `theirs`, each with our
-    value (keys only one side knows are not compared)."""
+    """The names of the keys whose values differ between `cfg` and the fingerprint `theirs`,
+    sorted (keys only one side knows are not compared). Names only: what is sent back to a
+    refused client must not tell it our values."""
     ours = course_keys(cfg)
-    out = []
+    out = set()
     for pair in theirs.split(";"):
         key, _, h = pair.partition("=")
         if key in ours and _hash(ours[key]) != h:
-            shown = json.dumps(ours[key], default=str)
-            out.append(f"{key} (server: {shown if len(shown) <= 40 else shown[:37] + '...'})")
-    return out
+            out.add(key)
+    return sorted(out)

@@ -222,7 +222,7 @@ class GrpcClientComm:
                         break
                     if code == grpc.StatusCode.FAILED_PRECONDITION:
                         self._fail(ConfigError(f"the server at {self.address} refused this client: "
-                                               f"{detail}; start it with the server's values"))
+                                               f"{detail}; start it with the server's config for these keys"))
                         return
                     if code == grpc.StatusCode.UNAUTHENTICATED:
                         self._fail(ConfigError(f"distribute.token: the server at {self.address} refused "

@@ -1,0 +1,67 @@
+"""An honest client back from missed rounds, between real processes: client 5 joins a running
+course late, or is stopped (SIGSTOP) just after joining, for longer than the heartbeat timeout,
+and resumed. The model moved on without its data, so its honest updates are larger than the
+others' for a while; 10 x the median of the others alone refused them. Admission scales a
+returning client's update to the bound instead (fedcore/admission.py `Returning`): it is
+aggregated, nothing is refused."""
+import json
+import signal
+
+import pytest
+
+from tests.deploy_helpers import interrupt, server_port, text, wait_exit, wait_for, write_cfg
+
+pytestmark = pytest.mark.slow
+
+AWAY = 1000   # rounds the course runs without client 5's data (some 30 s here): by then
+# the others' updates are small enough for its honest one to pass 10x their median
+
+
+def _records(out):
+    f = out / "metrics.jsonl"
+    if not f.exists():
+        return []
+    return [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("how", ["late", "paused"])
+def test_a_client_back_from_missed_rounds_has_its_next_honest_update_admitted(tmp_path, procs, how):
+    cfg = write_cfg(tmp_path / "course.yaml", {
+        "federate.client_num": 5, "federate.total_round_num": 100_000, "eval.freq": 100_000,
+        "eval.clients": False, "distribute.min_clients": 4, "distribute.join_timeout": 0.5,
+        "distribute.insecure": True, "distribute.token": "t",
+        "distribute.heartbeat_interval": 0.2, "distribute.heartbeat_timeout": 2.0,
+        "distribute.backoff_initial": 0.1, "distribute.backoff_max": 0.5})
+    out = tmp_path / "out"
+    server = procs.fedcore("server", cfg, "distribute.role=server", "distribute.server_port=0",
+                           f"outdir={out}")
+    port = server_port(out, server)
+
+    def client(k):
+        return procs.fedcore(f"client{k}", cfg, "distribute.role=client",
+                             f"distribute.server_port={port}", f"distribute.client_id={k}")
+    clients = {k: client(k) for k in (1, 2, 3, 4)}
+    if how == "late":     # client 5 starts after AWAY rounds
+        wait_for(lambda: len(_records(out)) >= AWAY, 300, f"{AWAY} rounds")
+        clients[5] = client(5)
+        wait_for(lambda: "client 5 joined the course" in text(server), 120, "client 5 to join")
+    else:                 # client 5 stops as soon as it has joined, past the heartbeat timeout
+        clients[5] = client(5)
+        wait_for(lambda: "client 5 joined the course" in text(server), 120, "client 5 to join")
+        clients[5].send_signal(signal.SIGSTOP)
+        wait_for(lambda: "client 5 lost" in text(server), 60, "the server to lose client 5")
+        wait_for(lambda: len(_records(out)) >= AWAY, 300, f"{AWAY} rounds")
+        clients[5].send_signal(signal.SIGCONT)
+    back = len(_records(out))
+    wait_for(lambda: [r for r in _records(out)[back:] if r["num_updates"] == 5], 60,
+             "a round with client 5's update")
+
+    interrupt(server)
+    assert wait_exit(server, 120) == 130
+    summary = json.loads((out / "summary.json").read_text())
+    admission = summary.get("admission", {})
+    assert "update norm far above the round's others" not in admission, \
+        [line for line in text(server).splitlines() if "refused" in line]
+    # what the previous rule refused was admitted, at the bound
+    assert admission["update of a returning client scaled to the bound"] >= 1
+    assert len(_records(out)) >= AWAY
