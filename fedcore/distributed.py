@@ -25,6 +25,7 @@ from fedcore.course import Course, StartEvent, collector_for_run, raise_if_diver
 from fedcore.executor import apply_torch_threads
 from fedcore.errors import EXIT_OK, ConfigError, FedcoreError
 from fedcore.form_boundary import make_trainer
+from fedcore.handlers import deployment
 from fedcore.scheduler import PRIORITY_TIMER, WallClockScheduler
 from fedcore.state import make_state_store
 from fedcore.timing import TimeModel
@@ -85,11 +86,15 @@ declare("distribute.heartbeat_timeout", float, 10.0, "seconds without any frame 
 declare("distribute.round_deadline", float, None, "server, sync course: seconds after a round starts "
         "after which clients that have not replied are dropped from it (default: derived, see "
         "distribute.deadline_factor)", check=positive)
-declare("distribute.deadline_factor", float, 5.0, "server, sync course without round_deadline: once "
-        "half the round's clients have replied, the rest are dropped after this many times as long "
-        "as that took (at least distribute.heartbeat_timeout); until then, this many times the "
-        "slowest earlier round's time", check=lambda v: None if v >= 1 else
+declare("distribute.deadline_factor", float, 5.0, "server, sync course without round_deadline: a "
+        "client still not replying after this many times the other clients' median reply time (at "
+        "least distribute.heartbeat_timeout, at most distribute.max_round_deadline) is dropped from "
+        "the round and not sampled again until it replies", check=lambda v: None if v >= 1 else
         "must be at least 1")
+declare("distribute.max_round_deadline", float, 600.0, "server, sync course without round_deadline: "
+        "ceiling in seconds on the derived deadline (plus the model's transfer time at "
+        "distribute.min_bytes_per_second), whatever the clients' reply times; also the deadline "
+        "before any client has replied", check=positive)
 declare("distribute.retry_timeout", float, 60.0, "client: seconds without a server before giving up "
         "(exit code 4)", check=positive)
 declare("distribute.backoff_initial", float, 0.5, "client: first reconnect delay in seconds (doubles "
@@ -193,7 +198,11 @@ class ServerCourse(Course):
     def client_ids(self) -> list[int]:
         """The clients a handler may address: connected and joined (all ids before assembly)."""
         if self.built:
-            return self.comm.live_ids(self.server.joined)
+            live = self.comm.live_ids(self.server.joined)
+            benched = getattr(self.server, "deploy_benched", None)  # missed a deadline, silent since
+            if benched and not self.server.finished:
+                live = [c for c in live if c not in benched]
+            return live
         return self._all_ids
 
     @client_ids.setter
@@ -202,7 +211,6 @@ class ServerCourse(Course):
 
     def build(self, data: Any = None) -> "ServerCourse":
         from fedcore.comm.grpc_server import GrpcServerComm
-        from fedcore.handlers import deployment
         from fedcore.scenarios.data import FederatedData, build_federated_data
         cfg = self.cfg
         full = data if data is not None else build_federated_data(cfg)
@@ -215,7 +223,7 @@ class ServerCourse(Course):
         self.store = make_state_store("memory", None)
         self.trainer = None
         self.timing = _measured_time()
-        self.comm = GrpcServerComm(cfg, self.scheduler, self.monitor.count_bytes, self._lost,
+        self.comm = GrpcServerComm(cfg, self.scheduler, self._count_bytes, self._lost,
                                    self._maybe_stop)
         self.comm.device = self.device
         if cfg["distribute.max_message_bytes"] is None:
@@ -239,6 +247,11 @@ class ServerCourse(Course):
             self.cfg = cfg
 
     # ------------------------------------------------------------ runtime events
+    def _count_bytes(self, msg, receiver: int, nbytes: int) -> None:
+        """Each message sent or received: counted, and timed for the round deadline."""
+        self.monitor.count_bytes(msg, receiver, nbytes)
+        deployment.note_traffic(self.server, msg, receiver, self.scheduler.now)
+
     def _lost(self, client_id: int, reason: str) -> None:
         if self._awaiting is not None:
             self._awaiting.discard(client_id)
