@@ -17,6 +17,8 @@ declare("slow_test.hang_clients", list, None, "tests: clients whose training nev
         "heartbeats go on: a hung trainer)")
 declare("slow_test.stall_clients", list, None, "tests: clients that take slow_test.stall seconds to "
         "train in their first slow_test.stall_rounds rounds, then hang (heartbeats on)")
+declare("slow_test.inflate_clients", list, None, "tests: clients whose updates claim ten times the "
+        "samples they declared when they joined (admission refuses them)")
 declare("slow_test.stall", float, 0.0, "tests: seconds a stalling client takes (just under its deadline)")
 declare("slow_test.stall_rounds", int, 0, "tests: rounds a stalling client replies in before it hangs")
 
@@ -30,7 +32,10 @@ class PausingTrainer(FedAvgTrainer):
                 time.sleep(60)
         while client_id in (self.cfg["slow_test.hang_clients"] or ()):
             time.sleep(60)
-        return super().fit(client_id, data, received, round_)
+        result = super().fit(client_id, data, received, round_)
+        if client_id in (self.cfg["slow_test.inflate_clients"] or ()):
+            result.content = {**result.content, "num_samples": 10 * result.content["num_samples"]}
+        return result
 
 
 algorithms.register("fedavg_pausing", Algorithm(PausingTrainer, FedAvgAggregator))
