@@ -6,7 +6,7 @@ import pytest
 
 from fedcore.wire import fedcore_pb2 as pb
 from fedcore.wire.census import check_values
-from fedcore.wire.codec import WireError, encode_value
+from fedcore.wire.codec import WireError, encode_value, uvarint
 
 
 def _parsed_count(msg) -> int:
@@ -50,16 +50,7 @@ def _envelope(content, receivers=(0,)) -> bytes:
     head = pb.Envelope(msg_type="updates", sender=3, receivers=list(receivers), round=2,
                        timestamp=1.5).SerializeToString()
     body = encode_value(content)
-    return head + b"\x3a" + _uvarint(len(body)) + body
-
-
-def _uvarint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
-        n >>= 7
-        if not n:
-            return bytes(out)
+    return head + b"\x3a" + uvarint(len(body)) + body
 
 
 def test_a_small_envelope_is_counted_by_hand():
@@ -84,9 +75,9 @@ def test_the_census_agrees_with_protobufs_parse_on_random_content():
 def test_a_message_of_empty_values_is_refused_after_a_walk_the_size_of_the_limit():
     n = 1_000_000   # 2 MB of empty list items: 1,000,000 values protobuf would build
     items = b"\x0a\x00" * n
-    value = b"\x42" + _uvarint(len(items)) + items
+    value = b"\x42" + uvarint(len(items)) + items
     data = pb.Envelope(msg_type="updates", sender=1, receivers=[0]).SerializeToString() \
-        + b"\x3a" + _uvarint(len(value)) + value
+        + b"\x3a" + uvarint(len(value)) + value
     with pytest.raises(WireError, match="more values"):
         check_values(data, 5000)
     assert check_values(data, 2 * n) == n + 6   # the items, the list, the value, and 4 of the envelope
