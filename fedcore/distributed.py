@@ -77,6 +77,9 @@ declare("distribute.chunk_size", int, 2 * 1024 * 1024, "bytes per chunk of a str
 declare("distribute.max_message_bytes", int, None, "largest encoded message accepted; larger "
         "ones are refused (INVALID_ARGUMENT) before being buffered (default: 4 x the model's "
         "encoded size + 1 MiB)", check=positive)
+declare("distribute.max_connections", int, None, "server: connections taken at once; more are "
+        "closed as they come (default: the open-files limit less 64, kept for the server's own "
+        "files)", check=positive)
 declare("distribute.max_message_values", int, None, "largest number of values (fields and list "
         "entries of the encoding) a message may hold; more is refused before it is decoded "
         "(default: 64 per model tensor + 32 per client + 4096)", check=positive)

@@ -36,6 +36,7 @@ import grpc
 
 from fedcore.quiet import QuietLog
 from fedcore.comm.async_outbox import AsyncOutbox, wake_all
+from fedcore.comm.connections import RefusalCloser, connection_cap
 from fedcore.comm.chunking import FRAME_OVERHEAD, Reassembler, SharedContent, first_chunk_size
 from fedcore.comm.fingerprint import differing_keys
 from fedcore.comm.stream import (MD_CLIENT_ID, MD_COURSE, MD_SESSION, MD_TOKEN, REFUSED, allowed_silence, grpc_options,
@@ -185,6 +186,9 @@ class GrpcServerComm:
         # (whose default limits, 1,000 soft and 3,000 hard, would refuse most of a burst).
         backlog = [("grpc.server.max_pending_requests", max(1000, slots)),
                    ("grpc.server.max_pending_requests_hard_limit", max(3000, 2 * slots))]
+        cap = connection_cap(self.cfg["distribute.max_connections"])
+        if cap is not None:   # below the descriptor limit: the server's own files always open
+            backlog.append(("grpc.max_allowed_incoming_connections", cap))
         server = grpc.aio.server(options=grpc_options(self.chunk_size, server=True) + backlog,
                                  maximum_concurrent_rpcs=OPEN_PER_ID * self.num_clients + 16)
         handler = grpc.method_handlers_generic_handler(
@@ -207,6 +211,7 @@ class GrpcServerComm:
             return
         await server.start()
         self._loop, self._stopping, self._grpc = loop, asyncio.Event(), server
+        self._closer = RefusalCloser(loop, self._peer_in_use)
         self._decoder = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="fedcore-decode")
         bound.set_result(port)
         try:
@@ -246,7 +251,15 @@ class GrpcServerComm:
 
     def refusals(self) -> dict[str, int]:
         """How many messages, streams and connections were refused, by kind (for the summary)."""
-        return dict(sorted(self.quiet.counts.items()))
+        counts = dict(self.quiet.counts)
+        closer = getattr(self, "_closer", None)
+        if closer is not None and closer.closed:
+            counts["connections closed after a refused call"] = closer.closed
+        return dict(sorted(counts.items()))
+
+    def _peer_in_use(self, peer: str) -> bool:
+        with self._lock:
+            return any(s.peer == peer and s.state == "live" for s in self.sessions.values())
 
     def expire(self, timeout: float) -> list[tuple[int, str]]:
         """Mark sessions silent for longer than `timeout` (longer while one of their messages is
@@ -406,6 +419,7 @@ class GrpcServerComm:
         try:
             s, token = self._admit(context)
         except _Refused as refused:
+            self._closer.refused(context.peer())   # a refused call does not keep its connection
             await context.abort(refused.code, refused.detail, REFUSED)
         task = asyncio.current_task()
         s.calls.add(task)
