@@ -415,7 +415,7 @@ def run_client(cfg) -> int:
         log.warning("distribute.insecure: true: plaintext gRPC without TLS; models and the token "
                     "can be read and altered on the network")
     scheduler = WallClockScheduler()
-    comm = GrpcClientComm(cfg, scheduler)
+    comm = GrpcClientComm(cfg, scheduler, bounds_from_course=True)
     comm.start()
     finished = False
     try:

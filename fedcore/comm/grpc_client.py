@@ -88,7 +88,9 @@ class _Stream:
 class GrpcClientComm:
     """Connects, gets the client id, and moves messages between the client worker and the server."""
 
-    def __init__(self, cfg, scheduler, tensor_form: str = "torch"):
+    def __init__(self, cfg, scheduler, tensor_form: str = "torch", bounds_from_course: bool = False):
+        """`bounds_from_course`: read nothing past the welcome until `set_bounds` (a course's
+        client, whose bounds come from its model); otherwise the configured bounds (or 1 GiB)."""
         d = cfg.section("distribute")
         self.scheduler = scheduler
         self.tensor_form = get_form(tensor_form).name  # received tensors are decoded into it
@@ -98,11 +100,13 @@ class GrpcClientComm:
         self.tls = {k: d.get(f"tls.{k}") for k in ("cert", "key", "ca")}
         self.server_name = d["tls.server_name"]
         self.chunk_size = d["chunk_size"]
-        # bounds from the course's model, once built (`set_bounds`); nothing past the welcome is
-        # read before, so a server cannot make a client take a message its course cannot need
-        self.max_message = d["max_message_bytes"] or EARLY_BOUND
-        self.max_values = d["max_message_values"] or values_bound(0, 0)
+        # a course's client: bounds from its model, once built (`set_bounds`); nothing past the
+        # welcome is read before, so a server cannot make it take a message its course cannot need
+        self.max_message = d["max_message_bytes"] or (EARLY_BOUND if bounds_from_course else 1024 ** 3)
+        self.max_values = d["max_message_values"] or (values_bound(0, 0) if bounds_from_course else None)
         self._bounded = threading.Event()
+        if not bounds_from_course:
+            self._bounded.set()
         self.hb_interval, self.hb_timeout = d["heartbeat_interval"], d["heartbeat_timeout"]
         self.min_rate = d["min_bytes_per_second"]
         self.retry_timeout = d["retry_timeout"]
@@ -333,7 +337,8 @@ class GrpcClientComm:
                 return _ALIVE   # a message under way (a slow link may take minutes over one)
             if frame.chunk.message_id <= self._last_delivered:
                 return _ALIVE
-            check_values(data, self.max_values)   # before protobuf builds anything
+            if self.max_values is not None:
+                check_values(data, self.max_values)   # before protobuf builds anything
             env = decode_envelope(data)
             content = from_value(env.content, self.tensor_form)
             if self.device is not None:
