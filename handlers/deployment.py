@@ -138,16 +138,16 @@ def round_check(server, _event=None) -> None:
     first_look = seen_round != this_round
     if first_look:
         server.deploy_round, since = (this_round, server.now), server.now
-    late: dict[float, list[int]] = {}
-    for cid in _overdue(server, since):
-        late.setdefault(_deadline(server, cid), []).append(cid)
-    for deadline, ids in sorted(late.items()):
+    late = _overdue(server, since)
+    if late:   # dropped together: dropping completes the round, and the next has other clients
+        lo, hi = min(_deadline(server, c) for c in late), max(_deadline(server, c) for c in late)
+        span = f"{lo:.3g}s" if lo == hi else f"{lo:.3g}-{hi:.3g}s"
         if server.course.cfg["distribute.round_deadline"] is not None:
-            why = f"no reply within distribute.round_deadline={deadline:g}s"
+            why = f"no reply within distribute.round_deadline={lo:g}s"
         else:
-            why = f"no reply within the derived round deadline of {deadline:.3g}s (distribute.deadline_factor)"
-        _bench(server).update(ids)   # not sampled again until it shows life (`note_traffic`)
-        _drop(server, ids, why)
+            why = f"no reply within the derived round deadline of {span} (distribute.deadline_factor)"
+        _bench(server).update(late)   # not sampled again until it shows life (`note_traffic`)
+        _drop(server, late, why)
     if not late and not first_look and not server.selected and not server.buffer \
             and server.course.client_ids:
         log.warning("round %d: restarting with the clients now connected", server.round)

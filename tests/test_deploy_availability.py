@@ -15,15 +15,13 @@ import pytest
 from tests.deploy_helpers import interrupt, server_port, text, wait_exit, wait_for, write_cfg
 from tests.hostile import METHOD, Hostile, _value, load_proto
 from tests.test_deploy_bounds import _low_fd_limit as low_fd_limit, _rss_peak_kib
+from tests.test_deploy_faults import FAST_FAULTS
 
 pytestmark = pytest.mark.slow
 
-FAST = {
-    "plugins": ["tests.slow_plugin"], "algorithm.name": "fedavg_pausing", "slow_test.pause": 0.0,
-    "eval.clients": False, "distribute.insecure": True, "distribute.token": "t",
-    "distribute.heartbeat_interval": 0.2, "distribute.heartbeat_timeout": 2.0,
-    "distribute.retry_timeout": 20.0, "distribute.backoff_initial": 0.1, "distribute.backoff_max": 0.5,
-}
+# the fault tests' course, with clients that do not pause, a 2 s heartbeat timeout and 20 s of retries
+FAST = {**FAST_FAULTS, "slow_test.pause": 0.0, "distribute.heartbeat_timeout": 2.0,
+        "distribute.retry_timeout": 20.0}
 
 
 def _serve(procs, tmp_path, extra):
@@ -164,7 +162,7 @@ def _peak_kib(pid: int) -> int:
     """The process's peak RSS (0 if it has just exited)."""
     try:
         return _rss_peak_kib(pid)
-    except OSError:
+    except (OSError, AssertionError):   # gone, or a zombie without memory
         return 0
 
 
@@ -283,5 +281,7 @@ def test_1100_connections_sending_refused_calls_at_ulimit_1024_do_not_keep_a_cli
     print(f"\nfigures: {calls} refused calls sent, {reopened} connections reopened by the attacker; "
           f"server refusals {refused}")
     assert summary["rounds"] == 1
-    assert refused["wrong or missing token"] >= 1000
-    assert refused["connections closed after a refused call"] >= 500
+    # the server takes 1024 - 64 = 960 connections at a time; each brings a refused call and
+    # is closed for it, whatever else happens (the course may finish within the first sweep)
+    assert refused["wrong or missing token"] >= 900
+    assert refused["connections closed after a refused call"] >= 900

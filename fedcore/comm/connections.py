@@ -10,8 +10,8 @@ hold them all. gRPC's asyncio API shows a call's peer ("ipv4:10.0.0.7:51324")
 but offers no way to close its connection, so `RefusalCloser` finds the
 socket with that peer among the process's descriptors and shuts it down a
 moment after the refusal (time for the status to reach the peer); gRPC sees
-the connection end and frees it. A connection that carries a live session is
-never closed this way. Linux only (`/proc/self/fd`); elsewhere refused
+the connection end and frees it. Only connections that never carried an
+admitted call are closed this way: those that produce nothing but refusals. Linux only (`/proc/self/fd`); elsewhere refused
 connections are left to gRPC's idle timeout.
 """
 from __future__ import annotations
@@ -26,6 +26,7 @@ __all__ = ["RESERVED_FILES", "connection_cap", "RefusalCloser"]
 
 RESERVED_FILES = 64   # descriptors kept for the server's own files (outputs, logs, libraries)
 CLOSE_AFTER = 0.5     # seconds between a refusal and the closing of its connection
+BURST = 4             # refusals on one connection within CLOSE_AFTER that close it at once
 RESCAN_EVERY = 0.2    # seconds between two scans of the descriptors for peers not yet known
 _LATER = object()
 
@@ -82,29 +83,36 @@ def _peer_of(fd: int) -> tuple[str, int] | None:
 class RefusalCloser:
     """Closes, on the server's event loop, the connections whose calls were refused."""
 
-    def __init__(self, loop, in_use: Callable[[str], bool]):
+    def __init__(self, loop, admitted: Callable[[str], bool]):
         self.loop = loop
-        self.in_use = in_use           # whether a live session holds a call on this peer
+        self.admitted = admitted       # whether a call was ever admitted on this peer's connection
         self.closed = 0
         self._fds: dict[tuple[str, int], int] = {}
         self._scanned = 0.0
-        self._pending: set[str] = set()
+        self._pending: dict[str, int] = {}   # peer -> its refusals not yet acted on
         self.enabled = os.path.isdir("/proc/self/fd")
 
     def refused(self, peer: str) -> None:
-        if not self.enabled or peer in self._pending:
+        """A call from `peer` was refused: close its connection in CLOSE_AFTER seconds (time
+        for the status to reach an honest peer), or now if it keeps opening refused calls."""
+        if not self.enabled:
             return
-        self._pending.add(peer)
-        self.loop.call_later(CLOSE_AFTER, self._close, peer)
+        n = self._pending.get(peer, 0) + 1
+        self._pending[peer] = n
+        if n == 1:
+            self.loop.call_later(CLOSE_AFTER, self._close, peer)
+        elif n == BURST:
+            self.loop.call_soon(self._close, peer)
 
     def _close(self, peer: str) -> None:
-        self._pending.discard(peer)
+        if self._pending.pop(peer, None) is None:
+            return   # closed already
         address = _address(peer)
-        if address is None or self.in_use(peer):
+        if address is None or self.admitted(peer):
             return
         fd = self._find(address)
         if fd is _LATER:   # scanned a moment ago, before this connection: look again soon
-            self._pending.add(peer)
+            self._pending[peer] = BURST
             self.loop.call_later(RESCAN_EVERY, self._close, peer)
             return
         if fd is None:     # gone already

@@ -149,6 +149,7 @@ class GrpcServerComm:
         self._grace = 1.0
         self._handover: list = []         # events for the scheduler, gathered on the loop
         self._open: dict[int, int] = {}   # client id -> its calls still running (under _lock)
+        self._admitted_peers: dict[str, None] = {}   # connections that carried an admitted call
         self.on_new_session: Callable[[int], None] = lambda client_id: None   # on the scheduler thread
 
     # ------------------------------------------------------------ lifecycle
@@ -211,7 +212,7 @@ class GrpcServerComm:
             return
         await server.start()
         self._loop, self._stopping, self._grpc = loop, asyncio.Event(), server
-        self._closer = RefusalCloser(loop, self._peer_in_use)
+        self._closer = RefusalCloser(loop, self._admitted_on)
         self._decoder = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="fedcore-decode")
         bound.set_result(port)
         try:
@@ -257,9 +258,9 @@ class GrpcServerComm:
             counts["connections closed after a refused call"] = closer.closed
         return dict(sorted(counts.items()))
 
-    def _peer_in_use(self, peer: str) -> bool:
-        with self._lock:
-            return any(s.peer == peer and s.state == "live" for s in self.sessions.values())
+    def _admitted_on(self, peer: str) -> bool:
+        """Whether a call was ever admitted on `peer`'s connection (its refusals do not close it)."""
+        return peer in self._admitted_peers
 
     def expire(self, timeout: float) -> list[tuple[int, str]]:
         """Mark sessions silent for longer than `timeout` (longer while one of their messages is
@@ -402,6 +403,9 @@ class GrpcServerComm:
                          f"it leaves or is silent for distribute.heartbeat_timeout={self.hb_timeout:g}s",
                          f"refused {peer}: a second session for client {cid}, whose session from "
                          f"{live.peer} is alive")
+        self._admitted_peers[peer] = None   # on the loop; the oldest forgotten beyond a fleet's worth
+        if len(self._admitted_peers) > 4 * self.num_clients + 1024:
+            del self._admitted_peers[next(iter(self._admitted_peers))]
         if how == "reconnected":  # a peer may reconnect on purpose, again and again
             self.quiet_info(f"reconnected {cid}", f"client {cid} reconnected from {peer}", logging.INFO)
         else:
