@@ -103,7 +103,7 @@ class GrpcClientComm:
         # a course's client: bounds from its model, once built (`set_bounds`); nothing past the
         # welcome is read before, so a server cannot make it take a message its course cannot need
         self.max_message = d["max_message_bytes"] or (EARLY_BOUND if bounds_from_course else 1024 ** 3)
-        self.max_values = d["max_message_values"] or (values_bound(0, 0) if bounds_from_course else None)
+        self.max_values = d.get("max_message_values") or (values_bound(0, 0) if bounds_from_course else None)
         self._bounded = threading.Event()
         if not bounds_from_course:
             self._bounded.set()
