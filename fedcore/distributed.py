@@ -19,15 +19,17 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from fedcore.comm.stream import TOKEN_ENV
+from fedcore.comm.stream import REFUSED_NOTICE, TOKEN_ENV
 from fedcore.config import declare, non_negative, positive, validator
 from fedcore.course import Course, StartEvent, collector_for_run, raise_if_diverged
 from fedcore.executor import apply_torch_threads
 from fedcore.errors import EXIT_OK, ConfigError, FedcoreError
 from fedcore.form_boundary import make_trainer
+from fedcore.handlers import deployment
 from fedcore.scheduler import PRIORITY_TIMER, WallClockScheduler
 from fedcore.state import make_state_store
 from fedcore.timing import TimeModel
+from fedcore.wire.census import values_bound
 from fedcore.worker import Client
 
 __all__ = ["ServerCourse", "ClientCourse", "run_distributed", "run_client", "own_data_config"]
@@ -75,6 +77,12 @@ declare("distribute.chunk_size", int, 2 * 1024 * 1024, "bytes per chunk of a str
 declare("distribute.max_message_bytes", int, None, "largest encoded message accepted; larger "
         "ones are refused (INVALID_ARGUMENT) before being buffered (default: 4 x the model's "
         "encoded size + 1 MiB)", check=positive)
+declare("distribute.max_connections", int, None, "server: connections taken at once; more are "
+        "closed as they come (default: the open-files limit less 64, kept for the server's own "
+        "files)", check=positive)
+declare("distribute.max_message_values", int, None, "largest number of values (fields and list "
+        "entries of the encoding) a message may hold; more is refused before it is decoded "
+        "(default: 64 per model tensor + 32 per client + 4096)", check=positive)
 declare("distribute.min_bytes_per_second", float, 10_000.0, "slowest link served: a half-received "
         "message must keep arriving at this rate (it may take a chunk's time at this rate between "
         "frames), or its stream is closed and its memory freed", check=positive)
@@ -85,11 +93,15 @@ declare("distribute.heartbeat_timeout", float, 10.0, "seconds without any frame 
 declare("distribute.round_deadline", float, None, "server, sync course: seconds after a round starts "
         "after which clients that have not replied are dropped from it (default: derived, see "
         "distribute.deadline_factor)", check=positive)
-declare("distribute.deadline_factor", float, 5.0, "server, sync course without round_deadline: once "
-        "half the round's clients have replied, the rest are dropped after this many times as long "
-        "as that took (at least distribute.heartbeat_timeout); until then, this many times the "
-        "slowest earlier round's time", check=lambda v: None if v >= 1 else
+declare("distribute.deadline_factor", float, 5.0, "server, sync course without round_deadline: a "
+        "client still not replying after this many times the other clients' median reply time (at "
+        "least distribute.heartbeat_timeout, at most distribute.max_round_deadline) is dropped from "
+        "the round and not sampled again until it replies", check=lambda v: None if v >= 1 else
         "must be at least 1")
+declare("distribute.max_round_deadline", float, 600.0, "server, sync course without round_deadline: "
+        "ceiling in seconds on the derived deadline (plus the model's transfer time at "
+        "distribute.min_bytes_per_second), whatever the clients' reply times; also the deadline "
+        "before any client has replied", check=positive)
 declare("distribute.retry_timeout", float, 60.0, "client: seconds without a server before giving up "
         "(exit code 4)", check=positive)
 declare("distribute.backoff_initial", float, 0.5, "client: first reconnect delay in seconds (doubles "
@@ -157,6 +169,11 @@ def message_bound(model) -> int:
     return 4 * sum(t.numel() * t.element_size() for t in model.state_dict().values()) + 2 ** 20
 
 
+def value_bound(model, cfg) -> int:
+    """The default distribute.max_message_values, from the model's tensors and the clients."""
+    return values_bound(len(model.state_dict()), cfg["federate.client_num"])
+
+
 def _raise_open_files_limit(clients: int) -> None:
     """Serve with as many open files as the system allows a process (each client's connection,
     and each idle socket, costs one); warn when that is fewer than the course's clients need."""
@@ -193,7 +210,11 @@ class ServerCourse(Course):
     def client_ids(self) -> list[int]:
         """The clients a handler may address: connected and joined (all ids before assembly)."""
         if self.built:
-            return self.comm.live_ids(self.server.joined)
+            live = self.comm.live_ids(self.server.joined)
+            benched = getattr(self.server, "deploy_benched", None)  # missed a deadline, silent since
+            if benched and not self.server.finished:
+                live = [c for c in live if c not in benched]
+            return live
         return self._all_ids
 
     @client_ids.setter
@@ -202,7 +223,6 @@ class ServerCourse(Course):
 
     def build(self, data: Any = None) -> "ServerCourse":
         from fedcore.comm.grpc_server import GrpcServerComm
-        from fedcore.handlers import deployment
         from fedcore.scenarios.data import FederatedData, build_federated_data
         cfg = self.cfg
         full = data if data is not None else build_federated_data(cfg)
@@ -215,11 +235,14 @@ class ServerCourse(Course):
         self.store = make_state_store("memory", None)
         self.trainer = None
         self.timing = _measured_time()
-        self.comm = GrpcServerComm(cfg, self.scheduler, self.monitor.count_bytes, self._lost,
+        self.comm = GrpcServerComm(cfg, self.scheduler, self._count_bytes, self._lost,
                                    self._maybe_stop)
         self.comm.device = self.device
+        self.comm.on_new_session = self._new_session
         if cfg["distribute.max_message_bytes"] is None:
             self.comm.max_message = message_bound(model)
+        if cfg["distribute.max_message_values"] is None:
+            self.comm.max_values = value_bound(model, cfg)
         self.make_server(model, self._all_ids)
         self.clients = {}
         self.install_handlers()
@@ -239,6 +262,28 @@ class ServerCourse(Course):
             self.cfg = cfg
 
     # ------------------------------------------------------------ runtime events
+    def _count_bytes(self, msg, receiver: int, nbytes: int) -> None:
+        """Each message sent or received: counted, and timed for the round deadline."""
+        self.monitor.count_bytes(msg, receiver, nbytes)
+        deployment.note_traffic(self.server, msg, receiver, self.scheduler.now)
+
+    def _new_session(self, client_id: int) -> None:
+        """A new process joins as `client_id`: what an earlier session declared is not its
+        (a squatter's num_samples 0 would void the real client's updates)."""
+        getattr(self.server, "declared_samples", {}).pop(client_id, None)
+
+    def updates_refused(self, received: list, admitted: list) -> None:
+        """Admission refused some of `received`: each of their clients is told, with the kinds of
+        refusal counted since the last time, so that it says so (log and exit status)."""
+        counts = getattr(self.server, "admission_log", None)
+        counts = counts.counts if counts is not None else {}
+        told, self._told = getattr(self, "_told", {}), dict(counts)
+        why = "; ".join(k for k in counts if counts[k] > told.get(k, 0)) or "refused by admission"
+        kept = {id(u) for u in admitted}
+        for u in received:
+            if id(u) not in kept:
+                self.comm.tell(u.client_id, REFUSED_NOTICE, u.round, {"why": why})
+
     def _lost(self, client_id: int, reason: str) -> None:
         if self._awaiting is not None:
             self._awaiting.discard(client_id)
@@ -370,15 +415,16 @@ def run_client(cfg) -> int:
         log.warning("distribute.insecure: true: plaintext gRPC without TLS; models and the token "
                     "can be read and altered on the network")
     scheduler = WallClockScheduler()
-    comm = GrpcClientComm(cfg, scheduler)
+    comm = GrpcClientComm(cfg, scheduler, bounds_from_course=True)
     comm.start()
     finished = False
     try:
         cid = comm.wait_welcome()
         log.info("client %d admitted by %s", cid, comm.address)
         course = ClientCourse(cfg, scheduler).build(cid, comm)
-        if cfg["distribute.max_message_bytes"] is None:
-            comm.limit_message_size(message_bound(course.model))
+        # until now the client read nothing past the welcome: its bounds come from its own model
+        comm.set_bounds(cfg["distribute.max_message_bytes"] or message_bound(course.model),
+                        cfg["distribute.max_message_values"] or value_bound(course.model, cfg))
         scheduler.schedule(0.0, PRIORITY_TIMER, StartEvent(course.client, "start"))
         scheduler.run()
         finished = course.client.finished
@@ -390,6 +436,10 @@ def run_client(cfg) -> int:
             comm.close("finished" if finished else "stopped")
     if not finished:
         raise FedcoreError(f"client {cid} stopped before the course finished")
+    if comm.refusals:
+        last_round, why = comm.refusals[-1]
+        raise FedcoreError(f"client {cid}: the course finished, but the server refused "
+                           f"{len(comm.refusals)} of its updates (last in round {last_round}: {why})")
     print(f"client {cid}: course finished (last round {course.client.round})")
     return EXIT_OK
 

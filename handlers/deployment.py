@@ -13,28 +13,33 @@ was lost the clients that connect again are sent the current model. Every
 drop is logged and listed in the summary (the first `LISTED` of each list;
 `*_total` counts them all).
 
-A synchronous round has a deadline even when `distribute.round_deadline` is
-unset: once half of its clients have replied, taking t seconds, the others
-are dropped after max(`distribute.heartbeat_timeout`,
-`distribute.deadline_factor` x t) plus the time the model takes down and up
-at `distribute.min_bytes_per_second`; until half have replied, t is the slowest
-earlier round's. A client whose trainer hangs while its heartbeats flow cannot
-hold the course (in the first round, only `distribute.round_deadline` bounds a
-hung majority).
+A synchronous round has a deadline for each sampled client even when
+`distribute.round_deadline` is unset: max(`distribute.heartbeat_timeout`,
+`distribute.deadline_factor` x t), at most `distribute.max_round_deadline`,
+plus the time the model takes down and up at `distribute.min_bytes_per_second`,
+where t is the lower median of the *other* clients' latest reply times. No
+client can lengthen its own deadline by being late, a minority of slow clients
+cannot move the median, and the ceiling bounds what any number can do. A client
+dropped for its deadline is not sampled again until it sends an update (a late
+one) or joins again, so a client whose trainer hangs while its heartbeats flow
+delays the course once, by at most its deadline.
 """
 from __future__ import annotations
 
+import bisect
 import logging
 
+from fedcore.message import SERVER_ID
 from fedcore.quiet import QuietLog
 from fedcore.handlers import asyn
 from fedcore.registry import behaviours
 
-__all__ = ["arm", "join_timeout", "client_lost", "round_check", "install"]
+__all__ = ["arm", "join_timeout", "client_lost", "round_check", "note_traffic", "ReplyTimes", "install"]
 
 log = logging.getLogger("fedcore.deploy")
 
 LISTED = 50  # entries kept in each summary list; the counts go on
+QUANTILE = 0.5   # of the other clients' reply times: the lower median, which a minority cannot move
 
 
 def _quiet(server) -> QuietLog:
@@ -57,7 +62,7 @@ def _listed(server, key: str, entry: dict) -> None:
 def arm(server, _event=None) -> None:
     """Server `start`: with `distribute.min_clients`, start after the join timeout."""
     cfg = server.course.cfg
-    server.deploy_round, server.deploy_from = (None, 0.0), server.round
+    server.deploy_round = (None, 0.0)
     if cfg["distribute.min_clients"] is not None:
         server.set_timer(cfg["distribute.join_timeout"], "join_timeout")
 
@@ -92,7 +97,6 @@ def _drop(server, ids: list[int], why: str) -> None:
     if not hit:
         return
     server.selected.difference_update(hit)
-    server.deploy_dropped = (server.round, id(server.buffer))   # its time measures no one
     log.warning("round %d: dropped client(s) %s from the round: %s", server.round, hit, why)
     _listed(server, "dropped", {"round": server.round, "clients": hit, "reason": why})
     if not server.selected:
@@ -120,12 +124,8 @@ def client_lost(server, info) -> None:
 
 
 def round_check(server, _event=None) -> None:
-    """Periodic: enforce `distribute.round_deadline`; restart a round no one was sampled for."""
-    last_check, server.deploy_checked = getattr(server, "deploy_checked", None), server.now
-    if not server.started:
-        server.deploy_from = server.round   # the round the course will start from
-        return
-    if server.finished:
+    """Periodic: drop the sampled clients past their deadline; restart a round no one was sampled for."""
+    if not server.started or server.finished:
         return
     if _async(server):
         if not server.in_flight and server.course.client_ids:
@@ -135,60 +135,135 @@ def round_check(server, _event=None) -> None:
         return
     this_round = (server.round, id(server.buffer))  # a round run again gets a new buffer
     seen_round, since = getattr(server, "deploy_round", (None, 0.0))
-    if seen_round != this_round:
-        # Rounds that completed with every reply between two checks, too fast for a check to
-        # see half of them in: their whole time (at most the time since then) is the measure
-        # for a later round in which no one replies (one sampled client that hangs).
-        if seen_round is None:   # the first check since the start: rounds done since the last
-            if server.round > getattr(server, "deploy_from", server.round) and last_check is not None \
-                    and getattr(server, "deploy_dropped", None) is None:
-                _note_round_time(server, server.now - last_check)
-        elif getattr(server, "deploy_half", None) is None \
-                and getattr(server, "deploy_dropped", None) != seen_round:
-            _note_round_time(server, server.now - since)
-        server.deploy_round, server.deploy_half = (this_round, server.now), None
-        return
-    replied, waiting = len(server.buffer), len(server.selected)
-    if getattr(server, "deploy_half", None) is None and replied and replied >= waiting:
-        server.deploy_half = server.now
-        _note_round_time(server, server.now - since)
-    deadline = _deadline(server, since)
-    if deadline is not None and server.selected and server.now - since > deadline:
+    first_look = seen_round != this_round
+    if first_look:
+        server.deploy_round, since = (this_round, server.now), server.now
+    late = _overdue(server, since)
+    if late:   # dropped together: dropping completes the round, and the next has other clients
+        lo, hi = min(_deadline(server, c) for c in late), max(_deadline(server, c) for c in late)
+        span = f"{lo:.3g}s" if lo == hi else f"{lo:.3g}-{hi:.3g}s"
         if server.course.cfg["distribute.round_deadline"] is not None:
-            why = f"no reply within distribute.round_deadline={deadline:g}s"
+            why = f"no reply within distribute.round_deadline={lo:g}s"
         else:
-            why = f"no reply within the derived round deadline of {deadline:.3g}s (distribute.deadline_factor)"
-        _drop(server, sorted(server.selected), why)
-    elif not server.selected and not server.buffer and server.course.client_ids:
+            why = f"no reply within the derived round deadline of {span} (distribute.deadline_factor)"
+        _bench(server).update(late)   # not sampled again until it shows life (`note_traffic`)
+        _drop(server, late, why)
+    if not late and not first_look and not server.selected and not server.buffer \
+            and server.course.client_ids:
         log.warning("round %d: restarting with the clients now connected", server.round)
         server.deploy_round = (this_round, server.now)
         server.trigger("all_joined_in")
 
 
-def _note_round_time(server, seconds: float) -> None:
-    """Remember the slowest time to half a round's replies (or, where the checks saw a round
-    only once it was over, to all of them)."""
-    server.deploy_slowest = max(getattr(server, "deploy_slowest", 0.0), seconds)
+class ReplyTimes:
+    """How long each client's latest reply took, from its model sent to its update received:
+    what the derived deadline is measured on. One value per client, so no client weighs more
+    than one vote, and a client's own value is left out of its own deadline."""
+
+    __slots__ = ("sent", "took", "first", "_sorted")
+
+    def __init__(self) -> None:
+        self.sent: dict[int, tuple[int, float]] = {}   # client -> (round, when its model was sent)
+        self.took: dict[int, float] = {}
+        self.first = (None, 0.0)                       # (round, its first model sent)
+        self._sorted: list[float] | None = []
+
+    def model_sent(self, cid: int, round_: int, now: float) -> None:
+        self.sent[cid] = (round_, now)
+        if self.first[0] != round_:
+            self.first = (round_, now)
+
+    def replied(self, cid: int, round_: int, now: float) -> None:
+        sent = self.sent.get(cid)
+        if sent is not None and sent[0] == round_:
+            self.took[cid] = now - sent[1]
+            self._sorted = None
+
+    def since(self, cid: int, round_: int) -> float | None:
+        """When `cid` was sent round `round_`'s model (None: not known)."""
+        sent = self.sent.get(cid)
+        return sent[1] if sent is not None and sent[0] == round_ else None
+
+    def of_others(self, cid: int) -> float | None:
+        """The QUANTILE of the other clients' latest reply times (None: none has replied yet)."""
+        if self._sorted is None:
+            self._sorted = sorted(self.took.values())
+        values, own = self._sorted, self.took.get(cid)
+        n = len(values) - (own is not None)
+        if n <= 0:
+            return None
+        j = int(QUANTILE * (n - 1))
+        if own is None:
+            return values[j]
+        return values[j] if j < bisect.bisect_left(values, own) else values[j + 1]
+
+    def lowest(self) -> float | None:
+        """The least `of_others` gives any client (None: some client may get None)."""
+        if self._sorted is None:
+            self._sorted = sorted(self.took.values())
+        n = len(self._sorted)
+        return self._sorted[int(QUANTILE * max(n - 2, 0))] if n else None
 
 
-def _deadline(server, since: float) -> float | None:
-    """This round's deadline in seconds (None: none yet). Derived, it is measured on the time
-    half of this round's clients took to reply, or, until they have, on the slowest earlier
-    round's that completed without drops (a round whose clients mostly hang would otherwise
-    never get one); and it leaves room for the model to go down and its update to come up on
-    the slowest link served (distribute.min_bytes_per_second), so a slow link is not mistaken
-    for a hung client."""
+def _times(server) -> ReplyTimes:
+    times = getattr(server, "reply_times", None)
+    if times is None:
+        times = server.reply_times = ReplyTimes()
+    return times
+
+
+def _bench(server) -> set[int]:
+    """Clients dropped for missing a deadline: not sampled until they send an update or join."""
+    bench = getattr(server, "deploy_benched", None)
+    if bench is None:
+        bench = server.deploy_benched = set()
+    return bench
+
+
+def note_traffic(server, msg, receiver: int, now: float) -> None:
+    """Every message the deployed server sends or receives: models sent and updates received
+    time the clients' replies; an update or a join from a benched client brings it back."""
+    if msg.msg_type == "models" and receiver != SERVER_ID:
+        _times(server).model_sent(receiver, msg.round, now)
+    elif receiver == SERVER_ID and msg.msg_type in ("updates", "join_in"):
+        if msg.msg_type == "updates":
+            _times(server).replied(msg.sender, msg.round, now)
+        _bench(server).discard(msg.sender)
+
+
+def _overdue(server, since: float) -> list[int]:
+    """The sampled clients still waited for whose deadline has passed."""
+    times = _times(server)
+    first = times.first[1] if times.first[0] == server.round else since
+    if server.now - min(first, since) <= _deadline(server, None):   # no one's yet (a fleet's rounds)
+        return []
+    overdue = []
+    for cid in server.selected:
+        sent = times.since(cid, server.round)
+        elapsed = server.now - (since if sent is None else sent)
+        if elapsed > _deadline(server, cid):
+            overdue.append(cid)
+    return sorted(overdue)
+
+
+def _deadline(server, cid: int | None) -> float:
+    """Client `cid`'s deadline in this round, in seconds from its model sent. Derived, it is
+    measured on the other clients' latest reply times (their QUANTILE, so neither this client's
+    own lateness nor a minority of slow ones can lengthen it), bounded by
+    distribute.max_round_deadline whatever they do; and it leaves room for the model to go down
+    and its update to come up on the slowest link served (distribute.min_bytes_per_second), so a
+    slow link is not mistaken for a hung client."""
     cfg = server.course.cfg
     if cfg["distribute.round_deadline"] is not None:
         return cfg["distribute.round_deadline"]
-    half = getattr(server, "deploy_half", None)
-    took = half - since if half is not None else getattr(server, "deploy_slowest", None)
-    if took is None:
-        return None
     if not hasattr(server, "model_bytes"):
         server.model_bytes = sum(t.numel() * t.element_size() for t in server.aggregator.global_state.values())
     transfer = 2 * server.model_bytes / cfg["distribute.min_bytes_per_second"]
-    return max(cfg["distribute.heartbeat_timeout"], cfg["distribute.deadline_factor"] * took) + transfer
+    times, ceiling = _times(server), cfg["distribute.max_round_deadline"]
+    took = times.lowest() if cid is None else times.of_others(cid)   # None: the least of anyone's
+    if took is None:
+        return ceiling + transfer
+    return min(ceiling, max(cfg["distribute.heartbeat_timeout"], cfg["distribute.deadline_factor"] * took)) + transfer
 
 
 @behaviours.register("deployment")

@@ -39,6 +39,8 @@ def aggregate(server, updates: list[ReceivedUpdate], extra: dict | None = None) 
     course = server.course
     received = sorted(updates, key=lambda u: (u.client_id, u.round))
     updates = admission.admit_updates(server, received)
+    if len(updates) < len(received) and hasattr(course, "updates_refused"):   # deployment: tell them
+        course.updates_refused(received, updates)
     if received and not updates:
         return _rejected(server, "every update of the round was refused")
     snapshot = admission.Snapshot(server.aggregator)

@@ -4,6 +4,7 @@ import logging
 import torch
 
 from fedcore.handlers import deployment
+from fedcore.message import SERVER_ID
 from fedcore.monitor import Monitor
 from fedcore.scheduler import Scheduler
 from fedcore.worker import HandlerTable, Server
@@ -48,7 +49,7 @@ def _timed_server():
 def _kept_until(server, start: float, deadline: float) -> None:
     """The sampled clients are waited for until `deadline` seconds after `start`, then dropped."""
     waiting = set(server.selected)
-    server.now = start + deadline
+    server.now = start + deadline - 1e-6   # (float sums: just before it)
     server.trigger("round_check")
     assert server.selected == waiting
     server.now = start + deadline + 0.1
@@ -149,81 +150,70 @@ def test_async_round_with_everyone_lost_restarts_with_the_clients_that_return(tm
     assert set(server.in_flight) == {2}
 
 
-def test_derived_deadline_waits_for_half_the_replies_then_drops_the_rest():
+def _round(server, sent_at: float, replies: dict[int, float], waiting=()) -> None:
+    """Round `server.round`: models sent to `replies`' clients and `waiting` at `sent_at`; each
+    client in `replies` answered after its number of seconds."""
+    for cid in [*replies, *waiting]:
+        deployment.note_traffic(server, _Msg("models", SERVER_ID, server.round), cid, sent_at)
+    for cid, took in replies.items():
+        deployment.note_traffic(server, _Msg("updates", cid, server.round), SERVER_ID, sent_at + took)
+    server.selected, server.buffer = set(waiting), [f"u{c}" for c in replies]
+
+
+class _Msg:
+    def __init__(self, msg_type, sender, round_):
+        self.msg_type, self.sender, self.round = msg_type, sender, round_
+
+
+def test_derived_deadline_is_the_others_median_reply_time_times_the_factor():
     course, server = _timed_server()
-    server.buffer, server.selected = [], {1, 2, 3, 4}
-    server.trigger("round_check")                      # the round is first seen at 0
-    server.now = 4.0
-    server.buffer.extend(["u1", "u2"])                 # clients 1 and 2 replied
-    server.selected -= {1, 2}
-    server.trigger("round_check")                      # half replied after 4 s
-    # deadline: max(10, 5 x 4) + 2 x 1000 bytes / 10000 bytes/s = 20.2 s
-    server.now = 20.2
-    server.trigger("round_check")
-    assert course.raised == [] and server.selected == {3, 4}
-    server.now = 20.3
-    server.trigger("round_check")
-    assert server.selected == set() and course.raised == [("all_received", 20.3)]
-    assert "derived round deadline of 20.2s" in course.monitor.extra_summary["dropped"][0]["reason"]
+    server.now = 3.0
+    _round(server, 0.0, {1: 3.0, 2: 4.0}, waiting=(3, 4))
+    # clients 3 and 4 have no reply time of their own: the lower median of {3, 4} s is 3 s;
+    # deadline: max(10, 5 x 3) + 2 x 1000 bytes / 10000 bytes/s = 15.2 s from the models sent
+    _kept_until(server, 0.0, 15.2)
+    assert course.raised == [("all_received", server.now)]
+    assert "derived round deadline of 15.2s" in course.monitor.extra_summary["dropped"][0]["reason"]
+    assert server.deploy_benched == {3, 4}    # not sampled again until they show life
 
 
-def test_a_round_where_no_one_replies_gets_the_deadline_of_the_slowest_earlier_round():
-    # one hung client sampled alone (or a hung majority) never lets a round reach half its
-    # replies: the deadline then comes from the earlier rounds, or the course would stall
+def test_a_clients_own_lateness_never_lengthens_its_own_deadline():
     course, server = _timed_server()
-    server.buffer, server.selected = [], {1, 2}
-    server.trigger("round_check")                      # round 4 first seen at 0
-    server.now = 4.0
-    server.buffer.append("u1")
-    server.selected -= {1}
-    server.trigger("round_check")                      # half of round 4 replied after 4 s
-    server.now = 6.0
-    server.buffer.append("u2")
-    server.selected.clear()                            # round 4 complete
-    server.round, server.buffer, server.selected = 5, [], {3}
-    server.trigger("round_check")                      # round 5 first seen at 6
-    _kept_until(server, 6.0, 20.2)                     # max(10, 5 x 4) + 2 x 1000 / 10000
-    assert course.raised == [("all_joined_in", server.now)]
-    assert "derived round deadline of 20.2s" in course.monitor.extra_summary["dropped"][0]["reason"]
+    _round(server, 0.0, {1: 3.0, 2: 4.0, 4: 2.0, 3: 15.0})   # client 3 replied just in time
+    server.round += 1
+    server.now = 100.0
+    _round(server, 100.0, {1: 3.0, 2: 4.0, 4: 2.0}, waiting=(3,))
+    # client 3's own 15 s are left out: the lower median of {2, 3, 4} s is 3 s, as before it
+    # was late: max(10, 5 x 3) + 0.2
+    _kept_until(server, 100.0, 15.2)
+    # a slow minority moves no one's deadline past the honest clients' times: client 1's would
+    # be the lower median of {2, 4, 15} = 4 s: max(10, 5 x 4) + 0.2
+    assert deployment._deadline(server, 1) == 20.2
 
 
-def test_rounds_faster_than_the_checks_measure_later_ones_but_dropped_rounds_do_not():
+def test_the_derived_deadline_has_a_ceiling_and_is_the_ceiling_before_anyone_replied():
     course, server = _timed_server()
-    server.buffer, server.selected = [], {1}
-    server.trigger("round_check")                      # round 4 first seen at 0
-    server.now = 3.0                                   # it completed between two checks
-    server.round, server.buffer, server.selected = 5, [], {1}
-    server.trigger("round_check")                      # round 5 first seen at 3: round 4 took <= 3 s
-    _kept_until(server, 3.0, 15.2)                     # max(10, 5 x 3) + 0.2
-    assert course.raised == [("all_joined_in", server.now)]
-    # round 5 ended by its deadline: its 15.3 s say nothing of how long a round takes
-    server.buffer, server.selected = [], {2}           # round 5 sampled again
-    server.trigger("round_check")
-    server.now = 18.3 + 15.3
-    server.trigger("round_check")
-    assert server.selected == set() and server.deploy_slowest == 3.0
+    course.cfg = course.cfg.with_overrides(distribute__max_round_deadline=30.0)
+    server.now = 1.0
+    _round(server, 0.0, {}, waiting=(1, 2, 3))
+    _kept_until(server, 0.0, 30.2)            # no reply time at all: the ceiling, + 0.2
+    server.round += 1
+    _round(server, 50.0, {1: 100.0, 2: 200.0}, waiting=(3,))
+    _kept_until(server, 50.0, 30.2)           # min(30, max(10, 5 x 100)) + 0.2
+    assert [e for e, _t in course.raised] == ["all_joined_in", "all_received"]
 
 
-def test_rounds_done_before_the_first_check_saw_one_measure_the_next():
-    # tiny models: the first rounds complete between two checks, and the first round a check
-    # sees is the one where the only sampled client hangs
+def test_a_benched_client_comes_back_with_an_update_or_a_join_but_not_with_metrics():
     course, server = _timed_server()
-    server.started, server.round = False, 1
-    server.trigger("round_check")                      # at 0: not started, round 1 to come
-    server.started, server.round, server.buffer, server.selected = True, 3, [], {1}
-    server.now = 0.5
-    server.trigger("round_check")                      # rounds 1 and 2 took at most 0.5 s
-    _kept_until(server, 0.5, 10.2)                     # max(10, 5 x 0.5) + 0.2
-    assert course.raised == [("all_joined_in", server.now)]
+    server.deploy_benched = {2, 3}
+    deployment.note_traffic(server, _Msg("metrics", 2, 4), SERVER_ID, 1.0)
+    deployment.note_traffic(server, _Msg("updates", 2, 3), SERVER_ID, 1.0)   # a late one
+    deployment.note_traffic(server, _Msg("join_in", 3, 0), SERVER_ID, 1.0)
+    assert server.deploy_benched == set()
 
 
-def test_before_any_round_has_half_its_replies_there_is_no_derived_deadline_and_lists_stay_bounded():
+def test_lost_lists_stay_bounded():
     course, server = _server()
-    server.aggregator = type("A", (), {"global_state": {}})()
-    server.trigger("round_check")
-    server.now = 1e6
-    server.trigger("round_check")
-    assert course.raised == [] and server.selected == {1, 2, 3}
     for k in range(deployment.LISTED + 30):
         server.trigger("client_lost", {"client_id": 1 + k % 3, "reason": "flapping"})
     extra = course.monitor.extra_summary

@@ -142,7 +142,8 @@ def test_a_hung_trainer_with_live_heartbeats_is_dropped_by_the_default_deadline(
     records = _strict(out / "metrics.jsonl")
     assert [r["num_updates"] for r in records] == [1, 1]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["dropped_total"] == 2 and "lost_clients" not in summary
+    # dropped once: a client that missed its deadline is not sampled again until it replies
+    assert summary["dropped_total"] == 1 and "lost_clients" not in summary
     assert all("derived round deadline of 3." in d["reason"] and d["clients"] == [2] for d in summary["dropped"])
 
 

@@ -173,8 +173,9 @@ class Reassembler:
         """Take one chunk; return the whole envelope's bytes when this chunk completes it
         (the chunk's own bytes, or the reassembly buffer: protobuf parses either without
         another copy)."""
-        if len(chunk.data) > self.max_chunk:
-            raise WireError(f"chunk of {len(chunk.data)} bytes exceeds the {self.max_chunk}-byte limit")
+        data = chunk.data   # protobuf makes a new copy of a bytes field at each access
+        if len(data) > self.max_chunk:
+            raise WireError(f"chunk of {len(data)} bytes exceeds the {self.max_chunk}-byte limit")
         if self._buf is None:
             if chunk.offset != 0:
                 raise WireError(f"message {chunk.message_id} starts at offset {chunk.offset}, not 0")
@@ -183,9 +184,9 @@ class Reassembler:
                                 f"{self.max_message}-byte limit (distribute.max_message_bytes)")
             if len(chunk.sha256) != 32:
                 raise WireError("first chunk of a message lacks its SHA-256")
-            if len(chunk.data) == chunk.total_size:   # a whole message in one chunk: no buffer
+            if len(data) == chunk.total_size:   # a whole message in one chunk: no buffer
                 self.last_chunk = time.monotonic()
-                return _verified(chunk.data, chunk.sha256, chunk.message_id)
+                return _verified(data, chunk.sha256, chunk.message_id)
             self._id, self._total, self._sha = chunk.message_id, chunk.total_size, chunk.sha256
             self._buf = bytearray()
             self.started = time.monotonic()
@@ -196,11 +197,11 @@ class Reassembler:
             if chunk.offset != len(self._buf) or chunk.total_size != self._total:
                 raise WireError(f"chunk of message {self._id} out of order (offset {chunk.offset}, "
                                 f"expected {len(self._buf)})")
-        if not chunk.data and self._total:
+        if not data and self._total:
             raise WireError("empty chunk inside a non-empty message")
-        if len(self._buf) + len(chunk.data) > self._total:
+        if len(self._buf) + len(data) > self._total:
             raise WireError(f"message {self._id} has more bytes than the {self._total} announced")
-        self._buf += chunk.data
+        self._buf += data
         self.last_chunk = time.monotonic()
         if len(self._buf) < self._total:
             return None

@@ -37,6 +37,7 @@ import grpc
 from fedcore.comm.chunking import FRAME_OVERHEAD, Reassembler, envelope_parts, first_chunk_size
 from fedcore.comm.fingerprint import fingerprint
 from fedcore.comm.stream import (METHOD, MD_CLIENT_ID, MD_COURSE, MD_REFUSED, MD_SESSION, MD_TOKEN, Outbox,
+                                 REFUSED_NOTICE,
                                  allowed_silence, bye_frame, channel_credentials, grpc_options,
                                  heartbeat_frame, parse_frame, read_token)
 from fedcore.errors import EXIT_SERVER_GONE, ConfigError, FedcoreError
@@ -45,11 +46,15 @@ from fedcore.quiet import QuietLog
 from fedcore.scheduler import HandlerError
 from fedcore.tensor_forms import first_nonfinite, get_form
 from fedcore.wire import fedcore_pb2 as pb
+from fedcore.wire.census import check_values, values_bound
 from fedcore.wire.codec import WireError, decode_envelope, encode_value, from_value
 
 __all__ = ["GrpcClientComm", "ServerUnreachable", "EXIT_SERVER_GONE", "backoff_delay"]
 
 log = logging.getLogger("fedcore.deploy")
+
+EARLY_BOUND = 2 ** 20   # bytes of a message before the course's model is known
+_ALIVE, _MESSAGE = 1, 2   # what a frame showed of the server: a live session, a delivered message
 
 
 class ServerUnreachable(FedcoreError):
@@ -83,7 +88,9 @@ class _Stream:
 class GrpcClientComm:
     """Connects, gets the client id, and moves messages between the client worker and the server."""
 
-    def __init__(self, cfg, scheduler, tensor_form: str = "torch"):
+    def __init__(self, cfg, scheduler, tensor_form: str = "torch", bounds_from_course: bool = False):
+        """`bounds_from_course`: read nothing past the welcome until `set_bounds` (a course's
+        client, whose bounds come from its model); otherwise the configured bounds (or 1 GiB)."""
         d = cfg.section("distribute")
         self.scheduler = scheduler
         self.tensor_form = get_form(tensor_form).name  # received tensors are decoded into it
@@ -93,7 +100,13 @@ class GrpcClientComm:
         self.tls = {k: d.get(f"tls.{k}") for k in ("cert", "key", "ca")}
         self.server_name = d["tls.server_name"]
         self.chunk_size = d["chunk_size"]
-        self.max_message = d["max_message_bytes"] or 1024 ** 3  # the course sets a derived bound
+        # a course's client: bounds from its model, once built (`set_bounds`); nothing past the
+        # welcome is read before, so a server cannot make it take a message its course cannot need
+        self.max_message = d["max_message_bytes"] or (EARLY_BOUND if bounds_from_course else 1024 ** 3)
+        self.max_values = d.get("max_message_values") or (values_bound(0, 0) if bounds_from_course else None)
+        self._bounded = threading.Event()
+        if not bounds_from_course:
+            self._bounded.set()
         self.hb_interval, self.hb_timeout = d["heartbeat_interval"], d["heartbeat_timeout"]
         self.min_rate = d["min_bytes_per_second"]
         self.retry_timeout = d["retry_timeout"]
@@ -120,6 +133,7 @@ class GrpcClientComm:
         self._thread: threading.Thread | None = None
         self._stream: _Stream | None = None
         self.quiet = QuietLog(log)   # per kind of unusable message, a line now and then
+        self.refusals: list[tuple[int, str]] = []   # (round, why) of each update the server refused
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -139,12 +153,20 @@ class GrpcClientComm:
         for msg in early:
             self.scheduler.call_soon(_Delivery(self, msg))
 
-    def limit_message_size(self, nbytes: int) -> None:
-        """Refuse messages above `nbytes` from now on, on the open stream too."""
-        self.max_message = nbytes
+    def set_bounds(self, nbytes: int, values: int) -> None:
+        """Refuse messages above `nbytes` or holding more than `values` values from now on, on
+        the open stream too; until this is called nothing past the welcome is read."""
+        self.max_message, self.max_values = nbytes, values
         stream = self._stream
         if stream is not None:
             stream.reasm.max_message = nbytes
+        self._bounded.set()
+
+    def _await_bounds(self, stream: _Stream) -> None:
+        """Hold the stream's next frame until the course has set this client's bounds (gRPC's
+        flow control holds the server meanwhile, and heartbeats keep going both ways)."""
+        while not self._bounded.wait(self.hb_interval) and not self._closing.is_set():
+            stream.last_recv = time.monotonic()   # not reading on purpose: not a silent server
 
     @property
     def closed(self) -> bool:
@@ -198,22 +220,29 @@ class GrpcClientComm:
             return
         connect = channel.stream_stream(METHOD)
         attempt, last_ok, reason = 0, time.monotonic(), "not connected yet"
+        # A working server is one that delivers messages. A welcomed stream's heartbeats count
+        # too, but only on the first stream since the last message: a server that welcomes and
+        # breaks the stream again and again without a round is given up on after retry_timeout.
+        fresh = True
         try:
             while not self._closing.is_set():
                 stream = _Stream(Reassembler(self.max_message, self.chunk_size))
                 token = self.outbox.claim()
                 self._stream = stream
                 answered = False   # whether the server's side of this call sent anything
+                delivered = False
                 try:
                     stream.call = connect(self._requests(token, stream), metadata=self.metadata)
                     for raw in stream.call:
                         answered = True
-                        # only what a welcomed session sends counts as a working server: one that
-                        # welcomes and then breaks the stream, again and again, is given up on
-                        # after retry_timeout like an absent one
-                        if self._on_frame(parse_frame(raw, self.chunk_size + FRAME_OVERHEAD), stream):
-                            stream.last_recv = last_ok = time.monotonic()
-                            attempt = 0
+                        if stream.welcomed and not self._bounded.is_set():
+                            self._await_bounds(stream)
+                        shown = self._on_frame(parse_frame(raw, self.chunk_size + FRAME_OVERHEAD), stream)
+                        if shown:
+                            stream.last_recv = time.monotonic()
+                        delivered = delivered or shown == _MESSAGE
+                        if shown == _MESSAGE or (shown and fresh):
+                            last_ok, attempt, fresh = stream.last_recv, 0, True
                     reason = "the server closed the stream"
                 except grpc.RpcError as exc:
                     code = exc.code()
@@ -253,6 +282,7 @@ class GrpcClientComm:
                     stream.done = True
                     self.connected = False
                     self.outbox.release(token)
+                    fresh = delivered
                 if self._closing.is_set():
                     break
                 gone = time.monotonic() - last_ok
@@ -289,24 +319,26 @@ class GrpcClientComm:
 
         yield from self.outbox.frames(token, alive, self.hb_interval, idle)
 
-    def _on_frame(self, frame: pb.Frame, stream: _Stream) -> bool:
-        """Take one frame; True if it shows a working session (any good frame after this
-        stream's welcome, the welcome itself not included). What no server may send raises
-        WireError."""
+    def _on_frame(self, frame: pb.Frame, stream: _Stream) -> int:
+        """Take one frame; what it shows of the server: _MESSAGE (a message delivered), _ALIVE
+        (any other good frame after this stream's welcome) or 0 (the welcome itself, or a frame
+        before it). What no server may send raises WireError."""
         kind = frame.WhichOneof("kind")
         if kind == "welcome":
             self._welcome(frame.welcome, stream)
-            return False
+            return 0
         if not stream.welcomed:
             if kind == "chunk":
                 raise WireError("the server sent a message before its welcome")
-            return False   # a heartbeat, or a goodbye, from a server that has not admitted us
+            return 0   # a heartbeat, or a goodbye, from a server that has not admitted us
         if kind == "chunk":
             data = stream.reasm.feed(frame.chunk)
             if data is None:
-                return True   # a message under way (a slow link may take minutes over one)
+                return _ALIVE   # a message under way (a slow link may take minutes over one)
             if frame.chunk.message_id <= self._last_delivered:
-                return True
+                return _ALIVE
+            if self.max_values is not None:
+                check_values(data, self.max_values)   # before protobuf builds anything
             env = decode_envelope(data)
             content = from_value(env.content, self.tensor_form)
             if self.device is not None:
@@ -315,18 +347,31 @@ class GrpcClientComm:
             msg = Message(env.msg_type, env.sender, tuple(env.receivers), env.round, env.timestamp,
                           content)
             self._last_delivered = frame.chunk.message_id
+            if msg.msg_type == REFUSED_NOTICE:
+                self._refused(msg)
+                return _MESSAGE
             bad = first_nonfinite(msg.content)
             if bad is not None:
                 log.warning("client %s: round %d: the server's '%s' is not finite (%s): skipped; "
                             "waiting for the next", self.client_id, msg.round, msg.msg_type, bad)
-                return True
+                return _MESSAGE
             if self.worker is None:
                 self._early.append(msg)
             else:
                 self.scheduler.call_soon(_Delivery(self, msg))
         elif kind == "bye":
             log.warning("client %s: the server is leaving (%s)", self.client_id, frame.bye.reason)
-        return True
+            return _ALIVE
+        return _MESSAGE if kind == "chunk" else _ALIVE
+
+    def _refused(self, msg: Message) -> None:
+        """The server did not aggregate this client's update of a round: say so now (and, by
+        `refusals`, in the exit status)."""
+        why = msg.content.get("why") if isinstance(msg.content, dict) else None
+        why = str(why)[:300] if why else "no reason given"
+        self.refusals.append((msg.round, why))
+        self.quiet("refused update", f"client {self.client_id}: the server refused its update of round "
+                   f"{msg.round}: {why}", logging.ERROR)
 
     def _welcome(self, w: pb.Welcome, stream: _Stream) -> None:
         """The server admitted this stream: under the id asked for (or one in range, where the

@@ -36,6 +36,7 @@ import grpc
 
 from fedcore.quiet import QuietLog
 from fedcore.comm.async_outbox import AsyncOutbox, wake_all
+from fedcore.comm.connections import RefusalCloser, connection_cap
 from fedcore.comm.chunking import FRAME_OVERHEAD, Reassembler, SharedContent, first_chunk_size
 from fedcore.comm.fingerprint import differing_keys
 from fedcore.comm.stream import (MD_CLIENT_ID, MD_COURSE, MD_SESSION, MD_TOKEN, REFUSED, allowed_silence, grpc_options,
@@ -47,6 +48,7 @@ from fedcore.message import SERVER_ID, Message
 from fedcore.device import CPU, to_device
 from fedcore.serialization import WireError, decode_envelope, encode_value, from_value
 from fedcore.wire import fedcore_pb2 as pb
+from fedcore.wire.census import check_values, values_bound
 
 __all__ = ["GrpcServerComm", "Session"]
 
@@ -66,6 +68,14 @@ class Session:
     last_delivered: int = 0       # highest message id handed to the scheduler (drops duplicates)
     streams: int = 0              # streams opened by this session (1 + reconnects)
     receiving: bool = False       # one of its messages is half-received (a slow link may be busy)
+    calls: set = field(default_factory=set)   # the tasks of its calls still running (on the loop)
+
+    def end_calls(self, keep=None) -> None:
+        """On the loop: end every call this session opened (but `keep`), the ones whose write
+        waits on a peer that stopped reading included, so its id is free for its owner."""
+        for task in list(self.calls):
+            if task is not keep:
+                task.cancel()
 
 
 # Received messages above this many bytes are decoded on a worker thread, not the event loop.
@@ -87,12 +97,13 @@ class _Refused(Exception):
 
 
 class _StreamStatus:
-    __slots__ = ("done", "error", "reasm")
+    __slots__ = ("done", "error", "reasm", "task")
 
     def __init__(self, reasm: Reassembler) -> None:
         self.done = False
         self.error: str | None = None
         self.reasm = reasm
+        self.task = asyncio.current_task()   # the call's own task
 
 
 class GrpcServerComm:
@@ -116,6 +127,7 @@ class GrpcServerComm:
         self.tokens = read_tokens(d, self.num_clients)
         self.chunk_size = d["chunk_size"]
         self.max_message = d["max_message_bytes"] or 1024 ** 3  # the course sets a derived bound
+        self.max_values = d["max_message_values"] or values_bound(256, self.num_clients)  # and here
         self.max_frame = self.chunk_size + FRAME_OVERHEAD
         self.hb_interval, self.hb_timeout = d["heartbeat_interval"], d["heartbeat_timeout"]
         self.min_rate = d["min_bytes_per_second"]
@@ -137,6 +149,8 @@ class GrpcServerComm:
         self._grace = 1.0
         self._handover: list = []         # events for the scheduler, gathered on the loop
         self._open: dict[int, int] = {}   # client id -> its calls still running (under _lock)
+        self._admitted_peers: dict[str, None] = {}   # connections that carried an admitted call
+        self.on_new_session: Callable[[int], None] = lambda client_id: None   # on the scheduler thread
 
     # ------------------------------------------------------------ lifecycle
     def attach(self, worker) -> None:
@@ -173,6 +187,9 @@ class GrpcServerComm:
         # (whose default limits, 1,000 soft and 3,000 hard, would refuse most of a burst).
         backlog = [("grpc.server.max_pending_requests", max(1000, slots)),
                    ("grpc.server.max_pending_requests_hard_limit", max(3000, 2 * slots))]
+        cap = connection_cap(self.cfg["distribute.max_connections"])
+        if cap is not None:   # below the descriptor limit: the server's own files always open
+            backlog.append(("grpc.max_allowed_incoming_connections", cap))
         server = grpc.aio.server(options=grpc_options(self.chunk_size, server=True) + backlog,
                                  maximum_concurrent_rpcs=OPEN_PER_ID * self.num_clients + 16)
         handler = grpc.method_handlers_generic_handler(
@@ -195,6 +212,7 @@ class GrpcServerComm:
             return
         await server.start()
         self._loop, self._stopping, self._grpc = loop, asyncio.Event(), server
+        self._closer = RefusalCloser(loop, self._admitted_on)
         self._decoder = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="fedcore-decode")
         bound.set_result(port)
         try:
@@ -234,7 +252,15 @@ class GrpcServerComm:
 
     def refusals(self) -> dict[str, int]:
         """How many messages, streams and connections were refused, by kind (for the summary)."""
-        return dict(sorted(self.quiet.counts.items()))
+        counts = dict(self.quiet.counts)
+        closer = getattr(self, "_closer", None)
+        if closer is not None and closer.closed:
+            counts["connections closed after a refused call"] = closer.closed
+        return dict(sorted(counts.items()))
+
+    def _admitted_on(self, peer: str) -> bool:
+        """Whether a call was ever admitted on `peer`'s connection (its refusals do not close it)."""
+        return peer in self._admitted_peers
 
     def expire(self, timeout: float) -> list[tuple[int, str]]:
         """Mark sessions silent for longer than `timeout` (longer while one of their messages is
@@ -249,7 +275,27 @@ class GrpcServerComm:
                     s.outbox.clear()
                     s.outbox.wake()
                     lost.append((cid, f"no heartbeat for {allowed:g}s (distribute.heartbeat_timeout)"))
+                    self._on_loop(s.end_calls)
         return lost
+
+    def _on_loop(self, fn, *args) -> None:
+        loop = self._loop
+        if loop is not None:
+            try:
+                loop.call_soon_threadsafe(fn, *args)
+            except RuntimeError:   # the loop already closed
+                pass
+
+    def tell(self, client_id: int, msg_type: str, round_: int, content: Any) -> None:
+        """Queue a notice for one client (what the server did with what it sent), outside the
+        course's messages and byte counts."""
+        with self._lock:
+            s = self.sessions.get(client_id)
+        if s is None or s.state != "live":
+            return
+        header = pb.Envelope(msg_type=msg_type, sender=SERVER_ID, receivers=[client_id], round=round_)
+        parts, sha = SharedContent(encode_value(content)).envelope(header)
+        s.outbox.put_message(parts, sha)
 
     # ------------------------------------------------------------ sending
     def send(self, msg: Message) -> None:
@@ -326,12 +372,16 @@ class GrpcServerComm:
                     raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                    f"all {self.num_clients} client ids are taken (federate.client_num)")
             busy = self._open.get(cid, 0)   # calls of this id still running
+            s = self.sessions.get(cid)
+            if s is not None and s.state != "live" and s.calls:
+                # calls of a session that ended, stuck on a peer that stopped reading: ended now
+                busy -= len(s.calls)
+                s.end_calls()
             if busy >= OPEN_PER_ID:
                 self._refuse(grpc.StatusCode.UNAVAILABLE, "too many open streams for one id",
                              f"client id {cid} still has {busy} streams open; try again once they end",
                              f"refused {peer}: client {cid} already has {busy} streams open "
                              "(its earlier ones are not reading what they were sent)")
-            s = self.sessions.get(cid)
             live = None
             if s is not None and s.state == "live" and s.session_id != session_id:
                 # Never swapped in: a live session keeps its id until it leaves or goes silent.
@@ -353,10 +403,14 @@ class GrpcServerComm:
                          f"it leaves or is silent for distribute.heartbeat_timeout={self.hb_timeout:g}s",
                          f"refused {peer}: a second session for client {cid}, whose session from "
                          f"{live.peer} is alive")
+        self._admitted_peers[peer] = None   # on the loop; the oldest forgotten beyond a fleet's worth
+        if len(self._admitted_peers) > 4 * self.num_clients + 1024:
+            del self._admitted_peers[next(iter(self._admitted_peers))]
         if how == "reconnected":  # a peer may reconnect on purpose, again and again
             self.quiet_info(f"reconnected {cid}", f"client {cid} reconnected from {peer}", logging.INFO)
         else:
             self.quiet_info(f"connected {cid}", f"client {cid} connected from {peer}", logging.INFO)
+            self._hand_over(_NewSession(self, cid))   # before anything this session sends
         return s, token_
 
     async def _connect(self, request_iterator, context) -> None:
@@ -369,10 +423,14 @@ class GrpcServerComm:
         try:
             s, token = self._admit(context)
         except _Refused as refused:
+            self._closer.refused(context.peer())   # a refused call does not keep its connection
             await context.abort(refused.code, refused.detail, REFUSED)
+        task = asyncio.current_task()
+        s.calls.add(task)
         try:
             await self._stream(s, token, context)
         finally:
+            s.calls.discard(task)
             with self._lock:
                 left = self._open.pop(s.client_id) - 1
                 if left:
@@ -424,7 +482,8 @@ class GrpcServerComm:
                 s.last_seen = time.monotonic()
                 more = await self._take(s, parse_frame(raw, self.max_frame), reasm)
                 raw = None   # not kept while waiting for the next frame: a fleet waits at once
-                if not more:
+                if not more:   # the client left: its other calls end with this one
+                    s.end_calls(keep=status.task)
                     break
         except WireError as exc:
             status.error = str(exc)
@@ -434,6 +493,7 @@ class GrpcServerComm:
                 if ended:
                     s.state = "lost"
             if ended:
+                s.end_calls(keep=status.task)   # this one ends itself, telling the peer why
                 self._hand_over(_Lost(self, s.client_id, f"refused: {str(exc)[:200]}"))
         except asyncio.CancelledError:
             pass   # the stream's writer ended the call
@@ -486,6 +546,7 @@ class GrpcServerComm:
         return True
 
     def _decode(self, s: Session, data: bytes) -> Message:
+        check_values(data, self.max_values)   # before protobuf builds anything
         env = decode_envelope(data)
         if env.sender != s.client_id:
             raise WireError(f"envelope sender {env.sender} is not this stream's client {s.client_id}")
@@ -539,6 +600,18 @@ class _Batch:
             if getattr(self.scheduler, "stopped", False):
                 return
             event()
+
+
+class _NewSession:
+    """A new session (a new process) for a client id, on the scheduler thread."""
+
+    __slots__ = ("comm", "client_id")
+
+    def __init__(self, comm: GrpcServerComm, client_id: int):
+        self.comm, self.client_id = comm, client_id
+
+    def __call__(self) -> None:
+        self.comm.on_new_session(self.client_id)
 
 
 class _Lost:

@@ -24,7 +24,7 @@ from fedcore.wire import fedcore_pb2 as pb
 
 __all__ = ["METHOD", "OwnedQueue", "Outbox", "heartbeat_frame", "bye_frame", "parse_frame", "grpc_options",
            "server_credentials", "channel_credentials", "MD_TOKEN", "MD_CLIENT_ID", "MD_SESSION",
-           "MD_COURSE", "TOKEN_ENV", "read_token", "read_tokens", "allowed_silence"]
+           "MD_COURSE", "TOKEN_ENV", "REFUSED_NOTICE", "read_token", "read_tokens", "allowed_silence"]
 
 METHOD = "/fedcore.Fedcore/Connect"
 MD_TOKEN = "authorization"          # "Bearer <token>"
@@ -34,6 +34,7 @@ MD_COURSE = "fedcore-course"        # fingerprint of the course-defining config 
 MD_REFUSED = "fedcore-refused"      # trailing metadata: the server refused the call itself (not gRPC)
 REFUSED = ((MD_REFUSED, "1"),)
 TOKEN_ENV = "FEDCORE_TOKEN"         # where a process finds its token when no file or key names it
+REFUSED_NOTICE = "update_refused"   # server -> client, outside the course: an update was not aggregated
 
 
 def allowed_silence(timeout: float, in_progress: bool, max_chunk: int, min_rate: float) -> float:
