@@ -112,6 +112,19 @@ def server_port(outdir: Path, server: subprocess.Popen, timeout: float = 90.0) -
     return int(wait_for(ready, timeout, "the server to listen").rsplit(":", 1)[1])
 
 
+def serve_course(procs, cfg: Path, out: Path):
+    """A server for `cfg` on a free port writing to `out`, its port, and a function that starts
+    client k against it (`procs` is the test's process fixture)."""
+    server = procs.fedcore("server", cfg, "distribute.role=server", "distribute.server_port=0",
+                           f"outdir={out}")
+    port = server_port(out, server)
+
+    def client(k):
+        return procs.fedcore(f"client{k}", cfg, "distribute.role=client",
+                             f"distribute.server_port={port}", f"distribute.client_id={k}")
+    return server, port, client
+
+
 def interrupt(p: subprocess.Popen) -> None:
     p.send_signal(signal.SIGINT)
 

@@ -12,7 +12,7 @@ import time
 import grpc
 import pytest
 
-from tests.deploy_helpers import interrupt, server_port, text, wait_exit, wait_for, write_cfg
+from tests.deploy_helpers import interrupt, serve_course, server_port, text, wait_exit, wait_for, write_cfg
 from tests.hostile import METHOD, Hostile, _value, load_proto
 from tests.test_deploy_bounds import _low_fd_limit as low_fd_limit, _rss_peak_kib
 from tests.test_deploy_faults import FAST_FAULTS
@@ -28,14 +28,7 @@ def _serve(procs, tmp_path, extra):
     """A server for `extra` on a free port, and a function that starts client k against it."""
     cfg = write_cfg(tmp_path / "course.yaml", {**FAST, **extra})
     out = tmp_path / "out"
-    server = procs.fedcore("server", cfg, "distribute.role=server", "distribute.server_port=0",
-                           f"outdir={out}")
-    port = server_port(out, server)
-
-    def client(k):
-        return procs.fedcore(f"client{k}", cfg, "distribute.role=client",
-                             f"distribute.server_port={port}", f"distribute.client_id={k}")
-    return out, server, port, client
+    return (out, *serve_course(procs, cfg, out))
 
 
 def _course(procs, tmp_path, extra):

@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from tests.deploy_helpers import interrupt, server_port, text, wait_exit, wait_for, write_cfg
+from tests.deploy_helpers import interrupt, serve_course, text, wait_exit, wait_for, write_cfg
 
 pytestmark = pytest.mark.slow
 
@@ -33,13 +33,7 @@ def test_a_client_back_from_missed_rounds_has_its_next_honest_update_admitted(tm
         "distribute.heartbeat_interval": 0.2, "distribute.heartbeat_timeout": 2.0,
         "distribute.backoff_initial": 0.1, "distribute.backoff_max": 0.5})
     out = tmp_path / "out"
-    server = procs.fedcore("server", cfg, "distribute.role=server", "distribute.server_port=0",
-                           f"outdir={out}")
-    port = server_port(out, server)
-
-    def client(k):
-        return procs.fedcore(f"client{k}", cfg, "distribute.role=client",
-                             f"distribute.server_port={port}", f"distribute.client_id={k}")
+    server, _port, client = serve_course(procs, cfg, out)
     clients = {k: client(k) for k in (1, 2, 3, 4)}
     if how == "late":     # client 5 starts after AWAY rounds
         wait_for(lambda: len(_records(out)) >= AWAY, 300, f"{AWAY} rounds")
