@@ -80,7 +80,8 @@ class Course:
         self.log = logging.getLogger("fedcore.course")
         self.scheduler = Scheduler()
         total = cfg["federate.total_round_num"]
-        shown = make_progress(progress, total, cfg["progress.interval"])
+        shown = make_progress(progress, total, cfg["progress.interval"],
+                              wall_clock=cfg["federate.mode"] == "distributed")
         side_outputs = ([shown] if shown else []) + make_loggers(cfg, self.outdir) + list(callbacks)
         self.monitor = Monitor(self.outdir, cfg["eval.target_acc"], total_rounds=total,
                                callbacks=side_outputs)

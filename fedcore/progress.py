@@ -4,6 +4,8 @@ A terminal gets a tqdm bar (rounds done, wall time, rate and ETA, with the
 latest virtual time and test accuracy); a log file, CI, `nohup` or a notebook
 gets one line every `progress.interval` seconds and at the last round, so a
 long run is never silent until it ends. `verbose: 2` prints every round.
+A deployed course's clock is the wall clock, so its lines show no virtual time:
+`wall` is then the course's own clock, seconds since its server started.
 """
 from __future__ import annotations
 
@@ -28,8 +30,9 @@ class Progress(Callback):
     """Shows rounds as their records are written; `bar=False` writes lines instead."""
 
     def __init__(self, total_rounds: int, *, bar: bool, every_round: bool = False,
-                 interval: float = 30.0, stream: TextIO | None = None):
+                 interval: float = 30.0, stream: TextIO | None = None, wall_clock: bool = False):
         self.total = total_rounds
+        self.wall_clock = wall_clock   # the record's time is wall-clock seconds (deployment)
         self.use_bar = bar
         self.every_round = every_round
         self.interval = interval
@@ -58,18 +61,19 @@ class Progress(Callback):
         acc = record.get("test_acc")
         if self.bar is not None:
             self.bar.update(round_ - self.bar.n)
-            post = f"virtual {record['virtual_time']:.1f}s"
-            self.bar.set_postfix_str(post + (f" acc {acc:.4f}" if acc is not None else ""))
+            post = "" if self.wall_clock else f"virtual {record['virtual_time']:.1f}s "
+            self.bar.set_postfix_str((post + (f"acc {acc:.4f}" if acc is not None else "")).strip())
             return
         now = time.perf_counter()
         if not (self.every_round or round_ >= self.total or now - self.last_line >= self.interval):
             return
         self.last_line = now
-        wall = now - self.t0
+        wall = record["virtual_time"] if self.wall_clock else now - self.t0
         done = round_ - self.first_round
         eta = wall / done * (self.total - round_) if done > 0 and round_ < self.total else 0.0
         acc_s = f"  test_acc {acc:.4f}" if acc is not None else ""
-        self.stream.write(f"round {round_}/{self.total}  virtual {record['virtual_time']:.1f}s  "
+        virtual = "" if self.wall_clock else f"virtual {record['virtual_time']:.1f}s  "
+        self.stream.write(f"round {round_}/{self.total}  {virtual}"
                           f"wall {duration_text(wall)}  eta {duration_text(eta)}{acc_s}\n")
         self.stream.flush()
 
@@ -80,13 +84,13 @@ class Progress(Callback):
 
 
 def make_progress(level: int | bool, total_rounds: int, interval: float = 30.0,
-                  stream: TextIO | None = None) -> Progress | None:
+                  stream: TextIO | None = None, wall_clock: bool = False) -> Progress | None:
     """The progress callback for a `verbose` level: none at 0, a bar on a terminal at 1,
-    else periodic lines (every round at 2)."""
+    else periodic lines (every round at 2); `wall_clock` for a deployed course's records."""
     level = int(level)
     if level <= 0:
         return None
     stream = stream if stream is not None else sys.stderr
     tty = bool(getattr(stream, "isatty", lambda: False)())
     return Progress(total_rounds, bar=tty and level == 1, every_round=level >= 2,
-                    interval=interval, stream=stream)
+                    interval=interval, stream=stream, wall_clock=wall_clock)

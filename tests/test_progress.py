@@ -40,6 +40,23 @@ def test_not_a_terminal_gets_lines_every_interval_and_at_the_end():
     assert len(out.getvalue().splitlines()) == 5
 
 
+def test_a_deployed_course_shows_its_wall_clock_and_no_virtual_time():
+    """A deployed course's record time is wall-clock seconds since its server started: the line
+    calls it wall, and the eta extrapolates it (10 s a round: after round 1 of 5, 40 s remain)."""
+    out = io.StringIO()
+    progress = make_progress(1, 5, interval=0.0, stream=out, wall_clock=True)
+    progress.on_start(None)
+    for r in range(1, 6):
+        progress.on_record({"round": r, "virtual_time": 10.0 * r, "test_acc": None})
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "round 1/5  wall 0:10  eta 0:40"
+    assert lines[-1] == "round 5/5  wall 0:50  eta 0:00"
+    assert "virtual" not in out.getvalue()
+    bar = Terminal()
+    feed(make_progress(1, 4, stream=bar, wall_clock=True), 4)
+    assert "acc 0.4000" in bar.getvalue() and "virtual" not in bar.getvalue()
+
+
 def test_verbose_2_writes_every_round_and_0_nothing():
     out = io.StringIO()
     feed(make_progress(2, 4, interval=3600, stream=out), 4)
