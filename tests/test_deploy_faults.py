@@ -188,3 +188,20 @@ def test_a_client_survives_what_a_broken_server_sends_and_gives_up_on_one_that_n
         server.stop(0)
     log = text(client)
     assert said in log and "Traceback" not in log, log[-2000:]
+
+
+def test_a_client_started_before_its_server_says_it_cannot_reach_it_yet_under_its_own_id(tmp_path, procs):
+    # Nothing listens on the port: the client never had a connection, so it has none to lose,
+    # and it names itself by the id it was given (it has no other yet).
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = write_cfg(tmp_path / "course.yaml", {**FAST_FAULTS, "federate.client_num": 3,
+                                               "distribute.retry_timeout": 1.5})
+    client = procs.fedcore("client3", cfg, "distribute.role=client", f"distribute.server_port={port}",
+                           "distribute.client_id=3")
+    assert wait_exit(client, 60) == 4
+    said = text(client)
+    assert f"client 3: cannot reach the server at 127.0.0.1:{port} yet" in said
+    assert "client None" not in said and " lost " not in said

@@ -135,6 +135,13 @@ class GrpcClientComm:
         self.quiet = QuietLog(log)   # per kind of unusable message, a line now and then
         self.refusals: list[tuple[int, str]] = []   # (round, why) of each update the server refused
 
+    @property
+    def who(self) -> str:
+        """This client in log lines: the id the server gave it, else the one it asked for."""
+        if self.client_id is not None:
+            return str(self.client_id)
+        return str(self.requested_id) if self.requested_id else "(no id yet)"
+
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="fedcore-client-io", daemon=True)
@@ -192,7 +199,7 @@ class GrpcClientComm:
             bad = first_nonfinite(msg.content)
             if bad is not None:
                 log.warning("client %s: round %d: the update is not finite (%s): not sent; waiting "
-                            "for the next round", self.client_id, msg.round, bad)
+                            "for the next round", self.who, msg.round, bad)
                 return
         header = pb.Envelope(msg_type=msg.msg_type, sender=msg.sender, receivers=[SERVER_ID],
                              round=msg.round, timestamp=msg.timestamp)
@@ -275,7 +282,7 @@ class GrpcClientComm:
                 except Exception as exc:  # noqa: BLE001 - whatever the server's data did, not a dead thread
                     said = exc if isinstance(exc, (WireError, FedcoreError)) else f"{type(exc).__name__}: {exc}"
                     reason = f"bad data from the server: {said}"
-                    log.error("client %s: %s", self.client_id, reason)
+                    log.error("client %s: %s", self.who, reason)
                     if stream.call is not None:
                         stream.call.cancel()
                 finally:
@@ -294,8 +301,12 @@ class GrpcClientComm:
                 delay = min(backoff_delay(attempt, *self.backoff, self._rng),
                             max(0.05, self.retry_timeout - gone))
                 attempt += 1
-                log.warning("client %s: connection to %s lost (%s); retrying in %.2fs",
-                            self.client_id, self.address, reason, delay)
+                if self._welcomed.is_set():
+                    log.warning("client %s: connection to %s lost (%s); retrying in %.2fs",
+                                self.who, self.address, reason, delay)
+                else:   # never admitted: nothing was lost
+                    log.warning("client %s: cannot reach the server at %s yet (%s); retrying in %.2fs",
+                                self.who, self.address, reason, delay)
                 self._closing.wait(delay)
         finally:
             channel.close()
@@ -311,7 +322,7 @@ class GrpcClientComm:
             if time.monotonic() - stream.last_recv > allowed:
                 stream.why = (f"server silent for {allowed:g}s (distribute.heartbeat_timeout)" if stream.welcomed
                               else f"no welcome from the server within {allowed:g}s")
-                log.warning("client %s: %s; reconnecting", self.client_id, stream.why)
+                log.warning("client %s: %s; reconnecting", self.who, stream.why)
                 if stream.call is not None:
                     stream.call.cancel()
                 return None
@@ -353,14 +364,14 @@ class GrpcClientComm:
             bad = first_nonfinite(msg.content)
             if bad is not None:
                 log.warning("client %s: round %d: the server's '%s' is not finite (%s): skipped; "
-                            "waiting for the next", self.client_id, msg.round, msg.msg_type, bad)
+                            "waiting for the next", self.who, msg.round, msg.msg_type, bad)
                 return _MESSAGE
             if self.worker is None:
                 self._early.append(msg)
             else:
                 self.scheduler.call_soon(_Delivery(self, msg))
         elif kind == "bye":
-            log.warning("client %s: the server is leaving (%s)", self.client_id, frame.bye.reason)
+            log.warning("client %s: the server is leaving (%s)", self.who, frame.bye.reason)
             return _ALIVE
         return _MESSAGE if kind == "chunk" else _ALIVE
 
