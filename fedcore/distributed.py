@@ -19,7 +19,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from fedcore.comm.stream import REFUSED_NOTICE, TOKEN_ENV
+from fedcore.comm.stream import INSECURE_NOTED_ENV, INSECURE_WARNING, REFUSED_NOTICE, TOKEN_ENV
 from fedcore.config import declare, non_negative, positive, validator
 from fedcore.course import Course, StartEvent, collector_for_run, raise_if_diverged
 from fedcore.executor import apply_torch_threads
@@ -332,9 +332,7 @@ class ServerCourse(Course):
     def _serve(self) -> dict[str, Any]:
         port = self.comm.start()
         host = self.cfg["distribute.server_host"]
-        if self.cfg["distribute.insecure"]:
-            log.warning("distribute.insecure: true: plaintext gRPC without TLS; models and tokens "
-                        "can be read and altered on the network")
+        _warn_if_insecure(self.cfg)
         if self.outdir is not None:
             (self.outdir / "server_address").write_text(f"{host}:{port}\n")
         log.info("server listening on %s:%d for %d clients", host, port, self.num_clients)
@@ -408,12 +406,16 @@ def own_data_config(cfg):
                               distribute__tokens=None)
 
 
+def _warn_if_insecure(cfg) -> None:
+    """Warn of a plaintext channel, unless fedcore.launch already did for all its processes."""
+    if cfg["distribute.insecure"] and os.environ.get(INSECURE_NOTED_ENV) != "1":
+        log.warning(INSECURE_WARNING)
+
+
 def run_client(cfg) -> int:
     """Connect, build this client's half of the course, and serve until `finish`."""
     from fedcore.comm.grpc_client import GrpcClientComm
-    if cfg["distribute.insecure"]:
-        log.warning("distribute.insecure: true: plaintext gRPC without TLS; models and the token "
-                    "can be read and altered on the network")
+    _warn_if_insecure(cfg)
     scheduler = WallClockScheduler()
     comm = GrpcClientComm(cfg, scheduler, bounds_from_course=True)
     comm.start()

@@ -9,7 +9,7 @@ gets its own in the environment (FEDCORE_TOKEN), so no token appears on a
 command line or in the run's outputs. A secure-aggregation course without a roster gets
 one the same way: a signing key per client (its own file, passed to that client only)
 and the roster of their public keys, all deleted at the end. Without TLS configured it runs
-plaintext on loopback (`distribute.insecure: true`, with its warning).
+plaintext on loopback (`distribute.insecure: true`, with one warning for the whole launch).
 Ctrl-C stops every process it started.
 
 Its processes never outlive it, however it ends: on Linux each child asks the
@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from fedcore.comm.stream import TOKEN_ENV
+from fedcore.comm.stream import INSECURE_NOTED_ENV, INSECURE_WARNING, TOKEN_ENV
 from fedcore.errors import EXIT_CONFIG, EXIT_FAILURE, FedcoreError
 
 __all__ = ["main"]
@@ -166,6 +166,12 @@ def main(argv: list[str] | None = None) -> int:
             client_extra[k].append(f"secure_aggregation.signing_key={path}")
     if not cfg["distribute.tls.cert"] and not cfg["distribute.insecure"]:
         common.append("distribute.insecure=true")
+    if not cfg["distribute.tls.cert"] or cfg["distribute.insecure"]:
+        # one warning for the whole launch, not one per process
+        print(f"fedcore.launch: {INSECURE_WARNING} (loopback)", file=sys.stderr, flush=True)
+        os.environ[INSECURE_NOTED_ENV] = "1"   # the server inherits it
+        for env in client_env.values():
+            env[INSECURE_NOTED_ENV] = "1"
     base = [sys.executable, "-m", "fedcore.run", "--cfg", args.cfg, *args.overrides, *common]
     procs: list[subprocess.Popen] = []
     preexec = _die_with_parent()

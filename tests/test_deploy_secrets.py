@@ -47,6 +47,7 @@ def test_launch_gives_each_client_its_own_token_off_the_command_line_and_out_of_
         time.sleep(0.2)
     log = launch.communicate(timeout=60)[0].decode(errors="replace")
     assert launch.returncode == 0, log[-3000:]
+    assert log.count("plaintext gRPC without TLS") == 1   # one warning for the launch, not one per process
 
     tokens = {t for _, t in seen.values() if t}
     servers = [c for c, _ in seen.values() if "distribute.role=server" in c]

@@ -34,6 +34,9 @@ MD_COURSE = "fedcore-course"        # fingerprint of the course-defining config 
 MD_REFUSED = "fedcore-refused"      # trailing metadata: the server refused the call itself (not gRPC)
 REFUSED = ((MD_REFUSED, "1"),)
 TOKEN_ENV = "FEDCORE_TOKEN"         # where a process finds its token when no file or key names it
+INSECURE_NOTED_ENV = "FEDCORE_INSECURE_NOTED"  # "1": fedcore.launch warned of plaintext once for all its processes
+INSECURE_WARNING = ("distribute.insecure: true: plaintext gRPC without TLS; models and tokens can be read "
+                    "and altered on the network")
 REFUSED_NOTICE = "update_refused"   # server -> client, outside the course: an update was not aggregated
 
 
