@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import struct
 from pathlib import Path
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from fedcore.comm.stream import write_secret
 
 __all__ = ["SIGNATURE_BYTES", "new_signing_key", "sign", "verify", "public_hex", "write_roster",
            "load_roster", "load_signing_key", "keys_statement", "shares_statement", "survivors_statement",
@@ -65,9 +66,7 @@ def write_roster(folder: str | Path, ids: list[int]) -> tuple[Path, dict[int, Pa
         key = new_signing_key()
         roster[str(k)] = public_hex(key)
         paths[k] = folder / f"secagg_client_{k}.key"
-        fd = os.open(paths[k], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(key.private_bytes_raw().hex() + "\n")
+        write_secret(paths[k], key.private_bytes_raw().hex() + "\n")
     path = folder / "secagg_roster.json"
     path.write_text(json.dumps(roster, indent=1) + "\n")
     return path, paths

@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from fedcore.comm.stream import INSECURE_NOTED_ENV, INSECURE_WARNING, TOKEN_ENV
+from fedcore.comm.stream import INSECURE_NOTED_ENV, INSECURE_WARNING, TOKEN_ENV, write_secret
 from fedcore.errors import EXIT_CONFIG, EXIT_FAILURE, FedcoreError
 
 __all__ = ["main"]
@@ -218,10 +218,7 @@ def main(argv: list[str] | None = None) -> int:
 def write_private(path: Path, tokens: dict[int, str]) -> Path:
     """Write the tokens file readable by its owner only (created 0600, never wider)."""
     import yaml
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(yaml.safe_dump(tokens))
-    return path
+    return write_secret(path, yaml.safe_dump(tokens))
 
 
 if __name__ == "__main__":

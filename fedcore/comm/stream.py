@@ -212,6 +212,14 @@ def grpc_options(chunk_size: int, server: bool) -> list[tuple[str, int]]:
     return opts
 
 
+def write_secret(path: Path, text: str) -> Path:
+    """Write a new file readable by its owner only (created 0600, never wider; never an old file)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    return path
+
+
 def read_token(d: dict) -> str | None:
     """This process's token: `distribute.token`, else the file `distribute.token_file`, else
     the environment variable FEDCORE_TOKEN (so a token never has to be on a command line)."""
