@@ -111,3 +111,22 @@ def clients_per_round(cfg) -> int:
     if cfg["federate.sample_client_rate"] is not None:
         return max(1, int(round(n * cfg["federate.sample_client_rate"])))
     return n
+
+declare("topology.edges", int, 0, "edge aggregators between the clients and the server (0: a star, "
+        "every client talks to the server); with E > 0 the course runs HierFAVG over a tree of "
+        "cloud, E edges and the clients (docs/algorithms/hierfavg.md)", check=non_negative)
+declare("topology.assign", str, "contiguous", "which edge each client joins: contiguous (equal id "
+        "ranges), random (a seeded shuffle, then equal ranges), by_label (sorted by the label most "
+        "of the client's samples carry: non-IID by edge), by_profile (sorted by "
+        "topology.profile_field of its device profile)",
+        choices=("contiguous", "random", "by_label", "by_profile"))
+declare("topology.profile_field", str, None, "topology.assign=by_profile: the device-profile field "
+        "clients are sorted by (latency, compute_speed, upload_bandwidth, download_bandwidth)")
+declare("topology.edge_rounds", int, 1, "HierFAVG's kappa_2: edge aggregations per cloud aggregation "
+        "(kappa_1 is the clients' local work, train.local_steps or train.local_epochs)", check=positive)
+declare("topology.edge_link.latency", float, 0.05, "seconds, one way, of an edge-cloud link",
+        check=non_negative)
+declare("topology.edge_link.upload_bandwidth", float, 1.0e7, "bytes/s from an edge to the cloud",
+        check=positive)
+declare("topology.edge_link.download_bandwidth", float, 1.0e8, "bytes/s from the cloud to an edge",
+        check=positive)

@@ -84,6 +84,7 @@ class Worker:
     """
 
     role = "worker"
+    parent = SERVER_ID   # whom it reports to: the server, or in a tree its edge aggregator
 
     def __init__(self, worker_id: int, table: HandlerTable, course: Any):
         self.id = worker_id

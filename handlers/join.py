@@ -5,34 +5,38 @@ refuses any later update that claims more (`fedcore.admission`).
 """
 from __future__ import annotations
 
-from fedcore.message import SERVER_ID
-
-__all__ = ["join_in", "admit_client", "install"]
+__all__ = ["join_in", "admit_client", "note_join", "install"]
 
 
 def join_in(client, _event) -> None:
-    """Client `start`: ask the server to join, declaring how many training samples it holds."""
+    """Client `start`: ask its server (its parent) to join, declaring how many training samples
+    it holds."""
     data = getattr(client, "data", None)
     train = getattr(data, "train", None)
     content = {"client_id": client.id}
     if train is not None:
         content["num_samples"] = len(train)
-    client.send("join_in", SERVER_ID, content)
+    client.send("join_in", client.parent, content)
 
 
 def admit_client(server, msg) -> None:
     """Server `receiving_join_in`: record the client (and its declared sample count); raise
     `all_joined_in` once all are in."""
+    note_join(server, msg)
+    if len(server.joined) == server.course.num_clients and not server.started:
+        server.started = True
+        server.trigger("all_joined_in")
+
+
+def note_join(server, msg) -> None:
+    """Record a member that joined, and the first sample count it declared (a client may not
+    raise its own bound by joining again)."""
     server.joined.add(msg.sender)
     declared = msg.content.get("num_samples") if isinstance(msg.content, dict) else None
     if declared is not None:
         if not hasattr(server, "declared_samples"):
             server.declared_samples = {}
-        # the first declaration stands: a client may not raise its own bound by joining again
         server.declared_samples.setdefault(msg.sender, declared)
-    if len(server.joined) == server.course.num_clients and not server.started:
-        server.started = True
-        server.trigger("all_joined_in")
 
 
 def install(course) -> None:

@@ -12,7 +12,7 @@ from fedcore.config import declare, positive
 from fedcore.contract import ReceivedUpdate
 from fedcore.handlers.evaluation import evaluate_global, request_client_evaluation
 
-__all__ = ["aggregate", "finish_course", "stop_diverged", "is_eval_round", "resume_course", "install"]
+__all__ = ["aggregate", "finish_course", "note_finish", "stop_diverged", "is_eval_round", "resume_course", "install"]
 
 declare("federate.time_limit", float, None, "finish at the first aggregation at or after this "
         "time (seconds of the course's clock: virtual in simulation); null: rounds only",
@@ -84,12 +84,17 @@ def _track_best(server, acc) -> None:
 
 def finish_course(server, _event) -> None:
     """`max_rounds_reached` / `early_stop`: tell every client the course is over."""
+    note_finish(server)
+    server.send("finish", server.course.client_ids, {})
+
+
+def note_finish(server) -> None:
+    """Mark the course finished and record why it stopped."""
     server.finished = True
     cfg = server.course.cfg
     server.course.monitor.extra_summary["stopped_by"] = (
         "max_rounds" if server.round >= cfg["federate.total_round_num"]
         else "time_limit" if _out_of_time(server) else "early_stop")
-    server.send("finish", server.course.client_ids, {})
 
 
 def _rejected(server, why: str) -> bool:

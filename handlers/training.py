@@ -3,8 +3,6 @@ from __future__ import annotations
 
 from time import perf_counter
 
-from fedcore.message import SERVER_ID
-
 __all__ = ["train_and_reply", "leave_course", "install"]
 
 
@@ -14,7 +12,7 @@ def train_and_reply(client, msg) -> None:
     started = perf_counter()   # the wall seconds `time.mode: measured` charges
     result = client.course.trainer.fit(client.id, client.data, msg.content, msg.round)
     client.spend(result.work, perf_counter() - started)
-    client.send("updates", SERVER_ID, result.content, round_=msg.round,
+    client.send("updates", client.parent, result.content, round_=msg.round,
                 content_size=result.content_size)
 
 
