@@ -74,9 +74,13 @@ def build_graph(tables: list[HandlerTable]) -> tuple[nx.DiGraph, list[tuple[str,
     return g, dangling
 
 
-def check_course(tables: list[HandlerTable], graphml: Path | None = None) -> CheckResult:
-    """Check start->finish reachability; write the graph; raise nothing (see `require`)."""
+def check_course(tables: list[HandlerTable], graphml: Path | None = None,
+                 tiers: nx.DiGraph | None = None) -> CheckResult:
+    """Check start->finish reachability; write the graph (with the workers' tree `tiers`
+    beside the handler flow, for a course with edge aggregators); raise nothing (see `require`)."""
     g, dangling = build_graph(tables)
+    if tiers is not None:
+        g = nx.union(g, tiers)
     if graphml is not None:
         nx.write_graphml(g, graphml)
     reachable = nx.descendants(g, START) | {START}
@@ -95,9 +99,10 @@ def check_course(tables: list[HandlerTable], graphml: Path | None = None) -> Che
     return result
 
 
-def require_complete(tables: list[HandlerTable], graphml: Path | None = None) -> CheckResult:
+def require_complete(tables: list[HandlerTable], graphml: Path | None = None,
+                     tiers: nx.DiGraph | None = None) -> CheckResult:
     """Run the check, log its warnings, and refuse an incomplete course."""
-    result = check_course(tables, graphml)
+    result = check_course(tables, graphml, tiers)
     for w in result.warnings:
         log.warning("completeness: %s", w)
     if not result.complete:

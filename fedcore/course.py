@@ -88,6 +88,7 @@ class Course:
         self.server_table = HandlerTable("server")
         self.client_table = HandlerTable("client")
         self.extra_tables: list[HandlerTable] = []  # roles that plug-ins add (e.g. attackers)
+        self.tier_graph = None   # the workers' tree, where edge aggregators make one (handlers/edge)
         self.num_clients = cfg["federate.client_num"]
         self.client_ids = list(range(1, self.num_clients + 1))
         self.built = False
@@ -211,7 +212,7 @@ class Course:
         graphml = self.outdir / "message_flow.graphml" if self.outdir is not None else None
         if graphml is not None:
             self._make_outdir()
-        return require_complete(self.tables, graphml)
+        return require_complete(self.tables, graphml, self.tier_graph)
 
     # ------------------------------------------------------------ running
     def run(self) -> dict[str, Any]:

@@ -115,16 +115,16 @@ def _majority_label(y) -> int:
 
 
 def tier_graph(topology: Topology, client_ids: list[int]) -> nx.DiGraph:
-    """The workers as a tree (cloud -> edges -> clients), each edge labelled with its tier."""
+    """The workers as a tree (cloud -> edges -> clients), each link labelled with its tier."""
     g = nx.DiGraph()
-    g.add_node("cloud", kind="cloud")
-    for e, members in topology.edges.items():
-        g.add_node(f"edge:{e}", kind="edge")
-        g.add_edge("cloud", f"edge:{e}", tier="edge_cloud")
-        for c in members:
-            g.add_edge(f"edge:{e}", f"client:{c}", tier="client_edge")
+    g.add_node("tier:cloud", kind="cloud")
     for c in client_ids:
-        g.add_node(f"client:{c}", kind="client")
+        g.add_node(f"tier:client:{c}", kind="client")
+    for e, members in topology.edges.items():
+        g.add_node(f"tier:edge:{e}", kind="edge")
+        g.add_edge("tier:cloud", f"tier:edge:{e}", tier="edge_cloud")
+        for c in members:
+            g.add_edge(f"tier:edge:{e}", f"tier:client:{c}", tier="client_edge")
     return g
 
 
@@ -134,8 +134,8 @@ def check(topology: Topology, client_ids: list[int]) -> nx.DiGraph:
     if empty:
         raise IncompleteCourseError(f"incomplete topology: edge(s) {empty} have no clients")
     g = tier_graph(topology, client_ids)
-    reached = nx.descendants(g, "cloud")
-    lost = [c for c in client_ids if f"client:{c}" not in reached]
+    reached = nx.descendants(g, "tier:cloud")
+    lost = [c for c in client_ids if f"tier:client:{c}" not in reached]
     if lost:
         shown = ", ".join(map(str, lost[:10])) + (", ..." if len(lost) > 10 else "")
         raise IncompleteCourseError(f"incomplete topology: client(s) {shown} are under no edge")
@@ -158,6 +158,7 @@ class TierLinks:
         self.latency = cfg["topology.edge_link.latency"]
         self.up_bandwidth = cfg["topology.edge_link.upload_bandwidth"]
         self.down_bandwidth = cfg["topology.edge_link.download_bandwidth"]
+        # per tier: bytes each way and link-seconds (the summary's `tiers`)
         self.totals = {t: {"bytes_up": 0, "bytes_down": 0, "link_seconds": 0.0} for t in TIERS}
         self.since = {t: dict(v) for t, v in self.totals.items()}
 
@@ -200,7 +201,3 @@ class TierLinks:
             fields[f"link_seconds_{tier}_total"] = total["link_seconds"]
             self.since[tier] = {"bytes_up": 0, "bytes_down": 0, "link_seconds": 0.0}
         return fields
-
-    def summary(self) -> dict[str, Any]:
-        """The summary's `tiers` entry: per tier, bytes each way and link-seconds."""
-        return {t: dict(v) for t, v in self.totals.items()}

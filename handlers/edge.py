@@ -121,17 +121,13 @@ def start_cloud_round(server, _event=None) -> None:
 def aggregate_at_cloud(server, _event=None) -> None:
     """Cloud `all_received`: aggregate the edge models, record the round with its bytes and
     link time per tier, then finish or start the next cloud round."""
-    links = server.course.links
-    go_on = rounds.aggregate(server, server.buffer, links.take_round())
-    server.course.monitor.extra_summary["tiers"] = links.summary()
-    if go_on:
+    if rounds.aggregate(server, server.buffer, server.course.links.take_round()):
         start_cloud_round(server)
 
 
 def finish_through_edges(server, _event) -> None:
     """Cloud `max_rounds_reached` / `early_stop`: tell the edges, who tell their clients."""
     rounds.note_finish(server)
-    server.course.monitor.extra_summary["tiers"] = server.course.links.summary()
     server.send("finish", sorted(server.course.topology.edges), {})
 
 
@@ -145,7 +141,7 @@ def install(course) -> None:
                           f"{cfg['algorithm.name']} is not supported with edges "
                           f"(use one of {', '.join(HIERARCHICAL_ALGORITHMS)})")
     topology = course.topology = assign(cfg, course.client_ids, course.data, course.timing)
-    check(topology, course.client_ids)
+    course.tier_graph = check(topology, course.client_ids)
     course.links = TierLinks(topology, course.timing, cfg, course.comm.count_bytes,
                              course.monitor.separate_types)
     course.comm.timing, course.comm.count_bytes = course.links, course.links.count_bytes
@@ -159,6 +155,7 @@ def install(course) -> None:
         for cid in children:
             course.clients[cid].parent = edge_id
     course.monitor.extra_summary["topology"] = topology.describe()
+    course.monitor.extra_summary["tiers"] = course.links.totals   # live: written at the end
 
     course.client_table.register("start", join.join_in, sends=("join_in",))
     training.install(course)

@@ -1,0 +1,204 @@
+"""Hierarchical courses (HierFAVG): limiting cases against flat FedAvg, kappa counts, a
+hand-computed two-edge course, per-tier bytes and link time from their formulas, and the
+topology's assignment and refusals."""
+import json
+
+import pytest
+import torch
+
+from fedcore.course import Course
+from fedcore.errors import ConfigError, IncompleteCourseError
+from fedcore.scenarios.data import ClientData, FederatedData, Split
+from fedcore.topology import Topology, assign, check
+from tests.conftest import small_cfg
+
+
+def _records(path):
+    return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+
+
+def _final(path):
+    return torch.load(path / "final_model.pt", weights_only=True)
+
+
+def _run(path, **over):
+    return Course(small_cfg(path, eval__clients=False, **over)).run()
+
+
+@pytest.mark.parametrize("sampled", [None, 4])
+def test_one_edge_with_one_edge_round_is_flat_fedavg_exactly(tmp_path, sampled):
+    """One edge, kappa_2 = 1: the edge averages what the flat server would, and the cloud's
+    average of that one model is the model itself, so every round's model is bit-equal."""
+    common = dict(federate__total_round_num=3, federate__sample_client_num=sampled)
+    _run(tmp_path / "flat", **common)
+    _run(tmp_path / "tree", topology__edges=1, **common)
+    flat, tree = _final(tmp_path / "flat"), _final(tmp_path / "tree")
+    assert all(torch.equal(flat[k], tree[k]) for k in flat)
+    for a, b in zip(_records(tmp_path / "flat"), _records(tmp_path / "tree")):
+        assert (a["round"], a["test_loss"], a["test_acc"]) == (b["round"], b["test_loss"], b["test_acc"])
+
+
+def test_many_edges_with_one_edge_round_is_flat_fedavg(tmp_path):
+    """kappa_2 = 1, full participation: sum_l (|D_l|/|D|) sum_{i in l} (|D_i|/|D_l|) w_i =
+    sum_i (|D_i|/|D|) w_i, flat FedAvg's average (equal up to float rounding)."""
+    common = dict(federate__total_round_num=3, train__local_steps=2)
+    _run(tmp_path / "flat", **common)
+    _run(tmp_path / "tree", topology__edges=3, topology__assign="random", **common)
+    flat, tree = _final(tmp_path / "flat"), _final(tmp_path / "tree")
+    assert all(torch.allclose(flat[k], tree[k], atol=1e-6, rtol=0) for k in flat)
+
+
+def test_kappa_counts(tmp_path, monkeypatch):
+    """kappa_1 = 3 local steps, kappa_2 = 2 edge rounds, 2 cloud rounds, 2 edges over 6 clients:
+    each client trains R*kappa_2 = 4 times, kappa_1 steps each; each edge aggregates 4 times;
+    the cloud 2 times (one record each), and the clients' rounds run 1..4."""
+    course = Course(small_cfg(tmp_path, eval__clients=False, federate__total_round_num=2,
+                              train__local_steps=3, topology__edges=2, topology__edge_rounds=2)).build()
+    fits, steps = [], [0]
+    fit, step = course.trainer.fit, course.trainer.step
+
+    def counting_fit(cid, data, received, round_):
+        fits.append((cid, round_))
+        return fit(cid, data, received, round_)
+
+    def counting_step(x, y):
+        steps[0] += 1
+        return step(x, y)
+    monkeypatch.setattr(course.trainer, "fit", counting_fit)
+    monkeypatch.setattr(course.trainer, "step", counting_step)
+    edge_aggs = {e: 0 for e in course.edges}
+    for e, edge in course.edges.items():
+        agg = edge.aggregator.aggregate
+
+        def counted(updates, round_, e=e, agg=agg):
+            edge_aggs[e] += 1
+            return agg(updates, round_)
+        monkeypatch.setattr(edge.aggregator, "aggregate", counted)
+    course.run()
+    assert sorted(fits) == sorted((c, t) for c in range(1, 7) for t in (1, 2, 3, 4))
+    assert steps[0] == 6 * 2 * 2 * 3
+    assert edge_aggs == {7: 4, 8: 4}
+    assert [r["round"] for r in _records(tmp_path)] == [1, 2]
+    assert [r["num_updates"] for r in _records(tmp_path)] == [2, 2]
+
+
+def _line_data(points):
+    """Clients holding (x, y) points for y ~ w x + b, in float64."""
+    def split(pts):
+        return Split(torch.tensor([[x] for x, _ in pts], dtype=torch.float64).reshape(-1, 1),
+                     torch.tensor([y for _, y in pts], dtype=torch.float64))
+    empty = split([])
+    clients = {c: ClientData(split(pts), empty, empty) for c, pts in points.items()}
+    return FederatedData(clients, split([(1.0, 1.0), (2.0, 0.0)]), (1,), 1)
+
+
+def test_two_edges_by_hand(tmp_path):
+    """Four clients with 1, 2, 3, 1 points under two edges; one full-batch SGD step on the mean
+    squared error per edge round (kappa_1 = 1), kappa_2 = 2, one cloud round; computed here
+    from the update rule w <- w - lr * 2/n sum (w x + b - y) x, b <- b - lr * 2/n sum (w x + b - y)."""
+    points = {1: [(1.0, 2.0)], 2: [(0.0, 1.0), (2.0, -1.0)],
+              3: [(1.0, 0.5), (-1.0, 1.5), (3.0, 2.0)], 4: [(0.5, 3.0)]}
+    lr = 0.1
+    cfg = small_cfg(tmp_path, eval__clients=False, federate__client_num=4, federate__total_round_num=1,
+                    train__local_steps=1, train__batch_size=8, train__optimizer__lr=lr,
+                    train__loss="mse", model__dtype="float64", topology__edges=2,
+                    topology__edge_rounds=2)
+    course = Course(cfg).build(data=_line_data(points))
+    start = course.server.aggregator.global_state
+    w0, b0 = start["1.weight"].item(), start["1.bias"].item()
+    course.run()
+
+    def sgd(w, b, pts):
+        n = len(pts)
+        r = [w * x + b - y for x, y in pts]
+        return (w - lr * 2 / n * sum(ri * x for ri, (x, _) in zip(r, pts)),
+                b - lr * 2 / n * sum(r))
+
+    def edge(members, w, b):
+        for _ in range(2):   # kappa_2 edge rounds, each from the edge's model
+            models = [(sgd(w, b, points[c]), len(points[c])) for c in members]
+            total = sum(n for _, n in models)
+            w = sum(m[0] * n for m, n in models) / total
+            b = sum(m[1] * n for m, n in models) / total
+        return w, b
+    (wa, ba), (wb, bb) = edge([1, 2], w0, b0), edge([3, 4], w0, b0)
+    w, b = (3 * wa + 4 * wb) / 7, (3 * ba + 4 * bb) / 7     # |D_A| = 3, |D_B| = 4
+    final = _final(tmp_path)
+    assert final["1.weight"].item() == pytest.approx(w, abs=1e-12)
+    assert final["1.bias"].item() == pytest.approx(b, abs=1e-12)
+    assert course.topology.edges == {5: [1, 2], 6: [3, 4]}
+
+
+def test_tier_bytes_grow_by_params_times_4_per_model_message(tmp_path):
+    """Two courses that differ only in the model's size (dim 40 and 80, 3 classes: 123 and 243
+    float32 parameters): each tier's bytes differ by 120 x 4 bytes per model message, and the
+    model messages are R*E*2 on the edge-cloud tier and R*kappa_2*N*2 on the client-edge tier."""
+    R, E, K2, N = 2, 2, 3, 6
+    sizes = {}
+    for dim in (40, 80):
+        s = _run(tmp_path / str(dim), federate__total_round_num=R, data__synthetic__dim=dim,
+                 topology__edges=E, topology__edge_rounds=K2)
+        sizes[dim] = {t: v["bytes_up"] + v["bytes_down"] for t, v in s["tiers"].items()}
+    per_message = (243 - 123) * 4
+    assert sizes[80]["edge_cloud"] - sizes[40]["edge_cloud"] == per_message * R * E * 2
+    assert sizes[80]["client_edge"] - sizes[40]["client_edge"] == per_message * R * K2 * N * 2
+
+
+def test_tier_bytes_and_link_seconds_match_the_messages(tmp_path):
+    """Every message is counted on its tier: the tiers add up to the run's bytes; the edge
+    link's seconds are latency per message plus bytes over its bandwidth each way."""
+    lat, up, down = 0.2, 5000.0, 20000.0
+    s = _run(tmp_path, federate__total_round_num=2, topology__edges=2, topology__edge_rounds=2,
+             topology__edge_link__latency=lat, topology__edge_link__upload_bandwidth=up,
+             topology__edge_link__download_bandwidth=down)
+    tiers = s["tiers"]
+    assert sum(t["bytes_up"] for t in tiers.values()) == s["bytes_up"]
+    assert sum(t["bytes_down"] for t in tiers.values()) == s["bytes_down"]
+    ec = tiers["edge_cloud"]
+    messages = 2 + 2 * 2 + 2 * 2 + 2       # joins, models, updates, finish
+    assert ec["link_seconds"] == pytest.approx(messages * lat + ec["bytes_up"] / up
+                                               + ec["bytes_down"] / down, rel=1e-12)
+    last = _records(tmp_path)[-1]
+    assert last["bytes_edge_cloud_total"] + last["bytes_client_edge_total"] == last["bytes_total"]
+
+
+def test_contiguous_and_by_label_assignment():
+    cfg = small_cfg(federate__client_num=7, topology__edges=3)
+    assert assign(cfg, list(range(1, 8))).edges == {8: [1, 2, 3], 9: [4, 5], 10: [6, 7]}
+
+    class Labels:   # clients whose majority labels are 2, 0, 1, 0
+        clients = {c: ClientData(Split(torch.zeros(3, 1), torch.tensor(y)), None, None)
+                   for c, y in {1: [2, 2, 1], 2: [0, 0, 1], 3: [1, 1, 1], 4: [0, 2, 0]}.items()}
+    cfg = small_cfg(federate__client_num=4, topology__edges=2, topology__assign="by_label")
+    assert assign(cfg, [1, 2, 3, 4], Labels).edges == {5: [2, 4], 6: [1, 3]}
+
+
+def test_random_assignment_is_seeded_and_covers_every_client():
+    cfg = small_cfg(federate__client_num=10, topology__edges=3, topology__assign="random")
+    a, b = assign(cfg, list(range(1, 11))), assign(cfg, list(range(1, 11)))
+    assert a.edges == b.edges
+    assert sorted(c for m in a.edges.values() for c in m) == list(range(1, 11))
+
+
+def test_topology_refusals():
+    with pytest.raises(IncompleteCourseError, match="edge"):
+        check(Topology({7: [1, 2], 8: []}), [1, 2])
+    with pytest.raises(IncompleteCourseError, match="client"):
+        check(Topology({7: [1, 2]}), [1, 2, 3])
+    with pytest.raises(ConfigError, match="topology.edges"):
+        small_cfg(federate__client_num=3, topology__edges=4)
+    with pytest.raises(ConfigError, match="algorithm"):
+        Course(small_cfg(topology__edges=2, algorithm__name="scaffold")).build()
+    with pytest.raises(ConfigError, match="profile_field"):
+        small_cfg(topology__edges=2, topology__assign="by_profile")
+
+
+def test_the_check_draws_the_tiers(tmp_path):
+    """`--check` passes and the written graph holds the tree beside the handler flow."""
+    import networkx as nx
+    course = Course(small_cfg(tmp_path, topology__edges=2)).build()
+    course.write_header()
+    course.check()
+    g = nx.read_graphml(tmp_path / "message_flow.graphml")
+    assert g.has_edge("tier:cloud", "tier:edge:7") and g.has_edge("tier:edge:8", "tier:client:6")
+    assert g.has_edge("edge:receiving_models", "client:receiving_models")
