@@ -49,6 +49,10 @@ def _check_topology_keys(cfg) -> None:
     if cfg["resume_from"] or cfg["checkpoint.every"]:
         raise ConfigError("topology.edges: checkpoints do not hold the edges' state yet; unset "
                           "resume_from and checkpoint.every")
+    if cfg["admission.max_num_samples"] is not None:
+        raise ConfigError("admission.max_num_samples bounds one client's samples, and an edge "
+                          "speaks for many at the cloud; unset it with topology.edges (edges still "
+                          "hold each client to the count it declared)")
     if cfg["topology.assign"] == "by_profile" and not cfg["topology.profile_field"]:
         raise ConfigError("topology.assign: by_profile needs topology.profile_field (a device "
                           "profile field such as latency or compute_speed)")

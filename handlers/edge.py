@@ -11,7 +11,7 @@ unchanged: they report to their `parent`, their edge.
 """
 from __future__ import annotations
 
-from fedcore import registry
+from fedcore import admission, registry
 from fedcore.errors import ConfigError
 from fedcore.handlers import evaluation, join, rounds, sync, training
 from fedcore.message import SERVER_ID
@@ -82,9 +82,10 @@ def _next_edge_round(edge: Edge) -> None:
 
 
 def aggregate_at_edge(edge: Edge, _event=None) -> None:
-    """Edge `all_received`: average its clients' models by their samples; after kappa_2 edge
-    rounds, send the edge model to the cloud, weighted by all of the edge's samples."""
-    updates = sorted(edge.buffer, key=lambda u: u.client_id)
+    """Edge `all_received`: average its clients' admitted models by their samples; after kappa_2
+    edge rounds, send the edge model to the cloud, weighted by all of the edge's samples."""
+    # the admission layer screens the clients' updates where they arrive, as a star's server does
+    updates = admission.admit_updates(edge, sorted(edge.buffer, key=lambda u: u.client_id))
     if updates:
         edge.aggregator.aggregate(updates, edge.round)
     if edge.edge_round < edge.course.cfg["topology.edge_rounds"]:

@@ -189,6 +189,8 @@ def test_topology_refusals():
         small_cfg(federate__client_num=3, topology__edges=4)
     with pytest.raises(ConfigError, match="algorithm"):
         Course(small_cfg(topology__edges=2, algorithm__name="scaffold")).build()
+    with pytest.raises(ConfigError, match="admission.max_num_samples"):
+        small_cfg(topology__edges=2, admission__max_num_samples=100)
     with pytest.raises(ConfigError, match="profile_field"):
         small_cfg(topology__edges=2, topology__assign="by_profile")
 
@@ -202,3 +204,51 @@ def test_the_check_draws_the_tiers(tmp_path):
     g = nx.read_graphml(tmp_path / "message_flow.graphml")
     assert g.has_edge("tier:cloud", "tier:edge:7") and g.has_edge("tier:edge:8", "tier:client:6")
     assert g.has_edge("edge:receiving_models", "client:receiving_models")
+
+
+def test_the_scenario_from_the_command_line_writes_tiers(tmp_path):
+    """`python -m fedcore.run --cfg scenarios/hierarchical.yaml` (two cloud rounds here) writes
+    per-tier bytes and link time in every record and in the summary."""
+    import os
+    import subprocess
+    import sys
+    out = tmp_path / "run"
+    subprocess.run([sys.executable, "-m", "fedcore.run", "--cfg", "scenarios/hierarchical.yaml",
+                    f"outdir={out}", "federate.total_round_num=2", "verbose=0"],
+                   check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                   timeout=300)
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["tiers"]) == {"client_edge", "edge_cloud"}
+    assert all(t["bytes_up"] > 0 and t["bytes_down"] > 0 and t["link_seconds"] > 0
+               for t in summary["tiers"].values())
+    assert len(summary["topology"]) == 3
+    for record in _records(out):
+        assert record["bytes_edge_cloud"] > 0 and record["link_seconds_edge_cloud"] > 0
+        assert record["bytes_client_edge"] > record["bytes_edge_cloud"]
+
+
+def test_by_profile_assignment_sorts_by_the_field():
+    """Latency profiles from a trace-like constant per client: clients sorted by latency, cut."""
+    from fedcore.timing import DeviceProfile, TimeModel
+    latency = {1: 0.3, 2: 0.1, 3: 0.4, 4: 0.2}
+    timing = TimeModel({c: DeviceProfile(latency=v) for c, v in latency.items()})
+    cfg = small_cfg(federate__client_num=4, topology__edges=2, topology__assign="by_profile",
+                    topology__profile_field="latency")
+    assert assign(cfg, [1, 2, 3, 4], None, timing).edges == {5: [2, 4], 6: [1, 3]}
+
+
+def test_an_edge_refuses_an_update_claiming_more_than_its_client_declared(tmp_path, monkeypatch):
+    """The admission layer runs at the edge: client 2 claiming 10x its declared samples is
+    refused there, and counted in the summary, while the course goes on."""
+    from fedcore import contract
+    fit = contract.Trainer.fit
+
+    def inflating(self, client_id, data, received, round_):
+        result = fit(self, client_id, data, received, round_)
+        if client_id == 2:
+            result.content["num_samples"] *= 10
+        return result
+    monkeypatch.setattr(contract.Trainer, "fit", inflating)
+    s = _run(tmp_path, topology__edges=2)
+    assert s["admission"] == {"num_samples above the declared count": 2}
+    assert [r["num_updates"] for r in _records(tmp_path)] == [2, 2]
