@@ -14,7 +14,6 @@ from __future__ import annotations
 from fedcore import admission, registry
 from fedcore.errors import ConfigError
 from fedcore.handlers import evaluation, join, rounds, sync, training
-from fedcore.message import SERVER_ID
 from fedcore.schema import clients_per_round
 from fedcore.topology import TierLinks, assign, check
 from fedcore.worker import HandlerTable, Worker
@@ -151,7 +150,6 @@ def install(course) -> None:
     course.edges = {}
     for index, (edge_id, children) in enumerate(sorted(topology.edges.items())):
         edge = course.edges[edge_id] = Edge(edge_id, index, children, edge_table, course)
-        edge.parent = SERVER_ID
         course.comm.attach(edge)
         for cid in children:
             course.clients[cid].parent = edge_id
