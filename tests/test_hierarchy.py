@@ -38,6 +38,19 @@ def test_one_edge_with_one_edge_round_is_flat_fedavg_exactly(tmp_path, sampled):
         assert (a["round"], a["test_loss"], a["test_acc"]) == (b["round"], b["test_loss"], b["test_acc"])
 
 
+def test_a_server_optimizer_steps_at_the_cloud_only(tmp_path):
+    """FedAvg at the edge, FedAvgM at the cloud: with one edge and kappa_2 = 1 the cloud's
+    pseudo-gradient is flat FedAvg's, so the course equals flat FedAvgM exactly."""
+    common = dict(federate__total_round_num=3, server_optimizer__type="sgdm",
+                  server_optimizer__momentum=0.5)
+    _run(tmp_path / "flat", **common)
+    _run(tmp_path / "tree", topology__edges=1, **common)
+    _run(tmp_path / "plain", topology__edges=1, federate__total_round_num=3)
+    flat, tree, plain = (_final(tmp_path / n) for n in ("flat", "tree", "plain"))
+    assert all(torch.equal(flat[k], tree[k]) for k in flat)
+    assert not all(torch.equal(plain[k], tree[k]) for k in flat)   # the momentum did act
+
+
 def test_many_edges_with_one_edge_round_is_flat_fedavg(tmp_path):
     """kappa_2 = 1, full participation: sum_l (|D_l|/|D|) sum_{i in l} (|D_i|/|D_l|) w_i =
     sum_i (|D_i|/|D|) w_i, flat FedAvg's average (equal up to float rounding)."""
