@@ -40,6 +40,10 @@ declare("model.causal_lm.intermediate", int, None, "causal_lm built from config:
         "(default 4 x hidden)", check=positive)
 declare("model.causal_lm.max_positions", int, 256, "causal_lm built from config: longest context "
         "(at least data.text.seq_len)", check=positive)
+declare("model.causal_lm.dropout", float, 0.0, "causal_lm built from config: dropout on embeddings, "
+        "attention and residuals (its masks come from each process's own generator, so with dropout "
+        "a deployed course no longer replays its simulation)",
+        check=lambda v: None if 0 <= v < 1 else "must be in [0, 1)")
 declare("model.lora.r", int, 0, "LoRA rank of the adapters (0: no adapters, every weight is trained "
         "and exchanged); the global rank when clients have their own (model.lora.ranks)",
         check=non_negative)
@@ -128,13 +132,15 @@ def _from_config(cfg, vocab: int) -> nn.Module:
     if m["arch"] == "gpt2":
         conf = transformers.GPT2Config(vocab_size=vocab, n_layer=m["layers"], n_head=m["heads"],
                                        n_embd=m["hidden"], n_inner=m["intermediate"],
-                                       n_positions=m["max_positions"], **specials)
+                                       n_positions=m["max_positions"], resid_pdrop=m["dropout"],
+                                       embd_pdrop=m["dropout"], attn_pdrop=m["dropout"], **specials)
         return transformers.GPT2LMHeadModel(conf)
     conf = transformers.LlamaConfig(vocab_size=vocab, num_hidden_layers=m["layers"],
                                     num_attention_heads=m["heads"], num_key_value_heads=m["heads"],
                                     hidden_size=m["hidden"],
                                     intermediate_size=m["intermediate"] or 4 * m["hidden"],
-                                    max_position_embeddings=m["max_positions"], **specials)
+                                    max_position_embeddings=m["max_positions"],
+                                    attention_dropout=m["dropout"], **specials)
     return transformers.LlamaForCausalLM(conf)
 
 
