@@ -128,7 +128,9 @@ def lora_pairs(names) -> list[tuple[str, str]]:
 def _from_config(cfg, vocab: int) -> nn.Module:
     transformers = import_llm()
     m = cfg.section("model.causal_lm")
-    specials = dict(bos_token_id=vocab - 3, eos_token_id=vocab - 2, pad_token_id=vocab - 1)
+    # the byte tokenizer's BOS and EOS; windows are never padded, so no pad id (a pad id seen
+    # in the input makes transformers ask for an attention mask)
+    specials = dict(bos_token_id=vocab - 3, eos_token_id=vocab - 2)
     if m["arch"] == "gpt2":
         conf = transformers.GPT2Config(vocab_size=vocab, n_layer=m["layers"], n_head=m["heads"],
                                        n_embd=m["hidden"], n_inner=m["intermediate"],

@@ -181,3 +181,12 @@ def test_a_model_from_a_local_directory_and_a_local_tokenizer(tmp_path):
     wte = loaded["lm.base_model.model.transformer.wte.weight"]
     assert torch.equal(wte, lm.transformer.wte.weight)       # the saved weights, not new ones
     course.run()
+
+
+def test_the_gpu_benchmark_without_a_gpu_exits_2_with_one_line(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the benchmark would run")
+    from bench.llm_lora import main
+    assert main([]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no GPU" in err
