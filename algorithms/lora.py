@@ -25,8 +25,10 @@ import torch
 
 from fedcore import registry
 from fedcore.config import declare, validator
-from fedcore.contract import FitResult, weighted_mean
+from fedcore.algorithms.combine import replace_combination
+from fedcore.contract import FitResult
 from fedcore.errors import ConfigError
+from fedcore.server_optimizer import from_config as server_optimizer_from_config
 from fedcore.scenarios.llm_models import lora_pairs
 
 __all__ = ["exact_lora_mean", "truncate_rank", "client_rank", "install"]
@@ -55,13 +57,33 @@ def _check_lora(cfg) -> None:
         if cfg["executor"] != "sequential":
             raise ConfigError("model.lora.ranks: clients of their own rank train with "
                               "executor=sequential")
-    if cfg["model.lora.aggregation"] == "exact" and cfg["algorithm.name"] not in EXACT_ALGORITHMS:
-        raise ConfigError(f"model.lora.aggregation: exact combines the trained adapters of "
-                          f"{'/'.join(EXACT_ALGORITHMS)}; {cfg['algorithm.name']} needs "
-                          "model.lora.aggregation=separate")
+    if cfg["model.lora.aggregation"] == "exact":
+        other = _not_exact(cfg)
+        if other:
+            raise ConfigError(f"model.lora.aggregation: exact averages the clients' B A products "
+                              f"under plain {'/'.join(EXACT_ALGORITHMS)}; {other} needs "
+                              "model.lora.aggregation=separate")
 
 
 EXACT_ALGORITHMS = ("fedavg", "fedprox")
+
+
+def _not_exact(cfg) -> str | None:
+    """What in `cfg` keeps state on the factors or combines them otherwise (None: nothing).
+    The SVD picks a new basis for the factors every round, so momentum or moments kept on
+    them (server optimizers, DiLoCo) would mix coordinates of different bases; robust rules,
+    central DP and secure aggregation combine the factors themselves."""
+    if cfg["algorithm.name"] not in EXACT_ALGORITHMS:
+        return f"algorithm {cfg['algorithm.name']}"
+    if not server_optimizer_from_config(cfg).identity:
+        return f"server_optimizer.type={cfg['server_optimizer.type']}"
+    if cfg["privacy.dp.mode"] == "central":
+        return "privacy.dp.mode=central"
+    if cfg["aggregator.robust_rule"] != "none":
+        return f"aggregator.robust_rule={cfg['aggregator.robust_rule']}"
+    if cfg["secure_aggregation.enabled"]:
+        return "secure aggregation"
+    return None
 
 
 def exact_lora_mean(factors: list[tuple[torch.Tensor, torch.Tensor]], weights: list[float],
@@ -115,33 +137,25 @@ def _own_ranks(trainer, pairs) -> None:
 
 
 def _exact_aggregation(aggregator, pairs, rank: int) -> None:
+    """The aggregator combines the adapters by `exact_lora_mean` (the other entries as before)."""
     from fedcore.algorithms.fedavg import FedAvgAggregator
     from fedcore.algorithms.fedprox import FedProxAggregator
     if not isinstance(aggregator, (FedAvgAggregator, FedProxAggregator)) \
             or getattr(aggregator.aggregate, "__self__", None) is not aggregator:
-        raise ConfigError("model.lora.aggregation: exact replaces FedAvg's plain mean; with a server "
-                          "optimizer, central DP, robust or secure aggregation use "
-                          "model.lora.aggregation=separate")
+        raise ConfigError("model.lora.aggregation: exact needs FedAvg's or FedProx's own mean, which "
+                          "another plug-in has replaced here; use model.lora.aggregation=separate")
 
-    def aggregate(updates, round_: int) -> dict[str, float]:
-        weights = aggregator.weights(updates)
-        if sum(weights) <= 0:
-            weights = [1.0] * len(updates)
-        sent = updates[0].content["model"]
-        new_state = dict(aggregator.global_state)
-        paired = set()
+    def exact(deltas, weights, client_ids, round_):
+        base = aggregator.global_state
+        out = {}
         for a, b in pairs:
-            if a in sent:
-                new_state[a], new_state[b] = exact_lora_mean(
-                    [(u.content["model"][a], u.content["model"][b]) for u in updates], weights, rank)
-                paired.update((a, b))
-        for name in sent:
-            if name not in paired:
-                new_state[name] = weighted_mean([u.content["model"][name] for u in updates], weights)
-        aggregator.global_state = new_state
-        return {}
+            if a in deltas[0]:
+                ba, bb = base[a].double(), base[b].double()
+                new_a, new_b = exact_lora_mean([(ba + d[a], bb + d[b]) for d in deltas], weights, rank)
+                out[a], out[b] = new_a - ba, new_b - bb
+        return out, {}
 
-    aggregator.aggregate = aggregate
+    replace_combination(aggregator, exact, "model.lora.aggregation exact")
 
 
 def install(course) -> None:

@@ -96,7 +96,7 @@ def test_parquet_documents_load_through_datasets(tmp_path):
     ({"model.lora.ranks": [2, 5]}, "must be ranks from 1"),
     ({"algorithm.name": "diloco", "train.preserve_optimizer_state": True},
      "needs model.lora.aggregation=separate"),
-    ({"server_optimizer.type": "adam"}, "use model.lora.aggregation=separate"),
+    ({"server_optimizer.type": "adam"}, "server_optimizer.type=adam needs model.lora.aggregation=separate"),
 ])
 def test_bad_language_model_settings_are_one_line(keys, message):
     with pytest.raises(ConfigError, match=message) as info:
@@ -190,3 +190,24 @@ def test_the_gpu_benchmark_without_a_gpu_exits_2_with_one_line(capsys):
     assert main([]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no GPU" in err
+
+
+@pytest.mark.parametrize("keys", [
+    {"algorithm.name": "fedprox"},                                           # exact aggregation
+    {"privacy.dp.mode": "local", "privacy.dp.noise_multiplier": 0.5, "privacy.dp.clip_norm": 0.5},
+    {"server_optimizer.type": "adam", "server_optimizer.lr": 0.01, "model.lora.aggregation": "separate"},
+])
+def test_algorithms_on_adapters_move_the_adapters_only(tmp_path, keys):
+    course = Course(lm_cfg(tmp_path, **{**keys, "federate.total_round_num": 2})).build()
+    frozen = {n: p.detach().clone() for n, p in course.trainer.model.named_parameters() if not p.requires_grad}
+    start = {k: v.clone() for k, v in course.server.aggregator.global_state.items()}
+    summary = course.run()
+    if "privacy.dp.mode" in keys:   # the accountant saw both clients' updates
+        assert summary["dp_noisy_clients"] == 2 and summary["dp_epsilon"] > 0
+    final = torch.load(tmp_path / "final_model.pt", weights_only=True)
+    assert final.keys() == start.keys() and all("lora_" in k for k in final)
+    assert any(not torch.equal(final[k], start[k]) for k in final)
+    for n, p in course.trainer.model.named_parameters():
+        if not p.requires_grad:
+            assert torch.equal(p, frozen[n]), n
+    assert np.isfinite(_records(tmp_path)[-1]["test_perplexity"])
