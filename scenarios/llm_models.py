@@ -40,6 +40,8 @@ declare("model.causal_lm.intermediate", int, None, "causal_lm built from config:
         "(default 4 x hidden)", check=positive)
 declare("model.causal_lm.max_positions", int, 256, "causal_lm built from config: longest context "
         "(at least data.text.seq_len)", check=positive)
+declare("model.causal_lm.init_std", float, 0.02, "causal_lm built from config: standard deviation "
+        "of the random initial weights (GPT-2's and Llama's 0.02)", check=positive)
 declare("model.causal_lm.dropout", float, 0.0, "causal_lm built from config: dropout on embeddings, "
         "attention and residuals (its masks come from each process's own generator, so with dropout "
         "a deployed course no longer replays its simulation)",
@@ -135,14 +137,16 @@ def _from_config(cfg, vocab: int) -> nn.Module:
         conf = transformers.GPT2Config(vocab_size=vocab, n_layer=m["layers"], n_head=m["heads"],
                                        n_embd=m["hidden"], n_inner=m["intermediate"],
                                        n_positions=m["max_positions"], resid_pdrop=m["dropout"],
-                                       embd_pdrop=m["dropout"], attn_pdrop=m["dropout"], **specials)
+                                       embd_pdrop=m["dropout"], attn_pdrop=m["dropout"],
+                                       initializer_range=m["init_std"], **specials)
         return transformers.GPT2LMHeadModel(conf)
     conf = transformers.LlamaConfig(vocab_size=vocab, num_hidden_layers=m["layers"],
                                     num_attention_heads=m["heads"], num_key_value_heads=m["heads"],
                                     hidden_size=m["hidden"],
                                     intermediate_size=m["intermediate"] or 4 * m["hidden"],
                                     max_position_embeddings=m["max_positions"],
-                                    attention_dropout=m["dropout"], **specials)
+                                    attention_dropout=m["dropout"],
+                                    initializer_range=m["init_std"], **specials)
     return transformers.LlamaForCausalLM(conf)
 
 
