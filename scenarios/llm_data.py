@@ -74,14 +74,14 @@ class _LocalTokenizer:
     """A tokenizer saved in a local directory, with BOS/EOS ids where it has them."""
 
     def __init__(self, path: str):
-        from fedcore.scenarios.llm_models import import_llm
+        from fedcore.scenarios.llm_models import first_line, import_llm
         p = Path(path)
         if not p.is_dir():
             raise ConfigError(f"data.text.tokenizer: '{p}' is not a directory holding a saved tokenizer")
         try:
             self.tok = import_llm().AutoTokenizer.from_pretrained(str(p), local_files_only=True)
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"data.text.tokenizer: cannot load '{p}' ({str(exc).splitlines()[0]})") from None
+        except Exception as exc:   # noqa: BLE001  (a foreign loader's many error types: one line)
+            raise ConfigError(f"data.text.tokenizer: cannot load '{p}' ({first_line(exc)})") from None
         self.vocab_size = len(self.tok)
         self.bos_token_id, self.eos_token_id = self.tok.bos_token_id, self.tok.eos_token_id
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections import OrderedDict
 from pathlib import Path
 
 import torch
@@ -26,7 +25,7 @@ from fedcore.config import declare, non_negative, positive, validator
 from fedcore.errors import ConfigError
 from fedcore.registry import models
 
-__all__ = ["CausalLM", "causal_lm", "import_llm", "lora_pairs", "ARCH_TARGETS"]
+__all__ = ["CausalLM", "causal_lm", "import_llm", "lora_pairs", "first_line", "ARCH_TARGETS"]
 
 declare("model.path", str, None, "causal_lm: a local directory holding a saved model "
         "(save_pretrained); never downloaded. Unset: built from model.causal_lm.* with random weights")
@@ -82,6 +81,12 @@ def import_llm(what: str = "transformers"):
     except ImportError:
         raise ConfigError(f"model.type: causal_lm needs {what}: install the [llm] extra "
                           "(pip install 'fedcore[llm]')") from None
+
+
+def first_line(exc: Exception) -> str:
+    """The first line of a library's error message (its class name when it has none)."""
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
 
 
 class CausalLM(nn.Module):
@@ -156,7 +161,10 @@ def _from_directory(path: str, vocab: int) -> nn.Module:
         raise ConfigError(f"model.path: '{p}' holds no saved model (no config.json); save one there "
                           "with save_pretrained, models are never downloaded at run time")
     transformers = import_llm()
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(p), local_files_only=True)
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(p), local_files_only=True)
+    except Exception as exc:   # noqa: BLE001  (a foreign loader's many error types: one line)
+        raise ConfigError(f"model.path: cannot load '{p}' ({first_line(exc)})") from None
     if model.get_input_embeddings().num_embeddings < vocab:
         raise ConfigError(f"model.path: the model's {model.get_input_embeddings().num_embeddings} "
                           f"embeddings are fewer than the tokenizer's {vocab} tokens")
@@ -178,7 +186,7 @@ def _with_adapters(cfg, lm: nn.Module) -> CausalLM:
             warnings.simplefilter("ignore")   # peft's notes on fan_in_fan_out and deprecations
             wrapped = peft.get_peft_model(lm, conf)
     except ValueError as exc:
-        raise ConfigError(f"model.lora.target_modules: {targets} ({str(exc).splitlines()[0]})") from None
+        raise ConfigError(f"model.lora.target_modules: {targets} ({first_line(exc)})") from None
     names = {f"lm.{n}" for n, p in wrapped.named_parameters() if p.requires_grad}
     return CausalLM(wrapped, names)
 

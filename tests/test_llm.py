@@ -232,3 +232,14 @@ def test_the_lora_scenario_runs_from_the_command_line_with_no_network(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     perplexity = [r["test_perplexity"] for r in _records(tmp_path)]
     assert len(perplexity) == 2 and perplexity[1] < perplexity[0]
+
+
+def test_unreadable_local_model_and_tokenizer_directories_are_one_line(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text('{"model_type": "gpt2", "n_layer": "two"}')
+    (tmp_path / "tok").mkdir()
+    for keys, message in (({"model.path": str(tmp_path / "model")}, "model.path: cannot load"),
+                          ({"data.text.tokenizer": str(tmp_path / "tok")}, "data.text.tokenizer: cannot load")):
+        with pytest.raises(ConfigError, match=message) as info:
+            Course(lm_cfg(**keys)).build()
+        assert "\n" not in str(info.value)
