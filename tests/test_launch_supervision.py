@@ -1,4 +1,5 @@
 """`fedcore.launch` never leaves processes or secrets behind, even when it is SIGKILLed."""
+import json
 import os
 import signal
 import subprocess
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from fedcore.launch_guard import _alive
-from tests.deploy_helpers import ROOT, text, wait_for, write_cfg
+from tests.deploy_helpers import ROOT, text, wait_exit, wait_for, write_cfg
 from tests.test_deploy_secrets import _children
 
 GUARD = [sys.executable, "-I", str(ROOT / "fedcore" / "launch_guard.py")]
@@ -125,3 +126,51 @@ def test_outdir_overwrite_lets_a_server_replace_the_records(tmp_path):
         ServerCourse(small_cfg(tmp_path, **keys), tmp_path).write_header()
     ServerCourse(small_cfg(tmp_path, outdir_overwrite=True, **keys), tmp_path).write_header()
     assert (tmp_path / "config.yaml").is_file()
+
+
+def test_the_restart_rule_and_backoff_are_the_documented_ones():
+    from fedcore.launch import abnormal, restart_delay
+    assert [abnormal(rc) for rc in (-signal.SIGKILL, -signal.SIGSEGV, 1, 4)] == [True] * 4
+    assert [abnormal(rc) for rc in (0, 2, 3, 5, 6, 130)] == [False] * 6   # outcomes, not crashes
+    assert [restart_delay(k) for k in range(7)] == [1, 2, 4, 8, 16, 30, 30]
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc")
+@pytest.mark.slow
+def test_a_client_sigkilled_under_restart_comes_back_with_its_state_and_the_course_finishes(procs, tmp_path):
+    """`--restart 1`: client 1 is SIGKILLed once its update of round 2 has left it (client 2 is
+    held before round 2 until client 1 is back, so the course cannot end without it); the
+    launcher starts it again with the same arguments, it loads its state of round 2, and the
+    course finishes with every client in every round."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    cfg = write_cfg(tmp_path / "course.yaml", {
+        "plugins": ["tests.client_kill_plugin"], "algorithm.name": "scaffold_held",
+        "federate.client_num": 3, "federate.total_round_num": 3, "eval.clients": False,
+        "kill_test.folder": str(marks), "kill_test.hold_clients": [2], "kill_test.hold_round": 2,
+        "kill_test.mark_clients": [1], "kill_test.mark_round": 2, "distribute.round_deadline": 300.0,
+        "distribute.heartbeat_interval": 0.2, "distribute.heartbeat_timeout": 1.5,
+        "distribute.backoff_initial": 0.1, "distribute.backoff_max": 0.5})
+    out = tmp_path / "out"
+    launcher = procs.start("launch", ["-m", "fedcore.launch", "--restart", "1", "--cfg", str(cfg),
+                                      f"outdir={out}"])
+
+    def sent():
+        assert launcher.poll() is None, text(launcher)[-3000:]
+        return (marks / "sent_1_2").exists()
+    wait_for(sent, 240, "client 1's update of round 2")
+    time.sleep(1.0)                                  # on its way over loopback
+    (first,) = [p for p in _children(launcher.pid) if "distribute.client_id=1" in _cmdline(p)]
+    os.kill(first, signal.SIGKILL)
+    wait_for(lambda: "client 1: loaded its state of round 2" in text(launcher), 120,
+             "client 1 restarted with its state")
+    (again,) = [p for p in _children(launcher.pid) if "distribute.client_id=1" in _cmdline(p)]
+    assert again != first
+    time.sleep(1.0)                                  # its join on its way
+    (marks / "go").write_text("")
+    assert wait_exit(launcher, 240) == 0, text(launcher)[-3000:]
+    log = text(launcher)
+    assert "fedcore.launch: client 1 died (killed by SIGKILL); restart 1 of 1 in 1s" in log
+    assert "client 1: course finished (last round 3)" in log
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["round"], r["num_updates"]) for r in records] == [(1, 3), (2, 3), (3, 3)]
