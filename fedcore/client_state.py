@@ -2,25 +2,27 @@
 it was running instead of silently starting it again.
 
 Everything a client keeps between rounds (SCAFFOLD's control variate, FedDyn's duals,
-Ditto's and pFedMe's personal models, FedRep's head, FedMoS's momentum, DiLoCo's inner
+Ditto's and pFedMe's personal models, FedRep's head, DiLoCo's inner
 optimizer, its batch order's position) lives in its course's state store (`fedcore.state`).
 After each round it trains, and before its update is sent, the client writes that state to
-`distribute.state_dir` (default `<outdir>/client_state/<client id>`; neither set: none) as `round_<r>.state`,
-atomically (a temporary file, fsync, rename), and keeps its last two. A file is:
+`distribute.state_dir` (default `<outdir>/client_state/<client id>`; with neither set, nowhere)
+as `round_<r>.state`, atomically (a temporary file, fsync, rename), and keeps its last two.
+A file is:
 
-    FCCS1\\n  <sha-256 of the rest, hex>\\n  {"fingerprint", "client_id", "round", "previous"}\\n
+    FCCS1\n  <sha-256 of the rest, hex>\n  {"fingerprint", "client_id", "round", "previous"}\n
     <the state, torch.save of tensors, numbers and containers; read with weights_only=True>
 
 so a torn or altered file, another course's state (its config fingerprint differs) or
 another client's is refused with one line (the file is renamed `*.refused`) and the
 previous one is used. A restarted client (the same command) loads its newest good state.
 
-Agreement on rounds with the server (whose round numbers are authoritative): the client
-tells its state's round in its join declaration (`state_round`, -1 for none); asked to train
-round r, it needs the state it had after round r-1. Where its state is newer (the server
-resumed from an earlier snapshot) it goes back to its newest saved state of a round before r;
-where it has none, it starts round r with fresh client state, as a new client would, and
-says so in one line: never a mix of two courses' histories.
+Agreement on rounds with the server (whose round numbers are authoritative): a client
+holding a saved state declares its round when it joins (`state_round` in `join_in`); asked
+to train round r, it needs the state it had after round r-1. Its states form a chain (each
+file names the round it was trained from): where the state held is of round r or later (the
+server resumed from an earlier snapshot), it goes back along the chain to the state of a
+round before r, or, where that is no longer on its disk, starts round r with fresh client
+state, as a new client would, and says so in one line: never a mix of two histories.
 """
 from __future__ import annotations
 

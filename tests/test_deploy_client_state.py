@@ -156,6 +156,60 @@ def test_no_state_consistent_with_the_round_means_fresh_state_and_one_line(tmp_p
     assert course2.store.load(CID) == {}
 
 
+STATEFUL = {   # what each keeps between rounds, in the state store
+    "scaffold": {"algorithm__name": "scaffold"},
+    "feddyn": {"algorithm__name": "feddyn"},
+    "diloco": {"algorithm__name": "diloco", "train__local_steps": 3, "train__preserve_optimizer_state": True,
+               "train__optimizer__type": "adamw"},
+    "fedrep": {"algorithm__name": "fedrep", "model__type": "mlp", "model__hidden": [6]},
+    "pfedme": {"algorithm__name": "pfedme"},
+    "ditto": {"personalization__method": "ditto"},
+}
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+@pytest.mark.parametrize("name", sorted(STATEFUL))
+def test_every_algorithms_client_state_comes_back_exactly(tmp_path, name):
+    """Each stateful algorithm's client state after two simulated rounds, written and read back."""
+    cfg = small_cfg(federate__client_num=2, eval__clients=False, **STATEFUL[name])
+    course = Course(cfg).build()
+    course.run()
+    state = course.store.load(1)
+    assert set(state) - {"sampler"}, state.keys()   # something of the algorithm's own
+    files = ClientStateDir(tmp_path, cfg, 1)
+    files.write(2, 1, state)
+    meta, back = files.read(2)
+    assert meta == {"fingerprint": files.fingerprint, "client_id": 1, "round": 2, "previous": 1}
+    assert _same(state, back)
+
+
+def test_the_join_declares_the_saved_states_round_and_the_server_accepts_it():
+    from fedcore.comm.validation import check_join_in
+    from fedcore.handlers.join import join_in
+
+    class Joining(_Client):
+        def send(self, msg_type, to, content):
+            self.sent = (msg_type, to, content)
+    client = Joining(CID)
+    join_in(client, None)                           # no saved state: as a simulated client joins
+    assert client.sent == ("join_in", 0, {"client_id": CID})
+    client.state_round = 4
+    join_in(client, None)
+    assert client.sent[2] == {"client_id": CID, "state_round": 4}
+    assert check_join_in({"client_id": CID, "num_samples": 30, "state_round": 4}, None) is None
+    for bad in (-2, "4", 1.5, True):
+        assert check_join_in({"client_id": CID, "state_round": bad}, None) == "join_in state_round must be an int >= -1"
+
+
 # ---------------------------------------------------------------- real processes
 
 ROUNDS, KILL_ROUND = 4, 2

@@ -174,3 +174,30 @@ def test_a_client_sigkilled_under_restart_comes_back_with_its_state_and_the_cour
     assert "client 1: course finished (last round 3)" in log
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [(r["round"], r["num_updates"]) for r in records] == [(1, 3), (2, 3), (3, 3)]
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc")
+@pytest.mark.slow
+def test_a_server_sigkilled_under_restart_is_started_again_on_its_port_to_resume(procs, tmp_path):
+    """The launcher's half of a server restart: the same port, and `resume_from=latest` (what
+    the server does with it is the server's own, tested with it)."""
+    cfg = write_cfg(tmp_path / "course.yaml", {
+        "plugins": ["tests.slow_plugin"], "algorithm.name": "fedavg_pausing", "slow_test.pause": 0.3,
+        "federate.client_num": 2, "federate.total_round_num": 10000, "eval.clients": False})
+    out = tmp_path / "out"
+    launcher = procs.start("launch", ["-m", "fedcore.launch", "--restart", "1", "--cfg", str(cfg),
+                                      f"outdir={out}"])
+    address = out / "server_address"
+    port = wait_for(lambda: address.exists() and address.read_text().strip().rsplit(":", 1)[1], 120,
+                    "the server to listen")
+
+    def servers():
+        return [p for p in _children(launcher.pid) if "distribute.role=server" in _cmdline(p)]
+    (first,) = wait_for(servers, 30, "the server process")
+    os.kill(first, signal.SIGKILL)
+    again = wait_for(lambda: [p for p in servers() if p != first], 30, "the server started again")
+    cmdline = _cmdline(again[0]).split()
+    assert "resume_from=latest" in cmdline and f"distribute.server_port={port}" in cmdline
+    assert "distribute.server_port=0" not in cmdline
+    wait_for(lambda: "fedcore.launch: the server died (killed by SIGKILL); restart 1 of 1 in 1s" in text(launcher),
+             10, "the launcher to say so")

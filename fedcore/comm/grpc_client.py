@@ -409,7 +409,10 @@ class GrpcClientComm:
         self.client_id, self.server_session, self.connected = w.client_id, w.server_session, True
         if new_server:
             self._last_delivered = 0
-            log.warning("client %d: the server restarted; joining again", self.client_id)
+            # a resuming server says from which round (a field of newer servers' welcomes)
+            resumed = getattr(w, "resumed_round", 0)
+            log.warning("client %d: the server restarted%s; joining again", self.client_id,
+                        f" (the course resumed at round {resumed})" if resumed else "")
             if self.on_new_server is not None:
                 self.scheduler.call_soon(self.on_new_server)
         self._welcomed.set()
