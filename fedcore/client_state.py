@@ -20,9 +20,11 @@ Agreement on rounds with the server (whose round numbers are authoritative): a c
 holding a saved state declares its round when it joins (`state_round` in `join_in`); asked
 to train round r, it needs the state it had after round r-1. Its states form a chain (each
 file names the round it was trained from): where the state held is of round r or later (the
-server resumed from an earlier snapshot), it goes back along the chain to the state of a
+server resumed from an earlier snapshot, or runs the round again), it goes back along the chain to the state of a
 round before r, or, where that is no longer on its disk, starts round r with fresh client
-state, as a new client would, and says so in one line: never a mix of two histories.
+state, as a new client would, and says so in one line: never a mix of two histories. In an
+asynchronous course a client may train several times in one server round: its state is
+saved and loaded the same way, and rounds are not checked.
 """
 from __future__ import annotations
 
@@ -177,6 +179,10 @@ class DurableClientState:
     def __init__(self, course, client, folder: Path):
         self.course, self.client = course, client
         self.files = ClientStateDir(folder, course.cfg, client.id)
+        # In a synchronous course a round is trained once from the state after the round before
+        # (a round run again discarded its updates); in an asynchronous one a client may train
+        # several times in one server round, so rounds say nothing of its state there.
+        self.rounds_checked = course.cfg["course"] == "sync"
         self.round = FRESH        # the round of the state in the store
         self.previous = FRESH     # the round of the state that one was trained from
         client.state_round = FRESH   # told to the server when joining
@@ -196,7 +202,7 @@ class DurableClientState:
         `round_` - 1. Its states form a chain (each file names the round it was trained from),
         so that state is the newest of the chain before `round_`: the one held, or the one it
         was trained from (kept on disk), or none at all if it had trained first after that."""
-        if self.round < round_:
+        if self.round < round_ or not self.rounds_checked:
             return
         cid, held = self.client.id, self.round
         target = self.previous if self.previous < round_ else None

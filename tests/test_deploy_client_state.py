@@ -132,6 +132,23 @@ def test_a_server_resumed_from_an_earlier_round_gets_the_state_of_that_round(tmp
     assert durable.files.rounds() == [3, 4] and durable.files.load(4)[1] == 3
 
 
+def test_a_synchronous_round_run_again_is_trained_from_the_state_before_it(tmp_path):
+    durable, course, client = _durable(tmp_path)
+    _train(durable, course, 1, 1.0)
+    _train(durable, course, 2, 2.0)
+    _train(durable, course, 2, 2.5)                 # round 2 again: its updates were discarded
+    assert durable.files.load(2)[1] == 1            # trained from round 1's state, not from 2's
+    assert durable.files.rounds() == [1, 2]
+
+
+def test_an_asynchronous_client_trains_on_from_its_state_within_a_round(tmp_path):
+    durable, course, client = _durable(tmp_path, small_cfg(asyn__use=True))
+    _train(durable, course, 3, 3.0)
+    durable.before_training(3)                      # a second model of server round 3: no rewind
+    assert torch.equal(course.store.load(CID)["c_i"]["w"], torch.full((2, 3), 3.0))
+    assert client.state_round == 3
+
+
 def test_a_client_that_first_trained_after_the_resumed_round_starts_fresh_as_it_did(tmp_path, caplog):
     durable, course, client = _durable(tmp_path)
     _train(durable, course, 4, 4.0)
