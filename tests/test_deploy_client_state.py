@@ -23,6 +23,8 @@ CID = 3
 
 
 class _Client:
+    parent = 0   # the server, as for every client of a star
+
     def __init__(self, cid):
         self.id = cid
 
