@@ -278,3 +278,38 @@ def test_1100_connections_sending_refused_calls_at_ulimit_1024_do_not_keep_a_cli
     # is closed for it, whatever else happens (the course may finish within the first sweep)
     assert refused["wrong or missing token"] >= 900
     assert refused["connections closed after a refused call"] >= 900
+
+
+def test_connections_beyond_an_addresss_cap_are_closed_and_other_addresses_keep_theirs(tmp_path, procs):
+    # An outsider at 127.0.0.2 holds 60 HTTP/2 connections, past their preface and silent, to
+    # a server capping each address at 20; another at 127.0.0.3 holds 10. Within the guard's
+    # sweep (1 s) the server closes 60 - 20 = 40 of the first address's and none of the
+    # second's, and a real client at 127.0.0.1 joins and finishes the course meanwhile.
+    from tests.h2_attack import closed_by_server, idle_connections
+    cfg = write_cfg(tmp_path / "course.yaml", {**FAST, "federate.client_num": 1, "federate.total_round_num": 1,
+                                               "distribute.max_connections_per_address": 20})
+    out = tmp_path / "out"
+    server = procs.fedcore("server", cfg, "distribute.role=server", "distribute.server_port=0", f"outdir={out}")
+    port = server_port(out, server)
+    try:
+        crowd, few = idle_connections(port, 60, "127.0.0.2"), idle_connections(port, 10, "127.0.0.3")
+    except OSError as exc:
+        pytest.skip(f"no loopback address beyond 127.0.0.1 here: {exc}")
+    started = time.monotonic()
+    try:
+        wait_for(lambda: sum(map(closed_by_server, crowd)) >= 40, 8, "the connections beyond the cap to be closed")
+        took = time.monotonic() - started
+        # gRPC's own idle timeout (10 s) has not come yet: the closing was the cap's
+        assert took < 8.0
+        assert sum(map(closed_by_server, crowd)) == 40
+        assert not any(map(closed_by_server, few))
+        client = procs.fedcore("client", cfg, "distribute.role=client", f"distribute.server_port={port}",
+                               "distribute.client_id=1")
+        assert wait_exit(server, 120) == 0, text(server)[-3000:]
+        assert wait_exit(client, 60) == 0, text(client)[-3000:]
+    finally:
+        for s in crowd + few:
+            s.close()
+    print(f"\nfigures: 40 connections beyond the cap closed {took:.2f} s after they were opened")
+    refused = json.loads((out / "summary.json").read_text())["deployment"]["refused"]
+    assert refused["connections closed beyond their address's cap"] == 40
