@@ -142,6 +142,7 @@ class StreamFlood:
         self.port, self.conns, self.reset, self.batch = port, conns, reset, batch
         self.calls = self.closed = self.goaways = self.stalled = 0
         self.lifetimes: list[float] = []
+        self.stop = threading.Event()
 
     def _open(self):
         s = socket.create_connection(("127.0.0.1", self.port), timeout=10)
@@ -183,7 +184,7 @@ class StreamFlood:
     def run(self, seconds: float) -> None:
         started = time.monotonic()
         conns = []
-        while time.monotonic() - started < seconds:
+        while time.monotonic() - started < seconds and not self.stop.is_set():
             try:
                 while len(conns) < self.conns:
                     conns.append(self._open())
@@ -203,11 +204,19 @@ class StreamFlood:
 
 
 def main(argv=None) -> None:
-    """python -m tests.h2_attack PORT (rapid-reset|header-flood) CONNS SECONDS REPORT.json"""
+    """python -m tests.h2_attack PORT (rapid-reset|header-flood) CONNS SECONDS REPORT.json
+
+    Runs at the lowest CPU priority, standing in for an attacker on another machine: what is
+    measured is what its calls cost the server, not the CPU its own process takes. Ends after
+    SECONDS or on SIGTERM, then writes its counts to REPORT.json."""
     import json
+    import os
+    import signal
     import sys
     port, kind, conns, seconds, report = (argv or sys.argv[1:])
+    os.nice(19)
     flood = StreamFlood(int(port), int(conns), reset=kind == "rapid-reset")
+    signal.signal(signal.SIGTERM, lambda *_: flood.stop.set())
     flood.run(float(seconds))
     lifetimes = sorted(flood.lifetimes)
     with open(report, "w") as fh:

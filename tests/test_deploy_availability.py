@@ -313,3 +313,88 @@ def test_connections_beyond_an_addresss_cap_are_closed_and_other_addresses_keep_
     print(f"\nfigures: 40 connections beyond the cap closed {took:.2f} s after they were opened")
     refused = json.loads((out / "summary.json").read_text())["deployment"]["refused"]
     assert refused["connections closed beyond their address's cap"] == 40
+
+
+def _rss_kib(pid: int) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def _stream_flood(procs, tmp_path, kind: str) -> dict:
+    """A course of 3 clients under a stream flood of `kind` on 8 connections (tests.h2_attack,
+    its own process at the lowest priority). The flood is paused and resumed (SIGSTOP and
+    SIGCONT) in alternating 3 s windows, so that the course's rate with and without it is
+    compared under the same load from the rest of the machine; then, the flood going on,
+    client 3 is killed and started again and must join. Returns the figures."""
+    import os
+    import signal
+    out, server, port, client = _serve(procs, tmp_path, {"federate.total_round_num": 1_000_000,
+                                                         "distribute.max_streams_per_connection": 4})
+    clients = {k: client(k) for k in (1, 2, 3)}
+    metrics = out / "metrics.jsonl"
+
+    def rounds():
+        return metrics.read_text().count("\n") if metrics.exists() else 0
+
+    wait_for(lambda: rounds() >= 20, 120, "the course's first rounds")
+    time.sleep(1.0)
+    rss_before = _rss_kib(server.pid)
+    report = tmp_path / f"{kind}.json"
+    attacker = procs.start(f"attack-{kind}", ["-m", "tests.h2_attack", str(port), kind, "8", "300", str(report)])
+    done = {True: [0, 0.0], False: [0, 0.0]}   # attacking -> [rounds, seconds]
+    for window in range(8):
+        attacking = window % 2 == 1
+        os.kill(attacker.pid, signal.SIGCONT if attacking else signal.SIGSTOP)
+        time.sleep(0.5)   # the flood stopped (its connections closed) or under way again
+        first, started = rounds(), time.monotonic()
+        time.sleep(2.5)
+        done[attacking][0] += rounds() - first
+        done[attacking][1] += time.monotonic() - started
+    # a client started during the flood joins: client 3 killed, lost, then started again
+    clients[3].kill()
+    wait_exit(clients[3], 30)
+    wait_for(lambda: "client 3 lost" in text(server), 60, "client 3's loss")
+    rejoin_started = time.monotonic()
+    clients[3] = client(3)
+    wait_for(lambda: text(clients[3]).count("client 3 admitted by") == 2, 60, "client 3 to join again")
+    joined_after = time.monotonic() - rejoin_started
+    lost_at = rounds()
+    wait_for(lambda: rounds() > lost_at + 5 and json.loads(metrics.read_text().splitlines()[-1])["num_updates"] == 3,
+             60, "a round with client 3 again")
+    assert attacker.poll() is None, "the flood ended before client 3 joined"
+    attacker.terminate()
+    assert wait_exit(attacker, 60) == 0, text(attacker)[-2000:]
+    time.sleep(3.0)
+    rss_after = _rss_kib(server.pid)
+    interrupt(server)
+    assert wait_exit(server, 60) == 130, text(server)[-3000:]
+    figures = json.loads(report.read_text())
+    figures.update(rate_off=done[False][0] / done[False][1], rate_on=done[True][0] / done[True][1],
+                   joined_after=joined_after, rss_grown_mib=(rss_after - rss_before) / 1024)
+    lifetimes = figures.pop("lifetimes")   # sorted; the few open across a pause include it
+    assert len(lifetimes) >= 20, figures
+    figures.update(lifetime_median=lifetimes[len(lifetimes) // 2],
+                   lifetime_p95=lifetimes[int(0.95 * len(lifetimes))])
+    figures["refused"] = json.loads((out / "summary.json").read_text())["deployment"]["refused"]
+    print(f"\nfigures ({kind}): " + json.dumps({k: round(v, 3) if isinstance(v, float) else v
+                                                for k, v in figures.items()}))
+    assert "Traceback" not in text(server)
+    return figures
+
+
+@pytest.mark.parametrize("kind", ["rapid-reset", "header-flood"])
+def test_a_rapid_reset_or_header_flood_is_closed_fast_and_keeps_no_client_out(tmp_path, procs, kind):
+    # An outsider opens token-less calls on 8 connections as fast as its socket allows, each
+    # reset at once (rapid reset) or left open (header flood), reopening every connection the
+    # server closes. Each client has its own process, so a connection may open 4 streams
+    # (distribute.max_streams_per_connection); each is closed at its 4th refused call (by
+    # closing its socket: gRPC's Python server cannot send GOAWAY), the calls it still has
+    # queued are ended unread, so the course keeps at least half its rate, the server's
+    # memory comes back, and a client started during the flood joins.
+    f = _stream_flood(procs, tmp_path, kind)
+    assert f["calls"] >= 50_000                       # a flood, not a trickle
+    assert f["lifetime_p95"] < 2.0, f                # each closed at its 4th refusal
+    assert f["rate_on"] >= 0.5 * f["rate_off"], f
+    assert f["rss_grown_mib"] < 64, f

@@ -14,10 +14,13 @@ the connection end and frees it. Only connections that never carried an
 admitted call are closed this way: those that produce nothing but refusals. A connection
 that opens calls faster than the handler can refuse them (rapid reset, header floods) is
 closed at its BURST-th refusal; gRPC's own limit on a connection's open streams
-(`grpc.max_concurrent_streams`, set by the server) bounds the calls it queues meanwhile.
+(`grpc.max_concurrent_streams`, set by the server) bounds the calls it queues meanwhile,
+and those reach the handler as `closing` peers', ended unread. gRPC's asyncio API cannot
+send GOAWAY on one connection: the peer sees its connection end.
 
 gRPC has no cap per peer address either, so the guard counts the sockets of each address
-every SWEEP_EVERY seconds and shuts down, from an address holding more than its cap, the
+every SWEEP_EVERY seconds (less often if counting takes more than a tenth of that; scans
+for a refused peer's socket are paced alike) and shuts down, from an address holding more than its cap, the
 connections beyond it that never carried an admitted call. Linux only (`/proc/self/fd`);
 elsewhere refused connections are left to gRPC's idle timeout and addresses are not capped.
 """
@@ -35,8 +38,9 @@ RESERVED_FILES = 64   # descriptors kept for the server's own files (outputs, lo
 ADDRESS_SHARE = 4     # by default one peer address may hold a quarter of the connections
 CLOSE_AFTER = 0.5     # seconds between a refusal and the closing of its connection
 BURST = 4             # refusals on one connection within CLOSE_AFTER that close it at once
-RESCAN_EVERY = 0.2    # seconds between two scans of the descriptors for peers not yet known
+SCAN_SHARE = 10       # a scan of the descriptors waits 10x the last one's duration after it
 SWEEP_EVERY = 1.0     # seconds between two counts of the connections of each address
+SHUT_MEMORY = 2.0     # seconds a closed connection's peer is remembered (its queued calls end unread)
 _LATER = object()
 
 
@@ -114,8 +118,9 @@ class ConnectionGuard:
         self.closed = 0                # connections closed for their refusals
         self.over_cap = 0              # connections closed beyond their address's cap
         self._fds: dict[tuple[str, int], int] = {}
-        self._scanned = 0.0
+        self._scanned = self._scan_took = 0.0
         self._pending: dict[str, int] = {}   # peer -> its refusals not yet acted on
+        self._shut_at: dict[str, float] = {}   # peer -> when its connection was closed
         self.enabled = os.path.isdir("/proc/self/fd")
         if self.enabled and per_address is not None:
             self.loop.call_later(SWEEP_EVERY, self._sweep)
@@ -132,6 +137,14 @@ class ConnectionGuard:
         elif n == BURST:
             self.loop.call_soon(self._close, peer)
 
+    def closing(self, peer: str) -> bool:
+        """Whether `peer`'s connection is being or was just closed for its refusals: its calls
+        still queued in gRPC are ended without reading, logging or counting them."""
+        if self._pending.get(peer, 0) >= BURST:
+            return True
+        shut = self._shut_at.get(peer)
+        return shut is not None and time.monotonic() - shut < SHUT_MEMORY
+
     def _close(self, peer: str) -> None:
         if self._pending.pop(peer, None) is None:
             return   # closed already
@@ -141,11 +154,15 @@ class ConnectionGuard:
         fd = self._find(address)
         if fd is _LATER:   # scanned a moment ago, before this connection: look again soon
             self._pending[peer] = BURST
-            self.loop.call_later(RESCAN_EVERY, self._close, peer)
+            self.loop.call_later(SCAN_SHARE * self._scan_took, self._close, peer)
             return
         if fd is None:     # gone already
             return
-        self.closed += self._shut(address, fd)
+        if self._shut(address, fd):
+            self.closed += 1
+            self._shut_at[peer] = now = time.monotonic()
+            while now - next(iter(self._shut_at.values())) > SHUT_MEMORY:
+                del self._shut_at[next(iter(self._shut_at))]
 
     def _shut(self, address: tuple[str, int], fd: int) -> bool:
         """End the connection on `fd` (gRPC then frees it and its descriptor)."""
@@ -180,8 +197,8 @@ class ConnectionGuard:
                         if not self.admitted(_peer_string(address)) and self._shut(address, fd):
                             self.over_cap += 1
                             excess -= 1
-        finally:
-            self.loop.call_later(SWEEP_EVERY, self._sweep)
+        finally:   # at most a tenth of the loop's time, however many descriptors
+            self.loop.call_later(max(SWEEP_EVERY, SCAN_SHARE * self._scan_took), self._sweep)
 
     def _find(self, address: tuple[str, int]):
         """The descriptor of the connection from `address`; None if there is none, _LATER if
@@ -189,16 +206,18 @@ class ConnectionGuard:
         fd = self._fds.get(address)
         if fd is not None and _peer_of(fd) == address:
             return fd
-        if time.monotonic() - self._scanned < RESCAN_EVERY:
-            return _LATER
+        if time.monotonic() - self._scanned < SCAN_SHARE * self._scan_took:
+            return _LATER   # scans take at most a tenth of the loop's time, however many descriptors
         self._scan()
         return self._fds.get(address)
 
     def _scan(self) -> None:
         """The peer of each of the process's sockets."""
-        self._scanned = time.monotonic()
+        started = time.monotonic()
         self._fds = {}
         for name in os.listdir("/proc/self/fd"):
             peer = _peer_of(int(name))
             if peer is not None:
                 self._fds[peer] = int(name)
+        self._scanned = time.monotonic()
+        self._scan_took = self._scanned - started

@@ -191,9 +191,10 @@ class GrpcServerComm:
         if cap is not None:   # below the descriptor limit: the server's own files always open
             backlog.append(("grpc.max_allowed_incoming_connections", cap))
         calls = OPEN_PER_ID * self.num_clients + 16
-        # No connection needs more streams than the server ever runs: a header flood or rapid
-        # reset queues at most that many calls per connection (gRPC refuses the rest itself).
-        backlog.append(("grpc.max_concurrent_streams", calls))
+        # A header flood or rapid reset queues at most this many calls per connection (gRPC
+        # refuses the rest itself); by default as many as the server ever runs, since clients
+        # in one process share one connection.
+        backlog.append(("grpc.max_concurrent_streams", self.cfg["distribute.max_streams_per_connection"] or calls))
         server = grpc.aio.server(options=grpc_options(self.chunk_size, server=True) + backlog,
                                  maximum_concurrent_rpcs=calls)
         handler = grpc.method_handlers_generic_handler(
@@ -427,6 +428,8 @@ class GrpcServerComm:
         Frames go through `context.write` and `context.read` rather than a response generator
         and the request iterator, which would each keep the last frame alive while waiting for
         the next: two model-sized buffers per idle client, gigabytes in a fleet."""
+        if self._closer.closing(context.peer()):
+            return   # a call queued on a connection closed for its refusals: nothing to answer
         try:
             s, token = self._admit(context)
         except _Refused as refused:
