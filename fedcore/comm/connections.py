@@ -141,7 +141,7 @@ class ConnectionGuard:
         """Whether `peer`'s connection is being or was just closed for its refusals: its calls
         still queued in gRPC are ended without reading, logging or counting them."""
         if self._pending.get(peer, 0) >= BURST:
-            return True
+            return not self.admitted(peer)   # an admitted connection is not closed for refusals
         shut = self._shut_at.get(peer)
         return shut is not None and time.monotonic() - shut < SHUT_MEMORY
 
