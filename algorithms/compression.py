@@ -257,7 +257,8 @@ def _install_server(course) -> None:
 
 def compressed_layout(server, layout: dict) -> dict:
     """`validation`'s hook: the layout of a compressed update in a course that compresses."""
-    cfg = server.course.cfg
+    course = getattr(server, "course", None)    # None: a bare server object (no course, no compression)
+    cfg = course.cfg if course is not None else {"compress.type": "none"}
     if cfg["compress.type"] == "none" or set(layout) != {"model"}:
         return layout
     return wire_layout(layout["model"], cfg["compress.type"], cfg["compress.topk_fraction"])
