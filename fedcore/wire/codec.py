@@ -182,10 +182,11 @@ def decode_tensor(t: pb.Tensor, form: str = "torch") -> Any:
 
 
 def decode_envelope(data: bytes) -> pb.Envelope:
-    """Parse bytes into an Envelope; raise WireError on anything that is not one. protobuf
-    parses below 2 GiB; a larger envelope (a model of gigabytes) is read by wire/large.py."""
-    from fedcore.wire.large import PROTOBUF_LIMIT, decode_large
-    if len(data) >= PROTOBUF_LIMIT:
+    """Parse bytes into an Envelope; raise WireError on anything that is not one. Envelopes of
+    `LARGE_ENVELOPE` bytes or more (a large model) are read by wire/large.py: protobuf cannot
+    parse 2 GiB, and below that it copies each tensor's bytes twice before they are decoded."""
+    from fedcore.wire.large import LARGE_ENVELOPE, decode_large
+    if len(data) >= LARGE_ENVELOPE:
         return decode_large(data)
     env = pb.Envelope()
     try:

@@ -1,12 +1,13 @@
-"""Envelopes of 2 GiB and more, decoded without protobuf.
+"""Large envelopes (a model's), decoded without protobuf.
 
 protobuf refuses to parse a message of 2 GiB or more ("wire format was corrupt"), yet
-a model of a few gigabytes is one such message. `decode_large` reads the same wire
+a model of a few gigabytes is one such message; below that, protobuf's parse and then
+the tensor decoder each copy a tensor's bytes. `decode_large` reads the same wire
 format (proto/fedcore.proto) field by field over a memoryview: the header fields as
 protobuf would give them, and the content as a `RawValue` span that `from_value`
 decodes, each tensor copied once out of the received bytes. Anything malformed is a
-WireError, as with protobuf. `decode_envelope` sends only envelopes at the limit here,
-so every smaller message still goes through protobuf as before.
+WireError, as with protobuf. `decode_envelope` sends envelopes of `LARGE_ENVELOPE`
+(16 MiB) or more here; every smaller message still goes through protobuf as before.
 """
 from __future__ import annotations
 
@@ -19,9 +20,10 @@ from fedcore.tensor_forms import WIRE_DTYPES, get_form
 from fedcore.wire.census import _varint
 from fedcore.wire.codec import MAX_DEPTH, WireError
 
-__all__ = ["PROTOBUF_LIMIT", "RawValue", "LargeEnvelope", "decode_large", "decode_raw_value"]
+__all__ = ["PROTOBUF_LIMIT", "LARGE_ENVELOPE", "RawValue", "LargeEnvelope", "decode_large", "decode_raw_value"]
 
 PROTOBUF_LIMIT = 2 ** 31 - 1   # protobuf parses messages below this size
+LARGE_ENVELOPE = 16 * 2 ** 20  # envelopes this large are read here (one copy of each tensor)
 _DOUBLE = struct.Struct("<d")
 
 
