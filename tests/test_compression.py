@@ -146,3 +146,23 @@ def test_seeded_rounding_streams_differ_per_client_and_round():
     assert not torch.equal(a, torch.rand(4, generator=rounding_generator(0, 2, 1)))
     assert not torch.equal(a, torch.rand(4, generator=rounding_generator(0, 1, 2)))
     assert torch.equal(a, torch.rand(4, generator=rounding_generator(0, 1, 1)))
+
+
+def test_the_server_drops_an_update_whose_indices_it_cannot_decode(tmp_path):
+    from fedcore.message import Message
+    course = Course(small_cfg(tmp_path, compress__type="topk", compress__topk_fraction=0.5))
+    course.build()
+    server = course.server
+    server.round, server.selected, server.buffer = 1, {1, 2}, []
+    ref = server.aggregator.broadcast(1)["model"]
+    maps, _, _ = encode_update({n: t + 1 for n, t in ref.items()}, ref, "topk", 0.5, None)
+    name = next(iter(ref))
+    bad = dict(maps, topk_index={**maps["topk_index"], name: maps["topk_index"][name].flip(0)})
+    handle = server.handlers.entries["receiving_updates"].fn
+    handle(server, Message("updates", 1, (0,), 1, 0.0, {**bad, "num_samples": 4}))
+    assert server.buffer == [] and server.selected == {1, 2}      # dropped, counted, not collected
+    assert course.monitor.extra_summary["admission"]["undecodable compressed update"] == 1
+    handle(server, Message("updates", 2, (0,), 1, 0.0, {**maps, "num_samples": 4}))
+    assert len(server.buffer) == 1 and server.selected == {1}
+    got = server.buffer[0].content["model"]
+    assert all(torch.equal(got[n], decode_update(maps, ref, "topk")[n]) for n in ref)
