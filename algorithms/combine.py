@@ -79,3 +79,4 @@ def replace_combination(aggregator: Aggregator, rule: CombineRule, label: str) -
         return out
 
     aggregator.aggregate = aggregate
+    aggregator.combination = label   # the rule needs every update at once (algorithms/streaming.py)

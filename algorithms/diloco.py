@@ -125,6 +125,8 @@ class DiLoCoTrainer(Trainer):
 class DiLoCoAggregator(Aggregator):
     """Outer step on the averaged client deltas; momentum buffers are server-owned state."""
 
+    streams_updates = True   # the mean delta is the mean model's delta (algorithms/streaming.py)
+
     def __init__(self, model: nn.Module, cfg, num_clients: int):
         super().__init__(model, cfg, num_clients)
         o = cfg.section("algorithm.diloco")

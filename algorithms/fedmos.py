@@ -103,6 +103,8 @@ class FedMoSTrainer(Trainer):
 class FedMoSAggregator(Aggregator):
     """Sample-weighted average; with beta > 0, heavy-ball momentum on the averaged delta."""
 
+    streams_updates = True   # it needs only the weighted mean (algorithms/streaming.py)
+
     def __init__(self, model, cfg, num_clients: int):
         super().__init__(model, cfg, num_clients)
         self.beta = cfg["algorithm.fedmos.server_momentum"]

@@ -8,6 +8,7 @@ restored from a checkpoint.
 from __future__ import annotations
 
 from fedcore import admission
+from fedcore.algorithms.streaming import FoldingBuffer
 from fedcore.config import declare, positive
 from fedcore.contract import ReceivedUpdate
 from fedcore.handlers.evaluation import evaluate_global, request_client_evaluation
@@ -37,18 +38,22 @@ def aggregate(server, updates: list[ReceivedUpdate], extra: dict | None = None) 
     The admission layer refuses updates first, and a non-finite aggregate is not adopted:
     the round is rejected with the previous model kept (and run again, in deployment)."""
     course = server.course
-    received = sorted(updates, key=lambda u: (u.client_id, u.round))
-    updates = admission.admit_updates(server, received)
-    if len(updates) < len(received) and hasattr(course, "updates_refused"):   # deployment: tell them
-        course.updates_refused(received, updates)
-    if received and not updates:
+    if isinstance(updates, FoldingBuffer):   # admitted and folded one by one as they arrived
+        received, admitted = updates.received, updates.admitted
+        combined = [updates.combined()] if admitted else []
+    else:
+        received = sorted(updates, key=lambda u: (u.client_id, u.round))
+        admitted = combined = admission.admit_updates(server, received)
+    if len(admitted) < len(received) and hasattr(course, "updates_refused"):   # deployment: tell them
+        course.updates_refused(received, admitted)
+    if received and not admitted:
         return _rejected(server, "every update of the round was refused")
     snapshot = admission.Snapshot(server.aggregator)
-    fields = {"num_updates": len(updates)}
+    fields = {"num_updates": len(admitted)}
     # a round with nothing to aggregate (a skipped secure round) keeps the model, unless the
     # aggregator releases something each round (central DP's noise, whoever took part)
-    if updates or getattr(server.aggregator, "releases_empty_rounds", False):
-        fields.update(server.aggregator.aggregate(updates, server.round) or {})
+    if admitted or getattr(server.aggregator, "releases_empty_rounds", False):
+        fields.update(server.aggregator.aggregate(combined, server.round) or {})
         if not admission.finite_state(server.aggregator.global_state):
             snapshot.restore()
             return _rejected(server, "the aggregated model has non-finite values")

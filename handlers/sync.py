@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 
 from fedcore import admission
+from fedcore.algorithms.streaming import round_buffer
 from fedcore.contract import ReceivedUpdate
 from fedcore.handlers import evaluation, join, rounds, training
 from fedcore.registry import courses
@@ -16,7 +17,7 @@ def start_round(server, _event=None) -> None:
     """`all_joined_in` (and after each aggregation): sample clients and send them the model."""
     k = clients_per_round(server.course.cfg)
     server.selected = set(server.sampler.sample(k, server.course.client_ids))
-    server.buffer = []
+    server.buffer = round_buffer(server)   # a list, or a running sum that folds each update
     server.send("models", sorted(server.selected), server.aggregator.broadcast(server.round))
     if not server.selected:  # an empty sample (Poisson sampling): the round aggregates nothing now
         server.trigger("all_received")

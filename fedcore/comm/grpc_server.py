@@ -42,6 +42,7 @@ from fedcore.comm.fingerprint import differing_keys
 from fedcore.comm.stream import (MD_CLIENT_ID, MD_COURSE, MD_SESSION, MD_TOKEN, REFUSED, allowed_silence, grpc_options,
                                  heartbeat_frame, parse_frame, read_token, read_tokens, server_credentials)
 from fedcore.comm.metrics_gate import MetricsGate
+from fedcore.comm.turns import TURN_BYTES, Turns
 from fedcore.comm.validation import check_content
 from fedcore.errors import ConfigError
 from fedcore.message import SERVER_ID, Message
@@ -146,6 +147,7 @@ class GrpcServerComm:
         self._thread: threading.Thread | None = None
         self._stopping: asyncio.Event | None = None
         self._decoder: futures.ThreadPoolExecutor | None = None
+        self._turns: Turns | None = None    # large messages are buffered one at a time (turns.py)
         self._grace = 1.0
         self._handover: list = []         # events for the scheduler, gathered on the loop
         self._open: dict[int, int] = {}   # client id -> its calls still running (under _lock)
@@ -220,6 +222,7 @@ class GrpcServerComm:
         self._closer = ConnectionGuard(loop, self._admitted_on,
                                        address_cap(self.cfg["distribute.max_connections_per_address"], cap))
         self._decoder = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="fedcore-decode")
+        self._turns = Turns()
         bound.set_result(port)
         try:
             await self._stopping.wait()
@@ -511,6 +514,7 @@ class GrpcServerComm:
             log.debug("client %d: stream ended: %s", s.client_id, exc)
         finally:
             status.done = True
+            self._turns.give_back(reasm)
             reasm.drop()
             s.receiving = False
             s.outbox.wake()
@@ -531,6 +535,8 @@ class GrpcServerComm:
         """One frame from `s`'s stream; False once the stream is to end (the client left)."""
         kind = frame.WhichOneof("kind")
         if kind == "chunk":
+            if frame.chunk.offset == 0 and frame.chunk.total_size >= TURN_BYTES:
+                await self._turns.take(reasm, lambda: setattr(s, "last_seen", time.monotonic()))
             data = reasm.feed(frame.chunk)
             s.receiving = reasm.in_progress
             if data is None:
@@ -538,13 +544,14 @@ class GrpcServerComm:
             if frame.chunk.message_id <= s.last_delivered:
                 self.quiet("duplicate message", f"client {s.client_id}: dropped message "
                            f"{frame.chunk.message_id}, already received", logging.INFO)
+                self._turns.give_back(reasm)
                 return True  # sent again after a reconnect; we already have it
             if len(data) > DECODE_OFF_LOOP:   # decoding a large model would hold up other clients
                 msg = await asyncio.get_running_loop().run_in_executor(self._decoder, self._decode, s, data)
             else:
                 msg = self._decode(s, data)
             s.last_delivered = frame.chunk.message_id
-            self._hand_over(_Arrival(self, msg, len(data)))
+            self._hand_over(_Arrival(self, msg, len(data), reasm))
         elif kind == "bye":
             with self._lock:
                 if s.state == "live":
@@ -579,10 +586,10 @@ class GrpcServerComm:
 class _Arrival:
     """A received message, delivered on the scheduler thread."""
 
-    __slots__ = ("comm", "msg", "nbytes")
+    __slots__ = ("comm", "msg", "nbytes", "turn")
 
-    def __init__(self, comm: GrpcServerComm, msg: Message, nbytes: int):
-        self.comm, self.msg, self.nbytes = comm, msg, nbytes
+    def __init__(self, comm: GrpcServerComm, msg: Message, nbytes: int, turn: object = None):
+        self.comm, self.msg, self.nbytes, self.turn = comm, msg, nbytes, turn
 
     def __call__(self) -> None:
         comm, msg = self.comm, self.msg
@@ -592,7 +599,12 @@ class _Arrival:
             comm.quiet_info(f"joined {msg.sender}", f"client {msg.sender} joined the course", logging.INFO)
         elif msg.msg_type == "metrics" and not comm.metrics_gate.admit(msg):
             return
-        comm.server.deliver(msg)
+        try:
+            comm.server.deliver(msg)
+        finally:   # handled (an update folded): the next large message may come in
+            self.msg = None
+            if self.turn is not None and not comm._loop.is_closed():
+                comm._loop.call_soon_threadsafe(comm._turns.give_back, self.turn)
         comm.after_delivery()
 
 

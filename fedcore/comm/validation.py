@@ -18,7 +18,7 @@ import torch
 
 from fedcore.tensor_forms import first_nonfinite, get_form
 
-__all__ = ["CHECKS", "UPDATE_LAYOUTS", "check_content", "check_join_in", "check_updates",
+__all__ = ["CHECKS", "UPDATE_LAYOUTS", "UPDATE_ENCODINGS", "check_content", "check_join_in", "check_updates",
            "check_metrics", "model_layout", "first_nonfinite", "MAX_METRICS", "MAX_METRIC_NAME"]
 
 MAX_METRICS = 64        # entries in one metrics message
@@ -54,6 +54,9 @@ def model_layout(server) -> dict[str, dict[str, torch.Tensor]]:
 
 
 UPDATE_LAYOUTS: dict[str, Layout] = {}  # algorithm name -> its update's layout
+# behaviours that change how an update travels (compression): (server, layout) -> the layout
+# on the wire; each returns the layout unchanged when its course does not use it
+UPDATE_ENCODINGS: list[Callable[[Any, dict], dict]] = []
 
 
 def _check_map(key: str, got: Any, expected: dict[str, torch.Tensor]) -> str | None:
@@ -86,6 +89,8 @@ def _algorithm(server) -> str | None:
 
 def check_updates(content: Any, server) -> str | None:
     layout = UPDATE_LAYOUTS.get(_algorithm(server), model_layout)(server)
+    for encoding in UPDATE_ENCODINGS:
+        layout = encoding(server, layout)
     if not isinstance(content, dict) or ("model" in layout and not isinstance(content.get("model"), dict)):
         keys = " and ".join(f"a '{k}' map" for k in layout)
         return f"updates content must be a map with {keys} of tensors"

@@ -145,6 +145,9 @@ def from_value(v: pb.Value, form: str = "torch", _depth: int = 0) -> Any:
     """Rebuild content from a protobuf Value, tensors in `form`; WireError if it is malformed."""
     if _depth > MAX_DEPTH:
         raise WireError(f"content nested deeper than {MAX_DEPTH} levels")
+    if not isinstance(v, pb.Value):   # the content of an envelope of 2 GiB or more (wire/large.py)
+        from fedcore.wire.large import decode_raw_value
+        return decode_raw_value(v, form)
     kind = v.WhichOneof("kind")
     if kind is None or kind == "none":
         return None
@@ -179,7 +182,12 @@ def decode_tensor(t: pb.Tensor, form: str = "torch") -> Any:
 
 
 def decode_envelope(data: bytes) -> pb.Envelope:
-    """Parse bytes into an Envelope; raise WireError on anything that is not one."""
+    """Parse bytes into an Envelope; raise WireError on anything that is not one. Envelopes of
+    `LARGE_ENVELOPE` bytes or more (a large model) are read by wire/large.py: protobuf cannot
+    parse 2 GiB, and below that it copies each tensor's bytes twice before they are decoded."""
+    from fedcore.wire.large import LARGE_ENVELOPE, decode_large
+    if len(data) >= LARGE_ENVELOPE:
+        return decode_large(data)
     env = pb.Envelope()
     try:
         env.ParseFromString(data)

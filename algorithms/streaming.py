@@ -1,0 +1,174 @@
+"""Streaming aggregation: each update is folded into a running weighted sum as it arrives.
+
+A FedAvg-family aggregator needs of a round's updates only sum_i w_i x_i and sum_i w_i
+(the models' weighted mean and its weight): FedAvg and FedProx, every server optimizer
+(FedAvgM, FedAdam, FedYogi, FedAdagrad step from that mean), DiLoCo's outer step
+(uniform weights) and FedMoS's server momentum. So the synchronous course's buffer can be
+a `FoldingBuffer`: an arriving update passes admission's per-update checks, is weighted
+by the aggregator's own rule and added to a float64 running sum, and is let go. The
+server then holds the global model, the running sum (float64: twice a float32 model) and
+the update being folded, however many clients send; at the round's end the aggregator
+receives one update carrying the mean (with `contributors` naming the clients, as a
+secure sum does), whose weighted mean is itself.
+
+The float64 sum makes the result the exact mean up to float64 rounding, whatever the
+order updates arrive in, then rounded once to the model's dtype; the list-based path
+sums in the model's dtype, so the two agree to that dtype's rounding (float32: ~1e-7
+relative). Rules that need every update at once keep the list: robust rules and central
+DP (their combination replaces the mean, `combine.replace_combination`), admission's
+influence check (a median over the round; off in simulation, on in deployment unless
+`admission.norm_ratio: .inf`), FedEx, and aggregators with a rule of their own
+(SCAFFOLD, FedNova, FedDyn, FedBuff, pFedMe, asynchronous courses). Those hold k
+updates of a round: k times the model. See docs/performance.md (W8).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fedcore import admission, registry
+from fedcore.config import declare
+from fedcore.contract import Aggregator, ReceivedUpdate
+from fedcore.errors import ConfigError
+
+__all__ = ["RunningMean", "FoldingBuffer", "folds", "round_buffer", "AUTO_MIN_BYTES"]
+
+AUTO_MIN_BYTES = 16 * 2 ** 20   # `auto` folds models at least this large
+
+declare("aggregator.streaming", str, "auto", "fold each update into a running weighted sum as it "
+        "arrives, so server memory does not grow with the clients (FedAvg-family rules): on, off, "
+        "or auto (on for models of 16 MiB or more, where the rule allows it)",
+        choices=("auto", "on", "off"))
+
+
+class RunningMean:
+    """sum_i w_i x_i (float64) and sum_i w_i over models folded one at a time.
+
+    As the list-based mean does, a round whose weights are all zero is averaged uniformly:
+    until a positive weight arrives the sum is unweighted, and it restarts at that weight."""
+
+    def __init__(self) -> None:
+        self.sum: dict[str, torch.Tensor] | None = None
+        self.like: dict[str, tuple[torch.dtype, torch.Size]] = {}
+        self.total = 0.0      # sum of the positive weights
+        self.count = 0        # models folded while every weight was zero
+
+    def fold(self, model: dict[str, torch.Tensor], weight: float) -> None:
+        if self.sum is None:
+            self.sum = {n: torch.zeros(t.shape, dtype=torch.float64, device=t.device) for n, t in model.items()}
+            self.like = {n: (t.dtype, t.shape) for n, t in model.items()}
+        if weight > 0:
+            if self.total == 0 and self.count:
+                for acc in self.sum.values():
+                    acc.zero_()
+            self.total += weight
+        elif self.total == 0:
+            self.count += 1
+            weight = 1.0
+        else:
+            return     # weight zero among positive weights: it adds nothing
+        for name, acc in self.sum.items():
+            acc.add_(model[name].to(torch.float64), alpha=weight)
+
+    @property
+    def weight(self) -> float:
+        return self.total if self.total > 0 else float(self.count)
+
+    def mean(self) -> dict[str, torch.Tensor]:
+        """The weighted mean in each entry's own dtype (integers rounded); releases the sum."""
+        out, divisor = {}, self.weight
+        for name, acc in (self.sum or {}).items():
+            dtype, _ = self.like[name]
+            acc.div_(divisor)
+            out[name] = acc.to(dtype) if dtype.is_floating_point else acc.round_().to(dtype)
+        self.sum = None
+        return out
+
+
+class FoldingBuffer:
+    """A synchronous round's updates, folded as they arrive; `received` and `admitted` keep
+    only who sent what (records without the model), for the round's record and refusals."""
+
+    def __init__(self, server) -> None:
+        self.server = server
+        self.running = RunningMean()
+        self.received: list[ReceivedUpdate] = []
+        self.admitted: list[ReceivedUpdate] = []
+
+    def append(self, update: ReceivedUpdate) -> None:
+        record = ReceivedUpdate(update.client_id, {"num_samples": update.content.get("num_samples")},
+                                update.round, update.staleness)
+        self.received.append(record)
+        kept = admission.admit_updates(self.server, [update])
+        if not kept:
+            return
+        update = kept[0]
+        self.running.fold(update.content["model"], float(self.server.aggregator.weights([update])[0]))
+        self.admitted.append(record)
+
+    def __len__(self) -> int:
+        return len(self.received)
+
+    def combined(self) -> ReceivedUpdate:
+        """One update standing for the admitted ones: their weighted mean, weighing their total."""
+        ids = sorted(r.client_id for r in self.admitted)
+        weight = self.running.weight
+        one = ReceivedUpdate(ids[0], {"model": self.running.mean(), "num_samples": weight},
+                             self.admitted[0].round, 0)
+        one.contributors = ids
+        return one
+
+
+def folds(aggregator) -> bool:
+    """Whether `aggregator` depends on a round's updates only through their weighted mean:
+    the class that defines its `aggregate` is the contract's (FedAvg) or says so with
+    `streams_updates = True`, and no behaviour replaced its combination of updates."""
+    if getattr(aggregator, "combination", None) is not None:
+        return False
+    owner = next(c for c in type(aggregator).__mro__ if "aggregate" in vars(c))
+    return owner is Aggregator or bool(vars(owner).get("streams_updates", False))
+
+
+def _model_bytes(aggregator) -> int:
+    return sum(t.numel() * t.element_size() for t in aggregator.global_state.values())
+
+
+def _why_not(server) -> str | None:
+    cfg = server.course.cfg
+    if cfg["algorithm.name"] == "fedex":
+        return "FedEx's aggregation reads each update's feedback"
+    if not folds(server.aggregator):
+        return (f"the {cfg['algorithm.name']} aggregation (or aggregator.robust_rule / central DP) "
+                "needs every update at once")
+    ratio = admission.norm_ratio(server.course)
+    if ratio is not None and not math.isinf(ratio):
+        return ("admission.norm_ratio compares each update with the round's others (set "
+                "admission.norm_ratio: .inf to turn that check off)")
+    return None
+
+
+def round_buffer(server) -> list | FoldingBuffer:
+    """The buffer a synchronous round collects into: folding where the rule and the config
+    allow it (`aggregator.streaming`), else a list."""
+    mode = server.course.cfg["aggregator.streaming"]
+    if mode == "off" or _why_not(server) is not None:
+        return []
+    if mode == "auto" and _model_bytes(server.aggregator) < AUTO_MIN_BYTES:
+        return []
+    return FoldingBuffer(server)
+
+
+def install(course) -> None:
+    """`aggregator.streaming: on` where no update can be folded is refused when the course is built."""
+    if course.server is None or course.cfg["course"] != "sync":
+        why = None if course.server is None else "only synchronous rounds fold (course: sync)"
+    else:
+        why = _why_not(course.server)
+    if why is not None:
+        raise ConfigError(f"aggregator.streaming: on cannot fold updates here: {why}; "
+                          "set aggregator.streaming to auto or off")
+
+
+install.enabled = lambda cfg: cfg["aggregator.streaming"] == "on"
+registry.behaviours.register("streaming_aggregation", install)

@@ -1,0 +1,166 @@
+"""W8: large models with bounded server memory.
+
+    python bench/w8_large_model.py [--runs 100MB:8,1GB:8,3GB:2] [--modes deploy,sim] [--rounds 2]
+
+For each model size and number of clients, one FedAvg course of an MLP 64 -> H -> 3
+(H chosen so its float32 weights take the size; one local step of 10 samples, so
+the time goes to moving and aggregating the model) runs with streaming aggregation on:
+
+- `deploy`: a server and one process per client on loopback (gRPC, plaintext), each
+  client holding its own copy of the model; the server's peak RSS is measured in its
+  own process (bench/peak_rss.py, `getrusage`);
+- `sim`: one simulation process, whose peak RSS holds the server and every simulated
+  client's model and in-flight update (a simulation trains all of a round's clients
+  before their replies arrive), so its ratio is not the server's alone.
+
+Each run prints its peak RSS over the model's size (and the part above a process's own
+footprint, measured first with a 1 MB model) and the wall time of its last round
+(the wall time between the last two round records). The last line is
+`server_peak_rss_over_model=<the largest deployed server's ratio>`. Sizes that do not
+fit the machine's memory are left out with a line saying so (estimate from the ratios
+measured at 100 MB: a deployed client ~5x the model, the server ~12x, a simulation
+~(clients + 12)x, plus ~0.4 GB per process).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+UNITS = {"MB": 10 ** 6, "GB": 10 ** 9}
+BASE_PROCESS = 0.4e9            # a python process with torch and grpc, before any model
+
+
+def parse_runs(text: str) -> list[tuple[str, int, int]]:
+    out = []
+    for item in text.split(","):
+        size, clients = item.split(":")
+        number, unit = size[:-2], size[-2:].upper()
+        out.append((size, int(float(number) * UNITS[unit]), int(clients)))
+    return out
+
+
+def course_yaml(path: Path, size: int, clients: int, rounds: int) -> Path:
+    hidden = max(1, size // 4 // 69)     # 64*H + H + 3*H + 3 floats
+    tree = {"seed": 0, "verbose": False,
+            "federate": {"client_num": clients, "total_round_num": rounds},
+            "data": {"type": "synthetic", "partition": "natural",
+                     "synthetic": {"samples_per_client": 10, "dim": 64, "num_classes": 3}},
+            "model": {"type": "mlp", "hidden": [hidden]},
+            "train": {"batch_size": 10, "local_steps": 1, "optimizer": {"lr": 0.01}},
+            "eval": {"clients": False}, "aggregator": {"streaming": "on"},
+            "admission": {"norm_ratio": float("inf")},
+            "distribute": {"insecure": True, "token": "w8", "heartbeat_timeout": 600.0}}
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+def _env() -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _round_wall(outdir: Path) -> float:
+    records = [json.loads(x) for x in (outdir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    walls = [r["wall_time"] for r in records]
+    return walls[-1] - walls[-2] if len(walls) > 1 else walls[-1]
+
+
+def run_sim(cfg: Path, out: Path) -> tuple[int, float]:
+    peak = out.with_suffix(".rss")
+    subprocess.run([sys.executable, "-m", "bench.peak_rss", str(peak), "fedcore.run", "--cfg", str(cfg),
+                    f"outdir={out}"], check=True, cwd=ROOT, env=_env())
+    return int(peak.read_text()), _round_wall(out)
+
+
+def run_deploy(cfg: Path, out: Path, clients: int) -> tuple[int, float]:
+    peak, logs = out.with_suffix(".rss"), out.parent / f"{out.name}_logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    procs = []
+
+    def start(name, args):
+        with (logs / f"{name}.log").open("wb") as fh:
+            procs.append(subprocess.Popen([sys.executable, *args], stdout=fh, stderr=subprocess.STDOUT,
+                                          cwd=ROOT, env=_env()))
+        return procs[-1]
+    try:
+        server = start("server", ["-m", "bench.peak_rss", str(peak), "fedcore.run", "--cfg", str(cfg),
+                                  "federate.mode=distributed", "distribute.role=server",
+                                  "distribute.server_port=0", f"outdir={out}"])
+        address = out / "server_address"
+        deadline = time.monotonic() + 300
+        while not (address.exists() and address.read_text().strip()):
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"server did not start: {(logs / 'server.log').read_text()[-2000:]}")
+            time.sleep(0.2)
+        port = address.read_text().strip().rsplit(":", 1)[1]
+        for k in range(1, clients + 1):
+            start(f"client{k}", ["-m", "fedcore.run", "--cfg", str(cfg), "federate.mode=distributed",
+                                 "distribute.role=client", f"distribute.server_port={port}",
+                                 f"distribute.client_id={k}"])
+        if server.wait(3600) != 0:
+            raise RuntimeError(f"server failed: {(logs / 'server.log').read_text()[-2000:]}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    return int(peak.read_text()), _round_wall(out)
+
+
+def fits(mode: str, size: int, clients: int, available: int) -> bool:
+    """Whether a run should fit in `available` bytes, from the ratios measured at 100 MB."""
+    need = ((12 + 5 * clients) * size + (clients + 1) * BASE_PROCESS if mode == "deploy"
+            else (clients + 12) * size + BASE_PROCESS)
+    return need < 0.8 * available
+
+
+def available_bytes() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runs", default="100MB:8,1GB:8,3GB:2")
+    p.add_argument("--modes", default="deploy,sim")
+    p.add_argument("--rounds", type=int, default=2)
+    args = p.parse_args(argv)
+    largest = 0.0
+    with tempfile.TemporaryDirectory() as tmp:
+        # a process's own footprint (python, torch, grpc), from a 1 MB model's deployed server
+        base, _ = run_deploy(course_yaml(Path(tmp) / "base.yaml", 10 ** 6, 2, 1), Path(tmp) / "base", 2)
+        print(f"W8 process baseline (server of a 1 MB model): {base / 1e9:.2f} GB", flush=True)
+        for label, size, clients in parse_runs(args.runs):
+            for mode in args.modes.split(","):
+                if not fits(mode, size, clients, available_bytes()):
+                    print(f"W8 {mode} {label} x{clients}: left out, does not fit the "
+                          f"{available_bytes() / 1e9:.1f} GB available", flush=True)
+                    continue
+                out = Path(tmp) / f"{mode}_{label}_{clients}"
+                cfg = course_yaml(Path(tmp) / f"{mode}_{label}_{clients}.yaml", size, clients, args.rounds)
+                peak, wall = (run_deploy(cfg, out, clients) if mode == "deploy" else run_sim(cfg, out))
+                ratio = peak / size
+                who = "server" if mode == "deploy" else "simulation process"
+                print(f"W8 {mode} {label} x{clients}: {who} peak RSS {peak / 1e9:.2f} GB = {ratio:.2f}x "
+                      f"the model ({(peak - base) / size:.2f}x above the baseline); {wall:.1f} s wall "
+                      "per round", flush=True)
+                if mode == "deploy":
+                    largest = max(largest, ratio)
+    print(f"server_peak_rss_over_model={largest:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
