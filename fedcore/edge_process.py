@@ -73,6 +73,13 @@ class _Rejoin:
                                              "num_samples": sum(edge.declared_samples.values())})
 
 
+def check_edge_round(edge: Edge, event=None) -> None:
+    """Edge `round_check` (periodic): a star server's deadline checks, while the edge runs a cloud
+    round (between rounds it waits for the cloud, not for its clients)."""
+    if edge.in_cloud_round:
+        deployment.round_check(edge, event)
+
+
 def rerun_edge_round(edge: Edge, _event=None) -> None:
     """Edge `all_joined_in` (raised by the deployment handlers when every client waited for was
     lost before replying): run this edge round again with the clients connected, if any."""
@@ -150,7 +157,7 @@ class EdgeCourse(Course):
         self.extra_tables.append(table)
         install_edge(table)
         table.register("client_lost", deployment.client_lost, sends=("all_received", "all_joined_in"))
-        table.register("round_check", deployment.round_check, sends=("all_received", "all_joined_in"))
+        table.register("round_check", check_edge_round, sends=("all_received", "all_joined_in"))
         table.register("all_joined_in", rerun_edge_round, sends=("models", "all_received"))
         index = sorted(topology.edges).index(edge_id)
         self.edge = Edge(edge_id, index, children, table, self, model)

@@ -22,8 +22,8 @@ pytestmark = pytest.mark.slow
 # 4 clients under 2 edges (ids 5 and 6: clients 1-2 and 3-4), kappa_2 = 2 edge rounds
 COURSE = {"federate.client_num": 4, "topology.edges": 2, "topology.edge_rounds": 2,
           "train.local_steps": 2, "eval.clients": False}
-WIRE = {"distribute.insecure": True, "distribute.token": "t", "distribute.heartbeat_interval": 0.2,
-        "distribute.heartbeat_timeout": 2.0, "distribute.backoff_max": 0.5}
+WIRE = {"distribute.insecure": True, "distribute.token": "t", "distribute.heartbeat_interval": 0.5,
+        "distribute.heartbeat_timeout": 5.0, "distribute.backoff_max": 0.5}
 
 
 def _records(path):
@@ -88,7 +88,9 @@ def test_deployed_hierarchy_equals_the_simulation(tmp_path, procs):
     assert summary["topology"] == {"5": [1, 2], "6": [3, 4]}
 
 
-ROUNDS = 12
+# A round lasts at least a client's 0.5 s pause, so 40 rounds outlast the cloud noticing the
+# killed edge (5 s) and the new edge process starting up.
+ROUNDS = 40
 
 
 def test_a_killed_edge_is_dropped_and_rejoins_when_it_comes_back(tmp_path, procs):
@@ -97,16 +99,13 @@ def test_a_killed_edge_is_dropped_and_rejoins_when_it_comes_back(tmp_path, procs
     rejoins the cloud, whose later rounds have two edge models again."""
     cfg = write_cfg(tmp_path / "course.yaml", {
         **COURSE, **WIRE, "federate.total_round_num": ROUNDS, "topology.edge_rounds": 1,
-        "plugins": ["tests.slow_plugin"], "slow_test.pause": 0.3, "distribute.retry_timeout": 60.0})
+        "plugins": ["tests.slow_plugin"], "algorithm.name": "fedavg_pausing", "slow_test.pause": 0.5, "distribute.retry_timeout": 60.0})
     out = tmp_path / "out"
     cloud, edges, clients, ports, edge = _tree(procs, cfg, out)
     wait_for(lambda: _records(out / "metrics.jsonl"), 120, "the first cloud round")
     edges[6].kill()   # no goodbye: the cloud must notice the silence
+    again = edge(6, ports[6])   # on the port its clients redial; it starts up meanwhile
     wait_for(lambda: "client 6 lost" in text(cloud), 30, "the cloud to notice edge 6's death")
-    wait_for(lambda: any(r["num_updates"] == 1 for r in _records(out / "metrics.jsonl")), 60,
-             "a cloud round without edge 6")
-    address_file(out, 6).unlink()
-    again = edge(6, ports[6])   # on the port its clients redial
     assert wait_exit(cloud, 240) == 0, text(cloud)[-3000:]
     records = _records(out / "metrics.jsonl")
     assert [r["round"] for r in records] == list(range(1, ROUNDS + 1))
