@@ -147,11 +147,16 @@ def main(argv: list[str] | None = None) -> int:
     client_env: dict[int, dict] = {k: dict(os.environ) for k in range(1, n + 1)}
     secrets_dir = None
     guardian = _Guardian()  # before anything it would have to clean up
+    tree = None
+    if cfg["topology.edges"]:   # a hierarchical course: edge processes between server and clients
+        from fedcore.launch_tree import LaunchTree
+        tree = LaunchTree(cfg, n)
     if not any(cfg[k] for k in ("distribute.token", "distribute.tokens", "distribute.token_file",
                                 "distribute.tokens_file")) and not os.environ.get(TOKEN_ENV):
         tokens = {k: secrets.token_hex(16) for k in range(1, n + 1)}
         secrets_dir = guardian.secrets(Path(tempfile.mkdtemp(prefix="fedcore-tokens-")))  # mode 0700
-        server_extra.append(f"distribute.tokens_file={write_private(secrets_dir / 'tokens.yaml', tokens)}")
+        cloud_tokens = tree.tokens(tokens, secrets_dir) if tree else tokens
+        server_extra.append(f"distribute.tokens_file={write_private(secrets_dir / 'tokens.yaml', cloud_tokens)}")
         for k, token in tokens.items():
             client_env[k][TOKEN_ENV] = token
     client_extra: dict[int, list[str]] = {k: [] for k in range(1, n + 1)}
@@ -189,10 +194,16 @@ def main(argv: list[str] | None = None) -> int:
                 return EXIT_FAILURE
             time.sleep(0.1)
         port = address_file.read_text().strip().rsplit(":", 1)[1]
+        ports = {k: port for k in range(1, n + 1)}
+        if tree is not None:   # each client dials its edge
+            ports = tree.start(base + args.server_opt, port, outdir, guardian.watch, preexec, procs,
+                               args.startup_timeout)
+            if ports is None:
+                return EXIT_FAILURE
         for k in range(1, n + 1):
             procs.append(guardian.watch(subprocess.Popen(
                 base + args.client_opt + client_extra[k] + [
-                    "distribute.role=client", f"distribute.client_id={k}", f"distribute.server_port={port}"],
+                    "distribute.role=client", f"distribute.client_id={k}", f"distribute.server_port={ports[k]}"],
                 env=client_env[k], preexec_fn=preexec)))
         rc = server.wait()
         clients = procs[1:]

@@ -116,3 +116,42 @@ def test_a_killed_edge_is_dropped_and_rejoins_when_it_comes_back(tmp_path, procs
         assert wait_exit(p, 60) == 0, text(p)[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert any(e["client"] == 6 for e in summary["lost_clients"])
+
+
+def test_launch_starts_the_edges(tmp_path, procs):
+    """`fedcore.launch` with topology.edges: the cloud, one process per edge, each client
+    dialling its edge with its own token (the cloud accepts only the edges'); the course equals
+    its simulation."""
+    keys = {**COURSE, "topology.assign": "random"}
+    cfg = write_cfg(tmp_path / "course.yaml", {**keys, "distribute.heartbeat_interval": 0.5})
+    out = tmp_path / "deployed"
+    launcher = procs.start("launch", ["-m", "fedcore.launch", "--cfg", str(cfg), f"outdir={out}"])
+    assert wait_exit(launcher, 300) == 0, text(launcher)[-3000:]
+    log = text(launcher)
+    assert "edge 5: course finished" in log and "edge 6: course finished" in log
+    assert all(f"client {k}: course finished" in log for k in (1, 2, 3, 4))
+    summary = json.loads((out / "summary.json").read_text())
+    assert sorted(summary["deployment"]["clients"]) == ["5", "6"]   # only edges dialled the cloud
+    sim = _simulate(tmp_path, keys)
+    assert summary["topology"] == json.loads((sim / "summary.json").read_text())["topology"]
+    deployed = torch.load(out / "final_model.pt", weights_only=True)
+    simulated = torch.load(sim / "final_model.pt", weights_only=True)
+    for entry in simulated:
+        assert torch.allclose(deployed[entry], simulated[entry], rtol=0, atol=1e-6), entry
+
+
+def test_launch_tokens_give_each_tier_only_its_own(tmp_path):
+    """The launcher's tokens for a tree: the cloud accepts the edges' tokens only, each edge its
+    own clients' only, and each edge alone holds the token the cloud accepts for it."""
+    from fedcore.launch_tree import CLOUD_TOKEN_ENV, LaunchTree
+    import yaml
+    tree = LaunchTree(small_cfg(None, **{k.replace(".", "__"): v for k, v in COURSE.items()}), 4)
+    clients = {k: f"client-token-{k}" for k in (1, 2, 3, 4)}
+    cloud = tree.tokens(clients, tmp_path)
+    assert sorted(cloud) == [5, 6] and not set(cloud.values()) & set(clients.values())
+    for e, members in {5: [1, 2], 6: [3, 4]}.items():
+        (option,) = tree.edge_extra[e]
+        accepted = yaml.safe_load(open(option.split("=", 1)[1]))
+        assert accepted == {c: clients[c] for c in members}
+        assert tree.edge_env[e][CLOUD_TOKEN_ENV] == cloud[e]
+        assert (tmp_path / f"tokens_of_edge_{e}.yaml").stat().st_mode & 0o077 == 0
