@@ -12,6 +12,8 @@ unchanged: they report to their `parent`, their edge.
 from __future__ import annotations
 
 from fedcore import admission, registry
+from fedcore.algorithms import robust
+from fedcore.algorithms.combine import replace_combination
 from fedcore.algorithms.fedavg import FedAvgAggregator
 from fedcore.errors import ConfigError
 from fedcore.handlers import evaluation, join, rounds, sync, training
@@ -35,6 +37,9 @@ class Edge(Worker):
         cfg = course.cfg
         self.children = children
         self.aggregator = course.algorithm.aggregator(model, cfg, len(children))
+        rule = robust.edge_rule(cfg)   # topology.edge_robust_rule; the cloud's is aggregator.robust_rule
+        if rule is not None:
+            replace_combination(self.aggregator, rule, f"topology.edge_robust_rule {cfg['topology.edge_robust_rule']}")
         # edge i draws from the stream seed + 1009 i (the first edge's is the flat server's)
         self.sampler = registry.samplers.get(cfg["federate.sampler"])(children, cfg["seed"] + 1009 * index,
                                                                       course.timing)

@@ -265,3 +265,64 @@ def test_an_edge_refuses_an_update_claiming_more_than_its_client_declared(tmp_pa
     s = _run(tmp_path, topology__edges=2)
     assert s["admission"] == {"num_samples above the declared count": 2}
     assert [r["num_updates"] for r in _records(tmp_path)] == [2, 2]
+
+
+def test_median_at_the_edges_by_hand(tmp_path):
+    """topology.edge_robust_rule=median, FedAvg at the cloud: six clients (1, 2, 3, 1, 2, 1 points)
+    under two edges of three, one SGD step each (kappa_1 = kappa_2 = 1), one cloud round. Each edge
+    takes the coordinate median of its three clients' models (the middle value, whatever their
+    sample counts); the cloud averages the two edge models by |D_l| = 6 and 4."""
+    points = {1: [(1.0, 2.0)], 2: [(0.0, 1.0), (2.0, -1.0)], 3: [(1.0, 0.5), (-1.0, 1.5), (3.0, 2.0)],
+              4: [(0.5, 3.0)], 5: [(2.0, 2.0), (-2.0, 0.0)], 6: [(4.0, -1.0)]}
+    lr = 0.1
+    cfg = small_cfg(tmp_path, eval__clients=False, federate__client_num=6, federate__total_round_num=1,
+                    train__local_steps=1, train__batch_size=8, train__optimizer__lr=lr,
+                    train__loss="mse", model__dtype="float64", topology__edges=2,
+                    topology__edge_robust_rule="median")
+    course = Course(cfg).build(data=_line_data(points))
+    start = course.server.aggregator.global_state
+    w0, b0 = start["1.weight"].item(), start["1.bias"].item()
+    course.run()
+
+    def sgd(pts):
+        r = [w0 * x + b0 - y for x, y in pts]
+        return w0 - lr * 2 / len(pts) * sum(ri * x for ri, (x, _) in zip(r, pts)), b0 - lr * 2 / len(pts) * sum(r)
+
+    def middle(values):
+        return sorted(values)[1]
+    edges = {}
+    for e, members in ((7, [1, 2, 3]), (8, [4, 5, 6])):
+        models = [sgd(points[c]) for c in members]
+        edges[e] = (middle([m[0] for m in models]), middle([m[1] for m in models]))
+    w = (6 * edges[7][0] + 4 * edges[8][0]) / 10
+    b = (6 * edges[7][1] + 4 * edges[8][1]) / 10
+    final = _final(tmp_path)
+    assert final["1.weight"].item() == pytest.approx(w, abs=1e-12)
+    assert final["1.bias"].item() == pytest.approx(b, abs=1e-12)
+
+
+def test_one_edge_with_an_edge_rule_is_the_flat_rule(tmp_path):
+    """One edge, kappa_2 = 1: trimmed mean at the edge equals the flat course's trimmed mean
+    (the cloud's average of one model is that model)."""
+    common = dict(federate__total_round_num=2, aggregator__trim_ratio=0.2)
+    _run(tmp_path / "flat", aggregator__robust_rule="trimmed_mean", **common)
+    _run(tmp_path / "tree", topology__edges=1, topology__edge_robust_rule="trimmed_mean", **common)
+    _run(tmp_path / "plain", topology__edges=1, **common)
+    flat, tree, plain = (_final(tmp_path / n) for n in ("flat", "tree", "plain"))
+    assert all(torch.allclose(flat[k], tree[k], atol=1e-7, rtol=0) for k in flat)
+    assert not all(torch.allclose(plain[k], tree[k], atol=1e-4, rtol=0) for k in flat)
+
+
+def test_deployed_tree_refusals():
+    """Deployed, the tree comes from ids alone, clients are evaluated by nobody, and an edge's id
+    follows the clients'."""
+    base = dict(topology__edges=2, eval__clients=False, distribute__role="edge", distribute__edge_id=7)
+    small_cfg(None, **base)
+    for bad, words in ((dict(topology__assign="by_label"), "topology.assign"),
+                       (dict(eval__clients=True), "eval.clients"),
+                       (dict(distribute__edge_id=6), "distribute.edge_id"),
+                       (dict(distribute__edge_id=9), "distribute.edge_id")):
+        with pytest.raises(ConfigError, match=words):
+            small_cfg(None, **{**base, **bad})
+    with pytest.raises(ConfigError, match="topology.edge_robust_rule"):
+        small_cfg(None, topology__edge_robust_rule="median")
