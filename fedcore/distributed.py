@@ -38,7 +38,7 @@ log = logging.getLogger("fedcore.deploy")
 
 
 declare("distribute.role", str, None, "this process's part in a distributed course (setting it "
-        "implies federate.mode: distributed)",
+        "implies federate.mode: distributed); edge: an edge aggregator of a hierarchical course",
         choices=("server", "client", "edge"))
 declare("distribute.server_host", str, "127.0.0.1", "server: address to listen on (0.0.0.0 for all "
         "interfaces); client: the server's host name or address")
