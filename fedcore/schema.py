@@ -130,6 +130,12 @@ declare("topology.edge_link.upload_bandwidth", float, 1.0e7, "bytes/s from an ed
         check=positive)
 declare("topology.edge_link.download_bandwidth", float, 1.0e8, "bytes/s from the cloud to an edge",
         check=positive)
+declare("topology.cloud_aggregator", str, "sync", "hierarchical courses: how the cloud combines edge "
+        "models: sync (wait for every edge, the algorithm's aggregator: HierFAVG), fedasync or "
+        "fedbuff (take edge updates as they come, topology.cloud_buffer at a time, discounted by "
+        "asyn.staleness_discount; simulation only)", choices=("sync", "fedasync", "fedbuff"))
+declare("topology.cloud_buffer", int, 1, "topology.cloud_aggregator fedasync/fedbuff: edge updates "
+        "per cloud aggregation (FedBuff's K)", check=positive)
 declare("distribute.edge_id", int, None, "distribute.role=edge: this edge aggregator's id, one of "
         "federate.client_num+1 .. federate.client_num+topology.edges (its clients follow from "
         "topology.assign)", check=positive)

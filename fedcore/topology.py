@@ -40,6 +40,18 @@ def _check_topology_keys(cfg) -> None:
     if cfg["course"] != "sync":
         raise ConfigError(f"topology.edges: a hierarchical course runs HierFAVG's synchronous "
                           f"rounds; course={cfg['course']} is not supported with edges (use course=sync)")
+    cloud = cfg["topology.cloud_aggregator"]
+    if cloud != "sync":
+        if cfg.get("distribute.role"):
+            raise ConfigError(f"topology.cloud_aggregator: {cloud} at the cloud runs in simulation "
+                              "only so far; deployed, use sync")
+        plain_step = cfg["server_optimizer.type"] == "sgd" and cfg["server_optimizer.lr"] in (None, 1)
+        if not plain_step or cfg["aggregator.robust_rule"] != "none":
+            raise ConfigError(f"topology.cloud_aggregator: {cloud} is the cloud's rule; leave "
+                              "server_optimizer.* (plain sgd) and aggregator.robust_rule unset")
+        if cfg["topology.cloud_buffer"] > edges:
+            raise ConfigError(f"topology.cloud_buffer: {cfg['topology.cloud_buffer']} edge updates "
+                              f"per aggregation, but only {edges} edges")
     if cfg.get("distribute.role") and cfg["topology.assign"] not in ("contiguous", "random"):
         raise ConfigError(f"topology.assign: {cfg['topology.assign']} reads every client's data or "
                           "device profile, which no deployed process holds; deployed, use "

@@ -16,7 +16,7 @@ from fedcore.algorithms import robust
 from fedcore.algorithms.combine import replace_combination
 from fedcore.algorithms.fedavg import FedAvgAggregator
 from fedcore.errors import ConfigError
-from fedcore.handlers import evaluation, join, rounds, sync, training
+from fedcore.handlers import edge_async, evaluation, join, rounds, sync, training
 from fedcore.schema import clients_per_round
 from fedcore.topology import TIERS, TierLinks, assign, check
 from fedcore.worker import HandlerTable, Worker
@@ -74,6 +74,7 @@ def admit_to_edge(edge: Edge, msg) -> None:
 def start_edge_rounds(edge: Edge, msg) -> None:
     """Edge `receiving_models`: adopt the cloud model and start kappa_2 edge rounds from it."""
     edge.cloud_round, edge.in_cloud_round = msg.round, True
+    edge.cloud_model = msg.content["model"]   # what a FedBuff cloud's delta is taken from
     edge.aggregator.global_state = {**edge.aggregator.global_state, **msg.content["model"]}
     edge.edge_round = 0
     _next_edge_round(edge)
@@ -102,8 +103,7 @@ def aggregate_at_edge(edge: Edge, _event=None) -> None:
     if edge.edge_round < edge.course.cfg["topology.edge_rounds"]:
         _next_edge_round(edge)
         return
-    content = {"model": edge.aggregator.broadcast(edge.cloud_round)["model"],
-               "num_samples": sum(edge.declared_samples.values())}
+    content = edge_async.edge_content(edge, edge.aggregator.broadcast(edge.cloud_round)["model"])
     edge.in_cloud_round = False
     edge.send("updates", edge.parent, content, round_=edge.cloud_round)
 
@@ -182,10 +182,13 @@ def install(course) -> None:
     course.monitor.extra_summary["tiers"] = course.links.totals   # live: written at the end
     s = course.server_table
     s.register("receiving_join_in", admit_edge, sends=("all_joined_in",))
-    s.register("all_joined_in", start_cloud_round, sends=("models",))
-    s.register("receiving_updates", sync.collect_update, sends=("all_received",))
-    s.register("all_received", aggregate_at_cloud,
-               sends=("models", "eval_request", "max_rounds_reached", "early_stop"))
+    if cfg["topology.cloud_aggregator"] == "sync":
+        s.register("all_joined_in", start_cloud_round, sends=("models",))
+        s.register("receiving_updates", sync.collect_update, sends=("all_received",))
+        s.register("all_received", aggregate_at_cloud,
+                   sends=("models", "eval_request", "max_rounds_reached", "early_stop"))
+    else:   # FedAsync / FedBuff at the cloud, taking edge updates as they come
+        edge_async.install_cloud(course)
     s.register("max_rounds_reached", finish_through_edges, sends=("finish",))
     s.register("early_stop", finish_through_edges, sends=("finish",))
     if role is not None:
