@@ -20,12 +20,12 @@ import logging
 import os
 from pathlib import Path
 
-from fedcore.course import Course
+from fedcore.distributed import ServerCourse, _measured_time, message_bound, value_bound
 from fedcore.errors import EXIT_OK, FedcoreError
 from fedcore.handlers import deployment
 from fedcore.handlers.edge import Edge, _next_edge_round, install_edge
 from fedcore.message import SERVER_ID
-from fedcore.scheduler import PRIORITY_TIMER, WallClockScheduler
+from fedcore.scheduler import PRIORITY_TIMER
 from fedcore.state import make_state_store
 from fedcore.topology import assign
 from fedcore.worker import HandlerTable
@@ -50,6 +50,12 @@ class _Router:
 
     def send(self, msg) -> None:
         (self.up if tuple(msg.receivers) == (SERVER_ID,) else self.down).send(msg)
+
+    def live_ids(self, joined=None) -> list[int]:   # the edge's clients, as a server's
+        return self.down.live_ids(joined)
+
+    def expire(self, timeout: float) -> list[tuple[int, str]]:
+        return self.down.expire(timeout)
 
 
 class _FromCloud:
@@ -102,32 +108,20 @@ def cloud_config(cfg):
                               distribute__token_file=None)
 
 
-class EdgeCourse(Course):
+class EdgeCourse(ServerCourse):
     """One edge process: the edge worker between a gRPC server (its clients) and a gRPC client
-    (the cloud), on a wall clock."""
+    (the cloud), on a wall clock. To its clients it is a server: the edge worker stands where
+    a server's worker does (`self.server`), so a server's watch (heartbeats, deadlines, lost
+    clients, stopping once they have left after `finish`) serves it unchanged."""
 
     def __init__(self, cfg, outdir: str | Path | None = None):
         super().__init__(cfg.with_overrides(outdir=None), None, False)   # the cloud writes the outputs
         self.address_dir = Path(outdir) if outdir is not None else None
-        self.scheduler = WallClockScheduler()
-        self._finish_clock: float | None = None
         self.edge: Edge | None = None
-
-    @property
-    def client_ids(self) -> list[int]:
-        """The edge's clients a handler may address: connected and joined."""
-        if self.built:
-            return self.down.live_ids(self.edge.joined)
-        return self._all_ids
-
-    @client_ids.setter
-    def client_ids(self, ids) -> None:
-        self._all_ids = list(ids)
 
     def build(self) -> "EdgeCourse":
         from fedcore.comm.grpc_client import GrpcClientComm
         from fedcore.comm.grpc_server import GrpcServerComm
-        from fedcore.distributed import _measured_time, message_bound, value_bound
         from fedcore.scenarios.data import FederatedData, build_federated_data
         cfg = self.cfg
         edge_id = cfg["distribute.edge_id"]
@@ -160,45 +154,13 @@ class EdgeCourse(Course):
         table.register("round_check", check_edge_round, sends=("all_received", "all_joined_in"))
         table.register("all_joined_in", rerun_edge_round, sends=("models", "all_received"))
         index = sorted(topology.edges).index(edge_id)
-        self.edge = Edge(edge_id, index, children, table, self, model)
+        self.server = self.edge = Edge(edge_id, index, children, table, self, model)
         self.edge.selected = set()
         self.down.attach(self.edge)
         self.up.attach(_FromCloud(self.edge))
         self.up.on_new_server = _Rejoin(self.edge)
         self.built = True
         return self
-
-    # ------------------------------------------------------------ runtime events
-    def _count_bytes(self, msg, receiver: int, nbytes: int) -> None:
-        """Traffic with the edge's clients: timed for its round deadlines."""
-        deployment.note_traffic(self.edge, msg, receiver, self.scheduler.now)
-
-    def _lost(self, client_id: int, reason: str) -> None:
-        self.edge.now = self.scheduler.now
-        self.edge.trigger("client_lost", {"client_id": client_id, "reason": reason})
-        self._maybe_stop()
-
-    def _watch(self) -> None:
-        """Periodic: expire silent clients, check the edge round's deadlines, finish."""
-        d = self.cfg.section("distribute")
-        for cid, reason in self.down.expire(d["heartbeat_timeout"]):
-            self._lost(cid, reason)
-        self.edge.now = self.scheduler.now
-        self.edge.trigger("round_check")
-        self._maybe_stop()
-        period = min(d["heartbeat_interval"], d["heartbeat_timeout"] / 4)
-        self.scheduler.schedule(self.scheduler.clock + period, PRIORITY_TIMER, self._watch)
-
-    def _maybe_stop(self) -> None:
-        """After the cloud's `finish`, stop once the edge's clients have left (or after a
-        heartbeat timeout's grace)."""
-        if not self.edge.finished:
-            return
-        if self._finish_clock is None:
-            self._finish_clock = self.scheduler.clock
-        grace = self.cfg["distribute.heartbeat_timeout"]
-        if not self.down.live_ids() or self.scheduler.clock - self._finish_clock > grace:
-            self.scheduler.stop()
 
     def run(self) -> int:
         port = self.down.start()
