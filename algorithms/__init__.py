@@ -1,11 +1,13 @@
 """Plug-in trainers and aggregators, one module per algorithm."""
 from fedcore.algorithms import (diloco, fedasync, fedavg, fedbuff, feddyn, fedmos, fednova,  # noqa: F401
                                 fedprox, moon, scaffold, staleness)
+# lora first: its exact combination of adapters is the innermost, so DP's accounting sees every update
+from fedcore.algorithms import lora  # noqa: F401
 from fedcore.algorithms import dp, local_budget, personalization, robust  # noqa: F401  (behaviour plug-ins)
 from fedcore.algorithms import fedrep, pfedme  # noqa: F401  (after the behaviours, whose order they keep)
 from fedcore.algorithms import fedex  # noqa: F401  (last: it wraps what the others installed)
 from fedcore.contract import Aggregator, Algorithm, Trainer
 
 __all__ = ["Aggregator", "Algorithm", "Trainer", "diloco", "dp", "fedasync", "fedavg", "fedbuff", "fedex",
-           "feddyn", "fedmos", "fednova", "fedprox", "fedrep", "local_budget", "moon", "personalization",
+           "feddyn", "fedmos", "fednova", "fedprox", "fedrep", "local_budget", "lora", "moon", "personalization",
            "pfedme", "robust", "scaffold", "staleness"]

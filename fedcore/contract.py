@@ -179,10 +179,13 @@ def model_device(model: nn.Module) -> torch.device:
 
 def evaluate_model(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str,
                    batch_size: int = 1024) -> dict[str, float]:
-    """Mean loss and (for classification) accuracy of `model` on (x, y)."""
+    """Mean loss and (for classification) accuracy of `model` on (x, y); with a target per
+    position (y [N, T], a language model's next tokens) they are per token, with perplexity."""
     n = len(y)
     if n == 0:
         return {}
+    if y.dim() == 2 and loss != "mse":
+        return _evaluate_tokens(model, x, y, batch_size)
     was_training = model.training
     model.eval()
     total_loss, correct = 0.0, 0
@@ -203,6 +206,25 @@ def evaluate_model(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str
     if loss != "mse":
         result["acc"] = correct / n
     return result
+
+
+def _evaluate_tokens(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                     batch_size: int) -> dict[str, float]:
+    """Token-level loss, next-token accuracy and perplexity exp(loss) of logits [B, V, T]."""
+    was_training = model.training
+    model.eval()
+    total_loss, correct, device = 0.0, 0, model_device(model)
+    with torch.no_grad():
+        for start in range(0, len(y), batch_size):
+            xb, yb = x[start:start + batch_size].to(device), y[start:start + batch_size].to(device)
+            out = model(xb)
+            total_loss += nn.functional.cross_entropy(out, yb, reduction="sum").item()
+            correct += (out.argmax(1) == yb).sum().item()
+    model.train(was_training)
+    tokens = y.numel()
+    mean = total_loss / tokens
+    return {"loss": mean, "acc": correct / tokens, "perplexity": math.exp(min(mean, 700.0)),
+            "n": len(y)}
 
 
 class Trainer:

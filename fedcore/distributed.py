@@ -80,6 +80,15 @@ declare("distribute.max_message_bytes", int, None, "largest encoded message acce
 declare("distribute.max_connections", int, None, "server: connections taken at once; more are "
         "closed as they come (default: the open-files limit less 64, kept for the server's own "
         "files)", check=positive)
+declare("distribute.max_connections_per_address", int, None, "server: connections one peer address "
+        "may hold; those beyond it that never carried an admitted call are closed within a second "
+        "(default: a quarter of distribute.max_connections' value, at least 16; Linux only)",
+        check=positive)
+declare("distribute.max_streams_per_connection", int, None, "server: calls one connection may have "
+        "open at once (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS; gRPC refuses more itself). Each "
+        "client needs at most 3; clients in one process share one connection (default: 3 per "
+        "client + 16, the server's limit on calls; 4 where every client has its own process "
+        "makes a flood of calls cost the server about half as much)", check=positive)
 declare("distribute.max_message_values", int, None, "largest number of values (fields and list "
         "entries of the encoding) a message may hold; more is refused before it is decoded "
         "(default: 64 per model tensor + 32 per client + 4096)", check=positive)

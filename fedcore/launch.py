@@ -17,6 +17,15 @@ kernel for SIGTERM when the launcher dies (`prctl(PR_SET_PDEATHSIG)`), and on
 every system a guardian process (`fedcore/launch_guard.py`), started first,
 watches a pipe from the launcher whose end the kernel closes even on SIGKILL:
 it then removes the tokens folder and ends the processes the launcher started.
+
+`--restart N` restarts a process that died abnormally (killed by a signal: SIGKILL, a
+crash, the OOM killer; or exit status 1, an unexpected error, or 4, a client that gave up
+on its server) up to N times each, after 1 s, then 2, 4, ... (at most 30 s) for each
+further restart of that process. A client is started again with the same arguments (it
+loads its state from its state folder, `fedcore.client_state`); the server is started again
+on the same port with `resume_from=latest`, so the clients reconnect to the resumed course.
+A configuration error (status 2), an interrupt (130) and a course's own outcomes (3, 5, 6)
+are not restarted.
 """
 from __future__ import annotations
 
@@ -33,7 +42,7 @@ import time
 from pathlib import Path
 
 from fedcore.comm.stream import INSECURE_NOTED_ENV, INSECURE_WARNING, TOKEN_ENV, write_secret
-from fedcore.errors import EXIT_CONFIG, EXIT_FAILURE, FedcoreError
+from fedcore.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_SERVER_GONE, FedcoreError
 
 __all__ = ["main"]
 
@@ -50,8 +59,68 @@ def _parser() -> argparse.ArgumentParser:
                    help="an override for the server only (e.g. its distribute.tls.cert); repeatable")
     p.add_argument("--client-opt", action="append", default=[], metavar="KEY=VALUE",
                    help="an override for every client only; repeatable")
+    p.add_argument("--restart", type=int, default=0, metavar="N",
+                   help="restart a server or client that died abnormally (a signal, or exit status "
+                        "1 or 4) up to N times each, after 1, 2, 4, ... s (at most 30 s); a restarted "
+                        "server resumes the course (resume_from=latest)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
     return p
+
+
+RESTARTED_STATUSES = (EXIT_FAILURE, EXIT_SERVER_GONE)   # besides death by a signal
+BACKOFF_MAX_S = 30.0
+
+
+def abnormal(rc: int) -> bool:
+    """Whether a process's exit status is a death worth a restart (see the module's doc)."""
+    return rc < 0 or rc in RESTARTED_STATUSES
+
+
+def restart_delay(restarts_done: int) -> float:
+    """Seconds before a process's restart number `restarts_done` + 1: 1, 2, 4, ... at most 30."""
+    return min(BACKOFF_MAX_S, 2.0 ** restarts_done)
+
+
+def _how(rc: int) -> str:
+    if rc < 0:
+        try:
+            return f"killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"killed by signal {-rc}"
+    return f"exit status {rc}"
+
+
+class _Supervised:
+    """One process of the launch: its command, and its restarts under `--restart`."""
+
+    def __init__(self, name: str, start, guardian: "_Guardian", budget: int):
+        self.name, self._start, self.guardian, self.budget = name, start, guardian, budget
+        self.restarts = 0
+        self.due: float | None = None    # when its pending restart is due
+        self.proc = guardian.watch(start(first=True))
+
+    def check(self, now: float) -> int | None:
+        """Restart it if it died abnormally and restarts are left (when due); its exit status
+        if it ended for good, else None."""
+        if self.due is not None:
+            if now >= self.due:
+                self.due = None
+                self.restarts += 1
+                self.proc = self.guardian.watch(self._start(first=False))
+            return None
+        rc = self.proc.poll()
+        if rc is None:
+            return None
+        if not abnormal(rc) or self.restarts >= self.budget:
+            if abnormal(rc) and self.budget:
+                print(f"fedcore.launch: {self.name} died ({_how(rc)}); no restarts left (--restart "
+                      f"{self.budget})", file=sys.stderr, flush=True)
+            return rc
+        delay = restart_delay(self.restarts)
+        print(f"fedcore.launch: {self.name} died ({_how(rc)}); restart {self.restarts + 1} of "
+              f"{self.budget} in {delay:g}s", file=sys.stderr, flush=True)
+        self.due = now + delay
+        return None
 
 
 def _stop(procs: list[subprocess.Popen], sig: int, wait: float) -> None:
@@ -178,48 +247,62 @@ def main(argv: list[str] | None = None) -> int:
         for env in client_env.values():
             env[INSECURE_NOTED_ENV] = "1"
     base = [sys.executable, "-m", "fedcore.run", "--cfg", args.cfg, *args.overrides, *common]
-    procs: list[subprocess.Popen] = []
     preexec = _die_with_parent()
+    port = "0"
+    ports: dict[int, str] = {}   # with edges: the port of each client's edge
+
+    def start_server(first: bool) -> subprocess.Popen:
+        again = [] if first else ["resume_from=latest"]   # the same course, on the same port
+        return subprocess.Popen(base + args.server_opt + server_extra + again + [
+            "distribute.role=server", f"distribute.server_port={port}"], preexec_fn=preexec)
+
+    def client_starter(k: int):
+        def start(first: bool) -> subprocess.Popen:
+            return subprocess.Popen(base + args.client_opt + client_extra[k] + [
+                "distribute.role=client", f"distribute.client_id={k}", f"distribute.server_port={ports.get(k, port)}"],
+                env=client_env[k], preexec_fn=preexec)
+        return start
+
+    children: list[_Supervised] = []
     try:
-        server = guardian.watch(subprocess.Popen(base + args.server_opt + server_extra
-                                                 + ["distribute.role=server", "distribute.server_port=0"],
-                                                 preexec_fn=preexec))
-        procs.append(server)
+        server = _Supervised("the server", start_server, guardian, args.restart)
+        children.append(server)
         deadline = time.monotonic() + args.startup_timeout
         while not address_file.exists():
-            if server.poll() is not None:
-                return server.returncode
+            if server.proc.poll() is not None:
+                return server.proc.returncode
             if time.monotonic() > deadline:
                 print(f"fedcore: the server did not listen within {args.startup_timeout:g}s", file=sys.stderr)
                 return EXIT_FAILURE
             time.sleep(0.1)
         port = address_file.read_text().strip().rsplit(":", 1)[1]
-        ports = {k: port for k in range(1, n + 1)}
         if tree is not None:   # each client dials its edge
-            ports = tree.start(base + args.server_opt, port, outdir, guardian.watch, preexec, procs,
-                               args.startup_timeout)
-            if ports is None:
+            if not tree.start(base + args.server_opt, port, outdir, preexec, args.startup_timeout,
+                              lambda name, start: _Supervised(name, start, guardian, args.restart), children):
                 return EXIT_FAILURE
-        for k in range(1, n + 1):
-            procs.append(guardian.watch(subprocess.Popen(
-                base + args.client_opt + client_extra[k] + [
-                    "distribute.role=client", f"distribute.client_id={k}", f"distribute.server_port={ports[k]}"],
-                env=client_env[k], preexec_fn=preexec)))
-        rc = server.wait()
-        clients = procs[1:]
+            ports.update(tree.client_ports)
+        children += [_Supervised(f"client {k}", client_starter(k), guardian, args.restart)
+                     for k in range(1, n + 1)]
+        rc = None
+        while rc is None:
+            now = time.monotonic()
+            rc = server.check(now)
+            for child in children[1:]:
+                child.check(now)
+            time.sleep(0.1)
         grace = time.monotonic() + 15.0
-        for p in clients:
+        for child in children[1:]:
             try:
-                p.wait(max(0.0, grace - time.monotonic()))
+                child.proc.wait(max(0.0, grace - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
         return rc
     except KeyboardInterrupt:
-        _stop(procs, signal.SIGINT, 10.0)
+        _stop([c.proc for c in children], signal.SIGINT, 10.0)
         print("fedcore: interrupted", file=sys.stderr)
         return 130
     finally:
-        _stop(procs, signal.SIGTERM, 5.0)
+        _stop([c.proc for c in children], signal.SIGTERM, 5.0)
         for folder in (secrets_dir, keys_dir):
             if folder is not None:
                 shutil.rmtree(folder, ignore_errors=True)

@@ -33,6 +33,7 @@ class LaunchTree:
         self.topology = assign(cfg.with_overrides(federate__client_num=n), list(range(1, n + 1)))
         self.edge_extra: dict[int, list[str]] = {e: [] for e in self.topology.edges}
         self.edge_env: dict[int, dict] = {e: dict(os.environ) for e in self.topology.edges}
+        self.client_ports: dict[int, str] = {}   # each client's edge port, once they listen
 
     def tokens(self, client_tokens: dict[int, str], secrets_dir: Path) -> dict[int, str]:
         """With the launcher's own tokens: each edge accepts its clients' tokens and holds its
@@ -46,28 +47,37 @@ class LaunchTree:
             self.edge_env[e][CLOUD_TOKEN_ENV] = edge_tokens[e]
         return edge_tokens
 
-    def start(self, base: list[str], cloud_port: str, outdir: Path, watch, preexec, procs: list,
-              timeout: float) -> dict[int, str] | None:
-        """Start every edge against the cloud, wait for each to listen; returns each client's
-        edge port (None, said why, when an edge does not listen)."""
+    def start(self, base: list[str], cloud_port: str, outdir: Path, preexec, timeout: float,
+              supervise, children: list) -> bool:
+        """Start every edge against the cloud (each through `supervise`, so that under
+        `--restart` an edge comes back on its own port, where its clients redial), appending
+        each to `children`; wait for each to listen and note each client's edge port in
+        `client_ports`. False, said why, when an edge does not listen."""
+        ports: dict[int, str] = {}
+
+        def starter(e: int):
+            def start(first: bool) -> subprocess.Popen:
+                if first:
+                    address_file(outdir, e).unlink(missing_ok=True)
+                return subprocess.Popen(base + self.edge_extra[e] + [
+                    "distribute.role=edge", f"distribute.edge_id={e}", f"distribute.cloud_port={cloud_port}",
+                    f"distribute.server_port={'0' if first else ports[e]}"],
+                    env=self.edge_env[e], preexec_fn=preexec)
+            return start
         started = {}
         for e in sorted(self.topology.edges):
-            address_file(outdir, e).unlink(missing_ok=True)
-            started[e] = watch(subprocess.Popen(
-                base + self.edge_extra[e] + ["distribute.role=edge", f"distribute.edge_id={e}",
-                                             f"distribute.cloud_port={cloud_port}", "distribute.server_port=0"],
-                env=self.edge_env[e], preexec_fn=preexec))
-            procs.append(started[e])
+            started[e] = supervise(f"edge {e}", starter(e))
+            children.append(started[e])
         deadline = time.monotonic() + timeout
-        ports = {}
-        for e, proc in started.items():
+        for e, edge in started.items():
             f = address_file(outdir, e)
             while not f.exists():
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    why = (f"exited with status {proc.returncode}" if proc.poll() is not None
+                if edge.proc.poll() is not None or time.monotonic() > deadline:
+                    why = (f"exited with status {edge.proc.returncode}" if edge.proc.poll() is not None
                            else f"did not listen within {timeout:g}s")
                     print(f"fedcore: edge {e} {why}", file=sys.stderr)
-                    return None
+                    return False
                 time.sleep(0.1)
             ports[e] = f.read_text().strip().rsplit(":", 1)[1]
-        return {c: ports[e] for e, members in self.topology.edges.items() for c in members}
+        self.client_ports = {c: ports[e] for e, members in self.topology.edges.items() for c in members}
+        return True

@@ -85,6 +85,13 @@ declare("early_stop.patience", int, 0, "stop after this many evaluations without
 declare("state.store", str, "memory", "per-client state store", choices=("memory", "disk"))
 declare("state.path", str, None, "folder of the disk state store (default: a temporary folder)")
 
+# A deployed client's state on its own disk (fedcore/client_state.py)
+declare("distribute.keep_client_state", bool, True, "client: write its per-course state (control "
+        "variates, duals, personal models, optimizer moments) to distribute.state_dir after each "
+        "round it trains, and load it when restarted")
+declare("distribute.state_dir", str, None, "client: folder of its saved state (default: "
+        "<outdir>/client_state/<client id>; with neither set the client keeps no state on disk)")
+
 
 @validator
 def _check_federate(cfg) -> None:

@@ -1,7 +1,9 @@
 """Joining the course: clients announce themselves; the server starts when all are in.
 
 A client declares its training-sample count when it joins; the admission layer
-refuses any later update that claims more (`fedcore.admission`).
+refuses any later update that claims more (`fedcore.admission`). A deployed client
+that holds a saved state also declares `state_round`, the round of that state (absent:
+none; see `fedcore.client_state`).
 """
 from __future__ import annotations
 
@@ -16,6 +18,9 @@ def join_in(client, _event) -> None:
     content = {"client_id": client.id}
     if train is not None:
         content["num_samples"] = len(train)
+    state_round = getattr(client, "state_round", -1)   # a deployed client's saved state
+    if state_round >= 0:   # none: the same declaration as in simulation, byte for byte
+        content["state_round"] = state_round
     client.send("join_in", client.parent, content)
 
 

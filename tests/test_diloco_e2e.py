@@ -41,8 +41,9 @@ def mean_delta(updates, g):
     return {k: sum(u["model"][k] for u in updates.values()) / len(updates) - g[k] for k in g}
 
 
-def test_faithful_run_applies_the_nesterov_step_not_the_fedavg_step(tmp_path):
-    course, sent, summary = run_recorded(small_cfg(tmp_path, **FAITHFUL), tmp_path)
+def check_two_nesterov_rounds(sent, outdir, not_fedavg_atol: float = 1e-4) -> dict:
+    """The server's two outer steps are Nesterov's (lr 0.7, momentum 0.9) on the mean deltas,
+    not FedAvg's; returns the first round's broadcast model."""
     models, updates = by_round(sent, "models"), by_round(sent, "updates")
     g0, g1 = models[1][1]["model"], models[2][1]["model"]
     d1 = mean_delta(updates[1], g0)
@@ -51,12 +52,18 @@ def test_faithful_run_applies_the_nesterov_step_not_the_fedavg_step(tmp_path):
     for k in g0:
         expected = g0[k] - lr * (-d1[k] + mu * b1[k])                  # = g0 + 1.33 d1
         assert torch.allclose(g1[k], expected, atol=1e-6), k
-        assert not torch.allclose(g1[k], g0[k] + d1[k], atol=1e-4), k  # not FedAvg's step
+        assert not torch.allclose(g1[k], g0[k] + d1[k], atol=not_fedavg_atol), k  # not FedAvg's step
     d2 = mean_delta(updates[2], g1)
-    final = torch.load(tmp_path / "final_model.pt", weights_only=True)
+    final = torch.load(outdir / "final_model.pt", weights_only=True)
     for k in g1:
         b2 = mu * b1[k] - d2[k]
         assert torch.allclose(final[k], g1[k] - lr * (-d2[k] + mu * b2), atol=1e-6), k
+    return g0
+
+
+def test_faithful_run_applies_the_nesterov_step_not_the_fedavg_step(tmp_path):
+    course, sent, summary = run_recorded(small_cfg(tmp_path, **FAITHFUL), tmp_path)
+    check_two_nesterov_rounds(sent, tmp_path)
     records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert records[0]["outer_update_norm"] / records[0]["mean_delta_norm"] == pytest.approx(1.33, rel=1e-4)
     assert summary["rounds"] == 2 and summary["final_test_acc"] is not None

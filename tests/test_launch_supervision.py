@@ -1,4 +1,5 @@
 """`fedcore.launch` never leaves processes or secrets behind, even when it is SIGKILLed."""
+import json
 import os
 import signal
 import subprocess
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from fedcore.launch_guard import _alive
-from tests.deploy_helpers import ROOT, text, wait_for, write_cfg
+from tests.deploy_helpers import ROOT, text, wait_exit, wait_for, write_cfg
 from tests.test_deploy_secrets import _children
 
 GUARD = [sys.executable, "-I", str(ROOT / "fedcore" / "launch_guard.py")]
@@ -125,3 +126,78 @@ def test_outdir_overwrite_lets_a_server_replace_the_records(tmp_path):
         ServerCourse(small_cfg(tmp_path, **keys), tmp_path).write_header()
     ServerCourse(small_cfg(tmp_path, outdir_overwrite=True, **keys), tmp_path).write_header()
     assert (tmp_path / "config.yaml").is_file()
+
+
+def test_the_restart_rule_and_backoff_are_the_documented_ones():
+    from fedcore.launch import abnormal, restart_delay
+    assert [abnormal(rc) for rc in (-signal.SIGKILL, -signal.SIGSEGV, 1, 4)] == [True] * 4
+    assert [abnormal(rc) for rc in (0, 2, 3, 5, 6, 130)] == [False] * 6   # outcomes, not crashes
+    assert [restart_delay(k) for k in range(7)] == [1, 2, 4, 8, 16, 30, 30]
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc")
+@pytest.mark.slow
+def test_a_client_sigkilled_under_restart_comes_back_with_its_state_and_the_course_finishes(procs, tmp_path):
+    """`--restart 1`: client 1 is SIGKILLed once its update of round 2 has left it (client 2 is
+    held before round 2 until client 1 is back, so the course cannot end without it); the
+    launcher starts it again with the same arguments, it loads its state of round 2, and the
+    course finishes with every client in every round."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    cfg = write_cfg(tmp_path / "course.yaml", {
+        "plugins": ["tests.client_kill_plugin"], "algorithm.name": "scaffold_held",
+        "federate.client_num": 3, "federate.total_round_num": 3, "eval.clients": False,
+        "kill_test.folder": str(marks), "kill_test.hold_clients": [2], "kill_test.hold_round": 2,
+        "kill_test.mark_clients": [1], "kill_test.mark_round": 2, "distribute.round_deadline": 300.0,
+        "distribute.heartbeat_interval": 0.2, "distribute.heartbeat_timeout": 1.5,
+        "distribute.backoff_initial": 0.1, "distribute.backoff_max": 0.5})
+    out = tmp_path / "out"
+    launcher = procs.start("launch", ["-m", "fedcore.launch", "--restart", "1", "--cfg", str(cfg),
+                                      f"outdir={out}"])
+
+    def sent():
+        assert launcher.poll() is None, text(launcher)[-3000:]
+        return (marks / "sent_1_2").exists()
+    wait_for(sent, 240, "client 1's update of round 2")
+    time.sleep(1.0)                                  # on its way over loopback
+    (first,) = [p for p in _children(launcher.pid) if "distribute.client_id=1" in _cmdline(p)]
+    os.kill(first, signal.SIGKILL)
+    wait_for(lambda: "client 1: loaded its state of round 2" in text(launcher), 120,
+             "client 1 restarted with its state")
+    (again,) = [p for p in _children(launcher.pid) if "distribute.client_id=1" in _cmdline(p)]
+    assert again != first
+    time.sleep(1.0)                                  # its join on its way
+    (marks / "go").write_text("")
+    assert wait_exit(launcher, 240) == 0, text(launcher)[-3000:]
+    log = text(launcher)
+    assert "fedcore.launch: client 1 died (killed by SIGKILL); restart 1 of 1 in 1s" in log
+    assert "client 1: course finished (last round 3)" in log
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["round"], r["num_updates"]) for r in records] == [(1, 3), (2, 3), (3, 3)]
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc")
+@pytest.mark.slow
+def test_a_server_sigkilled_under_restart_is_started_again_on_its_port_to_resume(procs, tmp_path):
+    """The launcher's half of a server restart: the same port, and `resume_from=latest` (what
+    the server does with it is the server's own, tested with it)."""
+    cfg = write_cfg(tmp_path / "course.yaml", {
+        "plugins": ["tests.slow_plugin"], "algorithm.name": "fedavg_pausing", "slow_test.pause": 0.3,
+        "federate.client_num": 2, "federate.total_round_num": 10000, "eval.clients": False})
+    out = tmp_path / "out"
+    launcher = procs.start("launch", ["-m", "fedcore.launch", "--restart", "1", "--cfg", str(cfg),
+                                      f"outdir={out}"])
+    address = out / "server_address"
+    port = wait_for(lambda: address.exists() and address.read_text().strip().rsplit(":", 1)[1], 120,
+                    "the server to listen")
+
+    def servers():
+        return [p for p in _children(launcher.pid) if "distribute.role=server" in _cmdline(p)]
+    (first,) = wait_for(servers, 30, "the server process")
+    os.kill(first, signal.SIGKILL)
+    again = wait_for(lambda: [p for p in servers() if p != first], 30, "the server started again")
+    cmdline = _cmdline(again[0]).split()
+    assert "resume_from=latest" in cmdline and f"distribute.server_port={port}" in cmdline
+    assert "distribute.server_port=0" not in cmdline
+    wait_for(lambda: "fedcore.launch: the server died (killed by SIGKILL); restart 1 of 1 in 1s" in text(launcher),
+             10, "the launcher to say so")

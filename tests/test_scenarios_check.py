@@ -1,4 +1,5 @@
 """Every shipped scenario loads, builds and passes the completeness check."""
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -6,7 +7,11 @@ import pytest
 from fedcore.config import load_config
 from fedcore.course import Course
 
-SCENARIOS = sorted((Path(__file__).resolve().parent.parent / "scenarios").glob("*.yaml"))
+# language-model scenarios need the [llm] extra
+_NO_LLM = pytest.mark.skipif(not all(importlib.util.find_spec(m) for m in ("transformers", "peft")),
+                             reason="the [llm] extra (transformers, peft) is not installed")
+SCENARIOS = [pytest.param(p, marks=_NO_LLM) if p.stem.startswith("llm_") else p
+             for p in sorted((Path(__file__).resolve().parent.parent / "scenarios").glob("*.yaml"))]
 
 
 @pytest.mark.parametrize("path", SCENARIOS, ids=lambda p: p.stem)

@@ -1,5 +1,5 @@
-"""Connections, the server's scarcest resource: capped in total, and closed when they only
-bring refused calls.
+"""Connections, the server's scarcest resource: capped in total and per peer address, and
+closed when they only bring refused calls.
 
 Every TCP connection holds one of the process's file descriptors. gRPC caps
 them in total (`grpc.max_allowed_incoming_connections`, set below the
@@ -7,12 +7,22 @@ descriptor limit so the server can still open its files) and closes those
 that stay idle, but a refused call counts as activity: an outsider sending
 one refused call every few seconds on each of a thousand connections would
 hold them all. gRPC's asyncio API shows a call's peer ("ipv4:10.0.0.7:51324")
-but offers no way to close its connection, so `RefusalCloser` finds the
+but offers no way to close its connection, so `ConnectionGuard` finds the
 socket with that peer among the process's descriptors and shuts it down a
 moment after the refusal (time for the status to reach the peer); gRPC sees
 the connection end and frees it. Only connections that never carried an
-admitted call are closed this way: those that produce nothing but refusals. Linux only (`/proc/self/fd`); elsewhere refused
-connections are left to gRPC's idle timeout.
+admitted call are closed this way: those that produce nothing but refusals. A connection
+that opens calls faster than the handler can refuse them (rapid reset, header floods) is
+closed at its BURST-th refusal; gRPC's own limit on a connection's open streams
+(`grpc.max_concurrent_streams`, set by the server) bounds the calls it queues meanwhile,
+and those reach the handler as `closing` peers', ended unread. gRPC's asyncio API cannot
+send GOAWAY on one connection: the peer sees its connection end.
+
+gRPC has no cap per peer address either, so the guard counts the sockets of each address
+every SWEEP_EVERY seconds (less often if counting takes more than a tenth of that; scans
+for a refused peer's socket are paced alike) and shuts down, from an address holding more than its cap, the
+connections beyond it that never carried an admitted call. Linux only (`/proc/self/fd`);
+elsewhere refused connections are left to gRPC's idle timeout and addresses are not capped.
 """
 from __future__ import annotations
 
@@ -21,13 +31,16 @@ import socket
 import time
 from typing import Callable
 
-__all__ = ["RESERVED_FILES", "connection_cap", "RefusalCloser"]
+__all__ = ["RESERVED_FILES", "ADDRESS_SHARE", "connection_cap", "address_cap", "ConnectionGuard"]
 
 
 RESERVED_FILES = 64   # descriptors kept for the server's own files (outputs, logs, libraries)
+ADDRESS_SHARE = 4     # by default one peer address may hold a quarter of the connections
 CLOSE_AFTER = 0.5     # seconds between a refusal and the closing of its connection
 BURST = 4             # refusals on one connection within CLOSE_AFTER that close it at once
-RESCAN_EVERY = 0.2    # seconds between two scans of the descriptors for peers not yet known
+SCAN_SHARE = 10       # a scan of the descriptors waits 10x the last one's duration after it
+SWEEP_EVERY = 1.0     # seconds between two counts of the connections of each address
+SHUT_MEMORY = 2.0     # seconds a closed connection's peer is remembered (its queued calls end unread)
 _LATER = object()
 
 
@@ -44,6 +57,20 @@ def connection_cap(configured: int | None) -> int | None:
     if soft == resource.RLIM_INFINITY:
         return None
     return max(16, soft - RESERVED_FILES)
+
+
+def address_cap(configured: int | None, total: int | None) -> int | None:
+    """Connections one peer address may hold: `configured`, or the total cap / ADDRESS_SHARE
+    (at least 16; None, no cap, where there is no total cap)."""
+    if configured is not None:
+        return configured
+    return None if total is None else max(16, total // ADDRESS_SHARE)
+
+
+def _peer_string(address: tuple[str, int]) -> str:
+    """(host, port) as gRPC's peer string, the inverse of `_address`."""
+    host, port = address
+    return f"ipv6:[{host}]:{port}" if ":" in host else f"ipv4:{host}:{port}"
 
 
 def _address(peer: str) -> tuple[str, int] | None:
@@ -80,17 +107,23 @@ def _peer_of(fd: int) -> tuple[str, int] | None:
         s.close()
 
 
-class RefusalCloser:
-    """Closes, on the server's event loop, the connections whose calls were refused."""
+class ConnectionGuard:
+    """Closes, on the server's event loop, the connections whose calls were refused and those
+    beyond their address's cap (`per_address`, None: no cap)."""
 
-    def __init__(self, loop, admitted: Callable[[str], bool]):
+    def __init__(self, loop, admitted: Callable[[str], bool], per_address: int | None = None):
         self.loop = loop
         self.admitted = admitted       # whether a call was ever admitted on this peer's connection
-        self.closed = 0
+        self.per_address = per_address
+        self.closed = 0                # connections closed for their refusals
+        self.over_cap = 0              # connections closed beyond their address's cap
         self._fds: dict[tuple[str, int], int] = {}
-        self._scanned = 0.0
+        self._scanned = self._scan_took = 0.0
         self._pending: dict[str, int] = {}   # peer -> its refusals not yet acted on
+        self._shut_at: dict[str, float] = {}   # peer -> when its connection was closed
         self.enabled = os.path.isdir("/proc/self/fd")
+        if self.enabled and per_address is not None:
+            self.loop.call_later(SWEEP_EVERY, self._sweep)
 
     def refused(self, peer: str) -> None:
         """A call from `peer` was refused: close its connection in CLOSE_AFTER seconds (time
@@ -104,6 +137,14 @@ class RefusalCloser:
         elif n == BURST:
             self.loop.call_soon(self._close, peer)
 
+    def closing(self, peer: str) -> bool:
+        """Whether `peer`'s connection is being or was just closed for its refusals: its calls
+        still queued in gRPC are ended without reading, logging or counting them."""
+        if self._pending.get(peer, 0) >= BURST:
+            return not self.admitted(peer)   # an admitted connection is not closed for refusals
+        shut = self._shut_at.get(peer)
+        return shut is not None and time.monotonic() - shut < SHUT_MEMORY
+
     def _close(self, peer: str) -> None:
         if self._pending.pop(peer, None) is None:
             return   # closed already
@@ -113,23 +154,51 @@ class RefusalCloser:
         fd = self._find(address)
         if fd is _LATER:   # scanned a moment ago, before this connection: look again soon
             self._pending[peer] = BURST
-            self.loop.call_later(RESCAN_EVERY, self._close, peer)
+            self.loop.call_later(SCAN_SHARE * self._scan_took, self._close, peer)
             return
         if fd is None:     # gone already
             return
+        if self._shut(address, fd):
+            self.closed += 1
+            self._shut_at[peer] = now = time.monotonic()
+            while now - next(iter(self._shut_at.values())) > SHUT_MEMORY:
+                del self._shut_at[next(iter(self._shut_at))]
+
+    def _shut(self, address: tuple[str, int], fd: int) -> bool:
+        """End the connection on `fd` (gRPC then frees it and its descriptor)."""
+        self._fds.pop(address, None)
         try:
             dup = os.dup(fd)
             s = socket.socket(fileno=dup)
         except OSError:
-            return
+            return False
         try:
-            s.shutdown(socket.SHUT_RDWR)   # the connection ends; gRPC frees it and its descriptor
-            self.closed += 1
+            s.shutdown(socket.SHUT_RDWR)
+            return True
         except OSError:
-            pass
+            return False
         finally:
             s.close()
-            self._fds.pop(address, None)
+
+    def _sweep(self) -> None:
+        """Count each address's connections; from one holding more than `per_address`, close
+        the newest of those beyond the cap that never carried an admitted call."""
+        try:
+            if len(os.listdir("/proc/self/fd")) > self.per_address:   # else no address can exceed it
+                self._scan()
+                by_host: dict[str, list[tuple[int, tuple[str, int]]]] = {}
+                for address, fd in self._fds.items():
+                    by_host.setdefault(address[0], []).append((fd, address))
+                for conns in by_host.values():
+                    excess = len(conns) - self.per_address
+                    for fd, address in sorted(conns, reverse=True):   # highest descriptors (mostly the newest) first
+                        if excess <= 0:
+                            break
+                        if not self.admitted(_peer_string(address)) and self._shut(address, fd):
+                            self.over_cap += 1
+                            excess -= 1
+        finally:   # at most a tenth of the loop's time, however many descriptors
+            self.loop.call_later(max(SWEEP_EVERY, SCAN_SHARE * self._scan_took), self._sweep)
 
     def _find(self, address: tuple[str, int]):
         """The descriptor of the connection from `address`; None if there is none, _LATER if
@@ -137,13 +206,18 @@ class RefusalCloser:
         fd = self._fds.get(address)
         if fd is not None and _peer_of(fd) == address:
             return fd
-        now = time.monotonic()
-        if now - self._scanned < RESCAN_EVERY:
-            return _LATER
-        self._scanned = now
+        if time.monotonic() - self._scanned < SCAN_SHARE * self._scan_took:
+            return _LATER   # scans take at most a tenth of the loop's time, however many descriptors
+        self._scan()
+        return self._fds.get(address)
+
+    def _scan(self) -> None:
+        """The peer of each of the process's sockets."""
+        started = time.monotonic()
         self._fds = {}
         for name in os.listdir("/proc/self/fd"):
             peer = _peer_of(int(name))
             if peer is not None:
                 self._fds[peer] = int(name)
-        return self._fds.get(address)
+        self._scanned = time.monotonic()
+        self._scan_took = self._scanned - started

@@ -92,6 +92,7 @@ class GrpcClientComm:
         """`bounds_from_course`: read nothing past the welcome until `set_bounds` (a course's
         client, whose bounds come from its model); otherwise the configured bounds (or 1 GiB)."""
         d = cfg.section("distribute")
+        self.cfg = cfg   # the process's own (a course's client drops outdir from its course's)
         self.scheduler = scheduler
         self.tensor_form = get_form(tensor_form).name  # received tensors are decoded into it
         self.device = None   # a torch device to put received tensors on (the course sets it)
@@ -134,6 +135,7 @@ class GrpcClientComm:
         self._stream: _Stream | None = None
         self.quiet = QuietLog(log)   # per kind of unusable message, a line now and then
         self.refusals: list[tuple[int, str]] = []   # (round, why) of each update the server refused
+        self.durable_state = None   # the course's client state on disk, once attached
 
     @property
     def who(self) -> str:
@@ -155,7 +157,14 @@ class GrpcClientComm:
         return self.client_id
 
     def attach(self, worker) -> None:
+        """Deliver to `worker` from now on (what came before too). A course's client keeps its
+        state on its disk from here (`fedcore.client_state`): last, so that its wrapper of the
+        trainer sees every behaviour's."""
         self.worker = worker
+        course = getattr(worker, "course", None)
+        if getattr(course, "trainer", None) is not None:
+            from fedcore.client_state import keep_client_state
+            self.durable_state = keep_client_state(course, self.cfg)
         early, self._early = self._early, []
         for msg in early:
             self.scheduler.call_soon(_Delivery(self, msg))
@@ -400,7 +409,10 @@ class GrpcClientComm:
         self.client_id, self.server_session, self.connected = w.client_id, w.server_session, True
         if new_server:
             self._last_delivered = 0
-            log.warning("client %d: the server restarted; joining again", self.client_id)
+            # a resuming server says from which round (a field of newer servers' welcomes)
+            resumed = getattr(w, "resumed_round", 0)
+            log.warning("client %d: the server restarted%s; joining again", self.client_id,
+                        f" (the course resumed at round {resumed})" if resumed else "")
             if self.on_new_server is not None:
                 self.scheduler.call_soon(self.on_new_server)
         self._welcomed.set()

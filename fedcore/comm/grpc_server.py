@@ -36,7 +36,7 @@ import grpc
 
 from fedcore.quiet import QuietLog
 from fedcore.comm.async_outbox import AsyncOutbox, wake_all
-from fedcore.comm.connections import RefusalCloser, connection_cap
+from fedcore.comm.connections import ConnectionGuard, address_cap, connection_cap
 from fedcore.comm.chunking import FRAME_OVERHEAD, Reassembler, SharedContent, first_chunk_size
 from fedcore.comm.fingerprint import differing_keys
 from fedcore.comm.stream import (MD_CLIENT_ID, MD_COURSE, MD_SESSION, MD_TOKEN, REFUSED, allowed_silence, grpc_options,
@@ -191,8 +191,13 @@ class GrpcServerComm:
         cap = connection_cap(self.cfg["distribute.max_connections"])
         if cap is not None:   # below the descriptor limit: the server's own files always open
             backlog.append(("grpc.max_allowed_incoming_connections", cap))
+        calls = OPEN_PER_ID * self.num_clients + 16
+        # A header flood or rapid reset queues at most this many calls per connection (gRPC
+        # refuses the rest itself); by default as many as the server ever runs, since clients
+        # in one process share one connection.
+        backlog.append(("grpc.max_concurrent_streams", self.cfg["distribute.max_streams_per_connection"] or calls))
         server = grpc.aio.server(options=grpc_options(self.chunk_size, server=True) + backlog,
-                                 maximum_concurrent_rpcs=OPEN_PER_ID * self.num_clients + 16)
+                                 maximum_concurrent_rpcs=calls)
         handler = grpc.method_handlers_generic_handler(
             "fedcore.Fedcore", {"Connect": grpc.stream_stream_rpc_method_handler(self._connect)})
         server.add_generic_rpc_handlers((handler,))
@@ -213,7 +218,8 @@ class GrpcServerComm:
             return
         await server.start()
         self._loop, self._stopping, self._grpc = loop, asyncio.Event(), server
-        self._closer = RefusalCloser(loop, self._admitted_on)
+        self._closer = ConnectionGuard(loop, self._admitted_on,
+                                       address_cap(self.cfg["distribute.max_connections_per_address"], cap))
         self._decoder = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="fedcore-decode")
         bound.set_result(port)
         try:
@@ -257,6 +263,8 @@ class GrpcServerComm:
         closer = getattr(self, "_closer", None)
         if closer is not None and closer.closed:
             counts["connections closed after a refused call"] = closer.closed
+        if closer is not None and closer.over_cap:
+            counts["connections closed beyond their address's cap"] = closer.over_cap
         return dict(sorted(counts.items()))
 
     def _admitted_on(self, peer: str) -> bool:
@@ -421,6 +429,8 @@ class GrpcServerComm:
         Frames go through `context.write` and `context.read` rather than a response generator
         and the request iterator, which would each keep the last frame alive while waiting for
         the next: two model-sized buffers per idle client, gigabytes in a fleet."""
+        if self._closer.closing(context.peer()):
+            return   # a call queued on a connection closed for its refusals: nothing to answer
         try:
             s, token = self._admit(context)
         except _Refused as refused:

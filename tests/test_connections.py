@@ -1,0 +1,59 @@
+"""The connection guard's arithmetic and its per-address sweep, on real loopback sockets."""
+import socket
+import sys
+
+import pytest
+
+from fedcore.comm.connections import ConnectionGuard, _address, _peer_string, address_cap
+
+
+def test_address_cap_is_a_quarter_of_the_total_at_least_16_unless_configured():
+    assert address_cap(None, 960) == 240          # ulimit -n 1024 less 64, over 4
+    assert address_cap(None, 40) == 16
+    assert address_cap(None, None) is None        # no total cap known: no per-address cap
+    assert address_cap(7, 960) == 7
+
+
+@pytest.mark.parametrize("peer, address", [("ipv4:10.0.0.7:51324", ("10.0.0.7", 51324)),
+                                           ("ipv6:[::1]:443", ("::1", 443))])
+def test_peer_strings_and_addresses_are_inverse(peer, address):
+    assert _address(peer) == address and _peer_string(address) == peer
+
+
+def _closed(s: socket.socket) -> bool:
+    s.settimeout(0.5)   # a shut down end reads as closed at once
+    try:
+        return s.recv(1, socket.MSG_PEEK) == b""
+    except TimeoutError:
+        return False
+
+
+class _Loop:
+    """Records what the guard schedules instead of running it."""
+    def __init__(self):
+        self.later = []
+
+    def call_later(self, delay, fn, *args):
+        self.later.append((delay, fn))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the guard counts sockets in /proc/self/fd")
+def test_a_sweep_closes_the_connections_beyond_an_addresss_cap_but_not_admitted_ones():
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    try:
+        dialled = [socket.create_connection(("127.0.0.1", port), source_address=("127.0.0.2", 0)) for _ in range(5)]
+    except OSError as exc:
+        pytest.skip(f"no loopback address beyond 127.0.0.1 here: {exc}")
+    accepted = [listener.accept()[0] for _ in dialled]
+    # this process holds both ends: the dialled ends' peer is 127.0.0.1 (one connection each,
+    # below the cap), the accepted ends' is 127.0.0.2 (five, over a cap of 2)
+    keep = {accepted[0].getpeername()}
+    guard = ConnectionGuard(_Loop(), lambda peer: _address(peer) in keep, per_address=2)
+    guard._sweep()
+    assert guard.over_cap == 3
+    ended = {s.getsockname() for s in dialled if _closed(s)}
+    assert len(ended) == 3 and not ended & keep   # the admitted one is kept
+    assert guard.loop.later and guard.loop.later[-1][0] >= 1.0   # the next sweep is scheduled
+    for s in dialled + accepted + [listener]:
+        s.close()

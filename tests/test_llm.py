@@ -1,0 +1,245 @@
+"""Language models: text data from local files, causal_lm from config or a local directory,
+and LoRA courses whose exchanged state is the adapters only."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+from fedcore.course import Course  # noqa: E402
+from fedcore.errors import ConfigError  # noqa: E402
+from fedcore.scenarios.data import build_federated_data  # noqa: E402
+from fedcore.scenarios.llm_data import ByteTokenizer, token_windows  # noqa: E402
+from tests.conftest import small_cfg  # noqa: E402
+
+# a one-layer GPT-2-style decoder, hidden 16, LoRA rank 4 on c_attn (16 -> 48)
+HIDDEN, RANK = 16, 4
+TINY_LM = {"data.type": "synthetic_text", "data.partition": "natural",
+           "data.synthetic_text.authors": 2, "data.synthetic_text.documents": 12,
+           "data.text.seq_len": 16, "federate.client_num": 2, "eval.clients": False,
+           "model.type": "causal_lm", "model.causal_lm.layers": 1, "model.causal_lm.heads": 2,
+           "model.causal_lm.hidden": HIDDEN, "model.causal_lm.max_positions": 32,
+           "model.lora.r": RANK, "train.local_steps": 4, "train.batch_size": 8,
+           "train.optimizer.type": "adamw", "train.optimizer.lr": 0.02}
+
+
+def lm_cfg(tmp_path=None, **keys):
+    return small_cfg(tmp_path, **{k.replace(".", "__"): v for k, v in {**TINY_LM, **keys}.items()})
+
+
+def _records(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_byte_windows_predict_the_next_token_within_each_group():
+    tok = ByteTokenizer()
+    x, y, groups, names = token_windows(["abcdef", "xyz", "hello"], ["g1", "g2", "g1"], tok, 4, 4)
+    first = [256, *b"abcdef", 257, 256, *b"hello", 257]      # g1's documents joined
+    assert names == ["g1", "g2"]
+    assert x[0].tolist() == first[:4] and y[0].tolist() == first[1:5]
+    assert torch.equal(x[:, 1:], y[:, :-1])                   # y is x shifted by one token
+    # g2 has 5 tokens: one window of 4 + its next token; no window mixes groups
+    assert groups.tolist() == [0, 0, 0, 1] and x[3].tolist() == [256, *b"xyz"]
+
+
+def _write_corpus(tmp_path):
+    rows = [{"text": f"{author} writes line {i}.", "author": author} for author in ("ann", "bob", "cy")
+            for i in range(20)]
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    (tmp_path / "a.txt").write_text("\n".join(f"first file {i}" for i in range(30)))
+    (tmp_path / "b.txt").write_text("\n".join(f"second file {i}" for i in range(30)))
+    return jsonl
+
+
+def test_text_files_split_by_a_field_by_file_and_by_dirichlet_over_a_field(tmp_path):
+    jsonl = _write_corpus(tmp_path)
+    by_author = build_federated_data(lm_cfg(**{"data.type": "text_files", "data.text.files": [str(jsonl)],
+                                               "data.text.group_by": "author", "federate.client_num": 3,
+                                               "data.splits": [1.0, 0.0, 0.0]}))
+    for cid, author in zip((1, 2, 3), ("ann", "bob", "cy")):
+        text = bytes(t for t in by_author.clients[cid].train.x.flatten().tolist() if t < 256).decode()
+        assert author in text and all(o not in text for o in {"ann", "bob", "cy"} - {author})
+    by_file = build_federated_data(lm_cfg(**{"data.type": "text_files", "data.splits": [1.0, 0.0, 0.0],
+                                             "data.text.files": [str(tmp_path / "a.txt"),
+                                                                 str(tmp_path / "b.txt")]}))
+    decoded = [bytes(t for t in by_file.clients[c].train.x.flatten().tolist() if t < 256).decode()
+               for c in (1, 2)]
+    assert "first file" in decoded[0] and "second" not in decoded[0] and "second file" in decoded[1]
+    mixed = build_federated_data(lm_cfg(**{"data.type": "text_files", "data.text.files": [str(jsonl)],
+                                           "data.text.group_by": "author", "data.partition": "dirichlet_groups",
+                                           "data.alpha": 100.0, "data.min_size": 1}))
+    # with a large alpha each author's windows are spread over both clients
+    for c in (1, 2):
+        x = mixed.clients[c].train.x
+        text = bytes(t for t in x.flatten().tolist() if t < 256).decode()
+        assert sum(a in text for a in ("ann", "bob", "cy")) >= 2
+
+
+def test_parquet_documents_load_through_datasets(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    path = tmp_path / "docs.parquet"
+    datasets.Dataset.from_dict({"body": [f"doc number {i}" for i in range(40)],
+                                "task": ["qa", "chat"] * 20}).to_parquet(str(path))
+    data = build_federated_data(lm_cfg(**{"data.type": "text_files", "data.text.files": [str(path)],
+                                          "data.text.field": "body", "data.text.group_by": "task"}))
+    assert len(data.clients) == 2 and all(len(c.train) > 0 for c in data.clients.values())
+
+
+@pytest.mark.parametrize("keys, message", [
+    ({"data.type": "text_files", "data.text.files": ["/nonexistent/x.jsonl"]}, "does not exist"),
+    ({"model.path": "/nonexistent/model"}, "holds no saved model"),
+    ({"model.causal_lm.hidden": 15}, "not a multiple"),
+    ({"model.lora.ranks": [2, 5]}, "must be ranks from 1"),
+    ({"algorithm.name": "diloco", "train.preserve_optimizer_state": True},
+     "needs model.lora.aggregation=separate"),
+    ({"server_optimizer.type": "adam"}, "server_optimizer.type=adam needs model.lora.aggregation=separate"),
+])
+def test_bad_language_model_settings_are_one_line(keys, message):
+    with pytest.raises(ConfigError, match=message) as info:
+        Course(lm_cfg(**keys)).build()
+    assert "\n" not in str(info.value)
+
+
+def test_lora_course_trains_and_exchanges_only_the_adapters(tmp_path):
+    course = Course(lm_cfg(tmp_path, **{"federate.total_round_num": 3})).build()
+    base = {n: p.detach().clone() for n, p in course.trainer.model.named_parameters() if not p.requires_grad}
+    summary = course.run()
+    import transformers
+    from fedcore.serialization import encoded_size
+    # rank r on c_attn (in h, out 3h): A is r x h, B is 3h x r
+    adapter = RANK * HIDDEN + 3 * HIDDEN * RANK
+    final = torch.load(tmp_path / "final_model.pt", weights_only=True)
+    assert sorted(final) == ["lm.base_model.model.transformer.h.0.attn.c_attn.lora_A.default.weight",
+                             "lm.base_model.model.transformer.h.0.attn.c_attn.lora_B.default.weight"]
+    assert sum(t.numel() for t in final.values()) == adapter == summary["trainable_params"]
+    plain = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=259, n_layer=1, n_head=2, n_embd=HIDDEN, n_positions=32))
+    assert summary["total_params"] == sum(p.numel() for p in plain.parameters()) + adapter
+    # the base did not move; every update is the adapters (4 bytes a value) plus the framing:
+    # per tensor its name and a few bytes of tags, lengths, dtype and shape; per message a header
+    for n, p in course.trainer.model.named_parameters():
+        if not p.requires_grad:
+            assert torch.equal(p, base[n]), n
+    update = {"model": final, "num_samples": 1}
+    framing = encoded_size(update) - 4 * adapter
+    assert 0 < framing < sum(len(k) + 40 for k in final) + 100
+    for r in _records(tmp_path):
+        assert 2 * 4 * adapter < r["bytes_up"] < 2 * (4 * adapter + framing + 200)
+        assert r["bytes_up"] < 4 * summary["total_params"] / 4   # far below one whole model
+    perplexity = [r["test_perplexity"] for r in _records(tmp_path)]
+    assert perplexity[-1] < perplexity[0] < 259 * 1.5 and all(np.isfinite(perplexity))
+    assert _records(tmp_path)[-1]["test_loss"] == pytest.approx(np.log(perplexity[-1]))
+
+
+def test_clients_of_their_own_rank_and_the_exact_aggregate_of_a_course(tmp_path):
+    course = Course(lm_cfg(**{"model.lora.ranks": [1, 3], "federate.total_round_num": 2})).build()
+    seen = []
+    inner = course.server.aggregator.aggregate
+
+    def spy(updates, round_):
+        seen.append([{k: v.clone() for k, v in u.content["model"].items()} for u in updates])
+        return inner(updates, round_)
+
+    course.server.aggregator.aggregate = spy
+    course.run()
+    (a_name, b_name), = [(k, k.replace("lora_A", "lora_B")) for k in seen[0][0] if "lora_A" in k]
+    for update, rank in zip(seen[-1], (1, 3)):          # client 1 trains rank 1, client 2 rank 3
+        assert not update[a_name][rank:].any() and not update[b_name][:, rank:].any()
+        assert update[a_name][:rank].any() and update[b_name][:, :rank].any()
+    # 1 + 3 <= r = 4: the global B A is the sample-weighted mean of the clients' products
+    weights = [len(course.data.clients[c].train) for c in (1, 2)]
+    expected = sum(w * (u[b_name].double() @ u[a_name].double()) for u, w in zip(seen[-1], weights))
+    expected /= sum(weights)
+    state = course.server.aggregator.global_state
+    assert (state[b_name].double() @ state[a_name].double() - expected).abs().max() < 1e-6
+
+
+def test_a_model_from_a_local_directory_and_a_local_tokenizer(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    words = ["<bos>", "<eos>", "<unk>"] + sorted({w for a in range(3) for w in
+                                                  f"author{a} the cat a dog sees eats".split()})
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(words)},
+                                                           unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>",
+                                                eos_token="<eos>", unk_token="<unk>")
+    fast.save_pretrained(str(tmp_path / "tok"))
+    lm = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=len(words), n_layer=1, n_head=2,
+                                                              n_embd=8, n_positions=32))
+    lm.save_pretrained(str(tmp_path / "model"))
+    course = Course(lm_cfg(**{"model.path": str(tmp_path / "model"), "data.text.seq_len": 8,
+                              "data.text.tokenizer": str(tmp_path / "tok"),
+                              "federate.total_round_num": 1})).build()
+    assert course.data.num_classes == len(words)
+    assert int(course.data.clients[1].train.x.max()) < len(words)
+    loaded = dict(course.trainer.model.named_parameters())
+    wte = loaded["lm.base_model.model.transformer.wte.weight"]
+    assert torch.equal(wte, lm.transformer.wte.weight)       # the saved weights, not new ones
+    course.run()
+
+
+def test_the_gpu_benchmark_without_a_gpu_exits_2_with_one_line(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the benchmark would run")
+    from bench.llm_lora import main
+    assert main([]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no GPU" in err
+
+
+@pytest.mark.parametrize("keys", [
+    {"algorithm.name": "fedprox"},                                           # exact aggregation
+    {"privacy.dp.mode": "local", "privacy.dp.noise_multiplier": 0.5, "privacy.dp.clip_norm": 0.5},
+    {"server_optimizer.type": "adam", "server_optimizer.lr": 0.01, "model.lora.aggregation": "separate"},
+])
+def test_algorithms_on_adapters_move_the_adapters_only(tmp_path, keys):
+    course = Course(lm_cfg(tmp_path, **{**keys, "federate.total_round_num": 2})).build()
+    frozen = {n: p.detach().clone() for n, p in course.trainer.model.named_parameters() if not p.requires_grad}
+    start = {k: v.clone() for k, v in course.server.aggregator.global_state.items()}
+    summary = course.run()
+    if "privacy.dp.mode" in keys:   # the accountant saw both clients' updates
+        assert summary["dp_noisy_clients"] == 2 and summary["dp_epsilon"] > 0
+    final = torch.load(tmp_path / "final_model.pt", weights_only=True)
+    assert final.keys() == start.keys() and all("lora_" in k for k in final)
+    assert any(not torch.equal(final[k], start[k]) for k in final)
+    for n, p in course.trainer.model.named_parameters():
+        if not p.requires_grad:
+            assert torch.equal(p, frozen[n]), n
+    assert np.isfinite(_records(tmp_path)[-1]["test_perplexity"])
+
+
+@pytest.mark.slow
+def test_the_lora_scenario_runs_from_the_command_line_with_no_network(tmp_path):
+    """Every proxy points at a closed loopback port and HF_ENDPOINT at nothing: a download
+    attempt would fail the run."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    dead = "http://127.0.0.1:9"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env.update(HTTP_PROXY=dead, HTTPS_PROXY=dead, http_proxy=dead, https_proxy=dead, HF_ENDPOINT=dead,
+               PYTHONPATH=str(root) + os.pathsep + env.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-m", "fedcore.run", "--cfg", str(root / "scenarios" / "llm_lora.yaml"),
+                        f"outdir={tmp_path}", "federate.total_round_num=2", "verbose=0"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    perplexity = [r["test_perplexity"] for r in _records(tmp_path)]
+    assert len(perplexity) == 2 and perplexity[1] < perplexity[0]
+
+
+def test_unreadable_local_model_and_tokenizer_directories_are_one_line(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text('{"model_type": "gpt2", "n_layer": "two"}')
+    (tmp_path / "tok").mkdir()
+    for keys, message in (({"model.path": str(tmp_path / "model")}, "model.path: cannot load"),
+                          ({"data.text.tokenizer": str(tmp_path / "tok")}, "data.text.tokenizer: cannot load")):
+        with pytest.raises(ConfigError, match=message) as info:
+            Course(lm_cfg(**keys)).build()
+        assert "\n" not in str(info.value)
