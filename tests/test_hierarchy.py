@@ -400,3 +400,18 @@ def test_async_cloud_refusals():
                         "simulation only")):
         with pytest.raises(ConfigError, match=words):
             small_cfg(None, topology__edges=2, topology__cloud_aggregator="fedbuff", **bad)
+
+
+def test_an_edge_ignores_a_join_from_another_edges_client(tmp_path):
+    """Deployed with one shared token, any client could dial any edge: an edge counts only its
+    own clients' joins (the rest is noted in the summary's admission counts), and the cloud only
+    edges'."""
+    from fedcore.message import Message
+    course = Course(small_cfg(tmp_path, eval__clients=False, topology__edges=2)).build()
+    edge = course.edges[7]                       # clients 1-3; client 4 is edge 8's
+    edge.deliver(Message("join_in", 4, (7,), 0, 0.0, {"client_id": 4, "num_samples": 10**6}))
+    course.server.deliver(Message("join_in", 2, (0,), 0, 0.0, {"client_id": 2, "num_samples": 30}))
+    assert edge.joined == set() and 4 not in getattr(edge, "declared_samples", {})
+    assert course.server.joined == set()
+    counts = course.monitor.extra_summary["admission"]
+    assert counts == {"join from a client of another edge": 1, "join from a worker that is not an edge": 1}
