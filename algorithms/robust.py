@@ -60,6 +60,9 @@ declare("aggregator.cc_tau", float, None, "centered_clip: radius tau to which ea
         "from the center (the previous round's combined delta) is clipped", check=positive)
 declare("aggregator.cc_iters", int, 1, "centered_clip: clipping iterations L per aggregation",
         check=positive)
+declare("topology.edge_robust_rule", str, "none", "hierarchical courses (topology.edges): the rule "
+        "each edge combines its clients' models with, one of aggregator.robust_rule's, with the "
+        "same aggregator.* parameters (aggregator.robust_rule is the cloud's rule)", choices=RULES)
 
 
 @validator
@@ -91,6 +94,32 @@ def _check_robust(cfg) -> None:
         raise ConfigError("aggregator.cc_tau: robust_rule centered_clip needs a radius, e.g. "
                           "aggregator.cc_tau=0.1 (about an honest update's norm)")
 
+
+
+class _AtTheEdge:
+    """`cfg` read as an edge's: its `aggregator.robust_rule` is `topology.edge_robust_rule`."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def __getitem__(self, key: str):
+        return self.cfg["topology.edge_robust_rule" if key == "aggregator.robust_rule" else key]
+
+
+@validator
+def _check_edge_rule(cfg) -> None:
+    if cfg["topology.edge_robust_rule"] == "none":
+        return
+    if not cfg["topology.edges"]:
+        raise ConfigError("topology.edge_robust_rule: a rule for edge aggregators needs "
+                          "topology.edges > 0 (in a star, set aggregator.robust_rule)")
+    _check_robust(_AtTheEdge(cfg))
+
+
+def edge_rule(cfg):
+    """The rule an edge combines its clients' models with (`topology.edge_robust_rule`), or None;
+    each edge gets its own (centered_clip keeps each edge's history)."""
+    return make_rule(_AtTheEdge(cfg))
 
 # ---------------------------------------------------------------- the rules on vectors
 def krum_scores(vectors: torch.Tensor, f: int) -> torch.Tensor:

@@ -38,8 +38,8 @@ log = logging.getLogger("fedcore.deploy")
 
 
 declare("distribute.role", str, None, "this process's part in a distributed course (setting it "
-        "implies federate.mode: distributed)",
-        choices=("server", "client"))
+        "implies federate.mode: distributed); edge: an edge aggregator of a hierarchical course",
+        choices=("server", "client", "edge"))
 declare("distribute.server_host", str, "127.0.0.1", "server: address to listen on (0.0.0.0 for all "
         "interfaces); client: the server's host name or address")
 declare("distribute.server_port", int, 50051, "server: port to listen on (0 picks a free one and "
@@ -158,7 +158,7 @@ def _check_distribute(cfg) -> None:
         m = cfg["distribute.min_clients"]
         if m is not None and m > n:
             raise ConfigError(f"distribute.min_clients: {m} exceeds federate.client_num {n}")
-    elif cfg["distribute.client_id"] > n:
+    elif role == "client" and cfg["distribute.client_id"] > n:
         raise ConfigError(f"distribute.client_id: {cfg['distribute.client_id']} exceeds "
                           f"federate.client_num {n}")
 
@@ -474,5 +474,8 @@ def run_distributed(cfg, outdir, check_only: bool = False) -> int:
         pass
     if role == "client":
         return run_client(cfg)
+    if role == "edge":   # an edge aggregator of a hierarchical course (topology.edges)
+        from fedcore.edge_process import run_edge
+        return run_edge(cfg, outdir, check_only)
     progress = cfg["verbose"]  # a bar on a terminal, periodic round lines elsewhere
     return ServerCourse(cfg, outdir, progress=progress).build().check_or_run(check_only)

@@ -216,11 +216,16 @@ def main(argv: list[str] | None = None) -> int:
     client_env: dict[int, dict] = {k: dict(os.environ) for k in range(1, n + 1)}
     secrets_dir = None
     guardian = _Guardian()  # before anything it would have to clean up
+    tree = None
+    if cfg["topology.edges"]:   # a hierarchical course: edge processes between server and clients
+        from fedcore.launch_tree import LaunchTree
+        tree = LaunchTree(cfg, n)
     if not any(cfg[k] for k in ("distribute.token", "distribute.tokens", "distribute.token_file",
                                 "distribute.tokens_file")) and not os.environ.get(TOKEN_ENV):
         tokens = {k: secrets.token_hex(16) for k in range(1, n + 1)}
         secrets_dir = guardian.secrets(Path(tempfile.mkdtemp(prefix="fedcore-tokens-")))  # mode 0700
-        server_extra.append(f"distribute.tokens_file={write_private(secrets_dir / 'tokens.yaml', tokens)}")
+        cloud_tokens = tree.tokens(tokens, secrets_dir) if tree else tokens
+        server_extra.append(f"distribute.tokens_file={write_private(secrets_dir / 'tokens.yaml', cloud_tokens)}")
         for k, token in tokens.items():
             client_env[k][TOKEN_ENV] = token
     client_extra: dict[int, list[str]] = {k: [] for k in range(1, n + 1)}
@@ -244,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     base = [sys.executable, "-m", "fedcore.run", "--cfg", args.cfg, *args.overrides, *common]
     preexec = _die_with_parent()
     port = "0"
+    ports: dict[int, str] = {}   # with edges: the port of each client's edge
 
     def start_server(first: bool) -> subprocess.Popen:
         again = [] if first else ["resume_from=latest"]   # the same course, on the same port
@@ -253,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     def client_starter(k: int):
         def start(first: bool) -> subprocess.Popen:
             return subprocess.Popen(base + args.client_opt + client_extra[k] + [
-                "distribute.role=client", f"distribute.client_id={k}", f"distribute.server_port={port}"],
+                "distribute.role=client", f"distribute.client_id={k}", f"distribute.server_port={ports.get(k, port)}"],
                 env=client_env[k], preexec_fn=preexec)
         return start
 
@@ -270,6 +276,11 @@ def main(argv: list[str] | None = None) -> int:
                 return EXIT_FAILURE
             time.sleep(0.1)
         port = address_file.read_text().strip().rsplit(":", 1)[1]
+        if tree is not None:   # each client dials its edge
+            if not tree.start(base + args.server_opt, port, outdir, preexec, args.startup_timeout,
+                              lambda name, start: _Supervised(name, start, guardian, args.restart), children):
+                return EXIT_FAILURE
+            ports.update(tree.client_ports)
         children += [_Supervised(f"client {k}", client_starter(k), guardian, args.restart)
                      for k in range(1, n + 1)]
         rc = None

@@ -137,3 +137,19 @@ declare("topology.edge_link.upload_bandwidth", float, 1.0e7, "bytes/s from an ed
         check=positive)
 declare("topology.edge_link.download_bandwidth", float, 1.0e8, "bytes/s from the cloud to an edge",
         check=positive)
+declare("topology.cloud_aggregator", str, "sync", "hierarchical courses: how the cloud combines edge "
+        "models: sync (wait for every edge, the algorithm's aggregator: HierFAVG), fedasync or "
+        "fedbuff (take edge updates as they come, topology.cloud_buffer at a time, discounted by "
+        "asyn.staleness_discount; simulation only)", choices=("sync", "fedasync", "fedbuff"))
+declare("topology.cloud_buffer", int, 1, "topology.cloud_aggregator fedasync/fedbuff: edge updates "
+        "per cloud aggregation (FedBuff's K)", check=positive)
+declare("distribute.edge_id", int, None, "distribute.role=edge: this edge aggregator's id, one of "
+        "federate.client_num+1 .. federate.client_num+topology.edges (its clients follow from "
+        "topology.assign)", check=positive)
+declare("distribute.cloud_host", str, "127.0.0.1", "distribute.role=edge: the cloud server's host "
+        "name or address (the edge serves its own clients on distribute.server_host/server_port)")
+declare("distribute.cloud_port", int, 50051, "distribute.role=edge: the cloud server's port",
+        check=lambda v: None if 1 <= v <= 65535 else "must be in 1..65535")
+declare("distribute.cloud_token_file", str, None, "distribute.role=edge: file holding the token the "
+        "edge presents to the cloud (else FEDCORE_CLOUD_TOKEN); its own distribute.token* keys are "
+        "what it accepts from its clients")

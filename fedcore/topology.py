@@ -40,9 +40,29 @@ def _check_topology_keys(cfg) -> None:
     if cfg["course"] != "sync":
         raise ConfigError(f"topology.edges: a hierarchical course runs HierFAVG's synchronous "
                           f"rounds; course={cfg['course']} is not supported with edges (use course=sync)")
-    if cfg["federate.mode"] == "distributed" or cfg.get("distribute.role"):
-        raise ConfigError("topology.edges: hierarchical courses run in simulation only so far; "
-                          "set federate.mode=standalone")
+    cloud = cfg["topology.cloud_aggregator"]
+    if cloud != "sync":
+        if cfg.get("distribute.role"):
+            raise ConfigError(f"topology.cloud_aggregator: {cloud} at the cloud runs in simulation "
+                              "only so far; deployed, use sync")
+        plain_step = cfg["server_optimizer.type"] == "sgd" and cfg["server_optimizer.lr"] in (None, 1)
+        if not plain_step or cfg["aggregator.robust_rule"] != "none":
+            raise ConfigError(f"topology.cloud_aggregator: {cloud} is the cloud's rule; leave "
+                              "server_optimizer.* (plain sgd) and aggregator.robust_rule unset")
+        if cfg["topology.cloud_buffer"] > edges:
+            raise ConfigError(f"topology.cloud_buffer: {cfg['topology.cloud_buffer']} edge updates "
+                              f"per aggregation, but only {edges} edges")
+    if cfg.get("distribute.role") and cfg["topology.assign"] not in ("contiguous", "random"):
+        raise ConfigError(f"topology.assign: {cfg['topology.assign']} reads every client's data or "
+                          "device profile, which no deployed process holds; deployed, use "
+                          "contiguous or random")
+    if cfg.get("distribute.role") and cfg["eval.clients"]:
+        raise ConfigError("eval.clients: deployed, the clients of a hierarchical course talk only to "
+                          "their edges, which do not relay evaluation; set eval.clients=false (the "
+                          "cloud evaluates the global model on its test set)")
+    if cfg.get("distribute.role") == "edge" and not n < cfg["distribute.edge_id"] <= n + edges:
+        raise ConfigError(f"distribute.edge_id: an edge's id is one of {n + 1}..{n + edges} "
+                          "(edges are numbered after the clients)")
     if cfg["executor"] != "sequential":
         raise ConfigError(f"topology.edges: executor={cfg['executor']} batches one server's "
                           "broadcast; with edges use executor=sequential")
@@ -154,8 +174,10 @@ class TierLinks:
     each copy to its tier and direction, and hands it on to the run's counter as upward
     (towards the cloud) or downward, so `bytes_up`/`bytes_down` keep counting every link."""
 
-    def __init__(self, topology: Topology, timing, cfg, count_bytes, separate_types: set[str]):
+    def __init__(self, topology: Topology, timing, cfg, count_bytes, separate_types: set[str],
+                 tiers: tuple[str, ...] = TIERS):
         self.topology = topology
+        self.tiers = tiers     # the tiers this process sees (a deployed cloud: only its own)
         self.timing = timing
         self.forward = count_bytes
         self.separate_types = separate_types
@@ -163,7 +185,7 @@ class TierLinks:
         self.up_bandwidth = cfg["topology.edge_link.upload_bandwidth"]
         self.down_bandwidth = cfg["topology.edge_link.download_bandwidth"]
         # per tier: bytes each way and link-seconds (the summary's `tiers`)
-        self.totals = {t: {"bytes_up": 0, "bytes_down": 0, "link_seconds": 0.0} for t in TIERS}
+        self.totals = {t: {"bytes_up": 0, "bytes_down": 0, "link_seconds": 0.0} for t in tiers}
         self.since = {t: dict(v) for t, v in self.totals.items()}
 
     def transfer_time(self, sender: int, receiver: int, nbytes: int, server_id: int = SERVER_ID) -> float:
@@ -197,7 +219,7 @@ class TierLinks:
         """Fields for a round's record: each tier's bytes and link-seconds since the last
         record, and their running totals; the counters since the last record restart."""
         fields: dict[str, Any] = {}
-        for tier in TIERS:
+        for tier in self.tiers:
             since, total = self.since[tier], self.totals[tier]
             fields[f"bytes_{tier}"] = since["bytes_up"] + since["bytes_down"]
             fields[f"bytes_{tier}_total"] = total["bytes_up"] + total["bytes_down"]

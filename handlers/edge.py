@@ -12,13 +12,16 @@ unchanged: they report to their `parent`, their edge.
 from __future__ import annotations
 
 from fedcore import admission, registry
+from fedcore.algorithms import robust
+from fedcore.algorithms.combine import replace_combination
+from fedcore.algorithms.fedavg import FedAvgAggregator
 from fedcore.errors import ConfigError
-from fedcore.handlers import evaluation, join, rounds, sync, training
+from fedcore.handlers import edge_async, evaluation, join, rounds, sync, training
 from fedcore.schema import clients_per_round
-from fedcore.topology import TierLinks, assign, check
+from fedcore.topology import TIERS, TierLinks, assign, check
 from fedcore.worker import HandlerTable, Worker
 
-__all__ = ["Edge", "HIERARCHICAL_ALGORITHMS", "install"]
+__all__ = ["Edge", "HIERARCHICAL_ALGORITHMS", "install", "install_edge"]
 
 # algorithms whose aggregator is FedAvg's sample-weighted mean, the rule HierFAVG runs at both tiers
 HIERARCHICAL_ALGORITHMS = ("fedavg", "fedprox")
@@ -29,11 +32,14 @@ class Edge(Worker):
 
     role = "edge"
 
-    def __init__(self, edge_id: int, index: int, children: list[int], table: HandlerTable, course):
+    def __init__(self, edge_id: int, index: int, children: list[int], table: HandlerTable, course, model):
         super().__init__(edge_id, table, course)
         cfg = course.cfg
         self.children = children
-        self.aggregator = course.algorithm.aggregator(course.server.model, cfg, len(children))
+        self.aggregator = course.algorithm.aggregator(model, cfg, len(children))
+        rule = robust.edge_rule(cfg)   # topology.edge_robust_rule; the cloud's is aggregator.robust_rule
+        if rule is not None:
+            replace_combination(self.aggregator, rule, f"topology.edge_robust_rule {cfg['topology.edge_robust_rule']}")
         # edge i draws from the stream seed + 1009 i (the first edge's is the flat server's)
         self.sampler = registry.samplers.get(cfg["federate.sampler"])(children, cfg["seed"] + 1009 * index,
                                                                       course.timing)
@@ -46,6 +52,7 @@ class Edge(Worker):
         self.selected: set[int] = set()
         self.buffer: list = []
         self.started = self.finished = False
+        self.in_cloud_round = False   # between the cloud's model and the edge's reply to it
         self.cloud_round = self.edge_round = 0
 
 
@@ -53,6 +60,10 @@ class Edge(Worker):
 def admit_to_edge(edge: Edge, msg) -> None:
     """Edge `receiving_join_in`: once all its clients are in, join the cloud declaring their
     samples together (the cloud's weight for this edge, |D^l|)."""
+    if msg.sender not in edge.children:   # deployed: a client that dialled the wrong edge
+        admission.note(edge, "join from a client of another edge",
+                       f"edge {edge.id}: ignored a join from client {msg.sender}, not one of its clients")
+        return
     join.note_join(edge, msg)
     if len(edge.joined) == len(edge.children) and not edge.started:
         edge.started = True
@@ -62,7 +73,8 @@ def admit_to_edge(edge: Edge, msg) -> None:
 
 def start_edge_rounds(edge: Edge, msg) -> None:
     """Edge `receiving_models`: adopt the cloud model and start kappa_2 edge rounds from it."""
-    edge.cloud_round = msg.round
+    edge.cloud_round, edge.in_cloud_round = msg.round, True
+    edge.cloud_model = msg.content["model"]   # what a FedBuff cloud's delta is taken from
     edge.aggregator.global_state = {**edge.aggregator.global_state, **msg.content["model"]}
     edge.edge_round = 0
     _next_edge_round(edge)
@@ -73,7 +85,8 @@ def _next_edge_round(edge: Edge) -> None:
     course-wide edge-round index t = (cloud round - 1) kappa_2 + j (t = cloud round when kappa_2 = 1)."""
     edge.edge_round += 1
     edge.round = (edge.cloud_round - 1) * edge.course.cfg["topology.edge_rounds"] + edge.edge_round
-    edge.selected = set(edge.sampler.sample(edge.per_round, edge.children))
+    # deployed, only the clients connected and joined (`EdgeCourse.client_ids`; in simulation all)
+    edge.selected = set(edge.sampler.sample(edge.per_round, edge.children)).intersection(edge.course.client_ids)
     edge.buffer = []
     edge.send("models", sorted(edge.selected), edge.aggregator.broadcast(edge.round))
     if not edge.selected:
@@ -90,8 +103,8 @@ def aggregate_at_edge(edge: Edge, _event=None) -> None:
     if edge.edge_round < edge.course.cfg["topology.edge_rounds"]:
         _next_edge_round(edge)
         return
-    content = {"model": edge.aggregator.broadcast(edge.cloud_round)["model"],
-               "num_samples": sum(edge.declared_samples.values())}
+    content = edge_async.edge_content(edge, edge.aggregator.broadcast(edge.cloud_round)["model"])
+    edge.in_cloud_round = False
     edge.send("updates", edge.parent, content, round_=edge.cloud_round)
 
 
@@ -103,7 +116,12 @@ def pass_finish_down(edge: Edge, msg) -> None:
 
 # ---------------------------------------------------------------- cloud handlers
 def admit_edge(server, msg) -> None:
-    """Cloud `receiving_join_in`: an edge joins for its clients; start when every edge is in."""
+    """Cloud `receiving_join_in`: an edge joins for its clients; start when every edge is in
+    (an edge that joins again after the start is sent the next cloud round's model)."""
+    if msg.sender not in server.course.topology.edges:   # deployed: only edges dial the cloud
+        admission.note(server, "join from a worker that is not an edge",
+                       f"cloud: ignored a join from {msg.sender}, which is not an edge")
+        return
     join.note_join(server, msg)
     if len(server.joined) == len(server.course.topology.edges) and not server.started:
         server.started = True
@@ -111,8 +129,11 @@ def admit_edge(server, msg) -> None:
 
 
 def start_cloud_round(server, _event=None) -> None:
-    """Cloud `all_joined_in` (and after each aggregation): send the model to every edge."""
+    """Cloud `all_joined_in` (and after each aggregation): send the model to every edge (deployed:
+    every edge connected and joined, `ServerCourse.client_ids`; a dead edge's round is lost)."""
     edges = sorted(server.course.topology.edges)
+    if server.course.cfg["distribute.role"] is not None:
+        edges = [e for e in server.course.client_ids if e in server.course.topology.edges]
     server.selected = set(edges)
     server.buffer = []
     server.send("models", edges, server.aggregator.broadcast(server.round))
@@ -133,43 +154,62 @@ def finish_through_edges(server, _event) -> None:
 
 # ---------------------------------------------------------------- assembly
 def install(course) -> None:
-    """The hierarchical course: assign clients to edges, make the edge workers, route time and
-    bytes per tier, and register the cloud's, the edges' and the clients' handlers."""
+    """The hierarchical course: assign clients to edges and register the cloud's, the edges' and
+    the clients' handlers. In simulation one course holds every tier; deployed, each process
+    installs its own: the cloud (role server) the cloud's, each client the client's, and each
+    edge process its edge's (`fedcore.edge_process`, through `install_edge`)."""
     cfg = course.cfg
-    if cfg["algorithm.name"] not in HIERARCHICAL_ALGORITHMS:
+    # FedAvg's own aggregator also under another name (a plug-in's trainer with FedAvg's mean)
+    if cfg["algorithm.name"] not in HIERARCHICAL_ALGORITHMS and course.algorithm.aggregator is not FedAvgAggregator:
         raise ConfigError(f"topology.edges: HierFAVG averages by samples at both tiers; algorithm "
                           f"{cfg['algorithm.name']} is not supported with edges "
                           f"(use one of {', '.join(HIERARCHICAL_ALGORITHMS)})")
-    topology = course.topology = assign(cfg, course.client_ids, course.data, course.timing)
-    course.tier_graph = check(topology, course.client_ids)
-    course.links = TierLinks(topology, course.timing, cfg, course.comm.count_bytes,
-                             course.monitor.separate_types)
-    course.comm.timing, course.comm.count_bytes = course.links, course.links.count_bytes
-    edge_table = HandlerTable("edge")
-    course.extra_tables.append(edge_table)
-    course.edges = {}
-    for index, (edge_id, children) in enumerate(sorted(topology.edges.items())):
-        edge = course.edges[edge_id] = Edge(edge_id, index, children, edge_table, course)
-        course.comm.attach(edge)
-        for cid in children:
-            course.clients[cid].parent = edge_id
-    course.monitor.extra_summary["topology"] = topology.describe()
-    course.monitor.extra_summary["tiers"] = course.links.totals   # live: written at the end
-
+    role = cfg["distribute.role"]
     course.client_table.register("start", join.join_in, sends=("join_in",))
     training.install(course)
     evaluation.install(course)
+    if role == "client":   # a client process: it reports to its edge as to a server
+        return
+    topology = course.topology = assign(cfg, course.client_ids, course.data, course.timing)
+    course.tier_graph = check(topology, course.client_ids)
+    # deployed, the cloud sees only its own tier's bytes (and times no link: time is measured)
+    if role == "server":   # an edge speaks for many clients: bound by the samples it declared
+        course.default_sample_cap = None
+    course.links = TierLinks(topology, course.timing, cfg, course.comm.count_bytes,
+                             course.monitor.separate_types, TIERS if role is None else ("edge_cloud",))
+    course.comm.count_bytes = course.links.count_bytes
+    course.monitor.extra_summary["topology"] = topology.describe()
+    course.monitor.extra_summary["tiers"] = course.links.totals   # live: written at the end
     s = course.server_table
     s.register("receiving_join_in", admit_edge, sends=("all_joined_in",))
-    s.register("all_joined_in", start_cloud_round, sends=("models",))
-    s.register("receiving_updates", sync.collect_update, sends=("all_received",))
-    s.register("all_received", aggregate_at_cloud,
-               sends=("models", "eval_request", "max_rounds_reached", "early_stop"))
+    if cfg["topology.cloud_aggregator"] == "sync":
+        s.register("all_joined_in", start_cloud_round, sends=("models",))
+        s.register("receiving_updates", sync.collect_update, sends=("all_received",))
+        s.register("all_received", aggregate_at_cloud,
+                   sends=("models", "eval_request", "max_rounds_reached", "early_stop"))
+    else:   # FedAsync / FedBuff at the cloud, taking edge updates as they come
+        edge_async.install_cloud(course)
     s.register("max_rounds_reached", finish_through_edges, sends=("finish",))
     s.register("early_stop", finish_through_edges, sends=("finish",))
-    edge_table.register("receiving_join_in", admit_to_edge, sends=("join_in",))
-    edge_table.register("receiving_models", start_edge_rounds, sends=("models", "all_received"))
-    edge_table.register("receiving_updates", sync.collect_update, sends=("all_received",))
-    edge_table.register("all_received", aggregate_at_edge, sends=("models", "all_received", "updates"))
-    edge_table.register("receiving_finish", pass_finish_down, sends=("finish",))
+    if role is not None:
+        return
+    course.comm.timing = course.links
+    edge_table = HandlerTable("edge")
+    course.extra_tables.append(edge_table)
+    install_edge(edge_table)
+    course.edges = {}
+    for index, (edge_id, children) in enumerate(sorted(topology.edges.items())):
+        edge = course.edges[edge_id] = Edge(edge_id, index, children, edge_table, course,
+                                            course.server.model)
+        course.comm.attach(edge)
+        for cid in children:
+            course.clients[cid].parent = edge_id
 
+
+def install_edge(table: HandlerTable) -> None:
+    """An edge's handlers: a server's towards its clients, a client's towards the cloud."""
+    table.register("receiving_join_in", admit_to_edge, sends=("join_in",))
+    table.register("receiving_models", start_edge_rounds, sends=("models", "all_received"))
+    table.register("receiving_updates", sync.collect_update, sends=("all_received",))
+    table.register("all_received", aggregate_at_edge, sends=("models", "all_received", "updates"))
+    table.register("receiving_finish", pass_finish_down, sends=("finish",))

@@ -265,3 +265,153 @@ def test_an_edge_refuses_an_update_claiming_more_than_its_client_declared(tmp_pa
     s = _run(tmp_path, topology__edges=2)
     assert s["admission"] == {"num_samples above the declared count": 2}
     assert [r["num_updates"] for r in _records(tmp_path)] == [2, 2]
+
+
+def test_median_at_the_edges_by_hand(tmp_path):
+    """topology.edge_robust_rule=median, FedAvg at the cloud: six clients (1, 2, 3, 1, 2, 1 points)
+    under two edges of three, one SGD step each (kappa_1 = kappa_2 = 1), one cloud round. Each edge
+    takes the coordinate median of its three clients' models (the middle value, whatever their
+    sample counts); the cloud averages the two edge models by |D_l| = 6 and 4."""
+    points = {1: [(1.0, 2.0)], 2: [(0.0, 1.0), (2.0, -1.0)], 3: [(1.0, 0.5), (-1.0, 1.5), (3.0, 2.0)],
+              4: [(0.5, 3.0)], 5: [(2.0, 2.0), (-2.0, 0.0)], 6: [(4.0, -1.0)]}
+    lr = 0.1
+    cfg = small_cfg(tmp_path, eval__clients=False, federate__client_num=6, federate__total_round_num=1,
+                    train__local_steps=1, train__batch_size=8, train__optimizer__lr=lr,
+                    train__loss="mse", model__dtype="float64", topology__edges=2,
+                    topology__edge_robust_rule="median")
+    course = Course(cfg).build(data=_line_data(points))
+    start = course.server.aggregator.global_state
+    w0, b0 = start["1.weight"].item(), start["1.bias"].item()
+    course.run()
+
+    def sgd(pts):
+        r = [w0 * x + b0 - y for x, y in pts]
+        return w0 - lr * 2 / len(pts) * sum(ri * x for ri, (x, _) in zip(r, pts)), b0 - lr * 2 / len(pts) * sum(r)
+
+    def middle(values):
+        return sorted(values)[1]
+    edges = {}
+    for e, members in ((7, [1, 2, 3]), (8, [4, 5, 6])):
+        models = [sgd(points[c]) for c in members]
+        edges[e] = (middle([m[0] for m in models]), middle([m[1] for m in models]))
+    w = (6 * edges[7][0] + 4 * edges[8][0]) / 10
+    b = (6 * edges[7][1] + 4 * edges[8][1]) / 10
+    final = _final(tmp_path)
+    assert final["1.weight"].item() == pytest.approx(w, abs=1e-12)
+    assert final["1.bias"].item() == pytest.approx(b, abs=1e-12)
+
+
+def test_one_edge_with_an_edge_rule_is_the_flat_rule(tmp_path):
+    """One edge, kappa_2 = 1: trimmed mean at the edge equals the flat course's trimmed mean
+    (the cloud's average of one model is that model)."""
+    common = dict(federate__total_round_num=2, aggregator__trim_ratio=0.2)
+    _run(tmp_path / "flat", aggregator__robust_rule="trimmed_mean", **common)
+    _run(tmp_path / "tree", topology__edges=1, topology__edge_robust_rule="trimmed_mean", **common)
+    _run(tmp_path / "plain", topology__edges=1, **common)
+    flat, tree, plain = (_final(tmp_path / n) for n in ("flat", "tree", "plain"))
+    assert all(torch.allclose(flat[k], tree[k], atol=1e-7, rtol=0) for k in flat)
+    assert not all(torch.allclose(plain[k], tree[k], atol=1e-4, rtol=0) for k in flat)
+
+
+def test_deployed_tree_refusals():
+    """Deployed, the tree comes from ids alone, clients are evaluated by nobody, and an edge's id
+    follows the clients'."""
+    base = dict(topology__edges=2, eval__clients=False, distribute__role="edge", distribute__edge_id=7)
+    small_cfg(None, **base)
+    for bad, words in ((dict(topology__assign="by_label"), "topology.assign"),
+                       (dict(eval__clients=True), "eval.clients"),
+                       (dict(distribute__edge_id=6), "distribute.edge_id"),
+                       (dict(distribute__edge_id=9), "distribute.edge_id")):
+        with pytest.raises(ConfigError, match=words):
+            small_cfg(None, **{**base, **bad})
+    with pytest.raises(ConfigError, match="topology.edge_robust_rule"):
+        small_cfg(None, topology__edge_robust_rule="median")
+
+
+def _line_course(tmp_path, points, **over):
+    """A float64 linear regression over `points`, one full-batch SGD step per training."""
+    cfg = small_cfg(tmp_path, eval__clients=False, federate__client_num=len(points), train__local_steps=1,
+                    train__batch_size=8, train__optimizer__lr=0.1, train__loss="mse",
+                    model__dtype="float64", **over)
+    course = Course(cfg).build(data=_line_data(points))
+    start = course.server.aggregator.global_state
+    return course, (start["1.weight"].item(), start["1.bias"].item())
+
+
+def _sgd(w, b, pts, lr=0.1):
+    r = [w * x + b - y for x, y in pts]
+    return w - lr * 2 / len(pts) * sum(ri * x for ri, (x, _) in zip(r, pts)), b - lr * 2 / len(pts) * sum(r)
+
+
+def _fedavg(members, points, w, b):
+    models = [(_sgd(w, b, points[c]), len(points[c])) for c in members]
+    total = sum(n for _, n in models)
+    return (sum(m[0] * n for m, n in models) / total, sum(m[1] * n for m, n in models) / total)
+
+
+POINTS = {1: [(1.0, 2.0)], 2: [(0.0, 1.0), (2.0, -1.0)], 3: [(1.0, 0.5), (-1.0, 1.5), (3.0, 2.0)],
+          4: [(0.5, 3.0)]}
+
+
+def test_fedbuff_at_the_cloud_by_hand(tmp_path):
+    """FedBuff at the cloud (K = 2 = both edges, eta_g = 0.5), FedAvg at the edges: every cloud
+    round both edges start from w_r, so w_{r+1} = w_r + 0.5 * (1/2) (Delta_A + Delta_B) with
+    Delta_l = FedAvg_l(w_r) - w_r; two cloud rounds by hand."""
+    course, (w, b) = _line_course(tmp_path, POINTS, federate__total_round_num=2, topology__edges=2,
+                                  topology__cloud_aggregator="fedbuff", topology__cloud_buffer=2,
+                                  algorithm__fedbuff__server_lr=0.5)
+    course.run()
+    for _ in range(2):
+        (wa, ba), (wb, bb) = _fedavg([1, 2], POINTS, w, b), _fedavg([3, 4], POINTS, w, b)
+        w, b = w + 0.25 * ((wa - w) + (wb - w)), b + 0.25 * ((ba - b) + (bb - b))
+    final = _final(tmp_path)
+    assert final["1.weight"].item() == pytest.approx(w, abs=1e-12)
+    assert final["1.bias"].item() == pytest.approx(b, abs=1e-12)
+    assert [r["staleness_max"] for r in _records(tmp_path)] == [0, 0]
+
+
+def test_fedasync_at_the_cloud_with_one_edge_by_hand(tmp_path):
+    """FedAsync at the cloud (alpha = 0.3), one edge: w_{r+1} = 0.7 w_r + 0.3 FedAvg(w_r)."""
+    course, (w, b) = _line_course(tmp_path, POINTS, federate__total_round_num=3, topology__edges=1,
+                                  topology__cloud_aggregator="fedasync", algorithm__fedasync__alpha=0.3)
+    course.run()
+    for _ in range(3):
+        wa, ba = _fedavg([1, 2, 3, 4], POINTS, w, b)
+        w, b = 0.7 * w + 0.3 * wa, 0.7 * b + 0.3 * ba
+    final = _final(tmp_path)
+    assert final["1.weight"].item() == pytest.approx(w, abs=1e-12)
+    assert final["1.bias"].item() == pytest.approx(b, abs=1e-12)
+
+
+def test_an_async_cloud_takes_edges_as_they_come(tmp_path):
+    """FedAsync at the cloud with K = 1 and two edges: each cloud round is one edge's model, and
+    the edge not heard from works on an older model, so its update arrives one round stale."""
+    _run(tmp_path, federate__total_round_num=4, topology__edges=2, topology__cloud_aggregator="fedasync")
+    records = _records(tmp_path)
+    assert [r["num_updates"] for r in records] == [1, 1, 1, 1]
+    assert max(r["staleness_max"] for r in records) >= 1
+
+
+def test_async_cloud_refusals():
+    for bad, words in ((dict(topology__cloud_buffer=3), "topology.cloud_buffer"),
+                       (dict(aggregator__robust_rule="median"), "topology.cloud_aggregator"),
+                       (dict(server_optimizer__type="adam"), "topology.cloud_aggregator"),
+                       (dict(distribute__role="server", distribute__insecure=True, eval__clients=False),
+                        "simulation only")):
+        with pytest.raises(ConfigError, match=words):
+            small_cfg(None, topology__edges=2, topology__cloud_aggregator="fedbuff", **bad)
+
+
+def test_an_edge_ignores_a_join_from_another_edges_client(tmp_path):
+    """Deployed with one shared token, any client could dial any edge: an edge counts only its
+    own clients' joins (the rest is noted in the summary's admission counts), and the cloud only
+    edges'."""
+    from fedcore.message import Message
+    course = Course(small_cfg(tmp_path, eval__clients=False, topology__edges=2)).build()
+    edge = course.edges[7]                       # clients 1-3; client 4 is edge 8's
+    edge.deliver(Message("join_in", 4, (7,), 0, 0.0, {"client_id": 4, "num_samples": 10**6}))
+    course.server.deliver(Message("join_in", 2, (0,), 0, 0.0, {"client_id": 2, "num_samples": 30}))
+    assert edge.joined == set() and 4 not in getattr(edge, "declared_samples", {})
+    assert course.server.joined == set()
+    counts = course.monitor.extra_summary["admission"]
+    assert counts == {"join from a client of another edge": 1, "join from a worker that is not an edge": 1}

@@ -120,7 +120,8 @@ class GrpcServerComm:
         self.count_bytes = count_bytes
         self.on_lost = on_lost            # called on the scheduler thread
         self.after_delivery = after_delivery
-        self.num_clients = cfg["federate.client_num"]
+        # the ids admitted: the clients, and in a tree (topology.edges) the edges numbered after them
+        self.num_clients = cfg["federate.client_num"] + (cfg.get("topology.edges") or 0)
         self.host, self.port = d["server_host"], d["server_port"]
         self.insecure = d["insecure"]
         self.tls = {k: d.get(f"tls.{k}") for k in ("cert", "key", "ca")}
