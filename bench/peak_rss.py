@@ -2,8 +2,10 @@
 
     python -m bench.peak_rss OUT_FILE MODULE [ARGS ...]
 
-OUT_FILE receives the process's peak RSS in bytes (`getrusage`'s ru_maxrss, KiB on
-Linux), written at exit, however the program ends; how the server's memory is measured
+OUT_FILE receives the process's peak RSS in bytes, written at exit, however the program
+ends: Linux's VmHWM, the high-water mark of this program's own memory (getrusage's
+ru_maxrss survives fork and exec, so it would report a larger parent's peak), or
+ru_maxrss where /proc is missing; how the server's memory is measured
 in bench/w8_large_model.py and tests/test_streaming.py.
 """
 from __future__ import annotations
@@ -15,8 +17,19 @@ import sys
 from pathlib import Path
 
 
+def peak_rss() -> int:
+    """This process's peak resident memory in bytes, since it was exec'd."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def _write(path: Path) -> None:
-    path.write_text(str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
+    path.write_text(str(peak_rss()))
 
 
 def main() -> None:
