@@ -118,3 +118,22 @@ def test_check_names_the_layer_that_keeps_a_course_sequential(tmp_path):
         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "layer features.1 (BatchNorm2d)" in out.stdout + out.stderr
+
+
+@pytest.mark.slow
+def test_ray_actors_draw_the_clients_own_dropout_masks():
+    ray = pytest.importorskip("ray", reason="Ray is the optional extra 'ray' (pip install '.[ray]')")
+    over = dict(torch_threads=1, model__type="mlp", model__hidden=[9], model__mlp_dropout=0.3,
+                train__local_steps=3, federate__sample_client_num=4, federate__total_round_num=2)
+    try:
+        results = {}
+        for executor in ("sequential", "ray"):
+            course = Course(small_cfg(None, executor=executor, executor__ray__object_store_mb=80,
+                                      **over)).build()
+            summary = course.run()
+            results[executor] = (summary, dict(course.server.aggregator.global_state))
+    finally:
+        ray.shutdown()
+    assert results["ray"][0]["batched_fits"] == 8 and results["ray"][0]["sequential_fits"] == 0
+    seq, par = results["sequential"][1], results["ray"][1]
+    assert all(torch.equal(seq[k], par[k]) for k in seq)
