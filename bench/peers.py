@@ -45,6 +45,7 @@ WORKLOADS = {
                model={"model.type": "logreg"}),
 }
 CLASSES = 10
+SYSTEMS = ("sequential", "sequential-all-cores", "vectorized", "processes")
 
 
 def _templates(seed: int, shape: tuple[int, ...]) -> torch.Tensor:
@@ -134,7 +135,7 @@ def _plain(name: str, users: int, cfg, device: str, threads: int | None) -> Call
 
 # ---------------------------------------------------------------- the run
 def systems(name: str, users: int, rounds: int, device: str, dropout: bool, workers: int,
-            plain_threads: int | None = 1):
+            plain_threads: int | None = 1, chosen: tuple[str, ...] = SYSTEMS):
     """(label, thunk) per system, the plain loop first. Each thunk makes its data itself: this
     process computes nothing with torch, so its forked children start with no thread pool."""
     cfg = lambda executor, **extra: workload_cfg(name, users, rounds, device, executor, dropout, **extra)  # noqa: E731
@@ -144,15 +145,15 @@ def systems(name: str, users: int, rounds: int, device: str, dropout: bool, work
            ("vectorized", _fedcore(name, users, cfg("vectorized")))]
     if device == "cpu":
         out.append(("processes", _fedcore(name, users, cfg("processes", executor_workers=workers))))
-    return out
+    return [(label, fn) for label, fn in out if label in ("plain", "sequential") + tuple(chosen)]
 
 
 def check_equal_work(name: str, users: int, rounds: int, device: str, workers: int,
-                     plain_threads: int | None = 1) -> float:
+                     plain_threads: int | None = 1, chosen: tuple[str, ...] = SYSTEMS) -> float:
     """Largest difference, over fedcore's executors, between its final model and the plain
     loop's, with dropout 0; raises if one is not equal to float tolerance."""
     results = {label: in_child(fn) for label, fn in systems(name, users, rounds, device, False, workers,
-                                                                      plain_threads)}
+                                                                      plain_threads, chosen)}
     ref = results.pop("plain")["state"]
     worst = 0.0
     for label, r in results.items():
@@ -176,6 +177,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=None, help="default: the workload's (p1 3, p2 100)")
     p.add_argument("--users", type=int, default=1000)
     p.add_argument("--workers", type=int, default=usable_cores(), help="processes executor")
+    p.add_argument("--systems", default=",".join(SYSTEMS),
+                   help="fedcore's systems to run beside the plain loop (sequential is always run)")
     p.add_argument("--plain-threads", type=int, default=1,
                    help="torch threads of the plain loop (0: torch's default, all cores)")
     a = p.parse_args(argv)
@@ -190,9 +193,13 @@ def main(argv=None) -> int:
           f"({usable_cores()} usable), torch {torch.__version__}; plain loop on "
           f"{a.plain_threads or 'all'} thread(s)")
     threads = a.plain_threads or None
-    check_equal_work(name, a.users, min(rounds, 2), a.device, a.workers, threads)
-    results = {label: in_child(fn)
-               for label, fn in systems(name, a.users, rounds, a.device, True, a.workers, threads)}
+    chosen = tuple(a.systems.split(","))
+    unknown = set(chosen) - set(SYSTEMS)
+    if unknown:
+        p.error(f"--systems: unknown {', '.join(sorted(unknown))} (choose from {', '.join(SYSTEMS)})")
+    check_equal_work(name, a.users, min(rounds, 2), a.device, a.workers, threads, chosen)
+    results = {label: in_child(fn) for label, fn in
+               systems(name, a.users, rounds, a.device, True, a.workers, threads, chosen)}
     per_round = {k: statistics.median(r["rounds"][1:]) for k, r in results.items()}
     plain = results["plain"]
     print(f"\n{'system':<22}{'s/round':>10}{'x plain':>9}{'whole run s':>13}{'peak MB':>10}"
@@ -201,14 +208,17 @@ def main(argv=None) -> int:
         print(f"{label:<22}{per_round[label]:>10.4f}{per_round[label] / per_round['plain']:>9.3f}"
               f"{r['whole']:>13.2f}{_mb(r, label, a.workers):>10.0f}"
               f"{'{}/{}'.format(*r['fits']) if label != 'plain' else '':>25}")
-    vec_diff = max_abs_diff(results["vectorized"]["state"], results["sequential"]["state"])
-    print(f"(processes: peak MB counts the parent and {a.workers} workers, each at the largest "
-          f"worker's peak; shared pages are counted in each)")
+    vec = results.get("vectorized")
+    vec_diff = max_abs_diff(vec["state"], results["sequential"]["state"]) if vec else float("nan")
+    if "processes" in results:
+        print(f"(processes: peak MB counts the parent and {a.workers} workers, each at the largest "
+              f"worker's peak; shared pages are counted in each)")
     fedcore = [k for k in results if k != "plain"]
     best = min(fedcore, key=per_round.get)
     ratio = lambda k: per_round[k] / per_round["plain"]  # noqa: E731
-    batched, sequential = results["vectorized"]["fits"]
-    print(f"vectorized_over_plain={ratio('vectorized'):.3f} sequential_over_plain={ratio('sequential'):.3f} "
+    batched, sequential = vec["fits"] if vec else results["sequential"]["fits"]
+    vec_ratio = ratio("vectorized") if vec else float("nan")
+    print(f"vectorized_over_plain={vec_ratio:.3f} sequential_over_plain={ratio('sequential'):.3f} "
           f"best_over_plain={ratio(best):.3f} best={best} "
           f"peak_rss_over_plain={_mb(results['sequential'], 'sequential', 1) / _mb(plain, 'plain', 1):.3f} "
           f"batched_fits={batched} sequential_fits={sequential} vectorized_vs_sequential_diff={vec_diff:.2e}")
