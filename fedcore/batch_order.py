@@ -1,19 +1,31 @@
-"""A client's mini-batch order, in numpy: the same batches for trainers of any backend.
+"""A client's own random draws: its mini-batch order and its round's random stream.
 
 `BatchStream` (fedcore.contract) draws each epoch's permutation with torch by
 default; with `train.shuffle: numpy` it draws it here, so a numpy (or any
 other) trainer that walks `NumpyBatchStream` sees exactly the torch trainer's
-batches. Imports numpy only.
+batches.
+
+The other random draws of a local training - a model's dropout masks, anything
+that uses torch's global generator - come from the client's round stream: a
+fit runs inside `client_randomness`, which seeds torch's generator from
+(seed, client, round) and restores it afterwards. So a client draws the same
+numbers whichever executor, process or actor trains it, and whatever trained
+before it; the vectorized engine replays the same stream with a generator of
+its own (`fedcore.random_layers`).
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 
 import numpy as np
+import torch
 
 from fedcore.config import declare
 
-__all__ = ["epoch_seed", "numpy_permutation", "NumpyBatchStream"]
+__all__ = ["epoch_seed", "round_seed", "client_randomness", "own_randomness", "numpy_permutation",
+           "NumpyBatchStream"]
 
 declare("train.shuffle", str, "torch", "how each epoch's mini-batch permutation is drawn: torch's "
         "generator, or numpy's (the same batches for trainers of every backend)",
@@ -23,6 +35,35 @@ declare("train.shuffle", str, "torch", "how each epoch's mini-batch permutation 
 def epoch_seed(seed: int, client_id: int, epoch: int) -> int:
     """The seed of client `client_id`'s permutation in `epoch`."""
     return (seed * 1_000_003 + client_id) * 10_007 + epoch
+
+
+def round_seed(seed: int, client_id: int, round_: int) -> int:
+    """The seed of client `client_id`'s random stream in round `round_` (dropout masks...)."""
+    return ((seed * 1_000_033 + client_id) * 100_019 + round_ * 7 + 3) % 2 ** 63
+
+
+@contextlib.contextmanager
+def client_randomness(seed: int, client_id: int, round_: int, device: torch.device | None = None):
+    """torch's global generator (and `device`'s, if not the CPU) seeded with the client's
+    round stream for the block, and restored after it."""
+    devices = [device] if device is not None and device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices, device_type="cuda"):
+        torch.manual_seed(round_seed(seed, client_id, round_))
+        yield
+
+
+def own_randomness(trainer, seed: int) -> None:
+    """Make every `trainer.fit` draw from its client's round stream (a wrapper on this
+    instance; it also counts the fits in `trainer.own_fits`)."""
+    fit = trainer.fit
+    trainer.own_fits = 0
+
+    @functools.wraps(fit)
+    def fit_with_own_stream(client_id: int, data, received: dict, round_: int):
+        trainer.own_fits += 1
+        with client_randomness(seed, client_id, round_, getattr(trainer, "device", None)):
+            return fit(client_id, data, received, round_)
+    trainer.fit = fit_with_own_stream
 
 
 def numpy_permutation(n: int, seed: int, client_id: int, epoch: int) -> np.ndarray:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 
+from fedcore.batch_order import own_randomness
 from fedcore.config import declare, positive
 
 __all__ = ["EXECUTORS", "apply_torch_threads", "install_executor", "close_executor"]
@@ -47,30 +48,48 @@ def apply_torch_threads(cfg) -> None:
 
 
 def install_executor(course) -> None:
-    """Apply `torch_threads` and put the configured executor in front of `course.trainer`."""
+    """Apply `torch_threads`, give every fit its client's own random stream, put the configured
+    executor in front of `course.trainer` and say in one line how the course will train."""
     cfg = course.cfg
     apply_torch_threads(cfg)
     kind = cfg["executor"]
+    reason = _why_not_batched(course, kind)
+    own_randomness(course.trainer, cfg["seed"])   # after the check: it wraps this trainer's fit
+    if reason is not None:
+        log.warning("executor %s: %s; running sequentially", kind, reason)
+        return
     if kind == "sequential":
-        return
-    if cfg["time.mode"] == "measured":
-        # a batch is computed at its first delivery: that client's stopwatch would hold the
-        # whole batch's time and the others' almost none
-        log.warning("executor %s: time.mode=measured times each client's own training; running "
-                    "sequentially", kind)
-        return
-    if "fit" in vars(course.trainer):
-        # A behaviour wrapped this trainer's fit (local DP noise, Ditto's personal model): the
-        # engines compute the plain fit, so its results would silently lack the wrapper's work.
-        log.warning("executor %s: a behaviour (%s) wraps the trainer's fit; running sequentially",
-                    kind, ", ".join(getattr(course, "behaviours", ())) or "extension")
         return
     from fedcore.batching import BatchingTrainer
     course.trainer = BatchingTrainer.install(course, kind)
+    if type(course.trainer) is BatchingTrainer:
+        log.info("executor %s: the clients of each broadcast train together", kind)
+
+
+def _why_not_batched(course, kind: str) -> str | None:
+    if kind == "sequential":
+        return None
+    if course.cfg["time.mode"] == "measured":
+        # a batch is computed at its first delivery: that client's stopwatch would hold the
+        # whole batch's time and the others' almost none
+        return "time.mode=measured times each client's own training"
+    if "fit" in vars(course.trainer):
+        # A behaviour wrapped this trainer's fit (local DP noise, Ditto's personal model): the
+        # engines compute the plain fit, so its results would silently lack the wrapper's work.
+        return (f"a behaviour ({', '.join(getattr(course, 'behaviours', ())) or 'extension'}) "
+                "wraps the trainer's fit")
+    return None
 
 
 def close_executor(course) -> None:
-    """Release the executor's resources (worker processes) at the end of a run."""
-    close = getattr(type(course.trainer), "close", None)
+    """Release the executor's resources (worker processes) at the end of a run, and record in
+    the summary how many fits ran batched and how many one at a time."""
+    trainer = course.trainer
+    close = getattr(type(trainer), "close", None)
     if close is not None:
-        close(course.trainer)
+        close(trainer)
+    batched = getattr(trainer, "batched_fits", 0)
+    sequential = getattr(trainer, "sequential_fits", None)
+    if sequential is None:
+        sequential = getattr(trainer, "own_fits", 0)
+    course.monitor.extra_summary.update(batched_fits=batched, sequential_fits=sequential)

@@ -18,6 +18,10 @@ ReLU layers takes its steps as the operations `vmap` would run, called
 directly (`fedcore.dense_step`: the same numbers, without the transforms'
 overhead).
 
+Dropout layers draw their masks from each client's own round stream, as the
+sequential fit does: the engine draws them outside `vmap`, one generator per
+client, and its copy of the model multiplies by them (`fedcore.random_layers`).
+
 An algorithm that adds a gradient term (a pure function of the parameters,
 the received content and the client's state), sends something else than the
 model or keeps per-client state says so for the whole stack in a
@@ -41,6 +45,7 @@ from fedcore.batch_order import epoch_seed
 from fedcore.batching import Engine
 from fedcore.contract import FitResult, Trainer
 from fedcore.dense_step import DenseStep
+from fedcore.random_layers import MaskFeed, random_layer_reason
 from fedcore.serialization import encoded_size
 from fedcore.vector_term import VectorTerm
 
@@ -69,10 +74,18 @@ class VectorEngine(Engine):
             # on CPU each client's own dense convolution beats vmap's grouped one (and gives
             # the sequential trainer's numbers for it): see fedcore.client_conv
             model = with_client_convs(model)
+        # dropout layers multiply by masks drawn from each client's own stream: fedcore.random_layers
+        model, self._feed = MaskFeed.install(model, copied=model is not trainer.model)
         self.model = model   # what `functional_call` runs (the trainer's, or a copy of it)
+        feed = self._feed
 
-        def objective(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor):
-            out = functional_call(model, params, (x,))
+        def objective(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor,
+                      masks: tuple[torch.Tensor, ...]):
+            if feed is None:
+                out = functional_call(model, params, (x,))
+            else:
+                with feed.replaying(masks):
+                    out = functional_call(model, params, (x,))
             if loss == "mse":
                 return nn.functional.mse_loss(out.reshape(y.shape), y)
             if y.is_floating_point() or out.dim() != 2:
@@ -83,7 +96,7 @@ class VectorEngine(Engine):
             # [0, classes) (ignore_index) raises here, and the executor falls back to sequential.
             return -torch.log_softmax(out, 1).gather(1, y.unsqueeze(1)).sum() / y.shape[0]
         self._step = vmap(grad_and_value(objective))
-        self._first_step = vmap(grad_and_value(objective), in_dims=(None, 0, 0))
+        self._first_step = vmap(grad_and_value(objective), in_dims=(None, 0, 0, 0))
         # the same steps as explicit operations, for Flatten/Linear/ReLU stacks on the CPU
         self._dense = DenseStep.of(model, loss)
 
@@ -105,8 +118,13 @@ class VectorEngine(Engine):
             return "train.scheduler changes the learning rate step by step"
         if trainer._local_init:
             return "federate.share_params keeps some entries local"
-        if any(True for _ in trainer.model.buffers()):
-            return "the model has buffers (per-sample state such as batch norm)"
+        for name, m in trainer.model.named_modules():
+            if any(True for _ in m.buffers(recurse=False)):
+                return (f"layer {name or 'model'} ({type(m).__name__}) has buffers (state such as "
+                        "batch norm's running statistics)")
+        random = random_layer_reason(trainer.model, trainer.device)
+        if random is not None:
+            return random
         if len(trainer.params) != len(list(trainer.model.parameters())):
             return "the model has frozen parameters"
         if term.names() != list(trainer.param_names):
@@ -138,7 +156,7 @@ class VectorEngine(Engine):
                 if steps is None:
                     steps = by_count[n] = num_steps(cid, n, round_)
             idx, sizes, end = _draw(n, batch_size, seed, cid, epoch, offset, steps, generator)
-            plans.append((train, idx, end, n))
+            plans.append((train, idx, end, n, cid))
             key = (sizes, x.shape[1:], x.dtype, y.shape[1:], y.dtype)
             members = groups.get(key)
             if members is None:
@@ -154,7 +172,9 @@ class VectorEngine(Engine):
             ctx = term.prepare(received, states)
             steps = len(sig[0])
             group_plans = [plans[i] for i in members]
-            params, losses = self._train_group(model_in, group_plans, steps, ctx)
+            masks = None if self._feed is None else self._feed.draws(
+                [p[4] for p in group_plans], round_, seed, sig[0], group_plans[0][0].x, self.device)
+            params, losses = self._train_group(model_in, group_plans, steps, ctx, masks)
             work = float(sum(sig[0]))
             results = term.finish(ctx, received, params, steps, states, [p[3] for p in group_plans])
             sizes: dict[int, int] = {}   # a group's contents differ only in num_samples
@@ -220,13 +240,14 @@ class VectorEngine(Engine):
         b = len(plans[0][1][s])
         xb = torch.empty((len(plans), b) + tuple(x0.shape[1:]), dtype=x0.dtype, device=x0.device)
         yb = torch.empty((len(plans), b) + tuple(y0.shape[1:]), dtype=y0.dtype, device=y0.device)
-        for j, (train, idx, _, _) in enumerate(plans):
+        for j, (train, idx, *_) in enumerate(plans):
             torch.index_select(train.x, 0, idx[s].to(x0.device), out=xb[j])
             torch.index_select(train.y, 0, idx[s].to(y0.device), out=yb[j])
         return xb, yb
 
     @torch.no_grad()
-    def _train_group(self, model_in: dict[str, torch.Tensor], plans: list, steps: int, ctx=None):
+    def _train_group(self, model_in: dict[str, torch.Tensor], plans: list, steps: int, ctx=None,
+                     masks=None):
         c = len(plans)
         term = self.term
         # The first step starts every client from the same received tensors (not batched,
@@ -240,7 +261,8 @@ class VectorEngine(Engine):
                 grads, loss = dense(params, xb, yb, shared=not s)
             else:
                 with torch.enable_grad():
-                    grads, loss = (self._step if s else self._first_step)(params, xb, yb)
+                    step_masks = () if masks is None else next(masks)
+                    grads, loss = (self._step if s else self._first_step)(params, xb, yb, step_masks)
             loss_sum += loss.double()
             for n in self.names:
                 d = term.adjust(ctx, n, grads[n], params[n])

@@ -27,6 +27,8 @@ declare("model.norm_groups", int, 2, "GroupNorm groups when model.norm=group",
         check=positive)
 declare("model.dropout", float, 0.5, "convnet2: dropout probability before and after the hidden layer",
         check=lambda v: None if 0 <= v < 1 else "must be in [0, 1)")
+declare("model.mlp_dropout", float, 0.0, "mlp: dropout probability after each hidden layer "
+        "(0: no dropout layers)", check=lambda v: None if 0 <= v < 1 else "must be in [0, 1)")
 declare("model.convnet2_hidden", int, 2048, "convnet2: width of the hidden fully connected layer",
         check=positive)
 declare("model.lstm.embed", int, 8, "char_lstm: character embedding size", check=lambda v: positive(v))
@@ -64,11 +66,12 @@ def logreg(cfg, input_shape, num_classes: int) -> nn.Module:
 
 @models.register("mlp")
 def mlp(cfg, input_shape, num_classes: int) -> nn.Module:
-    """Fully connected ReLU network with `model.hidden` widths."""
+    """Fully connected ReLU network with `model.hidden` widths (and `model.mlp_dropout`)."""
     layers: list[nn.Module] = [nn.Flatten()]
     width = math.prod(input_shape)
+    dropout = cfg["model.mlp_dropout"]
     for h in cfg["model.hidden"]:
-        layers += [nn.Linear(width, int(h)), nn.ReLU()]
+        layers += [nn.Linear(width, int(h)), nn.ReLU()] + ([nn.Dropout(dropout)] if dropout else [])
         width = int(h)
     layers.append(nn.Linear(width, 1 if cfg["train.loss"] == "mse" else num_classes))
     return nn.Sequential(*layers)

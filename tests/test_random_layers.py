@@ -1,0 +1,139 @@
+"""Dropout draws from the client's own stream: every executor trains the same model with
+dropout on, the vectorized engine runs every fit batched, and a layer it cannot replay is
+named before the first round."""
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from fedcore.batch_order import client_randomness, round_seed
+from fedcore.course import Course
+from fedcore.random_layers import random_layer_reason
+from fedcore.scenarios.data import ClientData, FederatedData, Split
+from tests.conftest import small_cfg
+
+
+def _images(clients: int = 5, n: int = 14, shape=(1, 8, 8)) -> FederatedData:
+    """Small random images; sizes differ so a round has batches of 10 and of 4."""
+    g = torch.Generator().manual_seed(7)
+    empty = Split(torch.empty((0,) + shape), torch.empty(0, dtype=torch.long))
+    data = {cid: ClientData(Split(torch.randn((n,) + shape, generator=g),
+                                  torch.randint(0, 3, (n,), generator=g)), empty, empty)
+            for cid in range(1, clients + 1)}
+    test = Split(torch.randn((6,) + shape, generator=g), torch.randint(0, 3, (6,), generator=g))
+    return FederatedData(data, test, shape, 3)
+
+
+MODELS = {
+    # the small CNN: two conv layers, dropout before and after a hidden dense layer
+    "convnet2": dict(model__type="convnet2", model__norm="none", model__convnet2_hidden=12,
+                     model__dropout=0.4, federate__client_num=5),
+    "mlp": dict(model__type="mlp", model__hidden=[9, 7], model__mlp_dropout=0.3,
+                federate__client_num=5),
+}
+
+
+def _run(model: str, executor: str, **extra):
+    cfg = small_cfg(None, executor=executor, torch_threads=1, train__local_steps=3,
+                    federate__total_round_num=3, federate__sample_client_num=4,
+                    **{**MODELS[model], **extra})
+    course = Course(cfg).build(_images())
+    summary = course.run()
+    return course, summary, {k: v.detach().clone() for k, v in course.server.aggregator.global_state.items()}
+
+
+def _diff(a, b) -> float:
+    """Largest difference of the entries, in order (the mlp's names shift without dropout layers)."""
+    assert len(a) == len(b)
+    return max(float((u.double() - v.double()).abs().max()) for u, v in zip(a.values(), b.values()))
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_every_executor_trains_the_same_model_with_dropout_on(model):
+    _, seq_summary, seq = _run(model, "sequential")
+    vec_course, vec_summary, vec = _run(model, "vectorized")
+    _, proc_summary, proc = _run(model, "processes", executor_workers=2)
+    _, off_summary, off = _run(model, "sequential", **{"model__dropout": 0.0, "model__mlp_dropout": 0.0})
+    assert _diff(seq, off) > 1e-3            # dropout really changes the course
+    assert _diff(seq, vec) < 1e-5
+    assert _diff(seq, proc) == 0.0           # the same computation in another process
+    # 4 clients x 3 rounds; the engine ran every fit, none fell back
+    assert vec_summary["batched_fits"] == 12 and vec_summary["sequential_fits"] == 0
+    assert seq_summary["batched_fits"] == 0 and seq_summary["sequential_fits"] == 12
+    assert proc_summary["batched_fits"] == 12
+
+
+def test_a_clients_draws_do_not_depend_on_what_ran_before():
+    """The client's stream is seeded from (seed, client, round) alone and the caller's
+    generator is left as it was."""
+    torch.manual_seed(123)
+    before = torch.random.get_rng_state()
+    with client_randomness(0, 5, 2):
+        first = torch.rand(4)
+    torch.rand(100)   # some other draw in between
+    with client_randomness(0, 5, 2):
+        again = torch.rand(4)
+    with client_randomness(0, 6, 2):
+        other = torch.rand(4)
+    torch.manual_seed(123)
+    assert torch.equal(torch.random.get_rng_state(), before)
+    assert torch.equal(first, again) and not torch.equal(first, other)
+    assert torch.equal(first, torch.rand(4, generator=torch.Generator().manual_seed(round_seed(0, 5, 2))))
+
+
+def test_random_layers_that_are_not_replayed_are_named():
+    model = nn.Sequential(nn.Flatten(), nn.Linear(4, 4), nn.Dropout2d(0.2), nn.Linear(4, 2))
+    assert "layer 2 (Dropout2d)" in random_layer_reason(model, torch.device("cpu"))
+    plain = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.2))
+    assert random_layer_reason(plain, torch.device("cpu")) is None
+    assert "layer 1 (Dropout) on cuda" in random_layer_reason(plain, torch.device("cuda"))
+
+
+def test_the_decision_is_said_before_the_first_round(caplog):
+    with caplog.at_level(logging.INFO, logger="fedcore.executor"):
+        Course(small_cfg(None, executor="vectorized", **MODELS["mlp"])).build(_images())
+    assert "executor vectorized: the clients of each broadcast train together" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="fedcore.executor"):
+        course = Course(small_cfg(None, executor="vectorized", model__type="convnet2",
+                                  model__norm="batch", model__convnet2_hidden=8,
+                                  federate__client_num=5)).build(_images())
+        summary = course.run()
+    assert "layer features.1 (BatchNorm2d) has buffers" in caplog.text
+    assert summary["batched_fits"] == 0 and summary["sequential_fits"] > 0
+
+
+def test_check_names_the_layer_that_keeps_a_course_sequential(tmp_path):
+    pytest.importorskip("sklearn")
+    (tmp_path / "c.yaml").write_text("executor: vectorized\nverbose: false\ndata:\n  type: digits\n"
+                                     "model:\n  type: convnet2\n  norm: batch\n  convnet2_hidden: 8\n"
+                                     "federate:\n  client_num: 3\n")
+    out = subprocess.run(
+        [sys.executable, "-m", "fedcore.run", "--cfg", str(tmp_path / "c.yaml"), "--check"],
+        capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "layer features.1 (BatchNorm2d)" in out.stdout + out.stderr
+
+
+@pytest.mark.slow
+def test_ray_actors_draw_the_clients_own_dropout_masks():
+    ray = pytest.importorskip("ray", reason="Ray is the optional extra 'ray' (pip install '.[ray]')")
+    over = dict(torch_threads=1, model__type="mlp", model__hidden=[9], model__mlp_dropout=0.3,
+                train__local_steps=3, federate__sample_client_num=4, federate__total_round_num=2)
+    try:
+        results = {}
+        for executor in ("sequential", "ray"):
+            course = Course(small_cfg(None, executor=executor, executor__ray__object_store_mb=80,
+                                      **over)).build()
+            summary = course.run()
+            results[executor] = (summary, dict(course.server.aggregator.global_state))
+    finally:
+        ray.shutdown()
+    assert results["ray"][0]["batched_fits"] == 8 and results["ray"][0]["sequential_fits"] == 0
+    seq, par = results["sequential"][1], results["ray"][1]
+    assert all(torch.equal(seq[k], par[k]) for k in seq)
