@@ -213,6 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     common = ["federate.mode=distributed", f"federate.client_num={n}", f"outdir={outdir}",
               "distribute.server_host=127.0.0.1"]
     server_extra: list[str] = []
+    if cfg["distribute.max_streams_per_connection"] is None:
+        # every client (and edge) it starts has a process, so a connection of its own that needs
+        # at most 3 calls: a flooding connection gets no more than that (docs/deployment.md)
+        server_extra.append("distribute.max_streams_per_connection=4")
     client_env: dict[int, dict] = {k: dict(os.environ) for k in range(1, n + 1)}
     secrets_dir = None
     guardian = _Guardian()  # before anything it would have to clean up

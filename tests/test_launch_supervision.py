@@ -199,5 +199,7 @@ def test_a_server_sigkilled_under_restart_is_started_again_on_its_port_to_resume
     cmdline = _cmdline(again[0]).split()
     assert "resume_from=latest" in cmdline and f"distribute.server_port={port}" in cmdline
     assert "distribute.server_port=0" not in cmdline
+    # each launched client has a process and a connection of its own, which needs at most 3 calls
+    assert "distribute.max_streams_per_connection=4" in cmdline
     wait_for(lambda: "fedcore.launch: the server died (killed by SIGKILL); restart 1 of 1 in 1s" in text(launcher),
              10, "the launcher to say so")
