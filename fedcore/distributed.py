@@ -16,12 +16,15 @@ import gc
 import logging
 import os
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
 from fedcore.comm.stream import INSECURE_NOTED_ENV, INSECURE_WARNING, REFUSED_NOTICE, TOKEN_ENV
 from fedcore.config import declare, non_negative, positive, validator
+from fedcore.checkpoint import interrupted_message
 from fedcore.course import Course, StartEvent, collector_for_run, raise_if_diverged
+from fedcore.deployed_resume import resume_server
 from fedcore.executor import apply_torch_threads
 from fedcore.errors import EXIT_OK, ConfigError, FedcoreError
 from fedcore.form_boundary import make_trainer
@@ -115,14 +118,9 @@ def _check_distribute(cfg) -> None:
     role = cfg["distribute.role"]
     if role is None:  # a role makes the run distributed, whatever federate.mode says
         return
-    # Client state (control variates, optimizer moments, personal models) lives in the clients'
-    # processes, so a server-side checkpoint would not be a complete course: refuse both ends.
-    if cfg["resume_from"]:
-        raise ConfigError("resume_from: a distributed course cannot resume from a checkpoint; "
-                          "drop resume_from (resume the checkpoint in simulation instead)")
-    if cfg["checkpoint.every"]:
-        raise ConfigError("checkpoint.every: a distributed course writes no checkpoints (client state "
-                          "lives in the client processes); set checkpoint.every=0")
+    if role == "client" and cfg["resume_from"]:
+        raise ConfigError("resume_from: a client resumes through its server (distribute.role=server "
+                          "resume_from=latest); drop resume_from from the client's command")
     cert, key, ca = cfg["distribute.tls.cert"], cfg["distribute.tls.key"], cfg["distribute.tls.ca"]
     insecure = cfg["distribute.insecure"]
     if bool(cert) != bool(key):
@@ -249,7 +247,10 @@ class ServerCourse(Course):
         deployment.install(self)
         apply_torch_threads(cfg)
         self.comm.attach(self.server)
+        self.monitor.hold_one_round = True   # a lost client's evaluation holds back no record
         self.resumed_at = None
+        if cfg["resume_from"]:
+            self.comm.resumed_round = resume_server(self, cfg["resume_from"])
         self.built = True
         return self
 
@@ -342,6 +343,7 @@ class ServerCourse(Course):
             self.scheduler.run()
         except KeyboardInterrupt:
             self.monitor.extra_summary["stopped_by"] = "interrupted"
+            self.checkpointer.save_last_completed()   # whatever checkpoint.every says
             self._finalize()
             raise
         else:
@@ -450,8 +452,9 @@ def _sigterm_as_interrupt(*_args) -> None:
     raise KeyboardInterrupt
 
 
-def run_distributed(cfg, outdir, check_only: bool = False) -> int:
-    """`federate.mode: distributed`: run this process's role."""
+def run_distributed(cfg, outdir, check_only: bool = False, command: list[str] | None = None) -> int:
+    """`federate.mode: distributed`: run this process's role (`command`: how it was started,
+    for the command that resumes an interrupted server)."""
     role = cfg["distribute.role"]
     if role is None:
         raise ConfigError("distribute.role: set server or client for federate.mode: distributed "
@@ -466,4 +469,10 @@ def run_distributed(cfg, outdir, check_only: bool = False) -> int:
     if role == "client":
         return run_client(cfg)
     progress = cfg["verbose"]  # a bar on a terminal, periodic round lines elsewhere
-    return ServerCourse(cfg, outdir, progress=progress).build().check_or_run(check_only)
+    course = ServerCourse(cfg, outdir, progress=progress).build()
+    try:
+        return course.check_or_run(check_only)
+    except KeyboardInterrupt:
+        if course.monitor.started:
+            print(interrupted_message(course, command), file=sys.stderr)
+        raise

@@ -136,6 +136,7 @@ class GrpcServerComm:
         self.quiet_info = QuietLog(log)   # routine lines a peer could repeat at will
         self.metrics_gate = MetricsGate(self.quiet)
         self.server_session = secrets.token_hex(8)
+        self.resumed_round = 0            # told in every welcome: the round a resumed course left
         self.sessions: dict[int, Session] = {}
         self._ids = itertools.count(1)    # message ids keep increasing across a client's sessions
         self._lock = threading.Lock()
@@ -455,7 +456,7 @@ class GrpcServerComm:
         try:
             await context.write(pb.Frame(welcome=pb.Welcome(
                 client_id=s.client_id, server_session=self.server_session,
-                max_chunk_bytes=self.chunk_size)).SerializeToString())
+                max_chunk_bytes=self.chunk_size, resumed_round=self.resumed_round)).SerializeToString())
             async for frame in s.outbox.frames(token, alive, self.hb_interval, heartbeat_frame):
                 await context.write(frame)
                 frame = None   # not kept while the stream waits for its next message

@@ -37,12 +37,14 @@ def _is_int(v: Any) -> bool:
 def check_join_in(content: Any, server) -> str | None:
     if content is None:
         return None
-    if not isinstance(content, dict) or set(content) - {"client_id", "num_samples"}:
-        return "join_in content must be {client_id: int, num_samples: int}"
+    if not isinstance(content, dict) or set(content) - {"client_id", "num_samples", "state_round"}:
+        return "join_in content must be {client_id: int, num_samples: int, state_round: int}"
     if "client_id" in content and not _is_int(content["client_id"]):
         return "join_in client_id must be an int"
     if "num_samples" in content and (not _is_int(content["num_samples"]) or content["num_samples"] < 0):
         return "join_in num_samples must be a non-negative int"
+    if "state_round" in content and (not _is_int(content["state_round"]) or content["state_round"] < -1):
+        return "join_in state_round must be an int >= -1"
     return None
 
 

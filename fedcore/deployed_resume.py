@@ -1,0 +1,71 @@
+"""A deployed server resuming its course from a snapshot, and the clients rejoining it.
+
+The server restores the snapshot of round r (the same file a simulation
+writes and reads, `fedcore.checkpoint`), keeps the first lines of its
+metrics.jsonl that the snapshot had written and drops the rest, and waits for
+its clients as a new course would; once they are in, round r + 1 runs from its
+start (a round in flight when the server died is run again). Every welcome
+says `resumed_round: r` (0 for a course that was not resumed).
+
+Which round a rejoining client's state belongs to. A client joins with
+`state_round` S: the last round whose training it completed and kept (-1 or
+absent: none). The server expects E, the last round in which it aggregated
+that client's update (-1: never, as far as its snapshot knows), and allows at
+most U, the last round it completed, or the round in progress once this
+incarnation has started it. A client whose state is of a round after
+`resumed_round` has first rolled back to its state of the latest round <= r it
+trained (or, holding none, reset to a fresh client's state and declared -1).
+Then:
+- E <= S <= U: the client continues with its state (S > E: it trained rounds
+  whose updates were not aggregated, as it would have in an uninterrupted
+  course).
+- S < E (state older than its aggregated updates: lost or reset) or S > U (it
+  did not roll back): admitted, with one warning naming client, S, E and U,
+  and an entry in the summary's `state_mismatch`; the server never guesses a
+  state for it: it is a client with the state it has.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from fedcore.checkpoint import load, restore
+
+__all__ = ["resume_server", "check_state_round"]
+
+log = logging.getLogger("fedcore.deploy")
+
+
+def resume_server(course, value: str) -> int:
+    """Restore the built server `course` from `value` (a snapshot or `latest`); returns the
+    round it resumes from. Clients are waited for as at a start."""
+    used, state = load(course, value)
+    restore(course, state, metrics_lines=state.get("metrics_lines"))
+    server = course.server
+    r = state["round"]
+    server.round = r + 1
+    server.joined, server.started = set(), False
+    course.checkpointer.last_path = Path(used)
+    course.monitor.extra_summary["resumed_from"] = {"round": r, "snapshot": used}
+    log.warning("resuming the course from the snapshot of round %d (%s); round %d runs next",
+                r, used, r + 1)
+    return r
+
+
+def check_state_round(server, msg) -> None:
+    """A `join_in` received: compare the client's `state_round` with what the server expects."""
+    content = msg.content if isinstance(msg.content, dict) else {}
+    if "state_round" not in content:
+        return   # a client that keeps no state on disk: nothing to compare
+    s = content["state_round"]
+    e = server.course.checkpointer.contributed.get(msg.sender, -1)
+    u = server.round if server.started else server.round - 1
+    if e <= s <= u:
+        return
+    why = ("older than its last aggregated update" if s < e
+           else "newer than the course (it should have rolled back)")
+    log.warning("client %d joined with its state of round %d, %s (expected %d..%d); it continues "
+                "with that state", msg.sender, s, why, e, u)
+    from fedcore.handlers.deployment import _listed
+    _listed(server, "state_mismatch", {"client": msg.sender, "state_round": s, "expected": [e, u],
+                                      "round": server.round})

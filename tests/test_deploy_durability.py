@@ -1,0 +1,117 @@
+"""A deployed server SIGKILLed at chosen moments and restarted with resume_from=latest.
+
+Real processes on loopback. The clients are never restarted: they reconnect through their
+retry loop, are welcomed by the new incarnation and join again. The uninterrupted course
+is the simulation of the same config (a deployed course equals its simulation to 1e-6,
+tests/test_deploy_course.py). Clients 1 and 2 reply at once; client 3 takes 1.5 s to
+train (tests.slow_plugin), so there is a moment when some updates have arrived and
+others not.
+"""
+import json
+import signal
+import socket
+import time
+
+import pytest
+import torch
+
+from fedcore.config import load_config
+from fedcore.course import Course
+from tests.deploy_helpers import text, wait_exit, wait_for, write_cfg
+
+pytestmark = pytest.mark.slow
+
+ROUNDS = 4
+KILLED_IN = 3        # the round in flight (or being snapshotted) when the server dies
+
+COURSE = {
+    "federate.total_round_num": ROUNDS, "eval.clients": False,
+    "distribute.insecure": True, "distribute.token": "t", "distribute.round_deadline": 60.0,
+    "distribute.heartbeat_interval": 0.2, "distribute.heartbeat_timeout": 5.0,
+    "distribute.retry_timeout": 60.0, "distribute.backoff_initial": 0.1, "distribute.backoff_max": 0.5,
+}
+# client 3 takes 1.5 s to train, clients 1 and 2 reply at once
+STALLING = {"plugins": ["tests.slow_plugin"], "algorithm.name": "fedavg_pausing", "slow_test.pause": 0.0,
+            "slow_test.stall_clients": [3], "slow_test.stall": 1.5, "slow_test.stall_rounds": 1000}
+PAUSE = "FEDCORE_TEST_PAUSE_IN_SNAPSHOT"   # fedcore.snapshot's test hook
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _lines(out):
+    f = out / "metrics.jsonl"
+    return [json.loads(x) for x in f.read_text().splitlines() if x.strip()] if f.exists() else []
+
+
+def _simulated(cfg_path, out):
+    """The uninterrupted course: the same config, simulated in this process."""
+    cfg = load_config([str(cfg_path)], ["federate.mode=standalone", f"outdir={out}"])
+    Course(cfg).run()
+    return torch.load(out / "final_model.pt", weights_only=True)
+
+
+def _kill_and_resume(procs, tmp_path, extra, moment):
+    """Run the course, SIGKILL its server at `moment`, start it again with resume_from=latest;
+    returns (outdir, the resumed server's log). Moments:
+    before-broadcast: the snapshot of round KILLED_IN - 1 complete, round KILLED_IN's models
+      not yet sent (no client has trained a round the snapshot does not hold);
+    updates-arriving: 0.8 s into round KILLED_IN, clients 1 and 2 replied, client 3 training;
+    snapshot-write: inside the aggregation of round KILLED_IN, its record written to
+      metrics.jsonl, its snapshot's temp file written and not yet renamed."""
+    cfg = write_cfg(tmp_path / "course.yaml", {**COURSE, **extra})
+    out, port = tmp_path / "out", _free_port()
+    common = ("distribute.role=server", f"distribute.server_port={port}", f"outdir={out}")
+    env = {"before-broadcast": {PAUSE: f"{KILLED_IN - 1}:60:after"},
+           "snapshot-write": {PAUSE: f"{KILLED_IN}:60"}}.get(moment, {})
+    server = procs.fedcore("server", cfg, *common, env=env)
+    clients = [procs.fedcore(f"client{k}", cfg, "distribute.role=client", f"distribute.server_port={port}",
+                             f"distribute.client_id={k}") for k in (1, 2, 3)]
+    if moment == "updates-arriving":
+        wait_for((out / "checkpoints" / f"round_{KILLED_IN - 1}.pt").exists, 120, "the snapshot")
+        time.sleep(0.8)
+    else:
+        wait_for(lambda: "test pause" in text(server), 120, "the server's pause at the snapshot")
+    if moment == "snapshot-write":
+        assert (out / "checkpoints" / f"round_{KILLED_IN}.tmp").exists()
+        assert len(_lines(out)) == KILLED_IN   # the round's record is out, its snapshot is not
+    server.send_signal(signal.SIGKILL)
+    server.wait(30)
+    resumed = procs.fedcore("server-resumed", cfg, *common, "resume_from=latest")
+    assert wait_exit(resumed, 240) == 0, text(resumed)[-3000:]
+    for c in clients:
+        assert wait_exit(c, 60) == 0, text(c)[-2000:]
+    log = text(resumed)
+    assert f"resuming the course from the snapshot of round {KILLED_IN - 1}" in log
+    records = _lines(out)
+    assert [r["round"] for r in records] == list(range(1, ROUNDS + 1))   # each round once, in order
+    assert all(r["num_updates"] == 3 for r in records)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rounds"] == ROUNDS and summary["resumed_from"]["round"] == KILLED_IN - 1
+    return out, log
+
+
+def _assert_same(final, simulated):
+    assert final.keys() == simulated.keys()
+    for name in simulated:
+        assert torch.allclose(final[name], simulated[name], rtol=0, atol=1e-6), name
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "scaffold"])
+def test_server_killed_between_snapshot_and_broadcast_ends_as_the_uninterrupted_course(
+        tmp_path, procs, algorithm):
+    # SCAFFOLD's client control variates live in the clients, which go on running
+    extra = {"algorithm.name": algorithm}
+    out, _ = _kill_and_resume(procs, tmp_path, extra, "before-broadcast")
+    simulated = _simulated(tmp_path / "course.yaml", tmp_path / "simulated")
+    _assert_same(torch.load(out / "final_model.pt", weights_only=True), simulated)
+
+
+@pytest.mark.parametrize("moment", ["updates-arriving", "snapshot-write"])
+def test_server_killed_mid_round_or_mid_snapshot_runs_that_round_again_once(tmp_path, procs, moment):
+    # The round in flight is run again from the snapshot before it; metrics.jsonl keeps only
+    # the records that snapshot holds (the killed run's record of round KILLED_IN is dropped).
+    _kill_and_resume(procs, tmp_path, STALLING, moment)
