@@ -115,3 +115,71 @@ def test_server_killed_mid_round_or_mid_snapshot_runs_that_round_again_once(tmp_
     # The round in flight is run again from the snapshot before it; metrics.jsonl keeps only
     # the records that snapshot holds (the killed run's record of round KILLED_IN is dropped).
     _kill_and_resume(procs, tmp_path, STALLING, moment)
+
+
+# ---------------------------------------------------------------- records that never stall
+
+def _running(out) -> bool:
+    """The server has not finalized its outputs (summary.json comes last)."""
+    return not (out / "summary.json").exists()
+
+
+def _eval_course(procs, tmp_path, extra):
+    from tests.deploy_helpers import serve_course
+    cfg = write_cfg(tmp_path / "course.yaml", {
+        **COURSE, "eval.clients": True, "distribute.heartbeat_timeout": 2.0,
+        "plugins": ["tests.slow_plugin"], "algorithm.name": "fedavg_pausing", **extra})
+    out = tmp_path / "out"
+    server, _port, client = serve_course(procs, cfg, out)
+    return out, server, {k: client(k) for k in (1, 2, 3)}
+
+
+def test_a_client_killed_mid_course_holds_back_no_record(tmp_path, procs):
+    # Client 3 is SIGKILLed after round 1; its evaluations are never answered. The record of
+    # each round is written by the end of the next at the latest, while the server runs.
+    rounds = 6
+    out, server, clients = _eval_course(procs, tmp_path, {"federate.total_round_num": rounds,
+                                                          "slow_test.pause": 0.3})
+    wait_for(lambda: _lines(out), 120, "round 1's record")
+    clients[3].kill()
+    grew = wait_for(lambda: _running(out) and len(_lines(out)) >= rounds - 1 and _lines(out),
+                    120, "a record per finished round while the course runs")
+    assert [r["round"] for r in grew[:rounds - 1]] == list(range(1, rounds))
+    assert wait_exit(server, 120) == 0, text(server)[-3000:]
+    records = [r for r in _lines(out) if "round" in r]
+    assert [r["round"] for r in records] == list(range(1, rounds + 1))
+    assert records[-1]["num_updates"] == 2 and records[-1]["client_evals"] == 2
+
+
+def test_a_hung_trainer_holds_back_no_record_and_is_named_dropped(tmp_path, procs):
+    # Client 3 trains round 1, then its trainer hangs evaluating round 1's model (its
+    # heartbeats go on): that evaluation is never answered. Each round's record is out by
+    # the end of the next round, before the server's end, and the summary names it dropped.
+    rounds = 4
+    out, server, clients = _eval_course(procs, tmp_path, {
+        "federate.total_round_num": rounds, "slow_test.hang_eval_clients": [3],
+        "distribute.round_deadline": None, "distribute.max_round_deadline": 2.0})
+    wait_for(lambda: _running(out) and len(_lines(out)) >= rounds - 1, 120,
+             "the records of rounds 1-3 while the course runs")
+    assert wait_exit(server, 120) == 0, text(server)[-3000:]
+    assert [r["round"] for r in _lines(out)] == list(range(1, rounds + 1))
+    summary = json.loads((out / "summary.json").read_text())
+    assert any(3 in d["clients"] for d in summary["dropped"])
+    for k in (1, 2):
+        assert wait_exit(clients[k], 60) == 0
+
+
+def test_a_late_evaluation_is_its_own_line_and_no_round_is_written_twice(tmp_path):
+    from fedcore.monitor import Monitor
+    m = Monitor(tmp_path)
+    m.hold_one_round = True
+    m.record_round(1, 1.0, {"test_acc": 0.5}, expected_client_metrics=2)
+    m.add_client_metrics(1, 1, {"acc": 0.25, "loss": 1.0})
+    assert _lines(tmp_path) == []                       # round 1 waits for client 2 ...
+    m.record_round(2, 2.0, {"test_acc": 0.75}, expected_client_metrics=0)
+    lines = _lines(tmp_path)                            # ... until round 2 ends
+    assert [r["round"] for r in lines] == [1, 2] and lines[0]["client_evals"] == 1
+    m.add_client_metrics(1, 2, {"acc": 0.75, "loss": 0.5})
+    late = _lines(tmp_path)[2]
+    assert "round" not in late and late["late_eval"] == {"round": 1, "client": 2, "acc": 0.75, "loss": 0.5}
+    assert m.lines_written == 3 and [r["round"] for r in m.records] == [1, 2]
