@@ -111,8 +111,9 @@ class Checkpointer:
         self.stop_requested = False      # set by Ctrl-C/SIGTERM: snapshot at the round's end, stop
         self.last_path: Path | None = None   # the newest checkpoint this run wrote, and its round
         self.last_round = 0
-        # client -> the last round in which its update was aggregated (what a rejoining
-        # client's state should be of: see `fedcore.resume_deployed`)
+        # client -> the latest round whose update from it was aggregated (what a rejoining
+        # client's state should be of, and older updates are not aggregated again: see
+        # `fedcore.deployed_resume`)
         self.contributed: dict[int, int] = {}
         self.unsaved: dict[str, Any] | None = None   # the last round's state, where not written
 
@@ -122,8 +123,8 @@ class Checkpointer:
         self.extras[name] = (get, set_)
 
     def after_aggregation(self, server, updates=()) -> None:
-        for u in updates:
-            self.contributed[u.client_id] = server.round
+        for u in updates:   # the round (model version) each client's update was trained on
+            self.contributed[u.client_id] = max(u.round, self.contributed.get(u.client_id, -1))
         due = bool(self.every) and server.round % self.every == 0
         if due:
             self.save(server, self.state(server))
@@ -276,11 +277,16 @@ def load(course, path: str) -> tuple[str, dict[str, Any]]:
     """The checkpoint `path` (or `latest`) checked against `course`: (the file used, its state).
     A file that does not load is refused in one line, and a snapshot before it used instead."""
     path = resolve(path, course.checkpointer.folder)
-    return newest_loadable(path, lambda p: _checked(course, p))
+    path, state = newest_loadable(path, _readable)
+    return path, _checked(course, path, state)
 
 
-def _checked(course, path: str) -> dict[str, Any]:
-    state = load_tensor_file(path, "resume_from", "a fedcore checkpoint")
+def _readable(path: str) -> Any:
+    """The file's content; a truncated or corrupted one is refused (ConfigError)."""
+    return load_tensor_file(path, "resume_from", "a fedcore checkpoint")
+
+
+def _checked(course, path: str, state: Any) -> dict[str, Any]:
     if isinstance(state, dict) and state and "format" not in state \
             and all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ConfigError(f"resume_from: '{path}' is not a fedcore checkpoint but a model's weights "

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from fedcore.checkpoint import load, restore
 
-__all__ = ["resume_server", "check_state_round"]
+__all__ = ["resume_server", "check_state_round", "not_aggregated_yet"]
 
 log = logging.getLogger("fedcore.deploy")
 
@@ -69,3 +69,17 @@ def check_state_round(server, msg) -> None:
     from fedcore.handlers.deployment import _listed
     _listed(server, "state_mismatch", {"client": msg.sender, "state_round": s, "expected": [e, u],
                                       "round": server.round})
+
+
+def not_aggregated_yet(course, msg) -> bool:
+    """An update is aggregated at most once: one from a client that has not joined this
+    server (sent to the server's previous incarnation, which may have aggregated it, and
+    sent again on reconnecting) is dropped, with a line; the client joins and is sent the
+    model again."""
+    if msg.sender in course.server.joined:
+        return True
+    course.comm.quiet_info(f"before join {msg.sender}", f"client {msg.sender}: dropped its update of "
+                           f"round {msg.round}, sent before it joined this server", logging.INFO)
+    extra = course.monitor.extra_summary
+    extra["updates_before_join"] = extra.get("updates_before_join", 0) + 1
+    return False

@@ -24,7 +24,7 @@ from fedcore.comm.stream import INSECURE_NOTED_ENV, INSECURE_WARNING, REFUSED_NO
 from fedcore.config import declare, non_negative, positive, validator
 from fedcore.checkpoint import interrupted_message
 from fedcore.course import Course, StartEvent, collector_for_run, raise_if_diverged
-from fedcore.deployed_resume import resume_server
+from fedcore.deployed_resume import not_aggregated_yet, resume_server
 from fedcore.executor import apply_torch_threads
 from fedcore.errors import EXIT_OK, ConfigError, FedcoreError
 from fedcore.form_boundary import make_trainer
@@ -237,6 +237,7 @@ class ServerCourse(Course):
                                    self._maybe_stop)
         self.comm.device = self.device
         self.comm.on_new_session = self._new_session
+        self.comm.update_gate = lambda msg: not_aggregated_yet(self, msg)
         if cfg["distribute.max_message_bytes"] is None:
             self.comm.max_message = message_bound(model)
         if cfg["distribute.max_message_values"] is None:

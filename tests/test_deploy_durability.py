@@ -183,3 +183,59 @@ def test_a_late_evaluation_is_its_own_line_and_no_round_is_written_twice(tmp_pat
     late = _lines(tmp_path)[2]
     assert "round" not in late and late["late_eval"] == {"round": 1, "client": 2, "acc": 0.75, "loss": 0.5}
     assert m.lines_written == 3 and [r["round"] for r in m.records] == [1, 2]
+
+
+def test_sigterm_snapshots_the_last_round_and_the_printed_command_resumes_the_course(tmp_path, procs):
+    # checkpoint.every=0: no snapshot until the server is told to stop
+    rounds = 6
+    cfg = write_cfg(tmp_path / "course.yaml", {**COURSE, **STALLING, "federate.total_round_num": rounds,
+                                               "slow_test.stall_clients": None, "slow_test.pause": 0.3,
+                                               "checkpoint.every": 0})
+    out, port = tmp_path / "out", _free_port()
+    server = procs.fedcore("server", cfg, "distribute.role=server", f"distribute.server_port={port}",
+                           f"outdir={out}")
+    clients = [procs.fedcore(f"client{k}", cfg, "distribute.role=client", f"distribute.server_port={port}",
+                             f"distribute.client_id={k}") for k in (1, 2, 3)]
+    wait_for(lambda: len(_lines(out)) >= 2, 120, "two rounds")
+    assert not (out / "checkpoints").exists() or not any((out / "checkpoints").glob("*.pt"))
+    server.send_signal(signal.SIGTERM)
+    assert wait_exit(server, 60) == 130
+    said = text(server).strip().splitlines()
+    reached = int(next(x for x in said if "stopped after round" in x).split("stopped after round ")[1].split(";")[0])
+    assert f"outputs in {out.resolve()}" in "\n".join(said)
+    command = next(x for x in said if "resume from the snapshot of round" in x).split(" with: ", 1)[1]
+    assert f"resume from the snapshot of round {reached} with" in "\n".join(said)
+    assert (out / "checkpoints" / f"round_{reached}.pt").is_file()
+    resumed = procs.start("server-resumed", ["-c", "import os, sys; os.execvp('bash', ['bash', '-c', sys.argv[1]])",
+                                             command])
+    assert wait_exit(resumed, 240) == 0, text(resumed)[-3000:]
+    for c in clients:
+        assert wait_exit(c, 60) == 0, text(c)[-2000:]
+    assert [r["round"] for r in _lines(out)] == list(range(1, rounds + 1))
+
+
+def test_fedbuff_server_killed_resumes_and_finishes_counting_no_update_twice(tmp_path, procs):
+    # FedBuff aggregates every 2 updates. The server is killed once it has snapshotted round 2;
+    # the resumed one counts only updates from clients that joined it.
+    rounds = 40
+    cfg = write_cfg(tmp_path / "course.yaml", {
+        **COURSE, "federate.total_round_num": rounds, "algorithm.name": "fedbuff", "asyn.use": True,
+        "asyn.aggregator": "goal_achieved", "asyn.min_received_num": 2,
+        "asyn.broadcast_manner": "after_receiving", "plugins": ["tests.slow_plugin"]})
+    out, port = tmp_path / "out", _free_port()
+    common = ("distribute.role=server", f"distribute.server_port={port}", f"outdir={out}")
+    server = procs.fedcore("server", cfg, *common)
+    clients = [procs.fedcore(f"client{k}", cfg, "distribute.role=client", f"distribute.server_port={port}",
+                             f"distribute.client_id={k}") for k in (1, 2, 3)]
+    wait_for((out / "checkpoints" / "round_2.pt").exists, 120, "the snapshot of round 2", interval=0.01)
+    server.send_signal(signal.SIGKILL)
+    server.wait(30)
+    resumed = procs.fedcore("server-resumed", cfg, *common, "resume_from=latest")
+    assert wait_exit(resumed, 240) == 0, text(resumed)[-3000:]
+    resumed_from = json.loads((out / "summary.json").read_text())["resumed_from"]["round"]
+    assert 2 <= resumed_from < rounds
+    records = _lines(out)
+    assert [r["round"] for r in records] == list(range(1, rounds + 1))
+    assert all(r["num_updates"] == 2 for r in records)
+    for c in clients:
+        assert wait_exit(c, 60) == 0, text(c)[-2000:]

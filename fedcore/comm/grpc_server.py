@@ -152,6 +152,7 @@ class GrpcServerComm:
         self._open: dict[int, int] = {}   # client id -> its calls still running (under _lock)
         self._admitted_peers: dict[str, None] = {}   # connections that carried an admitted call
         self.on_new_session: Callable[[int], None] = lambda client_id: None   # on the scheduler thread
+        self.update_gate: Callable[[Message], bool] = lambda msg: True       # False: dropped unseen
 
     # ------------------------------------------------------------ lifecycle
     def attach(self, worker) -> None:
@@ -581,6 +582,8 @@ class _Arrival:
             comm.count_bytes(msg, SERVER_ID, self.nbytes)
         if msg.msg_type == "join_in":
             comm.quiet_info(f"joined {msg.sender}", f"client {msg.sender} joined the course", logging.INFO)
+        elif msg.msg_type == "updates" and not comm.update_gate(msg):
+            return
         elif msg.msg_type == "metrics" and not comm.metrics_gate.admit(msg):
             return
         comm.server.deliver(msg)
