@@ -8,7 +8,9 @@ the data, built exactly as the simulation builds it). Both install the same
 handler tables as the simulation; only the communicator (gRPC instead of
 in-process), the scheduler (wall clock instead of virtual) and the time model
 (measured instead of modelled) differ. The server also installs the
-`deployment` behaviour (join timeout, lost clients, round deadline).
+`deployment` behaviour (join timeout, lost clients, round deadline). The server
+snapshots its course after every round and resumes one with `resume_from=latest`
+(`fedcore.snapshot`, `fedcore.deployed_resume`).
 """
 from __future__ import annotations
 

@@ -62,6 +62,12 @@ def _kill_and_resume(procs, tmp_path, extra, moment):
     updates-arriving: 0.8 s into round KILLED_IN, clients 1 and 2 replied, client 3 training;
     snapshot-write: inside the aggregation of round KILLED_IN, its record written to
       metrics.jsonl, its snapshot's temp file written and not yet renamed."""
+    keys = {k: () for k in (1, 2, 3)}
+    if extra.get("secure_aggregation.enabled"):   # the operator's roster of signing keys
+        from fedcore.algorithms.secagg_identity import write_roster
+        roster, key_files = write_roster(tmp_path, [1, 2, 3])
+        extra = {**extra, "secure_aggregation.roster": str(roster)}
+        keys = {k: (f"secure_aggregation.signing_key={key_files[k]}",) for k in (1, 2, 3)}
     cfg = write_cfg(tmp_path / "course.yaml", {**COURSE, **extra})
     out, port = tmp_path / "out", _free_port()
     common = ("distribute.role=server", f"distribute.server_port={port}", f"outdir={out}")
@@ -69,7 +75,7 @@ def _kill_and_resume(procs, tmp_path, extra, moment):
            "snapshot-write": {PAUSE: f"{KILLED_IN}:60"}}.get(moment, {})
     server = procs.fedcore("server", cfg, *common, env=env)
     clients = [procs.fedcore(f"client{k}", cfg, "distribute.role=client", f"distribute.server_port={port}",
-                             f"distribute.client_id={k}") for k in (1, 2, 3)]
+                             f"distribute.client_id={k}", *keys[k]) for k in (1, 2, 3)]
     if moment == "updates-arriving":
         wait_for((out / "checkpoints" / f"round_{KILLED_IN - 1}.pt").exists, 120, "the snapshot")
         time.sleep(0.8)
@@ -100,14 +106,48 @@ def _assert_same(final, simulated):
         assert torch.allclose(final[name], simulated[name], rtol=0, atol=1e-6), name
 
 
-@pytest.mark.parametrize("algorithm", ["fedavg", "scaffold"])
+SECURE = {"secure_aggregation.enabled": True, "model.dtype": "float64"}
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "scaffold", "fedavg-secure-aggregation"])
 def test_server_killed_between_snapshot_and_broadcast_ends_as_the_uninterrupted_course(
         tmp_path, procs, algorithm):
-    # SCAFFOLD's client control variates live in the clients, which go on running
-    extra = {"algorithm.name": algorithm}
+    # SCAFFOLD's client control variates live in the clients, which go on running; a secure
+    # aggregation course runs its interrupted round's protocol again from its start
+    extra = {**SECURE, "algorithm.name": "fedavg"} if algorithm.endswith("secure-aggregation") \
+        else {"algorithm.name": algorithm}
     out, _ = _kill_and_resume(procs, tmp_path, extra, "before-broadcast")
     simulated = _simulated(tmp_path / "course.yaml", tmp_path / "simulated")
     _assert_same(torch.load(out / "final_model.pt", weights_only=True), simulated)
+    if algorithm == "fedavg":   # the deployed snapshot of round 3 resumes in simulation too
+        _resume_in_simulation(tmp_path, out / "checkpoints" / f"round_{ROUNDS - 1}.pt")
+
+
+def _resume_in_simulation(tmp_path, snapshot):
+    """Same format: a deployed snapshot resumes in simulation, from the same global model and
+    records (its clients start afresh: the server's snapshot holds no client state)."""
+    sim = tmp_path / "resumed-in-simulation"
+    cfg = load_config([str(tmp_path / "course.yaml")],
+                      ["federate.mode=standalone", f"outdir={sim}", f"resume_from={snapshot}"])
+    Course(cfg).run()
+    assert [r["round"] for r in _lines(sim)] == list(range(1, ROUNDS + 1))
+    assert _lines(sim)[:ROUNDS - 1] == _lines(snapshot.parent.parent)[:ROUNDS - 1]
+
+
+def test_a_simulated_snapshot_resumes_on_a_deployed_server(tmp_path, procs):
+    cfg = write_cfg(tmp_path / "course.yaml", COURSE)
+    sim = tmp_path / "simulated"
+    Course(load_config([str(cfg)], ["federate.mode=standalone", f"outdir={sim}", "checkpoint.every=1"])).run()
+    out, port = tmp_path / "out", _free_port()
+    server = procs.fedcore("server", cfg, "distribute.role=server", f"distribute.server_port={port}",
+                           f"outdir={out}", f"resume_from={sim / 'checkpoints' / 'round_2.pt'}")
+    for k in (1, 2, 3):
+        procs.fedcore(f"client{k}", cfg, "distribute.role=client", f"distribute.server_port={port}",
+                      f"distribute.client_id={k}")
+    assert wait_exit(server, 240) == 0, text(server)[-3000:]
+    records = _lines(out)
+    assert records[:2] == _lines(sim)[:2]   # the simulation's records, then the deployed rounds
+    assert [r["round"] for r in records] == list(range(1, ROUNDS + 1))
 
 
 @pytest.mark.parametrize("moment", ["updates-arriving", "snapshot-write"])
