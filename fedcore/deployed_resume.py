@@ -9,8 +9,9 @@ says `resumed_round: r` (0 for a course that was not resumed).
 
 Which round a rejoining client's state belongs to. A client joins with
 `state_round` S: the last round whose training it completed and kept (-1 or
-absent: none). The server expects E, the last round in which it aggregated
-that client's update (-1: never, as far as its snapshot knows), and allows at
+absent: none). The server expects E, the latest round whose update from that
+client it aggregated (the round the update was trained for: in a synchronous
+course the round it was aggregated in; -1: none), and allows at
 most U, the last round it completed, or the round in progress once this
 incarnation has started it. A client whose state is of a round after
 `resumed_round` has first rolled back to its state of the latest round <= r it

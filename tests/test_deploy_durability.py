@@ -8,6 +8,7 @@ train (tests.slow_plugin), so there is a moment when some updates have arrived a
 others not.
 """
 import json
+import logging
 import signal
 import socket
 import time
@@ -279,3 +280,47 @@ def test_fedbuff_server_killed_resumes_and_finishes_counting_no_update_twice(tmp
     assert all(r["num_updates"] == 2 for r in records)
     for c in clients:
         assert wait_exit(c, 60) == 0, text(c)[-2000:]
+
+
+# ---------------------------------------------------------------- the server's half of state_round
+
+def _joining(round_, started, contributed):
+    from types import SimpleNamespace
+    course = SimpleNamespace(checkpointer=SimpleNamespace(contributed=contributed),
+                             monitor=SimpleNamespace(extra_summary={}))
+    return SimpleNamespace(course=course, round=round_, started=started)
+
+
+@pytest.mark.parametrize("state_round, mismatch", [
+    (2, False),    # E = 2: its state is of its last aggregated update
+    (1, True),     # older than its update of round 2, which the server aggregated
+    (3, False),    # round 3's update trained but not aggregated (E < S <= U = 3)
+    (4, True),     # newer than any round the resumed server completed: it did not roll back
+    (-1, True),    # no state at all, though its update of round 2 was aggregated
+])
+def test_a_join_is_checked_against_the_round_its_state_should_be_of(state_round, mismatch, caplog):
+    from fedcore.comm.validation import check_join_in
+    from fedcore.deployed_resume import check_state_round
+    from fedcore.message import Message
+    # a server resumed from the snapshot of round 3 (round 4 not started), client 5's update of
+    # round 2 the last it aggregated
+    server = _joining(4, False, {5: 2})
+    content = {"client_id": 5, "num_samples": 30, "state_round": state_round}
+    assert check_join_in(content, server) is None
+    with caplog.at_level(logging.WARNING, logger="fedcore.deploy"):
+        check_state_round(server, Message("join_in", 5, (0,), 0, 0.0, content))
+    listed = server.course.monitor.extra_summary.get("state_mismatch", [])
+    assert bool(listed) == mismatch and len(caplog.records) == int(mismatch)
+    if mismatch:
+        assert listed == [{"client": 5, "state_round": state_round, "expected": [2, 3], "round": 4}]
+
+
+def test_a_join_declaring_no_state_round_or_a_malformed_one():
+    from fedcore.comm.validation import check_join_in
+    from fedcore.deployed_resume import check_state_round
+    from fedcore.message import Message
+    server = _joining(4, False, {5: 2})
+    check_state_round(server, Message("join_in", 5, (0,), 0, 0.0, {"client_id": 5}))
+    assert "state_mismatch" not in server.course.monitor.extra_summary   # keeps no state on disk
+    for bad in (-2, 1.5, "3", True):
+        assert check_join_in({"client_id": 5, "state_round": bad}, server) == "join_in state_round must be an int >= -1"
