@@ -55,7 +55,8 @@ def resume_server(course, value: str) -> int:
 
 def check_state_round(server, msg) -> None:
     """A `join_in` received: compare the client's `state_round` with what the server expects."""
-    content = msg.content if isinstance(msg.content, dict) else {}
+    content = getattr(msg, "content", None)
+    content = content if isinstance(content, dict) else {}
     if "state_round" not in content:
         return   # a client that keeps no state on disk: nothing to compare
     s = content["state_round"]
