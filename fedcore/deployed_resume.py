@@ -31,6 +31,7 @@ import logging
 from pathlib import Path
 
 from fedcore.checkpoint import load, restore
+from fedcore.snapshot import LATEST, snapshots
 
 __all__ = ["resume_server", "check_state_round", "not_aggregated_yet"]
 
@@ -39,7 +40,12 @@ log = logging.getLogger("fedcore.deploy")
 
 def resume_server(course, value: str) -> int:
     """Restore the built server `course` from `value` (a snapshot or `latest`); returns the
-    round it resumes from. Clients are waited for as at a start."""
+    round it resumes from. Clients are waited for as at a start. `latest` with no snapshot
+    yet (a server that died in its first round) starts the course from its beginning."""
+    folder = course.checkpointer.folder
+    if value == LATEST and (folder is None or not snapshots(folder)):
+        log.warning("resume_from=latest: no snapshot in %s yet; the course starts from round 1", folder)
+        return 0
     used, state = load(course, value)
     restore(course, state, metrics_lines=state.get("metrics_lines"))
     server = course.server

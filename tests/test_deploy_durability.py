@@ -324,3 +324,14 @@ def test_a_join_declaring_no_state_round_or_a_malformed_one():
     assert "state_mismatch" not in server.course.monitor.extra_summary   # keeps no state on disk
     for bad in (-2, 1.5, "3", True):
         assert check_join_in({"client_id": 5, "state_round": bad}, server) == "join_in state_round must be an int >= -1"
+
+
+def test_latest_with_no_snapshot_yet_starts_a_deployed_course_from_round_1(tmp_path, caplog):
+    # what a restarted server gets when it died before its first snapshot
+    from fedcore.distributed import ServerCourse
+    cfg = load_config([str(write_cfg(tmp_path / "course.yaml", COURSE))],
+                      ["distribute.role=server", "resume_from=latest", f"outdir={tmp_path / 'out'}"])
+    with caplog.at_level(logging.WARNING, logger="fedcore.deploy"):
+        course = ServerCourse(cfg, tmp_path / "out").build()
+    assert course.comm.resumed_round == 0 and course.server.round == 1
+    assert any("no snapshot in" in r.getMessage() for r in caplog.records)
