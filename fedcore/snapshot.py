@@ -119,7 +119,7 @@ def newest_loadable(path: str, load: Callable[[str], Any]) -> tuple[str, Any]:
                 return str(candidate), load(str(candidate))
             except ConfigError as exc:
                 first = exc
-        raise
+        raise first from None
 
 
 def _round(path: Path) -> int | None:
