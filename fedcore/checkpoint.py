@@ -28,6 +28,7 @@ import torch
 from fedcore.config import declare, non_negative, validator
 from fedcore.device import CPU, to_cpu, to_device
 from fedcore.errors import ConfigError
+from fedcore.snapshot import LATEST, newest_loadable, resolve, write_snapshot
 
 __all__ = ["Checkpointer", "resume", "load_tensor_file", "stop_at_round_end"]
 
@@ -35,20 +36,27 @@ log = logging.getLogger("fedcore.checkpoint")
 
 FORMAT = 1
 
-declare("checkpoint.every", int, 0, "write a checkpoint every k rounds (0: off)",
-        check=non_negative)
+declare("checkpoint.every", int, None, "write a checkpoint (snapshot) every k rounds (0: off; "
+        "default: 0 in simulation, 1 on a deployed server)", check=non_negative)
 declare("checkpoint.path", str, None, "folder for checkpoints (default: <outdir>/checkpoints)")
-declare("resume_from", str, None, "a checkpoint file (round_<k>.pt) to resume a course from")
+declare("checkpoint.keep", int, None, "newest checkpoints kept in checkpoint.path, older ones "
+        "removed once a new one is complete (0: all; default: all in simulation, 2 on a deployed "
+        "server)", check=non_negative)
+declare("resume_from", str, None, "a checkpoint file (round_<k>.pt) to resume a course from, or "
+        "latest: the newest complete one in checkpoint.path (a corrupted one is skipped for the "
+        "one before it)")
 
 
 @validator
 def _check_resume(cfg) -> None:
     path = cfg["resume_from"]
-    if path and not Path(path).is_file():
+    if path and path != LATEST and not Path(path).is_file():
         raise ConfigError(f"resume_from: checkpoint '{path}' does not exist")
-    if path and cfg["course"] == "async":
+    if path and cfg["course"] == "async" and cfg.get("distribute.role") is None:
         # A checkpoint holds no updates in flight, no buffer and no timers: resuming such a
-        # course could not continue it exactly (and the async handlers have no `resume`).
+        # course could not continue it exactly (and the async handlers have no `resume`). A
+        # deployed server resumes one anyway: its clients are sent the model again when they
+        # rejoin, which is what a deployed async course does with lost clients in any case.
         raise ConfigError("resume_from: a course on asyn.* strategies (async, over-selection, "
                           "time_up) cannot be resumed, its in-flight updates are not in the "
                           "checkpoint; rerun it from the start or resume a synchronous course")
@@ -72,18 +80,25 @@ def load_tensor_file(path: str | Path, key: str, what: str) -> Any:
 
 
 class Checkpointer:
-    """Writes `round_<k>.pt` every `checkpoint.every` rounds."""
+    """Writes `round_<k>.pt` every `checkpoint.every` rounds (see `fedcore.snapshot`)."""
 
     def __init__(self, course):
         self.course = course
         cfg = course.cfg
-        self.every = cfg["checkpoint.every"]
+        deployed = course.wall_clock
+        every = cfg["checkpoint.every"]
+        self.every = (1 if deployed else 0) if every is None else every
+        keep = cfg["checkpoint.keep"]
+        self.keep = (2 if deployed else 0) if keep is None else keep
         folder = cfg["checkpoint.path"]
         if folder is None and course.outdir is not None:
             folder = course.outdir / "checkpoints"
         self.folder = Path(folder) if folder is not None else None
         if self.every and self.folder is None:
-            raise ConfigError("checkpoint.every: set checkpoint.path or outdir so checkpoints have a place")
+            if every is None:   # the deployed default, with nowhere to write: off
+                self.every = 0
+            else:
+                raise ConfigError("checkpoint.every: set checkpoint.path or outdir so checkpoints have a place")
         if self.every:
             try:  # now, not at the first checkpoint after a round of training
                 self.folder.mkdir(parents=True, exist_ok=True)
@@ -96,48 +111,86 @@ class Checkpointer:
         self.stop_requested = False      # set by Ctrl-C/SIGTERM: snapshot at the round's end, stop
         self.last_path: Path | None = None   # the newest checkpoint this run wrote, and its round
         self.last_round = 0
+        # client -> the latest round whose update from it was aggregated (what a rejoining
+        # client's state should be of, and older updates are not aggregated again: see
+        # `fedcore.deployed_resume`)
+        self.contributed: dict[int, int] = {}
+        self.unsaved: dict[str, Any] | None = None   # the last round's state, where not written
 
     def register(self, name: str, get: Callable[[], Any], set_: Callable[[Any], None]) -> None:
         """Have `get()` saved in each checkpoint under `name` and `set_(value)` called on resume;
         values must be loadable with `weights_only=True` (tensors, numbers, lists, dicts)."""
         self.extras[name] = (get, set_)
 
-    def after_aggregation(self, server) -> None:
-        if self.every and server.round % self.every == 0:
-            self.save(server, self.folder / f"round_{server.round}.pt")
+    def after_aggregation(self, server, updates=()) -> None:
+        for u in updates:   # the round (model version) each client's update was trained on
+            self.contributed[u.client_id] = max(u.round, self.contributed.get(u.client_id, -1))
+        due = bool(self.every) and server.round % self.every == 0
+        if due:
+            self.save(server, self.state(server))
+        elif self.folder is not None and self.course.wall_clock:
+            # kept (copied) for an interruption later in the next round, which snapshots the
+            # last completed round whatever checkpoint.every says
+            self.unsaved = self.state(server, copy=True)
         if self.stop_requested and not _last_round(server):
             if self.last_path is None or self.last_round != server.round:
-                self.save(server, self.folder / f"round_{server.round}.pt")
+                self.save(server, self.state(server))
             raise KeyboardInterrupt
 
-    def save(self, server, path: Path) -> None:
+    def save_last_completed(self) -> None:
+        """On an interruption mid-round (deployment): the snapshot of the last completed round,
+        if it was not written already."""
+        if self.unsaved is not None and self.unsaved["round"] != self.last_round:
+            self._write(self.unsaved)
+
+    def state(self, server, copy: bool = False) -> dict[str, Any]:
+        """What a snapshot holds, as of the aggregation just done."""
+        from fedcore.comm.fingerprint import fingerprint
         course = self.course
         store = course.store
         monitor = course.monitor
-        state: dict[str, Any] = {
+        cpu = (lambda v: _cloned(to_cpu(v))) if copy else to_cpu
+        return {
             "format": FORMAT,
             "round": server.round,
             "algorithm": course.cfg["algorithm.name"],
+            "course": fingerprint(course.cfg),
             "virtual_time": server.now,
-            "global_state": to_cpu(server.aggregator.global_state),   # resumable without a GPU
-            "aggregator": to_cpu(server.aggregator.state_dict()),
+            "global_state": cpu(server.aggregator.global_state),   # resumable without a GPU
+            "aggregator": cpu(server.aggregator.state_dict()),
             "sampler_rng": server.sampler.rng.bit_generator.state,
             "sampler_turn": getattr(server.sampler, "turn", None),   # the group sampler's position
             "torch_rng": torch.get_rng_state(),
             "client_states": {cid: store.load(cid) for cid in course.client_ids if cid in store},
-            "records": monitor.records,
+            "records": list(monitor.records),
             "pending": monitor.open_records(),
+            "metrics_lines": monitor.lines_written,
+            "contributed": dict(self.contributed),
             "bytes": [monitor.total_up, monitor.total_down, monitor.total_other],
             "best": [server.best_acc, server.evals_since_best],
             "target": [monitor.time_to_target, monitor.rounds_to_target],
-            "extras": {name: get() for name, (get, _) in self.extras.items()},
+            "extras": {name: cpu(get()) for name, (get, _) in self.extras.items()},
         }
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        torch.save(state, tmp)
-        tmp.replace(path)
-        self.last_path, self.last_round = path, server.round
-        log.info("checkpoint of round %d written to %s", server.round, path)
+
+    def save(self, server, state: dict[str, Any] | None = None) -> None:
+        self._write(state if state is not None else self.state(server))
+
+    def _write(self, state: dict[str, Any]) -> None:
+        path = write_snapshot(state, self.folder, state["round"], self.keep)
+        self.last_path, self.last_round = path, state["round"]
+        self.unsaved = None
+        log.info("checkpoint of round %d written to %s", state["round"], path)
+
+
+def _cloned(value: Any) -> Any:
+    """`value` with every tensor copied (what an aggregator may change in place later)."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: _cloned(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cloned(v) for v in value)
+    return value
 
 
 def _snapshot_advice(model_file: Path) -> str:
@@ -220,16 +273,27 @@ def interrupted_message(course, command: list[str] | None) -> str:
     return "\n".join(f"fedcore: {line}" for line in lines)
 
 
-def resume(course, path: str) -> float:
-    """Restore `course` (built, not yet run) from a checkpoint; returns its virtual time."""
-    state = load_tensor_file(path, "resume_from", "a fedcore checkpoint")
+def load(course, path: str) -> tuple[str, dict[str, Any]]:
+    """The checkpoint `path` (or `latest`) checked against `course`: (the file used, its state).
+    A file that does not load is refused in one line, and a snapshot before it used instead."""
+    path = resolve(path, course.checkpointer.folder)
+    path, state = newest_loadable(path, _readable)
+    return path, _checked(course, path, state)
+
+
+def _readable(path: str) -> Any:
+    """The file's content; a truncated or corrupted one is refused (ConfigError)."""
+    return load_tensor_file(path, "resume_from", "a fedcore checkpoint")
+
+
+def _checked(course, path: str, state: Any) -> dict[str, Any]:
     if isinstance(state, dict) and state and "format" not in state \
             and all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ConfigError(f"resume_from: '{path}' is not a fedcore checkpoint but a model's weights "
                           f"only; {_snapshot_advice(Path(path))}")
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ConfigError(f"resume_from: '{path}' is not a fedcore checkpoint (format {FORMAT})")
-    server, monitor = course.server, course.monitor
+    server = course.server
     total = course.cfg["federate.total_round_num"]
     if state["round"] >= total:
         raise ConfigError(f"resume_from: '{path}' is of round {state['round']}, the course's last "
@@ -248,25 +312,52 @@ def resume(course, path: str) -> float:
             raise ConfigError(f"resume_from: '{path}' was written for another model (entry '{name}' "
                               f"is {saved.dtype} {tuple(saved.shape)}, this course's is {t.dtype} "
                               f"{tuple(t.shape)}); resume with the model.* keys that wrote it")
+    if "course" in state:
+        from fedcore.comm.fingerprint import differing_keys
+        differ = differing_keys(course.cfg, state["course"])
+        if differ:
+            raise ConfigError(f"resume_from: '{path}' is a snapshot of another course (keys "
+                              f"{', '.join(differ[:4])} differ from this config's); resume with "
+                              "the config that wrote it, or start a new course in a new outdir")
     extras = state.get("extras", {})
     absent = sorted(set(course.checkpointer.extras) - set(extras))
     if absent:
         raise ConfigError(f"resume_from: '{path}' holds no state for '{absent[0]}', which this "
                           "course keeps; resume with the config that wrote the checkpoint")
+    return state
+
+
+def restore(course, state: dict[str, Any], metrics_lines: int | None = None) -> None:
+    """Put a checked checkpoint's state into `course` (built, not yet run): models, aggregator,
+    sampler, random states, plug-ins' extras, the records. `metrics_lines`: keep that many
+    lines of the metrics.jsonl already in the outdir instead of writing the records anew."""
+    server, monitor = course.server, course.monitor
     device = getattr(course, "device", CPU)
     server.aggregator.global_state = to_device(state["global_state"], device)
     server.aggregator.load_state_dict(to_device(state["aggregator"], device))
     server.sampler.rng.bit_generator.state = state["sampler_rng"]
     if state.get("sampler_turn") is not None:
         server.sampler.turn = state["sampler_turn"]
+    extras = state.get("extras", {})
     for name, (_, set_) in course.checkpointer.extras.items():
         set_(extras[name])
     torch.set_rng_state(state["torch_rng"])
     for cid, client_state in state["client_states"].items():
         course.store.save(int(cid), client_state)
-    monitor.preload(state["records"], state["pending"], state["bytes"], state["target"])
+    monitor.preload(state["records"], state["pending"], state["bytes"], state["target"],
+                    keep_lines=metrics_lines)
+    course.checkpointer.contributed = {int(c): int(r) for c, r in state.get("contributed", {}).items()}
+    course.checkpointer.last_round = state["round"]
     server.best_acc, server.evals_since_best = state["best"]
     server.round = state["round"]
-    server.joined, server.started = set(course.client_ids), True
     server.now = state["virtual_time"]
+
+
+def resume(course, path: str) -> float:
+    """Restore a simulated `course` (built, not yet run) from a checkpoint; returns its
+    virtual time."""
+    _, state = load(course, path)
+    restore(course, state)
+    server = course.server
+    server.joined, server.started = set(course.client_ids), True
     return state["virtual_time"]

@@ -8,7 +8,9 @@ the data, built exactly as the simulation builds it). Both install the same
 handler tables as the simulation; only the communicator (gRPC instead of
 in-process), the scheduler (wall clock instead of virtual) and the time model
 (measured instead of modelled) differ. The server also installs the
-`deployment` behaviour (join timeout, lost clients, round deadline).
+`deployment` behaviour (join timeout, lost clients, round deadline). The server
+snapshots its course after every round and resumes one with `resume_from=latest`
+(`fedcore.snapshot`, `fedcore.deployed_resume`).
 """
 from __future__ import annotations
 
@@ -16,12 +18,15 @@ import gc
 import logging
 import os
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
 from fedcore.comm.stream import INSECURE_NOTED_ENV, INSECURE_WARNING, REFUSED_NOTICE, TOKEN_ENV
 from fedcore.config import declare, non_negative, positive, validator
+from fedcore.checkpoint import interrupted_message
 from fedcore.course import Course, StartEvent, collector_for_run, raise_if_diverged
+from fedcore.deployed_resume import not_aggregated_yet, resume_server
 from fedcore.executor import apply_torch_threads
 from fedcore.errors import EXIT_OK, ConfigError, FedcoreError
 from fedcore.form_boundary import make_trainer
@@ -124,14 +129,9 @@ def _check_distribute(cfg) -> None:
     role = cfg["distribute.role"]
     if role is None:  # a role makes the run distributed, whatever federate.mode says
         return
-    # Client state (control variates, optimizer moments, personal models) lives in the clients'
-    # processes, so a server-side checkpoint would not be a complete course: refuse both ends.
-    if cfg["resume_from"]:
-        raise ConfigError("resume_from: a distributed course cannot resume from a checkpoint; "
-                          "drop resume_from (resume the checkpoint in simulation instead)")
-    if cfg["checkpoint.every"]:
-        raise ConfigError("checkpoint.every: a distributed course writes no checkpoints (client state "
-                          "lives in the client processes); set checkpoint.every=0")
+    if role == "client" and cfg["resume_from"]:
+        raise ConfigError("resume_from: a client resumes through its server (distribute.role=server "
+                          "resume_from=latest); drop resume_from from the client's command")
     cert, key, ca = cfg["distribute.tls.cert"], cfg["distribute.tls.key"], cfg["distribute.tls.ca"]
     insecure = cfg["distribute.insecure"]
     if bool(cert) != bool(key):
@@ -248,6 +248,7 @@ class ServerCourse(Course):
                                    self._maybe_stop)
         self.comm.device = self.device
         self.comm.on_new_session = self._new_session
+        self.comm.update_gate = lambda msg: not_aggregated_yet(self, msg)
         if cfg["distribute.max_message_bytes"] is None:
             self.comm.max_message = message_bound(model)
         if cfg["distribute.max_message_values"] is None:
@@ -258,7 +259,10 @@ class ServerCourse(Course):
         deployment.install(self)
         apply_torch_threads(cfg)
         self.comm.attach(self.server)
+        self.monitor.hold_one_round = True   # a lost client's evaluation holds back no record
         self.resumed_at = None
+        if cfg["resume_from"]:
+            self.comm.resumed_round = resume_server(self, cfg["resume_from"])
         self.built = True
         return self
 
@@ -351,6 +355,7 @@ class ServerCourse(Course):
             self.scheduler.run()
         except KeyboardInterrupt:
             self.monitor.extra_summary["stopped_by"] = "interrupted"
+            self.checkpointer.save_last_completed()   # whatever checkpoint.every says
             self._finalize()
             raise
         else:
@@ -459,8 +464,9 @@ def _sigterm_as_interrupt(*_args) -> None:
     raise KeyboardInterrupt
 
 
-def run_distributed(cfg, outdir, check_only: bool = False) -> int:
-    """`federate.mode: distributed`: run this process's role."""
+def run_distributed(cfg, outdir, check_only: bool = False, command: list[str] | None = None) -> int:
+    """`federate.mode: distributed`: run this process's role (`command`: how it was started,
+    for the command that resumes an interrupted server)."""
     role = cfg["distribute.role"]
     if role is None:
         raise ConfigError("distribute.role: set server or client for federate.mode: distributed "
@@ -478,4 +484,10 @@ def run_distributed(cfg, outdir, check_only: bool = False) -> int:
         from fedcore.edge_process import run_edge
         return run_edge(cfg, outdir, check_only)
     progress = cfg["verbose"]  # a bar on a terminal, periodic round lines elsewhere
-    return ServerCourse(cfg, outdir, progress=progress).build().check_or_run(check_only)
+    course = ServerCourse(cfg, outdir, progress=progress).build()
+    try:
+        return course.check_or_run(check_only)
+    except KeyboardInterrupt:
+        if course.monitor.started:
+            print(interrupted_message(course, command), file=sys.stderr)
+        raise

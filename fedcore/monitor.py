@@ -3,6 +3,12 @@
 One JSON object per aggregation round. A round's record waits for the client
 evaluations it asked for (if any) and is written as soon as it is complete,
 always in round order; whatever is still pending at the end is written then.
+A deployed server (`hold_one_round`) waits no longer than the next round's end:
+a record still missing evaluations then is written with those received, and
+an evaluation that comes after is written as its own line,
+`{"late_eval": {"round": r, "client": k, "acc": ..., "loss": ...}, "wall_time": t}`
+(no top-level "round": it is not a round's record), so a lost or hung client
+never holds back the records of the rounds after it.
 Every other side output (progress, CSV, TensorBoard, MLflow, W&B, a user's own)
 is a `Callback` that sees the same records, in the same order, and the summary.
 """
@@ -104,6 +110,9 @@ class Monitor:
         self.separate_types: set[str] = set()
         self.bytes_other = self.total_other = 0
         self.records: list[dict[str, Any]] = []      # written records, in order
+        self.lines_written = 0                       # lines in metrics.jsonl (records, late evals)
+        self.hold_one_round = False                  # deployment: see the module's docstring
+        self._closed_rounds: set[int] = set()        # rounds written before all their evals came
         self._pending: dict[int, _Pending] = {}
         self._metrics_file = None
         self.time_to_target: float | None = None
@@ -153,6 +162,8 @@ class Monitor:
             record["bytes_eval_total"] = self.total_other
         record.update(fields)
         self.bytes_up = self.bytes_down = self.bytes_other = 0
+        if self.hold_one_round:   # a round has ended: earlier records wait no longer
+            self._flush(before=round_)
         self._pending[round_] = _Pending(record, expected_client_metrics)
         acc = record.get("test_acc")
         if self.target_acc is not None and self.time_to_target is None and acc is not None \
@@ -163,16 +174,30 @@ class Monitor:
     def add_client_metrics(self, round_: int, client_id: int, metrics: dict[str, float]) -> None:
         pending = self._pending.get(round_)
         if pending is None:
+            if round_ in self._closed_rounds:   # its record was written without it
+                self._write_line({"late_eval": {"round": round_, "client": client_id, **metrics},
+                                  "wall_time": self.wall_time})
             return  # arrived after the record was closed: nothing to attach it to
         pending.client_metrics.append(metrics)
         self._flush()
 
-    def _flush(self, force: bool = False) -> None:
+    def _write_line(self, obj: dict[str, Any]) -> None:
+        self.lines_written += 1
+        if self._metrics_file is not None:
+            self._metrics_file.write(_dumps(obj) + "\n")
+            self._metrics_file.flush()
+
+    def _flush(self, force: bool = False, before: int | None = None) -> None:
+        """Write the complete records in round order (`force`: all; `before`: also the
+        incomplete ones of rounds before that one)."""
         self.start()
         for round_ in sorted(self._pending):
             pending = self._pending[round_]
-            if not (pending.complete or force):
+            cut_short = force or (before is not None and round_ < before)
+            if not (pending.complete or cut_short):
                 break
+            if not pending.complete and self.hold_one_round:
+                self._closed_rounds.add(round_)
             record = pending.record
             if pending.client_metrics:
                 record.update(_spread([m["acc"] for m in pending.client_metrics if "acc" in m],
@@ -182,9 +207,7 @@ class Monitor:
                 record["client_evals"] = len(pending.client_metrics)
             del self._pending[round_]
             self.records.append(record)
-            if self._metrics_file is not None:
-                self._metrics_file.write(_dumps(record) + "\n")
-                self._metrics_file.flush()
+            self._write_line(record)
             for callback in self.callbacks:
                 callback.on_record(record)
 
@@ -192,17 +215,41 @@ class Monitor:
         """Records still waiting for client evaluations: {round: {record, expected}}."""
         return {r: {"record": p.record, "expected": p.expected} for r, p in self._pending.items()}
 
-    def preload(self, records: list[dict], pending: dict, totals: list[int], target: list) -> None:
-        """Continue from a checkpoint: its written records, open records, byte totals, target."""
+    def preload(self, records: list[dict], pending: dict, totals: list[int], target: list,
+                keep_lines: int | None = None) -> None:
+        """Continue from a checkpoint: its written records, open records, byte totals, target.
+        `keep_lines`: the outdir's metrics.jsonl already holds these records in its first that
+        many lines (a deployed server resuming in place): keep them, drop the lines after them
+        (rounds the snapshot does not hold, which the resumed course runs again)."""
+        kept = self._kept_lines(keep_lines, len(records))
         self.start()
-        for record in records:
-            self.records.append(record)
-            if self._metrics_file is not None:
-                self._metrics_file.write(_dumps(record) + "\n")
+        self.records.extend(records)
+        if kept is not None:
+            self._metrics_file.write(kept)
+            self._metrics_file.flush()
+            self.lines_written = keep_lines
+        else:
+            for record in records:
+                self._write_line(record)
         for round_, p in pending.items():
             self._pending[int(round_)] = _Pending(dict(p["record"]), int(p["expected"]))
         self.total_up, self.total_down, self.total_other = totals
         self.time_to_target, self.rounds_to_target = target
+
+    def _kept_lines(self, keep: int | None, records: int) -> str | None:
+        """The first `keep` lines of the outdir's metrics.jsonl, where it has them and they hold
+        `records` round records (else None: the records are written anew)."""
+        if keep is None or self.outdir is None or self.started:
+            return None
+        try:
+            lines = (self.outdir / "metrics.jsonl").read_text().splitlines(keepends=True)[:keep]
+        except (OSError, UnicodeDecodeError):
+            return None
+        if len(lines) < keep or not all(line.endswith("\n") for line in lines):
+            return None
+        if sum(1 for line in lines if line.startswith('{"round"')) != records:
+            return None
+        return "".join(lines)
 
     # ------------------------------------------------------------ the end
     def summary(self, virtual_time: float) -> dict[str, Any]:

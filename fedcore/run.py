@@ -71,7 +71,7 @@ def _run(args) -> int:
         except ImportError:
             raise ConfigError("federate.mode: distributed needs fedcore.distributed, which this "
                               "installation lacks; use federate.mode=standalone") from None
-        return run_distributed(cfg, outdir, check_only=args.check)
+        return run_distributed(cfg, outdir, check_only=args.check, command=_command(args))
     from fedcore.checkpoint import interrupted_message
     from fedcore.course import Course
     course = Course(cfg, outdir, progress=cfg["verbose"]).build()

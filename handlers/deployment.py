@@ -29,6 +29,7 @@ from __future__ import annotations
 import bisect
 import logging
 
+from fedcore.deployed_resume import check_state_round
 from fedcore.message import SERVER_ID
 from fedcore.quiet import QuietLog
 from fedcore.handlers import asyn
@@ -228,6 +229,8 @@ def note_traffic(server, msg, receiver: int, now: float) -> None:
     elif receiver == SERVER_ID and msg.msg_type in ("updates", "join_in"):
         if msg.msg_type == "updates":
             _times(server).replied(msg.sender, msg.round, now)
+        else:
+            check_state_round(server, msg)
         _bench(server).discard(msg.sender)
 
 

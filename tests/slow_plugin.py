@@ -19,6 +19,8 @@ declare("slow_test.stall_clients", list, None, "tests: clients that take slow_te
         "train in their first slow_test.stall_rounds rounds, then hang (heartbeats on)")
 declare("slow_test.inflate_clients", list, None, "tests: clients whose updates claim ten times the "
         "samples they declared when they joined (admission refuses them)")
+declare("slow_test.hang_eval_clients", list, None, "tests: clients whose evaluation never returns "
+        "(their heartbeats go on: a trainer hung in its evaluation)")
 declare("slow_test.stall", float, 0.0, "tests: seconds a stalling client takes (just under its deadline)")
 declare("slow_test.stall_rounds", int, 0, "tests: rounds a stalling client replies in before it hangs")
 
@@ -36,6 +38,11 @@ class PausingTrainer(FedAvgTrainer):
         if client_id in (self.cfg["slow_test.inflate_clients"] or ()):
             result.content = {**result.content, "num_samples": 10 * result.content["num_samples"]}
         return result
+
+    def evaluate(self, client_id, data, received):
+        while client_id in (self.cfg["slow_test.hang_eval_clients"] or ()):
+            time.sleep(60)
+        return super().evaluate(client_id, data, received)
 
 
 algorithms.register("fedavg_pausing", Algorithm(PausingTrainer, FedAvgAggregator))

@@ -51,7 +51,7 @@ def test_a_role_alone_makes_the_run_distributed_and_is_checked(tmp_path, monkeyp
     from fedcore.run import main
     seen = []
     monkeypatch.setattr(fedcore.distributed, "run_distributed",
-                        lambda cfg, out, check_only: seen.append(cfg) or 0)
+                        lambda cfg, out, check_only, command=None: seen.append(cfg) or 0)
     cfg = tmp_path / "c.yaml"
     cfg.write_text("federate: {client_num: 2}\n")
     assert main(["--cfg", str(cfg), "distribute.role=client", "distribute.insecure=true"]) == 0
@@ -64,13 +64,13 @@ def test_distributed_mode_needs_a_role(tmp_path):
         run_distributed(_cfg(), tmp_path)
 
 
-@pytest.mark.parametrize("role", ["server", "client"])
-def test_checkpoints_are_refused_in_a_distributed_course(tmp_path, role):
+def test_a_deployed_server_takes_snapshots_and_resumes_but_a_client_resumes_through_it(tmp_path):
     ckpt = tmp_path / "round_1.pt"
     ckpt.write_bytes(b"x")
-    with pytest.raises(ConfigError, match="^resume_from: a distributed course cannot resume"):
-        _cfg(distribute__role=role, distribute__insecure=True, resume_from=str(ckpt))
-    with pytest.raises(ConfigError, match="^checkpoint.every: a distributed course writes no"):
-        _cfg(distribute__role=role, distribute__insecure=True, checkpoint__every=1)
-    # the same keys stay valid in simulation
+    server = _cfg(distribute__role="server", distribute__insecure=True, resume_from=str(ckpt),
+                  checkpoint__every=2)
+    assert server["resume_from"] == str(ckpt) and server["checkpoint.every"] == 2
+    assert _cfg(distribute__role="server", distribute__insecure=True, resume_from="latest")
+    with pytest.raises(ConfigError, match="^resume_from: a client resumes through its server"):
+        _cfg(distribute__role="client", distribute__insecure=True, resume_from=str(ckpt))
     assert small_cfg(None, checkpoint__every=1)["checkpoint.every"] == 1

@@ -138,6 +138,7 @@ class GrpcServerComm:
         self.quiet_info = QuietLog(log)   # routine lines a peer could repeat at will
         self.metrics_gate = MetricsGate(self.quiet)
         self.server_session = secrets.token_hex(8)
+        self.resumed_round = 0            # told in every welcome: the round a resumed course left
         self.sessions: dict[int, Session] = {}
         self._ids = itertools.count(1)    # message ids keep increasing across a client's sessions
         self._lock = threading.Lock()
@@ -154,6 +155,7 @@ class GrpcServerComm:
         self._open: dict[int, int] = {}   # client id -> its calls still running (under _lock)
         self._admitted_peers: dict[str, None] = {}   # connections that carried an admitted call
         self.on_new_session: Callable[[int], None] = lambda client_id: None   # on the scheduler thread
+        self.update_gate: Callable[[Message], bool] = lambda msg: True       # False: dropped unseen
 
     # ------------------------------------------------------------ lifecycle
     def attach(self, worker) -> None:
@@ -469,7 +471,7 @@ class GrpcServerComm:
         try:
             await context.write(pb.Frame(welcome=pb.Welcome(
                 client_id=s.client_id, server_session=self.server_session,
-                max_chunk_bytes=self.chunk_size)).SerializeToString())
+                max_chunk_bytes=self.chunk_size, resumed_round=self.resumed_round)).SerializeToString())
             async for frame in s.outbox.frames(token, alive, self.hb_interval, heartbeat_frame):
                 await context.write(frame)
                 frame = None   # not kept while the stream waits for its next message
@@ -598,6 +600,8 @@ class _Arrival:
             comm.count_bytes(msg, SERVER_ID, self.nbytes)
         if msg.msg_type == "join_in":
             comm.quiet_info(f"joined {msg.sender}", f"client {msg.sender} joined the course", logging.INFO)
+        elif msg.msg_type == "updates" and not comm.update_gate(msg):
+            return
         elif msg.msg_type == "metrics" and not comm.metrics_gate.admit(msg):
             return
         try:

@@ -1,0 +1,337 @@
+"""A deployed server SIGKILLed at chosen moments and restarted with resume_from=latest.
+
+Real processes on loopback. The clients are never restarted: they reconnect through their
+retry loop, are welcomed by the new incarnation and join again. The uninterrupted course
+is the simulation of the same config (a deployed course equals its simulation to 1e-6,
+tests/test_deploy_course.py). Clients 1 and 2 reply at once; client 3 takes 1.5 s to
+train (tests.slow_plugin), so there is a moment when some updates have arrived and
+others not.
+"""
+import json
+import logging
+import signal
+import socket
+import time
+
+import pytest
+import torch
+
+from fedcore.config import load_config
+from fedcore.course import Course
+from tests.deploy_helpers import text, wait_exit, wait_for, write_cfg
+
+pytestmark = pytest.mark.slow
+
+ROUNDS = 4
+KILLED_IN = 3        # the round in flight (or being snapshotted) when the server dies
+
+COURSE = {
+    "federate.total_round_num": ROUNDS, "eval.clients": False,
+    "distribute.insecure": True, "distribute.token": "t", "distribute.round_deadline": 60.0,
+    "distribute.heartbeat_interval": 0.2, "distribute.heartbeat_timeout": 5.0,
+    "distribute.retry_timeout": 60.0, "distribute.backoff_initial": 0.1, "distribute.backoff_max": 0.5,
+}
+# client 3 takes 1.5 s to train, clients 1 and 2 reply at once
+STALLING = {"plugins": ["tests.slow_plugin"], "algorithm.name": "fedavg_pausing", "slow_test.pause": 0.0,
+            "slow_test.stall_clients": [3], "slow_test.stall": 1.5, "slow_test.stall_rounds": 1000}
+PAUSE = "FEDCORE_TEST_PAUSE_IN_SNAPSHOT"   # fedcore.snapshot's test hook
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _lines(out):
+    f = out / "metrics.jsonl"
+    return [json.loads(x) for x in f.read_text().splitlines() if x.strip()] if f.exists() else []
+
+
+def _simulated(cfg_path, out):
+    """The uninterrupted course: the same config, simulated in this process."""
+    cfg = load_config([str(cfg_path)], ["federate.mode=standalone", f"outdir={out}"])
+    Course(cfg).run()
+    return torch.load(out / "final_model.pt", weights_only=True)
+
+
+def _kill_and_resume(procs, tmp_path, extra, moment):
+    """Run the course, SIGKILL its server at `moment`, start it again with resume_from=latest;
+    returns (outdir, the resumed server's log). Moments:
+    before-broadcast: the snapshot of round KILLED_IN - 1 complete, round KILLED_IN's models
+      not yet sent (no client has trained a round the snapshot does not hold);
+    updates-arriving: 0.8 s into round KILLED_IN, clients 1 and 2 replied, client 3 training;
+    snapshot-write: inside the aggregation of round KILLED_IN, its record written to
+      metrics.jsonl, its snapshot's temp file written and not yet renamed."""
+    keys = {k: () for k in (1, 2, 3)}
+    if extra.get("secure_aggregation.enabled"):   # the operator's roster of signing keys
+        from fedcore.algorithms.secagg_identity import write_roster
+        roster, key_files = write_roster(tmp_path, [1, 2, 3])
+        extra = {**extra, "secure_aggregation.roster": str(roster)}
+        keys = {k: (f"secure_aggregation.signing_key={key_files[k]}",) for k in (1, 2, 3)}
+    cfg = write_cfg(tmp_path / "course.yaml", {**COURSE, **extra})
+    out, port = tmp_path / "out", _free_port()
+    common = ("distribute.role=server", f"distribute.server_port={port}", f"outdir={out}")
+    env = {"before-broadcast": {PAUSE: f"{KILLED_IN - 1}:60:after"},
+           "snapshot-write": {PAUSE: f"{KILLED_IN}:60"}}.get(moment, {})
+    server = procs.fedcore("server", cfg, *common, env=env)
+    clients = [procs.fedcore(f"client{k}", cfg, "distribute.role=client", f"distribute.server_port={port}",
+                             f"distribute.client_id={k}", *keys[k]) for k in (1, 2, 3)]
+    if moment == "updates-arriving":
+        wait_for((out / "checkpoints" / f"round_{KILLED_IN - 1}.pt").exists, 120, "the snapshot")
+        time.sleep(0.8)
+    else:
+        wait_for(lambda: "test pause" in text(server), 120, "the server's pause at the snapshot")
+    if moment == "snapshot-write":
+        assert (out / "checkpoints" / f"round_{KILLED_IN}.tmp").exists()
+        assert len(_lines(out)) == KILLED_IN   # the round's record is out, its snapshot is not
+    server.send_signal(signal.SIGKILL)
+    server.wait(30)
+    resumed = procs.fedcore("server-resumed", cfg, *common, "resume_from=latest")
+    assert wait_exit(resumed, 240) == 0, text(resumed)[-3000:]
+    for c in clients:
+        assert wait_exit(c, 60) == 0, text(c)[-2000:]
+    log = text(resumed)
+    assert f"resuming the course from the snapshot of round {KILLED_IN - 1}" in log
+    records = _lines(out)
+    assert [r["round"] for r in records] == list(range(1, ROUNDS + 1))   # each round once, in order
+    assert all(r["num_updates"] == 3 for r in records)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rounds"] == ROUNDS and summary["resumed_from"]["round"] == KILLED_IN - 1
+    return out, log
+
+
+def _assert_same(final, simulated):
+    assert final.keys() == simulated.keys()
+    for name in simulated:
+        assert torch.allclose(final[name], simulated[name], rtol=0, atol=1e-6), name
+
+
+SECURE = {"secure_aggregation.enabled": True, "model.dtype": "float64"}
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "scaffold", "fedavg-secure-aggregation"])
+def test_server_killed_between_snapshot_and_broadcast_ends_as_the_uninterrupted_course(
+        tmp_path, procs, algorithm):
+    # SCAFFOLD's client control variates live in the clients, which go on running; a secure
+    # aggregation course runs its interrupted round's protocol again from its start
+    extra = {**SECURE, "algorithm.name": "fedavg"} if algorithm.endswith("secure-aggregation") \
+        else {"algorithm.name": algorithm}
+    out, _ = _kill_and_resume(procs, tmp_path, extra, "before-broadcast")
+    simulated = _simulated(tmp_path / "course.yaml", tmp_path / "simulated")
+    _assert_same(torch.load(out / "final_model.pt", weights_only=True), simulated)
+    if algorithm == "fedavg":   # the deployed snapshot of round 3 resumes in simulation too
+        _resume_in_simulation(tmp_path, out / "checkpoints" / f"round_{ROUNDS - 1}.pt")
+
+
+def _resume_in_simulation(tmp_path, snapshot):
+    """Same format: a deployed snapshot resumes in simulation, from the same global model and
+    records (its clients start afresh: the server's snapshot holds no client state)."""
+    sim = tmp_path / "resumed-in-simulation"
+    cfg = load_config([str(tmp_path / "course.yaml")],
+                      ["federate.mode=standalone", f"outdir={sim}", f"resume_from={snapshot}"])
+    Course(cfg).run()
+    assert [r["round"] for r in _lines(sim)] == list(range(1, ROUNDS + 1))
+    assert _lines(sim)[:ROUNDS - 1] == _lines(snapshot.parent.parent)[:ROUNDS - 1]
+
+
+def test_a_simulated_snapshot_resumes_on_a_deployed_server(tmp_path, procs):
+    cfg = write_cfg(tmp_path / "course.yaml", COURSE)
+    sim = tmp_path / "simulated"
+    Course(load_config([str(cfg)], ["federate.mode=standalone", f"outdir={sim}", "checkpoint.every=1"])).run()
+    out, port = tmp_path / "out", _free_port()
+    server = procs.fedcore("server", cfg, "distribute.role=server", f"distribute.server_port={port}",
+                           f"outdir={out}", f"resume_from={sim / 'checkpoints' / 'round_2.pt'}")
+    for k in (1, 2, 3):
+        procs.fedcore(f"client{k}", cfg, "distribute.role=client", f"distribute.server_port={port}",
+                      f"distribute.client_id={k}")
+    assert wait_exit(server, 240) == 0, text(server)[-3000:]
+    records = _lines(out)
+    assert records[:2] == _lines(sim)[:2]   # the simulation's records, then the deployed rounds
+    assert [r["round"] for r in records] == list(range(1, ROUNDS + 1))
+
+
+@pytest.mark.parametrize("moment", ["updates-arriving", "snapshot-write"])
+def test_server_killed_mid_round_or_mid_snapshot_runs_that_round_again_once(tmp_path, procs, moment):
+    # The round in flight is run again from the snapshot before it; metrics.jsonl keeps only
+    # the records that snapshot holds (the killed run's record of round KILLED_IN is dropped).
+    _kill_and_resume(procs, tmp_path, STALLING, moment)
+
+
+# ---------------------------------------------------------------- records that never stall
+
+def _running(out) -> bool:
+    """The server has not finalized its outputs (summary.json comes last)."""
+    return not (out / "summary.json").exists()
+
+
+def _eval_course(procs, tmp_path, extra):
+    from tests.deploy_helpers import serve_course
+    cfg = write_cfg(tmp_path / "course.yaml", {
+        **COURSE, "eval.clients": True, "distribute.heartbeat_timeout": 2.0,
+        "plugins": ["tests.slow_plugin"], "algorithm.name": "fedavg_pausing", **extra})
+    out = tmp_path / "out"
+    server, _port, client = serve_course(procs, cfg, out)
+    return out, server, {k: client(k) for k in (1, 2, 3)}
+
+
+def test_a_client_killed_mid_course_holds_back_no_record(tmp_path, procs):
+    # Client 3 is SIGKILLed after round 1; its evaluations are never answered. The record of
+    # each round is written by the end of the next at the latest, while the server runs.
+    rounds = 6
+    out, server, clients = _eval_course(procs, tmp_path, {"federate.total_round_num": rounds,
+                                                          "slow_test.pause": 0.3})
+    wait_for(lambda: _lines(out), 120, "round 1's record")
+    clients[3].kill()
+    grew = wait_for(lambda: _running(out) and len(_lines(out)) >= rounds - 1 and _lines(out),
+                    120, "a record per finished round while the course runs")
+    assert [r["round"] for r in grew[:rounds - 1]] == list(range(1, rounds))
+    assert wait_exit(server, 120) == 0, text(server)[-3000:]
+    records = [r for r in _lines(out) if "round" in r]
+    assert [r["round"] for r in records] == list(range(1, rounds + 1))
+    assert records[-1]["num_updates"] == 2 and records[-1]["client_evals"] == 2
+
+
+def test_a_hung_trainer_holds_back_no_record_and_is_named_dropped(tmp_path, procs):
+    # Client 3 trains round 1, then its trainer hangs evaluating round 1's model (its
+    # heartbeats go on): that evaluation is never answered. Each round's record is out by
+    # the end of the next round, before the server's end, and the summary names it dropped.
+    rounds = 4
+    out, server, clients = _eval_course(procs, tmp_path, {
+        "federate.total_round_num": rounds, "slow_test.hang_eval_clients": [3],
+        "distribute.round_deadline": None, "distribute.max_round_deadline": 2.0})
+    wait_for(lambda: _running(out) and len(_lines(out)) >= rounds - 1, 120,
+             "the records of rounds 1-3 while the course runs")
+    assert wait_exit(server, 120) == 0, text(server)[-3000:]
+    assert [r["round"] for r in _lines(out)] == list(range(1, rounds + 1))
+    summary = json.loads((out / "summary.json").read_text())
+    assert any(3 in d["clients"] for d in summary["dropped"])
+    for k in (1, 2):
+        assert wait_exit(clients[k], 60) == 0
+
+
+def test_a_late_evaluation_is_its_own_line_and_no_round_is_written_twice(tmp_path):
+    from fedcore.monitor import Monitor
+    m = Monitor(tmp_path)
+    m.hold_one_round = True
+    m.record_round(1, 1.0, {"test_acc": 0.5}, expected_client_metrics=2)
+    m.add_client_metrics(1, 1, {"acc": 0.25, "loss": 1.0})
+    assert _lines(tmp_path) == []                       # round 1 waits for client 2 ...
+    m.record_round(2, 2.0, {"test_acc": 0.75}, expected_client_metrics=0)
+    lines = _lines(tmp_path)                            # ... until round 2 ends
+    assert [r["round"] for r in lines] == [1, 2] and lines[0]["client_evals"] == 1
+    m.add_client_metrics(1, 2, {"acc": 0.75, "loss": 0.5})
+    late = _lines(tmp_path)[2]
+    assert "round" not in late and late["late_eval"] == {"round": 1, "client": 2, "acc": 0.75, "loss": 0.5}
+    assert m.lines_written == 3 and [r["round"] for r in m.records] == [1, 2]
+
+
+def test_sigterm_snapshots_the_last_round_and_the_printed_command_resumes_the_course(tmp_path, procs):
+    # checkpoint.every=0: no snapshot until the server is told to stop
+    rounds = 6
+    cfg = write_cfg(tmp_path / "course.yaml", {**COURSE, **STALLING, "federate.total_round_num": rounds,
+                                               "slow_test.stall_clients": None, "slow_test.pause": 0.3,
+                                               "checkpoint.every": 0})
+    out, port = tmp_path / "out", _free_port()
+    server = procs.fedcore("server", cfg, "distribute.role=server", f"distribute.server_port={port}",
+                           f"outdir={out}")
+    clients = [procs.fedcore(f"client{k}", cfg, "distribute.role=client", f"distribute.server_port={port}",
+                             f"distribute.client_id={k}") for k in (1, 2, 3)]
+    wait_for(lambda: len(_lines(out)) >= 2, 120, "two rounds")
+    assert not (out / "checkpoints").exists() or not any((out / "checkpoints").glob("*.pt"))
+    server.send_signal(signal.SIGTERM)
+    assert wait_exit(server, 60) == 130
+    said = text(server).strip().splitlines()
+    reached = int(next(x for x in said if "stopped after round" in x).split("stopped after round ")[1].split(";")[0])
+    assert f"outputs in {out.resolve()}" in "\n".join(said)
+    command = next(x for x in said if "resume from the snapshot of round" in x).split(" with: ", 1)[1]
+    assert f"resume from the snapshot of round {reached} with" in "\n".join(said)
+    assert (out / "checkpoints" / f"round_{reached}.pt").is_file()
+    resumed = procs.start("server-resumed", ["-c", "import os, sys; os.execvp('bash', ['bash', '-c', sys.argv[1]])",
+                                             command])
+    assert wait_exit(resumed, 240) == 0, text(resumed)[-3000:]
+    for c in clients:
+        assert wait_exit(c, 60) == 0, text(c)[-2000:]
+    assert [r["round"] for r in _lines(out)] == list(range(1, rounds + 1))
+
+
+def test_fedbuff_server_killed_resumes_and_finishes_counting_no_update_twice(tmp_path, procs):
+    # FedBuff aggregates every 2 updates. The server is killed once it has snapshotted round 2;
+    # the resumed one counts only updates from clients that joined it.
+    rounds = 40
+    cfg = write_cfg(tmp_path / "course.yaml", {
+        **COURSE, "federate.total_round_num": rounds, "algorithm.name": "fedbuff", "asyn.use": True,
+        "asyn.aggregator": "goal_achieved", "asyn.min_received_num": 2,
+        "asyn.broadcast_manner": "after_receiving", "plugins": ["tests.slow_plugin"]})
+    out, port = tmp_path / "out", _free_port()
+    common = ("distribute.role=server", f"distribute.server_port={port}", f"outdir={out}")
+    server = procs.fedcore("server", cfg, *common)
+    clients = [procs.fedcore(f"client{k}", cfg, "distribute.role=client", f"distribute.server_port={port}",
+                             f"distribute.client_id={k}") for k in (1, 2, 3)]
+    wait_for((out / "checkpoints" / "round_2.pt").exists, 120, "the snapshot of round 2", interval=0.01)
+    server.send_signal(signal.SIGKILL)
+    server.wait(30)
+    resumed = procs.fedcore("server-resumed", cfg, *common, "resume_from=latest")
+    assert wait_exit(resumed, 240) == 0, text(resumed)[-3000:]
+    resumed_from = json.loads((out / "summary.json").read_text())["resumed_from"]["round"]
+    assert 2 <= resumed_from < rounds
+    records = _lines(out)
+    assert [r["round"] for r in records] == list(range(1, rounds + 1))
+    assert all(r["num_updates"] == 2 for r in records)
+    for c in clients:
+        assert wait_exit(c, 60) == 0, text(c)[-2000:]
+
+
+# ---------------------------------------------------------------- the server's half of state_round
+
+def _joining(round_, started, contributed):
+    from types import SimpleNamespace
+    course = SimpleNamespace(checkpointer=SimpleNamespace(contributed=contributed),
+                             monitor=SimpleNamespace(extra_summary={}))
+    return SimpleNamespace(course=course, round=round_, started=started)
+
+
+@pytest.mark.parametrize("state_round, mismatch", [
+    (2, False),    # E = 2: its state is of its last aggregated update
+    (1, True),     # older than its update of round 2, which the server aggregated
+    (3, False),    # round 3's update trained but not aggregated (E < S <= U = 3)
+    (4, True),     # newer than any round the resumed server completed: it did not roll back
+    (-1, True),    # no state at all, though its update of round 2 was aggregated
+])
+def test_a_join_is_checked_against_the_round_its_state_should_be_of(state_round, mismatch, caplog):
+    from fedcore.comm.validation import check_join_in
+    from fedcore.deployed_resume import check_state_round
+    from fedcore.message import Message
+    # a server resumed from the snapshot of round 3 (round 4 not started), client 5's update of
+    # round 2 the last it aggregated
+    server = _joining(4, False, {5: 2})
+    content = {"client_id": 5, "num_samples": 30, "state_round": state_round}
+    assert check_join_in(content, server) is None
+    with caplog.at_level(logging.WARNING, logger="fedcore.deploy"):
+        check_state_round(server, Message("join_in", 5, (0,), 0, 0.0, content))
+    listed = server.course.monitor.extra_summary.get("state_mismatch", [])
+    assert bool(listed) == mismatch and len(caplog.records) == int(mismatch)
+    if mismatch:
+        assert listed == [{"client": 5, "state_round": state_round, "expected": [2, 3], "round": 4}]
+
+
+def test_a_join_declaring_no_state_round_or_a_malformed_one():
+    from fedcore.comm.validation import check_join_in
+    from fedcore.deployed_resume import check_state_round
+    from fedcore.message import Message
+    server = _joining(4, False, {5: 2})
+    check_state_round(server, Message("join_in", 5, (0,), 0, 0.0, {"client_id": 5}))
+    assert "state_mismatch" not in server.course.monitor.extra_summary   # keeps no state on disk
+    for bad in (-2, 1.5, "3", True):
+        assert check_join_in({"client_id": 5, "state_round": bad}, server) == "join_in state_round must be an int >= -1"
+
+
+def test_latest_with_no_snapshot_yet_starts_a_deployed_course_from_round_1(tmp_path, caplog):
+    # what a restarted server gets when it died before its first snapshot
+    from fedcore.distributed import ServerCourse
+    cfg = load_config([str(write_cfg(tmp_path / "course.yaml", COURSE))],
+                      ["distribute.role=server", "resume_from=latest", f"outdir={tmp_path / 'out'}"])
+    with caplog.at_level(logging.WARNING, logger="fedcore.deploy"):
+        course = ServerCourse(cfg, tmp_path / "out").build()
+    assert course.comm.resumed_round == 0 and course.server.round == 1
+    assert any("no snapshot in" in r.getMessage() for r in caplog.records)

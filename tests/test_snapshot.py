@@ -1,0 +1,79 @@
+"""Snapshot files: `latest`, a corrupted or truncated newest one, another course's, pruning."""
+import json
+import logging
+
+import pytest
+import torch
+
+from fedcore.course import Course
+from fedcore.errors import ConfigError
+from tests.conftest import small_cfg
+
+COMMON = dict(federate__total_round_num=4, algorithm__name="scaffold", eval__clients=False)
+
+
+def _final(out):
+    return torch.load(out / "final_model.pt", weights_only=True)
+
+
+def _rounds(out):
+    return [json.loads(x)["round"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def full(tmp_path_factory):
+    """The uninterrupted course, a snapshot after every round (all kept)."""
+    out = tmp_path_factory.mktemp("full")
+    Course(small_cfg(out, checkpoint__every=1, **COMMON)).run()
+    return out
+
+
+def test_latest_is_the_newest_complete_snapshot_and_a_half_written_one_is_ignored(tmp_path, full):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    for k in (1, 2):
+        (run / "checkpoints" / f"round_{k}.pt").write_bytes((full / "checkpoints" / f"round_{k}.pt").read_bytes())
+    (run / "checkpoints" / "round_3.tmp").write_bytes(b"\x00" * 10)   # a write killed midway
+    Course(small_cfg(run, resume_from="latest", **COMMON)).run()
+    assert _rounds(run) == [1, 2, 3, 4]
+    a, b = _final(full), _final(run)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "corrupted"])
+def test_a_damaged_newest_snapshot_is_refused_in_one_line_and_the_one_before_used(tmp_path, full, damage, caplog):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    for k in (1, 2):
+        (run / "checkpoints" / f"round_{k}.pt").write_bytes((full / "checkpoints" / f"round_{k}.pt").read_bytes())
+    newest = run / "checkpoints" / "round_2.pt"
+    data = newest.read_bytes()
+    newest.write_bytes(data[: len(data) // 2] if damage == "truncated"
+                       else data[:200] + bytes(b ^ 0xFF for b in data[200:400]) + data[400:])
+    with caplog.at_level(logging.WARNING, logger="fedcore.checkpoint"):
+        Course(small_cfg(run, resume_from="latest", **COMMON)).run()
+    warned = [r.getMessage() for r in caplog.records if "using the snapshot before it" in r.getMessage()]
+    assert len(warned) == 1 and "\n" not in warned[0] and "round_2.pt" in warned[0], warned
+    assert _rounds(run) == [1, 2, 3, 4]   # resumed from round 1: rounds 2-4 run again
+    a, b = _final(full), _final(run)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_snapshot_of_another_course_is_refused_in_one_line(tmp_path, full):
+    with pytest.raises(ConfigError) as err:
+        Course(small_cfg(tmp_path, resume_from=str(full / "checkpoints" / "round_2.pt"),
+                         seed=7, **COMMON)).build()
+    assert "is a snapshot of another course (keys seed differ" in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_latest_without_any_snapshot_says_where_it_looked(tmp_path):
+    with pytest.raises(ConfigError, match="latest: no snapshot in"):
+        Course(small_cfg(tmp_path, resume_from="latest", **COMMON)).build()
+
+
+def test_checkpoint_keep_leaves_the_newest_and_the_latest_pointer(tmp_path):
+    Course(small_cfg(tmp_path, checkpoint__every=1, checkpoint__keep=2, **COMMON)).run()
+    folder = tmp_path / "checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == ["latest", "round_3.pt", "round_4.pt"]
+    assert (folder / "latest").read_text() == "round_4.pt\n"
