@@ -227,6 +227,12 @@ class DurableClientState:
         self.round = self.client.state_round = self.previous = FRESH
         self.files.drop(self.files.rounds())   # none of them is this course's history any more
 
+    def resume_at(self, resumed_round: int) -> None:
+        """The server resumed its course after round `resumed_round`: hold the state this client
+        had after that round, the one its next round is trained from (the rule of
+        `before_training`), so that the round it declares when joining is one the server expects."""
+        self.before_training(resumed_round + 1)
+
     def after_training(self, round_: int) -> None:
         """Trained `round_`: write the store's state (before the update is sent) and keep two."""
         state = self.course.store.load(self.client.id)

@@ -25,7 +25,9 @@ declare("slow_test.stall", float, 0.0, "tests: seconds a stalling client takes (
 declare("slow_test.stall_rounds", int, 0, "tests: rounds a stalling client replies in before it hangs")
 
 
-class PausingTrainer(FedAvgTrainer):
+class Pausing:
+    """Put before a trainer class: its fit pauses, stalls or hangs as the config says."""
+
     def fit(self, client_id, data, received, round_):
         time.sleep(self.cfg["slow_test.pause"])
         if client_id in (self.cfg["slow_test.stall_clients"] or ()):
@@ -43,6 +45,10 @@ class PausingTrainer(FedAvgTrainer):
         while client_id in (self.cfg["slow_test.hang_eval_clients"] or ()):
             time.sleep(60)
         return super().evaluate(client_id, data, received)
+
+
+class PausingTrainer(Pausing, FedAvgTrainer):
+    pass
 
 
 algorithms.register("fedavg_pausing", Algorithm(PausingTrainer, FedAvgAggregator))

@@ -76,7 +76,8 @@ def _kill_and_resume(procs, tmp_path, extra, moment):
            "snapshot-write": {PAUSE: f"{KILLED_IN}:60"}}.get(moment, {})
     server = procs.fedcore("server", cfg, *common, env=env)
     clients = [procs.fedcore(f"client{k}", cfg, "distribute.role=client", f"distribute.server_port={port}",
-                             f"distribute.client_id={k}", *keys[k]) for k in (1, 2, 3)]
+                             f"distribute.client_id={k}", f"outdir={tmp_path / f'client{k}'}", *keys[k])
+               for k in (1, 2, 3)]   # each keeps its state on disk, to go back to the resumed round
     if moment == "updates-arriving":
         wait_for((out / "checkpoints" / f"round_{KILLED_IN - 1}.pt").exists, 120, "the snapshot")
         time.sleep(0.8)
@@ -151,11 +152,17 @@ def test_a_simulated_snapshot_resumes_on_a_deployed_server(tmp_path, procs):
     assert [r["round"] for r in records] == list(range(1, ROUNDS + 1))
 
 
-@pytest.mark.parametrize("moment", ["updates-arriving", "snapshot-write"])
-def test_server_killed_mid_round_or_mid_snapshot_runs_that_round_again_once(tmp_path, procs, moment):
+@pytest.mark.parametrize("moment,algorithm", [("updates-arriving", "fedavg_pausing"),
+                                              ("snapshot-write", "fedavg_pausing")])
+def test_server_killed_mid_round_or_mid_snapshot_runs_that_round_again_once(tmp_path, procs, moment,
+                                                                           algorithm):
     # The round in flight is run again from the snapshot before it; metrics.jsonl keeps only
     # the records that snapshot holds (the killed run's record of round KILLED_IN is dropped).
-    _kill_and_resume(procs, tmp_path, STALLING, moment)
+    # Clients 1 and 2 had trained it already: each goes back to its state of the snapshot's
+    # round, so the course ends as if uninterrupted.
+    out, _ = _kill_and_resume(procs, tmp_path, {**STALLING, "algorithm.name": algorithm}, moment)
+    simulated = _simulated(tmp_path / "course.yaml", tmp_path / "simulated")
+    _assert_same(torch.load(out / "final_model.pt", weights_only=True), simulated)
 
 
 # ---------------------------------------------------------------- records that never stall

@@ -407,10 +407,13 @@ class GrpcClientComm:
         stream.last_recv = time.monotonic()
         new_server = self.server_session is not None and w.server_session != self.server_session
         self.client_id, self.server_session, self.connected = w.client_id, w.server_session, True
+        # a resuming server says from which round (a field of newer servers' welcomes); the
+        # state kept on disk goes back to that round first, so the join declares one it can take
+        resumed = getattr(w, "resumed_round", 0)
+        if resumed and self.durable_state is not None:
+            self.scheduler.call_soon(lambda: self.durable_state.resume_at(resumed))
         if new_server:
             self._last_delivered = 0
-            # a resuming server says from which round (a field of newer servers' welcomes)
-            resumed = getattr(w, "resumed_round", 0)
             log.warning("client %d: the server restarted%s; joining again", self.client_id,
                         f" (the course resumed at round {resumed})" if resumed else "")
             if self.on_new_server is not None:
