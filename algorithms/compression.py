@@ -230,7 +230,7 @@ def _install_client(course) -> None:
 
 
 def _install_server(course) -> None:
-    server, kind = course.server, course.cfg["compress.type"]
+    kind = course.cfg["compress.type"]
     registration = course.server_table.get("receiving_updates")
     collect = registration.fn
 

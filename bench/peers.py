@@ -32,7 +32,7 @@ from typing import Callable
 
 import torch
 
-from bench.common import _LazyClients, _empty, bench_cfg, max_abs_diff, run_fedcore, run_plain
+from bench.common import _LazyClients, bench_cfg, max_abs_diff, run_fedcore, run_plain
 from fedcore.procpool import _decode, _encode, usable_cores
 from fedcore.scenarios.data import FederatedData, Split
 

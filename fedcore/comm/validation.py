@@ -11,7 +11,6 @@ other message types registers a check for them in `CHECKS`.
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 import torch
