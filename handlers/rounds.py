@@ -65,7 +65,7 @@ def aggregate(server, updates: list[ReceivedUpdate], extra: dict | None = None) 
         if course.cfg["eval.clients"]:
             expected = request_client_evaluation(server)
     course.monitor.record_round(server.round, server.now, fields, expected)
-    course.checkpointer.after_aggregation(server, updates)
+    course.checkpointer.after_aggregation(server, admitted)   # whose updates it aggregated
     _track_best(server, fields.get("test_acc"))
     if server.round >= course.cfg["federate.total_round_num"] or _out_of_time(server):
         server.trigger("max_rounds_reached")
