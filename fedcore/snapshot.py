@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
@@ -65,6 +68,26 @@ def _test_pause(path: Path, phase: str) -> None:
         time.sleep(float(seconds))
 
 
+@contextmanager
+def _interrupts_deferred():
+    """Ctrl-C or SIGTERM during a write takes effect once the write is done: an interrupt
+    raised inside torch.save comes out as another error, and the interrupted server would
+    then exit as failed instead of snapshotting its last round and printing how to resume."""
+    watched = [s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) is not None]
+    if threading.current_thread() is not threading.main_thread() or not watched:
+        yield
+        return
+    caught: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, _frame: caught.append(signum)) for s in watched}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if caught:
+            signal.raise_signal(caught[0])   # now, to the handler the process had
+
+
 def snapshots(folder: Path) -> list[tuple[int, Path]]:
     """(round, path) of the complete snapshots in `folder`, oldest first."""
     found = []
@@ -79,12 +102,13 @@ def write_snapshot(state: dict, folder: Path, round_: int, keep: int) -> Path:
     newest `keep` snapshots (0: all). Returns its path."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"round_{round_}.pt"
-    _write_durably(path, lambda fh: torch.save(state, fh))
-    _write_durably(folder / LATEST, lambda fh: fh.write(f"{path.name}\n".encode()))
-    if keep:
-        for _, old in snapshots(folder)[:-keep]:
-            if old != path:
-                old.unlink(missing_ok=True)
+    with _interrupts_deferred():
+        _write_durably(path, lambda fh: torch.save(state, fh))
+        _write_durably(folder / LATEST, lambda fh: fh.write(f"{path.name}\n".encode()))
+        if keep:
+            for _, old in snapshots(folder)[:-keep]:
+                if old != path:
+                    old.unlink(missing_ok=True)
     _test_pause(path, "after")
     return path
 

@@ -77,3 +77,31 @@ def test_checkpoint_keep_leaves_the_newest_and_the_latest_pointer(tmp_path):
     folder = tmp_path / "checkpoints"
     assert sorted(p.name for p in folder.iterdir()) == ["latest", "round_3.pt", "round_4.pt"]
     assert (folder / "latest").read_text() == "round_4.pt\n"
+
+
+def test_an_interrupt_during_the_write_lands_after_it(tmp_path):
+    # Ctrl-C while a snapshot is written: the snapshot is complete and named by `latest`,
+    # and only then does the interrupt reach the process (as KeyboardInterrupt, not as an
+    # error from inside torch.save)
+    import os
+    import signal
+    import threading
+    import time
+
+    import torch
+    from fedcore.snapshot import write_snapshot
+
+    state = {"w": torch.arange(30_000_000, dtype=torch.float32)}   # 120 MB: a write that takes a while
+
+    def interrupt_mid_write():   # once the temporary file exists: the write has begun
+        for _ in range(2000):
+            if (tmp_path / "round_7.tmp").exists():
+                break
+            time.sleep(0.001)
+        os.kill(os.getpid(), signal.SIGINT)
+    threading.Thread(target=interrupt_mid_write).start()
+    with pytest.raises(KeyboardInterrupt):
+        write_snapshot(state, tmp_path, 7, keep=2)
+        time.sleep(5)   # not reached if the interrupt was held back until the write ended
+    assert (tmp_path / "latest").read_text().strip() == "round_7.pt"
+    assert torch.equal(torch.load(tmp_path / "round_7.pt", weights_only=True)["w"], state["w"])

@@ -80,7 +80,7 @@ def test_a_promoted_trial_continues_its_course_from_its_checkpoint(grid, tmp_pat
     sha = tune(BASE, SPACE, "sha", sample="grid", outdir=tmp_path)
     best = next(t for t in sha.trials if t["status"] == "complete")
     folder = tmp_path / "trials" / f"{best['trial']:04d}"
-    assert sorted(p.name for p in (folder / "checkpoints").iterdir()) == ["round_1.pt", "round_3.pt", "round_9.pt"]
+    assert sorted(p.name for p in (folder / "checkpoints").glob("round_*")) == ["round_1.pt", "round_3.pt", "round_9.pt"]
     rows = [json.loads(x) for x in (tmp_path / "trials.jsonl").read_text().splitlines()]
     mine = [r for r in rows if r["trial"] == best["trial"]]
     assert [(r["budget"], r["rounds"], r["last_round"]) for r in mine] == [(1, 1, 1), (3, 2, 3), (9, 6, 9)]
@@ -195,4 +195,4 @@ def test_virtual_time_budget_and_test_metric_warning(tmp_path, caplog):
         rec = read_run(t["outdir"]).records
         assert rec[-1]["virtual_time"] >= t["budget"] > rec[-2]["virtual_time"]
     assert sha.rounds_spent == sum(len(read_run(t["outdir"]).records) for t in sha.trials)
-    assert len(list((tmp_path / "sha" / "trials" / f"{best['trial']:04d}" / "checkpoints").iterdir())) == 1
+    assert len(list((tmp_path / "sha" / "trials" / f"{best['trial']:04d}" / "checkpoints").glob("round_*"))) == 1
