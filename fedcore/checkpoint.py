@@ -28,7 +28,7 @@ import torch
 from fedcore.config import declare, non_negative, validator
 from fedcore.device import CPU, to_cpu, to_device
 from fedcore.errors import ConfigError
-from fedcore.snapshot import LATEST, newest_loadable, resolve, write_snapshot
+from fedcore.snapshot import LATEST, interrupts_deferred, newest_loadable, resolve, write_snapshot
 
 __all__ = ["Checkpointer", "resume", "load_tensor_file", "stop_at_round_end"]
 
@@ -176,9 +176,10 @@ class Checkpointer:
         self._write(state if state is not None else self.state(server))
 
     def _write(self, state: dict[str, Any]) -> None:
-        path = write_snapshot(state, self.folder, state["round"], self.keep)
-        self.last_path, self.last_round = path, state["round"]
-        self.unsaved = None
+        with interrupts_deferred():   # an interrupt lands once the snapshot is written and known
+            path = write_snapshot(state, self.folder, state["round"], self.keep)
+            self.last_path, self.last_round = path, state["round"]
+            self.unsaved = None
         log.info("checkpoint of round %d written to %s", state["round"], path)
 
 

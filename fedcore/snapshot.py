@@ -24,7 +24,7 @@ import torch
 
 from fedcore.errors import ConfigError
 
-__all__ = ["LATEST", "PAUSE_ENV", "write_snapshot", "snapshots", "resolve", "newest_loadable"]
+__all__ = ["LATEST", "PAUSE_ENV", "interrupts_deferred", "write_snapshot", "snapshots", "resolve", "newest_loadable"]
 
 log = logging.getLogger("fedcore.checkpoint")
 
@@ -69,10 +69,11 @@ def _test_pause(path: Path, phase: str) -> None:
 
 
 @contextmanager
-def _interrupts_deferred():
+def interrupts_deferred():
     """Ctrl-C or SIGTERM during a write takes effect once the write is done: an interrupt
     raised inside torch.save comes out as another error, and the interrupted server would
-    then exit as failed instead of snapshotting its last round and printing how to resume."""
+    then exit as failed instead of snapshotting its last round and printing how to resume.
+    Nested, the inner one hands what it caught to the outer one."""
     watched = [s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) is not None]
     if threading.current_thread() is not threading.main_thread() or not watched:
         yield
@@ -102,7 +103,7 @@ def write_snapshot(state: dict, folder: Path, round_: int, keep: int) -> Path:
     newest `keep` snapshots (0: all). Returns its path."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"round_{round_}.pt"
-    with _interrupts_deferred():
+    with interrupts_deferred():
         _write_durably(path, lambda fh: torch.save(state, fh))
         _write_durably(folder / LATEST, lambda fh: fh.write(f"{path.name}\n".encode()))
         if keep:
