@@ -260,6 +260,7 @@ class ServerCourse(Course):
         apply_torch_threads(cfg)
         self.comm.attach(self.server)
         self.monitor.hold_one_round = True   # a lost client's evaluation holds back no record
+        self.monitor.hold_seconds = lambda: deployment.least_deadline(self.server)
         self.resumed_at = None
         if cfg["resume_from"]:
             self.comm.resumed_round = resume_server(self, cfg["resume_from"])
@@ -311,6 +312,7 @@ class ServerCourse(Course):
             self._lost(cid, reason)
         self.server.now = self.scheduler.now
         self.server.trigger("round_check")
+        self.monitor.close_overdue()
         self._maybe_stop()
         period = min(d["heartbeat_interval"], d["heartbeat_timeout"] / 4)
         self.scheduler.schedule(self.scheduler.clock + period, PRIORITY_TIMER, self._watch)

@@ -3,8 +3,10 @@
 One JSON object per aggregation round. A round's record waits for the client
 evaluations it asked for (if any) and is written as soon as it is complete,
 always in round order; whatever is still pending at the end is written then.
-A deployed server (`hold_one_round`) waits no longer than the next round's end:
-a record still missing evaluations then is written with those received, and
+A deployed server (`hold_one_round`) waits no longer than the next round's end and
+`hold_seconds()` (its round deadline: a client not answering by then counts as hung)
+from the record's opening: a record still missing evaluations then is written with
+those received, and
 an evaluation that comes after is written as its own line,
 `{"late_eval": {"round": r, "client": k, "acc": ..., "loss": ...}, "wall_time": t}`
 (no top-level "round": it is not a round's record), so a lost or hung client
@@ -61,6 +63,7 @@ class _Pending:
     record: dict[str, Any]
     expected: int = 0
     client_metrics: list[dict] = field(default_factory=list)
+    opened: float = 0.0          # this process's wall time when the record was opened
 
     @property
     def complete(self) -> bool:
@@ -112,6 +115,8 @@ class Monitor:
         self.records: list[dict[str, Any]] = []      # written records, in order
         self.lines_written = 0                       # lines in metrics.jsonl (records, late evals)
         self.hold_one_round = False                  # deployment: see the module's docstring
+        self.hold_seconds = lambda: 0.0              # ... and how long a record waits at least
+        self._last_round: int | None = None          # the latest round whose record was opened
         self._closed_rounds: set[int] = set()        # rounds written before all their evals came
         self._pending: dict[int, _Pending] = {}
         self._metrics_file = None
@@ -162,9 +167,10 @@ class Monitor:
             record["bytes_eval_total"] = self.total_other
         record.update(fields)
         self.bytes_up = self.bytes_down = self.bytes_other = 0
-        if self.hold_one_round:   # a round has ended: earlier records wait no longer
+        self._last_round = round_
+        if self.hold_one_round:   # a round has ended: earlier records may wait no longer
             self._flush(before=round_)
-        self._pending[round_] = _Pending(record, expected_client_metrics)
+        self._pending[round_] = _Pending(record, expected_client_metrics, opened=self.wall_time)
         acc = record.get("test_acc")
         if self.target_acc is not None and self.time_to_target is None and acc is not None \
                 and acc >= self.target_acc:
@@ -181,6 +187,12 @@ class Monitor:
         pending.client_metrics.append(metrics)
         self._flush()
 
+    def close_overdue(self) -> None:
+        """Deployment, called periodically: write the records whose evaluations are overdue
+        (a later round has ended and they have waited `hold_seconds()`)."""
+        if self.hold_one_round and self._last_round is not None:
+            self._flush(before=self._last_round)
+
     def _write_line(self, obj: dict[str, Any]) -> None:
         self.lines_written += 1
         if self._metrics_file is not None:
@@ -191,9 +203,11 @@ class Monitor:
         """Write the complete records in round order (`force`: all; `before`: also the
         incomplete ones of rounds before that one)."""
         self.start()
+        opened_before = self.wall_time - self.hold_seconds() if before is not None else None
         for round_ in sorted(self._pending):
             pending = self._pending[round_]
-            cut_short = force or (before is not None and round_ < before)
+            cut_short = force or (before is not None and round_ < before
+                                  and pending.opened <= opened_before)
             if not (pending.complete or cut_short):
                 break
             if not pending.complete and self.hold_one_round:
@@ -232,7 +246,10 @@ class Monitor:
             for record in records:
                 self._write_line(record)
         for round_, p in pending.items():
-            self._pending[int(round_)] = _Pending(dict(p["record"]), int(p["expected"]))
+            self._pending[int(round_)] = _Pending(dict(p["record"]), int(p["expected"]),
+                                                  opened=self.wall_time)
+        self._last_round = max([r["round"] for r in records] + [int(r) for r in pending],
+                               default=None)
         self.total_up, self.total_down, self.total_other = totals
         self.time_to_target, self.rounds_to_target = target
 

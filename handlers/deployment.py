@@ -269,6 +269,12 @@ def _deadline(server, cid: int | None) -> float:
     return min(ceiling, max(cfg["distribute.heartbeat_timeout"], cfg["distribute.deadline_factor"] * took)) + transfer
 
 
+def least_deadline(server) -> float:
+    """The least deadline any client has now: how long a round's record waits for the
+    evaluations it asked for before it is written without the missing ones."""
+    return _deadline(server, None)
+
+
 @behaviours.register("deployment")
 def install(course) -> None:
     s = course.server_table

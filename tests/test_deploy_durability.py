@@ -233,6 +233,31 @@ def test_a_late_evaluation_is_its_own_line_and_no_round_is_written_twice(tmp_pat
     assert m.lines_written == 3 and [r["round"] for r in m.records] == [1, 2]
 
 
+def test_a_record_waits_its_hold_after_the_next_round_and_is_closed_by_the_watch(tmp_path):
+    # Rounds may end faster than evaluations come back: a record whose next round has ended
+    # still waits hold_seconds from its opening; the periodic close_overdue writes it then.
+    from fedcore.monitor import Monitor
+    m = Monitor(tmp_path)
+    m.hold_one_round = True
+    hold = [3600.0]
+    m.hold_seconds = lambda: hold[0]
+    m.record_round(1, 1.0, {"test_acc": 0.5}, expected_client_metrics=2)
+    m.record_round(2, 2.0, {"test_acc": 0.6}, expected_client_metrics=0)
+    m.close_overdue()
+    assert _lines(tmp_path) == []                       # round 1 within its hold; round 2 behind it
+    m.add_client_metrics(1, 1, {"acc": 0.25, "loss": 1.0})
+    m.add_client_metrics(1, 2, {"acc": 0.75, "loss": 0.5})
+    lines = _lines(tmp_path)                            # complete in time: both written, in order
+    assert [r["round"] for r in lines] == [1, 2] and lines[0]["client_evals"] == 2
+    m.record_round(3, 3.0, {"test_acc": 0.7}, expected_client_metrics=1)
+    m.record_round(4, 4.0, {"test_acc": 0.8}, expected_client_metrics=0)
+    assert len(_lines(tmp_path)) == 2
+    hold[0] = 0.0                                       # the hold has passed
+    m.close_overdue()
+    lines = _lines(tmp_path)
+    assert [r["round"] for r in lines] == [1, 2, 3, 4] and "client_evals" not in lines[2]
+
+
 def test_sigterm_snapshots_the_last_round_and_the_printed_command_resumes_the_course(tmp_path, procs):
     # checkpoint.every=0: no snapshot until the server is told to stop
     rounds = 6
