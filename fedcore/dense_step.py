@@ -10,13 +10,77 @@ calls the same operations on the same layouts directly - hence the same numbers,
 (tested against `vmap` in both forms) - without the transforms' per-operation wrapping and
 autograd's graph, which cost as much as the arithmetic on small models (W1's first step:
 1.2 ms against 2.2-2.5 ms). Any other model or loss goes through `vmap`.
+
+Two of those operations are ATen's own backward kernels, which torch does not promise to keep
+(`_log_softmax_backward_data`, `aten.threshold_backward`). At first use they are checked
+against public operations that give the same numbers (autograd through `log_softmax`, a
+`where` for ReLU's gradient); if one is missing or disagrees, the public forms are used
+from then on (slower by the small autograd graph) and one line says so.
 """
 from __future__ import annotations
+
+import logging
 
 import torch
 from torch import nn
 
 __all__ = ["DenseStep"]
+
+log = logging.getLogger("fedcore.dense_step")
+
+
+def _private_log_softmax(h: torch.Tensor):
+    """log_softmax over the classes and its backward, by ATen's kernel."""
+    logp = torch.log_softmax(h, 2)
+    return logp, lambda g: torch._log_softmax_backward_data(g, logp, 2, logp.dtype)
+
+
+def _public_log_softmax(h: torch.Tensor):
+    """The same through autograd (the same kernel, reached by public calls)."""
+    h = h.detach().requires_grad_()
+    with torch.enable_grad():
+        logp = torch.log_softmax(h, 2)
+    return logp.detach(), lambda g: torch.autograd.grad(logp, h, g)[0]
+
+
+def _private_relu_grad(g: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten.threshold_backward(g, out, 0)
+
+
+def _public_relu_grad(g: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    return torch.where(out > 0, g, 0.0)
+
+
+PRIVATE, PUBLIC = (_private_log_softmax, _private_relu_grad), (_public_log_softmax, _public_relu_grad)
+_chosen: tuple | None = None
+
+
+def _disagreement(private: tuple, public: tuple) -> str | None:
+    """Why the private operations cannot be used (None when they give the public ones' numbers
+    on a small input with ties at zero)."""
+    h = torch.tensor([[[0.5, -1.0, 2.0], [0.0, 3.0, -2.0]]], dtype=torch.float32)
+    g = torch.tensor([[[0.0, -0.5, 0.0], [-0.5, 0.0, 0.0]]])
+    try:
+        (lp, back), (lp2, back2) = private[0](h), public[0](h)
+        if not (torch.equal(lp, lp2) and torch.equal(back(g), back2(g))):
+            return "log_softmax's backward gives other numbers"
+        if not torch.equal(private[1](h, torch.relu(h)), public[1](h, torch.relu(h))):
+            return "ReLU's backward gives other numbers"
+    except Exception as e:   # a removed or changed private op
+        return f"{type(e).__name__}: {e}".splitlines()[0]
+    return None
+
+
+def _ops() -> tuple:
+    """The operations to use, checked once per process."""
+    global _chosen
+    if _chosen is None:
+        why = _disagreement(PRIVATE, PUBLIC)
+        if why:
+            log.warning("dense step: ATen's private backward ops cannot be used (%s); public "
+                        "operations with the same numbers are used instead", why)
+        _chosen = PUBLIC if why else PRIVATE
+    return _chosen
 
 
 class DenseStep:
@@ -82,17 +146,17 @@ class DenseStep:
                     if bias is not None:
                         h = torch.add(params[bias].unsqueeze(1), h)
         # -log_softmax(out).gather(labels).sum() / b per client, and its gradient
-        logp = torch.log_softmax(h, 2)
+        log_softmax, relu_grad = _ops()
+        logp, log_softmax_backward = log_softmax(h)
         index = y.unsqueeze(2)
         loss = logp.gather(2, index).sum((1, 2)).neg().div(b)
         seed = torch.ones_like(loss).div(b).neg().view(c, 1, 1).expand(c, b, 1)
-        g = torch._log_softmax_backward_data(seed.new_zeros(logp.shape).scatter_add(2, index, seed),
-                                             logp, 2, logp.dtype)
+        g = log_softmax_backward(seed.new_zeros(logp.shape).scatter_add(2, index, seed))
         grads: dict[str, torch.Tensor] = {}
         for i in range(len(self.layers) - 1, self._first - 1, -1):
             kind, w, bias = self.layers[i]
             if kind == "relu":
-                g = torch.ops.aten.threshold_backward(g, inputs[i], 0)
+                g = relu_grad(g, inputs[i])
             elif kind == "linear":
                 grads[w] = torch.bmm(g.transpose(1, 2), inputs[i])
                 if bias is not None:

@@ -95,3 +95,50 @@ def test_a_course_ends_with_the_same_model_with_or_without_the_dense_step(model,
     course = Course(small_cfg(None, **keys)).build()
     course.run()
     assert all(torch.equal(dense[k], v) for k, v in course.server.aggregator.global_state.items())
+
+
+def _force_check(monkeypatch, **changes):
+    """Reset the once-per-process choice of operations, with `changes` to the module first."""
+    import fedcore.dense_step as dense_step
+    monkeypatch.setattr(dense_step, "_chosen", None)
+    for name, value in changes.items():
+        monkeypatch.setattr(dense_step, name, value)
+    return dense_step
+
+
+@pytest.mark.parametrize("broken", ["missing", "other_numbers"])
+def test_private_ops_that_fail_their_check_give_way_to_public_ones_with_the_same_numbers(
+        broken, monkeypatch, caplog):
+    if broken == "missing":   # a torch without the private kernel
+        monkeypatch.delattr(torch, "_log_softmax_backward_data")
+        dense_step = _force_check(monkeypatch)
+    else:                     # a private kernel whose meaning changed: ReLU's gradient passes all
+        import fedcore.dense_step as ds
+        dense_step = _force_check(monkeypatch, PRIVATE=(ds._private_log_softmax, lambda g, out: g))
+    make, shape, classes = MODELS["deep"]
+    torch.manual_seed(3)
+    model = make()
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    x, y = torch.randn((5, 4) + shape), torch.randint(0, classes, (5, 4))
+    with torch.enable_grad():
+        grads, loss = _vmap_step(model, True)(params, x, y)
+    dense = DenseStep.of(model, "cross_entropy")
+    with caplog.at_level("WARNING", logger="fedcore.dense_step"):
+        for _ in range(2):
+            d_grads, d_loss = dense(params, x, y)
+            assert all(torch.equal(d_grads[k], grads[k]) for k in grads) and torch.equal(d_loss, loss)
+    assert dense_step._chosen is dense_step.PUBLIC
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "public operations with the same numbers" in lines[0]   # logged once
+    assert ("_log_softmax_backward_data" in lines[0]) == (broken == "missing")
+
+
+def test_the_public_operations_give_vmaps_numbers_bit_for_bit(monkeypatch):
+    """What the fallback would compute, on every layer stack, dtype and form of the grid above."""
+    import fedcore.dense_step as dense_step
+    monkeypatch.setattr(dense_step, "_chosen", dense_step.PUBLIC)
+    for name in sorted(MODELS):
+        for clients, batch in [(2, 1), (30, 10)]:
+            for dtype in (torch.float32, torch.float64):
+                for shared in (True, False):
+                    test_dense_step_equals_vmap_bit_for_bit(name, clients, batch, dtype, shared)
