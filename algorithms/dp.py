@@ -266,11 +266,11 @@ def install(course) -> None:
         # an update that stands for several clients (a secure sum) names them in `contributors`
         ids = [c for u in updates for c in getattr(u, "contributors", (u.client_id,))]
         out.update(ledger.record(ids, noisy))
-        course.monitor.extra_summary.update(dp_epsilon=out["dp_epsilon"], dp_delta=ledger.delta,
-                                            dp_mode=ledger.mode, dp_noisy_clients=len(noisy),
-                                            dp_noise_source=source)
+        course.monitor.add_summary("dp", {"dp_epsilon": out["dp_epsilon"], "dp_delta": ledger.delta,
+                                          "dp_mode": ledger.mode, "dp_noisy_clients": len(noisy),
+                                          "dp_noise_source": source})
         if "dp_epsilon_replace_one" in out:
-            course.monitor.extra_summary["dp_epsilon_replace_one"] = out["dp_epsilon_replace_one"]
+            course.monitor.add_summary("dp", {"dp_epsilon_replace_one": out["dp_epsilon_replace_one"]})
         return out
     aggregator.aggregate = accounted
 

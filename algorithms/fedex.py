@@ -239,8 +239,8 @@ def install(course) -> None:
                                    [f["size"] for f in given],
                                    [f.get("before", 0.0) for f in given]))
         best = int(policy.theta.argmax())
-        course.monitor.extra_summary.update(fedex_theta=[float(t) for t in policy.theta],
-                                            fedex_best_arm=best, fedex_best=candidates[best])
+        course.monitor.add_summary("fedex", {"fedex_theta": [float(t) for t in policy.theta],
+                                             "fedex_best_arm": best, "fedex_best": candidates[best]})
         return out
 
     aggregator.broadcast, aggregator.aggregate = fedex_broadcast, fedex_aggregate

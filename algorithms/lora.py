@@ -165,7 +165,7 @@ def install(course) -> None:
     model = trainer.model if trainer is not None else server.model
     if server is not None and hasattr(model, "parameter_counts"):
         trainable, total = model.parameter_counts()
-        course.monitor.extra_summary.update(trainable_params=trainable, total_params=total)
+        course.monitor.add_summary("lora", {"trainable_params": trainable, "total_params": total})
     if cfg["model.lora.r"] == 0:
         return
     pairs = lora_pairs(model.state_dict())

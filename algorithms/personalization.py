@@ -185,7 +185,7 @@ def install(course) -> None:
     if method != "fedbn" and course.trainer is None:
         return  # a deployed server: ditto and finetune act on the clients' trainer only
     {"fedbn": _install_fedbn, "ditto": _install_ditto, "finetune": _install_finetune}[method](course)
-    course.monitor.extra_summary["personalization"] = method
+    course.monitor.add_summary("personalization", {"personalization": method})
 
 
 install.enabled = lambda cfg: cfg["personalization.method"] != "none"

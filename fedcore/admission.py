@@ -62,8 +62,7 @@ def _quiet(server) -> QuietLog:
 def note(server, kind: str, message: str, level: int = logging.WARNING) -> None:
     """Count one refusal of `kind` in the summary's `admission` counts; log it (rate-limited)."""
     _quiet(server)(kind, message, level)
-    counts = server.course.monitor.extra_summary.setdefault("admission", {})
-    counts[kind] = counts.get(kind, 0) + 1
+    server.course.monitor.tally("admission", "admission", kind)
 
 
 def norm_ratio(course) -> float | None:

@@ -235,7 +235,7 @@ class Course:
         except (KeyboardInterrupt, StopRun) as stop:
             # Ctrl-C or a callback: keep what the run has so far, as a deployed server does; the
             # global model is the last aggregated one (aggregators replace it whole, never in part).
-            self.monitor.extra_summary["stopped_by"] = getattr(stop, "reason", "interrupted")
+            self.monitor.add_summary("stop", {"stopped_by": getattr(stop, "reason", "interrupted")})
             summary = self.monitor.finalize(self.server.now, self.server.aggregator.global_state)
             if isinstance(stop, KeyboardInterrupt):
                 raise

@@ -53,7 +53,7 @@ def resume_server(course, value: str) -> int:
     server.round = r + 1
     server.joined, server.started = set(), False
     course.checkpointer.last_path = Path(used)
-    course.monitor.extra_summary["resumed_from"] = {"round": r, "snapshot": used}
+    course.monitor.add_summary("resume", {"resumed_from": {"round": r, "snapshot": used}})
     log.warning("resuming the course from the snapshot of round %d (%s); round %d runs next",
                 r, used, r + 1)
     return r
@@ -88,6 +88,5 @@ def not_aggregated_yet(course, msg) -> bool:
         return True
     course.comm.quiet_info(f"before join {msg.sender}", f"client {msg.sender}: dropped its update of "
                            f"round {msg.round}, sent before it joined this server", logging.INFO)
-    extra = course.monitor.extra_summary
-    extra["updates_before_join"] = extra.get("updates_before_join", 0) + 1
+    course.monitor.tally("deployment", "updates_before_join")
     return False

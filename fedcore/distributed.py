@@ -356,7 +356,7 @@ class ServerCourse(Course):
         try:
             self.scheduler.run()
         except KeyboardInterrupt:
-            self.monitor.extra_summary["stopped_by"] = "interrupted"
+            self.monitor.add_summary("stop", {"stopped_by": "interrupted"})
             self.checkpointer.save_last_completed()   # whatever checkpoint.every says
             self._finalize()
             raise
@@ -369,8 +369,8 @@ class ServerCourse(Course):
             self.store.close()
 
     def _finalize(self) -> dict[str, Any]:
-        self.monitor.extra_summary["deployment"] = {"clients": self.comm.describe(),
-                                                    "refused": self.comm.refusals()}
+        self.monitor.add_summary("deployment", {"deployment": {"clients": self.comm.describe(),
+                                                               "refused": self.comm.refusals()}})
         return self.monitor.finalize(self.scheduler.now, self.server.aggregator.global_state)
 
 

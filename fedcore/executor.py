@@ -92,4 +92,4 @@ def close_executor(course) -> None:
     sequential = getattr(trainer, "sequential_fits", None)
     if sequential is None:
         sequential = getattr(trainer, "own_fits", 0)
-    course.monitor.extra_summary.update(batched_fits=batched, sequential_fits=sequential)
+    course.monitor.add_summary("executor", {"batched_fits": batched, "sequential_fits": sequential})

@@ -13,6 +13,8 @@ an evaluation that comes after is written as its own line,
 never holds back the records of the rounds after it.
 Every other side output (progress, CSV, TensorBoard, MLflow, W&B, a user's own)
 is a `Callback` that sees the same records, in the same order, and the summary.
+Behaviours add their own summary fields through `add_summary` (or `tally`, `append_summary`),
+which refuses a field another behaviour already wrote and a value that is not JSON.
 """
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from types import MappingProxyType
+from typing import Any, Mapping
 
 import torch
 
@@ -85,6 +88,29 @@ def _dumps(obj: Any, **kw) -> str:
     return json.dumps(strict_json(obj), allow_nan=False, **kw)
 
 
+def _not_json(value: Any, path: str) -> str | None:
+    """Why `value` would not be written as the same JSON value (None when it would). A float
+    that is not finite is fine: it is written as null."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return None
+    if isinstance(value, (list, tuple)):
+        return next(filter(None, (_not_json(v, f"{path}[{i}]") for i, v in enumerate(value))), None)
+    if isinstance(value, dict):
+        for k, v in value.items():
+            why = (f"{path} has the key {k!r}, not a string" if not isinstance(k, str)
+                   else _not_json(v, f"{path}[{k!r}]"))
+            if why:
+                return why
+        return None
+    return f"{path} is a {type(value).__name__}, not a JSON value"
+
+
+# the summary fields the monitor writes itself
+_OWN_FIELDS = ("rounds", "virtual_time", "wall_time", "bytes_up", "bytes_down", "bytes_eval", "final",
+               "final_test_acc", "best_test_acc", "best_round", "target_acc", "time_to_target",
+               "rounds_to_target")
+
+
 def _spread(values: list[float], prefix: str) -> dict[str, float]:
     if not values:
         return {}
@@ -122,7 +148,9 @@ class Monitor:
         self._metrics_file = None
         self.time_to_target: float | None = None
         self.rounds_to_target: int | None = None
-        self.extra_summary: dict[str, Any] = {}
+        self._summary: dict[str, Any] = {}
+        self._summary_owner: dict[str, str] = dict.fromkeys(_OWN_FIELDS, "monitor")
+        self.extra_summary = MappingProxyType(self._summary)   # read-only: write with add_summary
 
     def start(self) -> None:
         """Create the outdir, open metrics.jsonl and start the callbacks (once; also implied by
@@ -268,6 +296,45 @@ class Monitor:
             return None
         return "".join(lines)
 
+    # ------------------------------------------------------------ summary fields of behaviours
+    def add_summary(self, section: str, fields: Mapping[str, Any]) -> None:
+        """Set summary fields on behalf of `section` (the behaviour that writes them). A field
+        belongs to the first section that writes it: another one writing the same name is
+        refused, so two behaviours never overwrite each other's results unseen. Values are JSON
+        (a non-finite float is written as null); a dict or list given stays live until the end."""
+        for name, value in fields.items():
+            self._check(section, name, value)
+        for name, value in fields.items():
+            self._summary_owner[name] = section
+            self._summary[name] = value
+
+    def tally(self, section: str, name: str, key: str | None = None, by: int = 1) -> None:
+        """Add `by` to the summary's count `name`, or to `name[key]` in its dict of counts."""
+        self._check(section, name, by)
+        if key is None:
+            self.add_summary(section, {name: self._summary.get(name, 0) + by})
+        else:
+            counts = dict(self._summary.get(name, {}))
+            counts[key] = counts.get(key, 0) + by
+            self.add_summary(section, {name: counts})
+
+    def append_summary(self, section: str, name: str, entry: Any, limit: int | None = None) -> None:
+        """Append `entry` to the summary's list `name` (kept to its first `limit` entries)."""
+        self._check(section, name, entry)
+        self._summary_owner[name] = section
+        entries = self._summary.setdefault(name, [])
+        if limit is None or len(entries) < limit:
+            entries.append(entry)
+
+    def _check(self, section: str, name: str, value: Any) -> None:
+        owner = self._summary_owner.get(name, section)
+        if owner != section:
+            raise ValueError(f"summary field {name!r} is written by {owner!r}; {section!r} may not "
+                             "write it too (choose another name)")
+        why = _not_json(value, name)
+        if why:
+            raise TypeError(f"summary field from {section!r}: {why}")
+
     # ------------------------------------------------------------ the end
     def summary(self, virtual_time: float) -> dict[str, Any]:
         evals = [r for r in self.records if "test_acc" in r]
@@ -289,7 +356,7 @@ class Monitor:
             out["target_acc"] = self.target_acc
             out["time_to_target"] = self.time_to_target
             out["rounds_to_target"] = self.rounds_to_target
-        out.update(self.extra_summary)
+        out.update(self._summary)
         return out
 
     def finalize(self, virtual_time: float, global_state: dict[str, torch.Tensor] | None) -> dict:

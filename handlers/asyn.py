@@ -328,7 +328,7 @@ def restart_idle(server) -> None:
 def finish(server, event) -> None:
     """`max_rounds_reached` / `early_stop`: finish, and write the strategy's summary."""
     rounds.finish_course(server, event)
-    server.course.monitor.extra_summary.update(server.stats.summary(server))
+    server.course.monitor.add_summary("async", server.stats.summary(server))
 
 
 # ---------------------------------------------------------------- bookkeeping

@@ -149,7 +149,7 @@ def install(course) -> None:
         # The attacker's data is its poisoned data, for whatever trains it: an executor that
         # batches the fits of one broadcast reads `client.data`, not `attack.data(client)`.
         client.data = attack.data(client)
-    course.monitor.extra_summary.update(attack=attack.kind, attackers=sorted(bad))
+    course.monitor.add_summary("attack", {"attack": attack.kind, "attackers": sorted(bad)})
     if attack.kind == "backdoor" and course.server is not None:
         server = course.server
         aggregate = server.aggregator.aggregate
@@ -162,7 +162,7 @@ def install(course) -> None:
                 rate = backdoor_success(server.model, test.x, test.y, attack.target, *attack.trigger)
                 if rate is not None:
                     out["backdoor_acc"] = rate
-                    course.monitor.extra_summary["final_backdoor_acc"] = rate
+                    course.monitor.add_summary("attack", {"final_backdoor_acc": rate})
             return out
         server.aggregator.aggregate = with_backdoor_metric
 

@@ -53,11 +53,8 @@ def _quiet(server) -> QuietLog:
 
 def _listed(server, key: str, entry: dict) -> None:
     """Append `entry` to the summary's list `key` (bounded) and count it in `key_total`."""
-    extra = server.course.monitor.extra_summary
-    entries = extra.setdefault(key, [])
-    if len(entries) < LISTED:
-        entries.append(entry)
-    extra[f"{key}_total"] = extra.get(f"{key}_total", 0) + 1
+    server.course.monitor.append_summary("deployment", key, entry, limit=LISTED)
+    server.course.monitor.tally("deployment", f"{key}_total")
 
 
 def arm(server, _event=None) -> None:

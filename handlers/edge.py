@@ -178,8 +178,8 @@ def install(course) -> None:
     course.links = TierLinks(topology, course.timing, cfg, course.comm.count_bytes,
                              course.monitor.separate_types, TIERS if role is None else ("edge_cloud",))
     course.comm.count_bytes = course.links.count_bytes
-    course.monitor.extra_summary["topology"] = topology.describe()
-    course.monitor.extra_summary["tiers"] = course.links.totals   # live: written at the end
+    course.monitor.add_summary("topology", {"topology": topology.describe(),
+                                            "tiers": course.links.totals})   # live: written at the end
     s = course.server_table
     s.register("receiving_join_in", admit_edge, sends=("all_joined_in",))
     if cfg["topology.cloud_aggregator"] == "sync":

@@ -52,8 +52,7 @@ def note_performance_drop(client, info) -> None:
     state["personalize"] = True
     state["performance_drops"] = state.get("performance_drops", 0) + 1
     store.save(client.id, state)
-    summary = client.course.monitor.extra_summary
-    summary["performance_drops"] = summary.get("performance_drops", 0) + 1
+    client.course.monitor.tally("personalization", "performance_drops")
 
 
 def install(course) -> None:

@@ -97,9 +97,9 @@ def note_finish(server) -> None:
     """Mark the course finished and record why it stopped."""
     server.finished = True
     cfg = server.course.cfg
-    server.course.monitor.extra_summary["stopped_by"] = (
+    server.course.monitor.add_summary("stop", {"stopped_by": (
         "max_rounds" if server.round >= cfg["federate.total_round_num"]
-        else "time_limit" if _out_of_time(server) else "early_stop")
+        else "time_limit" if _out_of_time(server) else "early_stop")})
 
 
 def _rejected(server, why: str) -> bool:
@@ -113,7 +113,7 @@ def _rejected(server, why: str) -> bool:
 def stop_diverged(server, _event=None) -> None:
     """The global model could not stay finite: end the course with the last finite one."""
     finish_course(server, _event)
-    server.course.monitor.extra_summary["stopped_by"] = "diverged"
+    server.course.monitor.add_summary("stop", {"stopped_by": "diverged"})
 
 
 def resume_course(server, info: dict) -> None:

@@ -61,8 +61,7 @@ def exclude(server, sr: ServerRound, client: int, what: str) -> None:
     if client not in sr.excluded:
         sr.excluded[client] = what
         log.warning("secure aggregation: round %d: client %d excluded: %s", sr.round, client, what)
-        blamed = server.course.monitor.extra_summary.setdefault("secagg_excluded", {})
-        blamed[str(client)] = blamed.get(str(client), 0) + 1
+        server.course.monitor.tally("secure_aggregation", "secagg_excluded", str(client))
 
 
 def _weight_bound(server, client: int) -> int:

@@ -227,7 +227,7 @@ def _skip(server, sr: ServerRound, why: str, kind: str = "skipped") -> None:
     if kind == "skipped" and sr.refusals:
         kind = "aborted"
     log.warning("secure aggregation: round %d %s: %s", sr.round, kind, why)
-    server.course.monitor.extra_summary.setdefault(f"secagg_{kind}_rounds", []).append(sr.round)
+    server.course.monitor.append_summary("secure_aggregation", f"secagg_{kind}_rounds", sr.round)
     fields = {"num_updates": 0, "secagg_skipped": 1, f"secagg_{kind}": 1, "secagg_survivors": len(sr.masked),
               **sr.fields()}
     server.secagg, server.selected, server.buffer = None, set(), []

@@ -318,8 +318,8 @@ def test_fedbuff_server_killed_resumes_and_finishes_counting_no_update_twice(tmp
 
 def _joining(round_, started, contributed):
     from types import SimpleNamespace
-    course = SimpleNamespace(checkpointer=SimpleNamespace(contributed=contributed),
-                             monitor=SimpleNamespace(extra_summary={}))
+    from fedcore.monitor import Monitor
+    course = SimpleNamespace(checkpointer=SimpleNamespace(contributed=contributed), monitor=Monitor(None))
     return SimpleNamespace(course=course, round=round_, started=started)
 
 

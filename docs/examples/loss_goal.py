@@ -41,7 +41,7 @@ def collect_progress(server, msg):
 def finish_early(server, event):
     """Server `loss_goal_reached`: record why and which model the run ends with, then finish."""
     event["last_aggregated_round"] = server.round - 1
-    server.course.monitor.extra_summary["loss_goal"] = event
+    server.course.monitor.add_summary("loss_goal", {"loss_goal": event})
     finish_course(server, event)
 
 
