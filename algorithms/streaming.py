@@ -16,8 +16,7 @@ order updates arrive in, then rounded once to the model's dtype; the list-based 
 sums in the model's dtype, so the two agree to that dtype's rounding (float32: ~1e-7
 relative). Rules that need every update at once keep the list: robust rules and central
 DP (their combination replaces the mean, `combine.replace_combination`), admission's
-influence check (a median over the round; off in simulation, on in deployment unless
-`admission.norm_ratio: .inf`), FedEx, and aggregators with a rule of their own
+influence check (a median over the round, where `admission.norm_ratio` is set), FedEx, and aggregators with a rule of their own
 (SCAFFOLD, FedNova, FedDyn, FedBuff, pFedMe, asynchronous courses). Those hold k
 updates of a round: k times the model. See docs/performance.md (W8).
 """

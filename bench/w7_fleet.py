@@ -84,6 +84,8 @@ def course_cfg(n: int, rounds: int, path: Path) -> Path:
                  "synthetic": {"samples_per_client": 2, "dim": 784, "num_classes": 10}},
         "model": {"type": "logreg"}, "train": {"batch_size": 2, "local_steps": 1},
         "eval": {"clients": False},
+        # a fleet of devices it does not control: the server checks each update's influence
+        "admission": {"norm_ratio": 10.0},
         "distribute": {"insecure": True, "token": TOKEN, "heartbeat_interval": HEARTBEAT_INTERVAL,
                        "heartbeat_timeout": HEARTBEAT_TIMEOUT},
     }

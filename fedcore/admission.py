@@ -10,8 +10,9 @@ deployment alike, and an algorithm never sees an update they refused:
   defaults to the largest partition of the server's own build of the data);
 - **influence**: an update whose distance from the global model exceeds
   `admission.norm_ratio` times the median distance of the round's other
-  updates is refused (default 10 in deployment, off in simulation, where
-  attacks are studied on purpose). A client that missed rounds (paused, late,
+  updates is refused (off by default in simulation and deployment alike, so
+  both compute the algorithm's own aggregate; a course facing untrusted clients
+  sets it, 10 for one). A client that missed rounds (paused, late,
   not sampled) sends an honest update that is larger until the model fits its
   data again; above the bound it is scaled down to the bound instead of refused
   (`Returning`), so an honest returner is not taken for an attacker, and no
@@ -43,15 +44,15 @@ __all__ = ["admit_updates", "Returning", "scaled_update", "Snapshot", "finite_st
 log = logging.getLogger("fedcore.admission")
 
 declare("admission.norm_ratio", float, None, "refuse an update whose distance from the global model "
-        "exceeds this many times the median of the round's other updates (default: 10 in "
-        "deployment, off in simulation)", check=lambda v: None if v > 1 else "must exceed 1")
+        "exceeds this many times the median of the round's other updates (default: off, in "
+        "simulation and deployment alike; 10 suits a deployment facing untrusted clients)",
+        check=lambda v: None if v > 1 else "must exceed 1")
 declare("admission.max_num_samples", int, None, "largest num_samples an update may claim (default in "
         "deployment: the largest partition of the server's own build of the data; set it when "
         "clients bring larger own data)", check=positive)
 declare("admission.max_rejected_rounds", int, 3, "deployment: rounds in a row whose aggregate is "
         "not finite before the course stops as diverged (exit code 5)", check=positive)
 
-DEPLOYED_NORM_RATIO = 10.0
 def _quiet(server) -> QuietLog:
     q = getattr(server, "admission_log", None)
     if q is None:
@@ -66,10 +67,7 @@ def note(server, kind: str, message: str, level: int = logging.WARNING) -> None:
 
 
 def norm_ratio(course) -> float | None:
-    ratio = course.cfg["admission.norm_ratio"]
-    if ratio is None and course.wall_clock:
-        return DEPLOYED_NORM_RATIO
-    return ratio
+    return course.cfg["admission.norm_ratio"]
 
 
 def sample_cap(course) -> int | None:

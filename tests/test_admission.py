@@ -45,7 +45,7 @@ def _update(cid, w, n=10):
 
 
 def test_norm_rule_refuses_an_update_far_from_the_others_by_hand():
-    server = _Server(_Course(), {"w": torch.tensor([1.0, 1.0])})
+    server = _Server(_Course(admission__norm_ratio=10.0), {"w": torch.tensor([1.0, 1.0])})
     # distances from the global model: 1, 2, 5, and 30 (norm of (18, 24))
     ups = [_update(1, [2.0, 1.0]), _update(2, [1.0, 3.0]), _update(3, [4.0, 5.0]), _update(4, [19.0, 25.0])]
     kept = admit_updates(server, ups)
@@ -56,14 +56,15 @@ def test_norm_rule_refuses_an_update_far_from_the_others_by_hand():
     assert len(admit_updates(server, ups)) == 4
 
 
-def test_huge_finite_values_are_refused_and_simulation_keeps_the_rule_off():
+@pytest.mark.parametrize("wall_clock", [True, False], ids=["deployment", "simulation"])
+def test_the_norm_rule_is_off_by_default_and_refuses_huge_finite_values_once_set(wall_clock):
+    """One default in both modes (so an outlier cannot make them disagree): off."""
     ups = [_update(1, [1.5, 1.0]), _update(2, [1.0, 0.5]), _update(3, [3e38, 3e38])]
-    deployed = _Server(_Course(), {"w": torch.tensor([1.0, 1.0])})
-    assert [u.client_id for u in admit_updates(deployed, ups)] == [1, 2]
-    simulated = _Server(_Course(wall_clock=False), {"w": torch.tensor([1.0, 1.0])})
-    assert len(admit_updates(simulated, ups)) == 3  # attack studies see the raw updates
-    simulated.course.cfg = small_cfg(None, admission__norm_ratio=4.0)
-    assert [u.client_id for u in admit_updates(simulated, ups)] == [1, 2]
+    server = _Server(_Course(wall_clock=wall_clock), {"w": torch.tensor([1.0, 1.0])})
+    assert len(admit_updates(server, ups)) == 3 and "admission" not in server.course.monitor.extra_summary
+    server.course.cfg = small_cfg(None, admission__norm_ratio=4.0)
+    assert [u.client_id for u in admit_updates(server, ups)] == [1, 2]
+    assert server.course.monitor.extra_summary["admission"] == {"update norm far above the round's others": 1}
 
 
 def test_sample_counts_are_bounded_by_the_declaration_and_the_cap():
@@ -231,7 +232,7 @@ def test_medians_of_the_others_from_one_sort_equal_the_median_of_each_others_lis
 
 def test_a_returning_clients_update_above_the_bound_is_scaled_to_it_not_refused():
     """Rounds 3 and 4 of a course admission first saw in round 3 (distances by hand)."""
-    server = _Server(_Course(), {"w": torch.tensor([1.0, 1.0])})
+    server = _Server(_Course(admission__norm_ratio=10.0), {"w": torch.tensor([1.0, 1.0])})
     # round 3: clients 1-4 sent every round so far; client 4's distance 30 > 10 x 2 = 20: refused
     ups = [_update(1, [2.0, 1.0]), _update(2, [1.0, 3.0]), _update(3, [4.0, 5.0]), _update(4, [19.0, 25.0])]
     assert [u.client_id for u in admit_updates(server, ups)] == [1, 2, 3]

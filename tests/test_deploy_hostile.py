@@ -69,7 +69,7 @@ def test_a_token_holder_cannot_poison_forge_or_take_over(tmp_path, procs):
     pb = load_proto(tmp_path / "proto")
     cfg = write_cfg(tmp_path / "course.yaml", {
         "federate.total_round_num": 4, "model.type": "mlp", "model.hidden": [16],
-        "distribute.insecure": True, "distribute.token": "shared",
+        "admission.norm_ratio": 10.0, "distribute.insecure": True, "distribute.token": "shared",
         "distribute.heartbeat_interval": 0.5, "distribute.heartbeat_timeout": 5.0,
         "distribute.retry_timeout": 20.0})
     out = tmp_path / "out"

@@ -29,6 +29,7 @@ def test_a_client_back_from_missed_rounds_has_its_next_honest_update_admitted(tm
     cfg = write_cfg(tmp_path / "course.yaml", {
         "federate.client_num": 5, "federate.total_round_num": 100_000, "eval.freq": 100_000,
         "eval.clients": False, "distribute.min_clients": 4, "distribute.join_timeout": 0.5,
+        "admission.norm_ratio": 10.0,
         "distribute.insecure": True, "distribute.token": "t",
         "distribute.heartbeat_interval": 0.2, "distribute.heartbeat_timeout": 2.0,
         "distribute.backoff_initial": 0.1, "distribute.backoff_max": 0.5})
