@@ -72,6 +72,10 @@ def _check_fedex(cfg) -> None:
     if "train.optimizer.lr" in keys and cfg["train.scheduler.type"] != "none":
         raise ConfigError("fedex.candidates: an LR schedule sets the learning rate itself; use "
                           "train.scheduler.type=none with learning-rate candidates")
+    if cfg["topology.edges"]:
+        raise ConfigError("fedex.candidates: edge aggregators (topology.edges) neither send theta to "
+                          "their clients nor pass their feedback on, so theta would never move; set "
+                          "topology.edges=0")
     if cfg["algorithm.name"] == "diloco" and "train.local_steps" in keys:
         raise ConfigError("fedex.candidates: diloco fixes H = train.local_steps for the course; "
                           "leave train.local_steps out of the candidates")
