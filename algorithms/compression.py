@@ -30,7 +30,6 @@ import math
 import torch
 
 from fedcore import admission, registry
-from fedcore.comm.validation import UPDATE_ENCODINGS, UPDATE_LAYOUTS
 from fedcore.config import declare, fraction, validator
 from fedcore.errors import ConfigError
 from fedcore.message import Message
@@ -56,9 +55,13 @@ declare("compress.error_feedback", bool, None, "add what the previous update lef
 def _check_compression(cfg) -> None:
     if cfg["compress.type"] == "none":
         return
-    why = None
-    if cfg["algorithm.name"] in UPDATE_LAYOUTS or cfg["algorithm.name"] == "fedex":
-        why = f"algorithm.name {cfg['algorithm.name']} sends more than a model"
+    why, name = None, cfg["algorithm.name"]
+    adding = [b for b in registry.selected_behaviours(cfg)
+              if b != "compression" and hasattr(registry.behaviours.get(b), "update_layout")]
+    if name in registry.algorithms and registry.algorithms.get(name).update_layout is not None:
+        why = f"algorithm.name {name} sends more than a model"
+    elif adding:
+        why = f"{adding[0]} adds to the update"
     elif cfg["secure_aggregation.enabled"]:
         why = "secure aggregation masks the model itself"
     elif cfg["asyn.use"]:
@@ -256,15 +259,9 @@ def _install_server(course) -> None:
 
 
 def compressed_layout(server, layout: dict) -> dict:
-    """`validation`'s hook: the layout of a compressed update in a course that compresses."""
-    course = getattr(server, "course", None)    # None: a bare server object (no course, no compression)
-    cfg = course.cfg if course is not None else {"compress.type": "none"}
-    if cfg["compress.type"] == "none" or set(layout) != {"model"}:
-        return layout
+    """The update's layout on the wire (declared below): the model's maps, encoded."""
+    cfg = server.course.cfg
     return wire_layout(layout["model"], cfg["compress.type"], cfg["compress.topk_fraction"])
-
-
-UPDATE_ENCODINGS.append(compressed_layout)
 
 
 def install(course) -> None:
@@ -276,4 +273,5 @@ def install(course) -> None:
 
 
 install.enabled = lambda cfg: cfg["compress.type"] != "none"
+install.update_layout = compressed_layout
 registry.behaviours.register("compression", install)

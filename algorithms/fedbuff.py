@@ -14,7 +14,6 @@ deltas: they are averaged like FedAvg.
 from __future__ import annotations
 
 from fedcore.contract import Aggregator, Algorithm, ReceivedUpdate, Trainer, weighted_mean
-from fedcore.comm.validation import UPDATE_LAYOUTS
 from fedcore.config import declare, positive
 from fedcore.registry import algorithms
 
@@ -68,5 +67,5 @@ def update_layout(server) -> dict:
             "model": {k: v for k, v in shared.items() if not v.is_floating_point()}}
 
 
-FEDBUFF = algorithms.register("fedbuff", Algorithm(FedBuffTrainer, FedBuffAggregator))
-UPDATE_LAYOUTS["fedbuff"] = update_layout
+FEDBUFF = algorithms.register("fedbuff", Algorithm(FedBuffTrainer, FedBuffAggregator,
+                                                   update_layout=update_layout))

@@ -29,7 +29,8 @@ from fedcore.config import declare, positive, validator
 from fedcore.contract import ReceivedUpdate, evaluate_model
 from fedcore.errors import ConfigError
 
-__all__ = ["LOCAL_KEYS", "ExpGradPolicy", "draw_arm", "install"]
+__all__ = ["LOCAL_KEYS", "ExpGradPolicy", "draw_arm", "check_feedback", "feedback_layout",
+           "install"]
 
 LOCAL_KEYS = ("train.optimizer.lr", "train.optimizer.momentum", "train.optimizer.weight_decay",
               "train.local_steps", "train.local_epochs", "train.batch_size")
@@ -68,12 +69,13 @@ def _check_fedex(cfg) -> None:
         except ConfigError as exc:
             raise ConfigError(f"fedex.candidates[{i}]: {exc}") from None
     keys = {k for c in candidates for k in c}
-    if cfg["federate.mode"] == "distributed" or cfg.get("distribute.role"):
-        raise ConfigError("fedex.candidates: FedEx runs in simulation only (its feedback is not part "
-                          "of the wire's update layout); set federate.mode=standalone")
     if "train.optimizer.lr" in keys and cfg["train.scheduler.type"] != "none":
         raise ConfigError("fedex.candidates: an LR schedule sets the learning rate itself; use "
                           "train.scheduler.type=none with learning-rate candidates")
+    if cfg["topology.edges"]:
+        raise ConfigError("fedex.candidates: edge aggregators (topology.edges) neither send theta to "
+                          "their clients nor pass their feedback on, so theta would never move; set "
+                          "topology.edges=0")
     if cfg["algorithm.name"] == "diloco" and "train.local_steps" in keys:
         raise ConfigError("fedex.candidates: diloco fixes H = train.local_steps for the course; "
                           "leave train.local_steps out of the candidates")
@@ -190,7 +192,7 @@ def _wrap_trainer(course, candidates: list[dict]) -> None:
         theta = received.get("fedex_theta")
         if theta is None:
             return fit(client_id, data, received, round_)
-        arm = draw_arm(theta.numpy().astype(np.float64), seed, client_id, round_)
+        arm = draw_arm(theta.cpu().numpy().astype(np.float64), seed, client_id, round_)
         before = None
         if diff:
             trainer.load_global(received["model"], trainer.store.load(client_id))
@@ -213,14 +215,17 @@ def _wrap_trainer(course, candidates: list[dict]) -> None:
 
 
 def install(course) -> None:
-    """Behaviour: FedEx around the course's own trainer and aggregator."""
+    """Behaviour: FedEx around the course's own trainer and aggregator (each process installs
+    its half: a deployed client has no server, a deployed server no trainer)."""
     cfg = course.cfg
     candidates = cfg["fedex.candidates"]
-    policy = ExpGradPolicy(len(candidates), cfg["fedex.eta0"], cfg["fedex.schedule"],
-                           cfg["fedex.baseline"], cfg["fedex.diff"])
     if course.trainer is not None:
         _wrap_trainer(course, candidates)
     server = course.server
+    if server is None:
+        return
+    policy = ExpGradPolicy(len(candidates), cfg["fedex.eta0"], cfg["fedex.schedule"],
+                           cfg["fedex.baseline"], cfg["fedex.diff"])
     course.checkpointer.register("fedex", policy.state, policy.restore)
     aggregator = server.aggregator
     broadcast, aggregate = aggregator.broadcast, aggregator.aggregate
@@ -246,5 +251,32 @@ def install(course) -> None:
     aggregator.broadcast, aggregator.aggregate = fedex_broadcast, fedex_aggregate
 
 
+def check_feedback(feedback: Any, server) -> str | None:
+    """The problem with a client's feedback as it arrives, or None: what `install`'s
+    aggregation reads of it must be there and in range (a hostile client cannot make it raise)."""
+    cfg = server.course.cfg
+    k, diff = len(cfg["fedex.candidates"]), cfg["fedex.diff"]
+    keys = {"arm", "loss", "size"} | ({"before"} if diff else set())
+    shape = (f"update's 'fedex' feedback must be {{arm: int in [0, {k}), loss: finite number, "
+             f"size: int >= 0{', before: finite number' if diff else ''}}}")
+    if not isinstance(feedback, dict) or set(feedback) != keys:
+        return shape
+    ints = [feedback["arm"], feedback["size"]]
+    numbers = [feedback["loss"], feedback.get("before", 0.0)]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in ints) \
+            or not 0 <= feedback["arm"] < k or feedback["size"] < 0 \
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                       for v in numbers):
+        return shape
+    return None
+
+
+def feedback_layout(server, layout: dict) -> dict:
+    """What clients send in a FedEx course (`fedcore.contract.LayoutChange`): the course's
+    update and, under 'fedex', the feedback `check_feedback` admits."""
+    return {**layout, "fedex": check_feedback}
+
+
 install.enabled = lambda cfg: cfg["fedex.candidates"] is not None
+install.update_layout = feedback_layout
 registry.behaviours.register("fedex", install)

@@ -26,7 +26,7 @@ import torch
 
 from fedcore.algorithms.fedprox import Straggling
 from fedcore.algorithms.robust import INCOMPATIBLE
-from fedcore.comm.validation import UPDATE_LAYOUTS, model_layout
+from fedcore.comm.validation import model_layout
 from fedcore.config import declare, validator
 from fedcore.contract import Aggregator, Algorithm, ReceivedUpdate, Trainer, weighted_mean
 from fedcore.errors import ConfigError
@@ -122,6 +122,6 @@ def update_layout(server) -> dict:
     return {**model_layout(server), "nova": {"a": torch.zeros((), dtype=torch.float64)}}
 
 
-FEDNOVA = algorithms.register("fednova", Algorithm(FedNovaTrainer, FedNovaAggregator))
-UPDATE_LAYOUTS["fednova"] = update_layout
+FEDNOVA = algorithms.register("fednova", Algorithm(FedNovaTrainer, FedNovaAggregator,
+                                                   update_layout=update_layout))
 INCOMPATIBLE["fednova"] = "its updates are normalized by each client's local work, not models to vote on"

@@ -18,7 +18,6 @@ import logging
 import torch
 
 from fedcore.contract import Aggregator, Algorithm, ReceivedUpdate, Trainer, weighted_mean
-from fedcore.comm.validation import UPDATE_LAYOUTS
 from fedcore.config import declare, positive, validator
 from fedcore.errors import ConfigError
 from fedcore.registry import algorithms
@@ -209,5 +208,5 @@ def update_layout(server) -> dict:
     return {"delta": agg.broadcast(server.round)["model"], "delta_control": agg.control}
 
 
-SCAFFOLD = algorithms.register("scaffold", Algorithm(ScaffoldTrainer, ScaffoldAggregator))
-UPDATE_LAYOUTS["scaffold"] = update_layout
+SCAFFOLD = algorithms.register("scaffold", Algorithm(ScaffoldTrainer, ScaffoldAggregator,
+                                                     update_layout=update_layout))

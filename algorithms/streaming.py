@@ -135,7 +135,7 @@ def _model_bytes(aggregator) -> int:
 
 def _why_not(server) -> str | None:
     cfg = server.course.cfg
-    if cfg["algorithm.name"] == "fedex":
+    if cfg["fedex.candidates"] is not None:
         return "FedEx's aggregation reads each update's feedback"
     if not folds(server.aggregator):
         return (f"the {cfg['algorithm.name']} aggregation (or aggregator.robust_rule / central DP) "

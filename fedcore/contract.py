@@ -30,15 +30,29 @@ from fedcore.state import StateStore
 from fedcore.vector_term import VectorTerm
 
 __all__ = ["Algorithm", "Trainer", "Aggregator", "FitResult", "ReceivedUpdate", "BatchStream",
-           "ShareFilter", "weighted_mean", "evaluate_model", "clone_tree", "model_device"]
+           "ShareFilter", "weighted_mean", "evaluate_model", "clone_tree", "model_device",
+           "UpdateLayout", "LayoutChange"]
+
+
+# What a client's update carries, as a deployed server checks it before any handler sees it:
+# (server) -> {content key: expected}, `expected` either a map {entry: reference tensor} that
+# the update's map must match exactly (names, shapes, dtypes; finite values) or a check
+# (value, server) -> problem or None for content of another kind; 'num_samples' is implied.
+UpdateLayout = Callable[[Any], "dict[str, Any]"]
+# A behaviour that adds to or re-encodes what clients send declares the change on its install
+# function, as it declares `enabled`: `install.update_layout` (server, layout) -> the layout
+# its course's clients send; `install.message_checks` {message type: (content, server) ->
+# problem or None} for the message types it adds.
+LayoutChange = Callable[[Any, "dict[str, Any]"], "dict[str, Any]"]
 
 
 @dataclass(frozen=True)
 class Algorithm:
-    """A named pair of plug-ins."""
+    """A named pair of plug-ins, and the layout of the updates its clients send."""
 
     trainer: type
     aggregator: type
+    update_layout: UpdateLayout | None = None   # None: the global model's shared entries ('model')
 
 
 @dataclass

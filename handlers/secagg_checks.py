@@ -1,5 +1,6 @@
 """What a deployed server accepts in secure aggregation's messages, beyond "it decodes": a
 hostile or broken client cannot make a stage handler raise (see fedcore/comm/validation.py).
+The behaviour declares them (`install.message_checks` in handlers/secure_aggregation.py).
 """
 from __future__ import annotations
 
@@ -8,9 +9,8 @@ from typing import Any
 import torch
 
 from fedcore.algorithms.secagg_settings import Settings
-from fedcore.comm.validation import CHECKS
 
-__all__ = ["CHECKS"]
+__all__ = ["MESSAGE_CHECKS"]
 
 
 def _ints(v: Any, limit: int) -> bool:
@@ -87,6 +87,6 @@ def _check_abort(content, server) -> str | None:
     return None
 
 
-CHECKS.update({"secagg_public_keys": _check_keys, "secagg_encrypted_shares": _check_shares,
-               "secagg_masked_input": _check_masked, "secagg_survivor_signature": _check_signature,
-               "secagg_unmask_shares": _check_unmask, "secagg_abort": _check_abort})
+MESSAGE_CHECKS = {"secagg_public_keys": _check_keys, "secagg_encrypted_shares": _check_shares,
+                  "secagg_masked_input": _check_masked, "secagg_survivor_signature": _check_signature,
+                  "secagg_unmask_shares": _check_unmask, "secagg_abort": _check_abort}

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from fedcore.algorithms.secagg_settings import Settings, neighbour_graph
-from fedcore.handlers import rounds, secagg_checks, secagg_client, sync  # noqa: F401  (checks register)
+from fedcore.handlers import rounds, secagg_checks, secagg_client, sync
 from fedcore.handlers.secagg_blame import (ServerRound, checked_shares, exclude, keys_problem, settle_survivors,
                                            shares_problem, survivor_keys)
 from fedcore.message import SERVER_ID
@@ -447,5 +447,6 @@ def install(course) -> None:
 
 
 install.enabled = lambda cfg: cfg["secure_aggregation.enabled"]
+install.message_checks = secagg_checks.MESSAGE_CHECKS
 
 

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 from fedcore.algorithms.scaffold import ScaffoldAggregator, ScaffoldTrainer, update_layout
-from fedcore.comm.validation import UPDATE_LAYOUTS
 from fedcore.config import declare
 from fedcore.contract import Algorithm
 from fedcore.handlers.training import train_and_reply
@@ -37,8 +36,9 @@ class HeldScaffoldTrainer(ScaffoldTrainer):
         return super().fit(client_id, data, received, round_)
 
 
-algorithms.register("scaffold_held", Algorithm(HeldScaffoldTrainer, ScaffoldAggregator))
-UPDATE_LAYOUTS["scaffold_held"] = update_layout   # its updates are SCAFFOLD's
+# its updates are SCAFFOLD's
+algorithms.register("scaffold_held", Algorithm(HeldScaffoldTrainer, ScaffoldAggregator,
+                                              update_layout=update_layout))
 
 
 def _train_and_mark(client, msg) -> None:

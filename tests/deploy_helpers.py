@@ -129,6 +129,28 @@ def interrupt(p: subprocess.Popen) -> None:
     p.send_signal(signal.SIGINT)
 
 
+def launch_course(procs, cfg: Path, out: Path, clients: int, timeout: float = 300) -> str:
+    """`python -m fedcore.launch` for `cfg` (a server and its clients on loopback) writing to
+    `out`; its log, once it exited 0 with every client finished and nothing refused."""
+    launcher = procs.start("launch", ["-m", "fedcore.launch", "--cfg", str(cfg), f"outdir={out}"])
+    assert wait_exit(launcher, timeout) == 0, text(launcher)[-3000:]
+    log = text(launcher)
+    assert "refused" not in log, log[-3000:]
+    for k in range(1, clients + 1):
+        assert f"client {k}: course finished" in log, log[-3000:]
+    return log
+
+
+def assert_same_final_model(a: Path, b: Path, atol: float = 1e-6) -> None:
+    """The final models two courses wrote to `a` and `b` agree entry by entry to `atol`."""
+    import torch
+    first = torch.load(a / "final_model.pt", weights_only=True)
+    second = torch.load(b / "final_model.pt", weights_only=True)
+    assert first.keys() == second.keys()
+    for entry in first:
+        assert torch.allclose(first[entry], second[entry], rtol=0, atol=atol), entry
+
+
 # ---------------------------------------------------------------- certificates
 
 def make_certs(folder: Path) -> dict[str, str]:

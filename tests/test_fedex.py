@@ -132,3 +132,9 @@ def test_bad_candidates_are_one_line_config_errors(candidates, expected):
     with pytest.raises(ConfigError, match="LR schedule"):
         small_cfg(**{"fedex.candidates": [{"train.optimizer.lr": 0.1}], "train.scheduler.type": "cosine",
                      "train.scheduler.total_steps": 10})
+
+
+def test_fedex_under_edge_aggregators_is_refused_in_one_line():
+    # edges broadcast their own model (no theta) and forward no feedback: theta would stay uniform
+    with pytest.raises(ConfigError, match=r"^fedex.candidates: edge aggregators .* set topology.edges=0$"):
+        small_cfg(**{"fedex.candidates": [{"train.optimizer.lr": 0.1}], "topology.edges": 2})

@@ -3,30 +3,31 @@
 Decoding already refuses anything outside the allowed content types. These
 checks refuse well-typed content of the wrong shape for its message type, so
 a hostile or broken peer cannot make a handler raise (which would stop the
-course): an update must carry exactly the global model's shared entries, with
-their shapes and dtypes, finite values and a sample count. An algorithm
-whose update carries other maps of tensors (deltas, control variates)
-declares their layout in `UPDATE_LAYOUTS` under its name; one that sends
-other message types registers a check for them in `CHECKS`.
+course): an update must carry exactly what its course declares, by default
+the global model's shared entries with their shapes and dtypes, finite values
+and a sample count. The declaration is the course's: its algorithm's
+`update_layout` (`fedcore.contract.Algorithm`), changed by each of its
+behaviours that declares one (`install.update_layout`: compression's encoded
+maps, FedEx's feedback); a behaviour that adds message types declares their
+checks (`install.message_checks`: secure aggregation's protocol messages).
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
 
 import torch
 
+from fedcore import registry
 from fedcore.tensor_forms import first_nonfinite, get_form
 
-__all__ = ["CHECKS", "UPDATE_LAYOUTS", "UPDATE_ENCODINGS", "check_content", "check_join_in", "check_updates",
-           "check_metrics", "model_layout", "first_nonfinite", "MAX_METRICS", "MAX_METRIC_NAME"]
+__all__ = ["CHECKS", "check_content", "check_join_in", "check_updates", "check_metrics", "model_layout",
+           "update_layout", "first_nonfinite", "MAX_METRICS", "MAX_METRIC_NAME"]
 
 MAX_METRICS = 64        # entries in one metrics message
 MAX_METRIC_NAME = 64    # characters of a metric's name
 
 Check = Callable[[Any, Any], "str | None"]  # (content, server worker) -> problem or None
-# (server worker) -> {content key: {entry name: reference tensor}}: the tensor maps an update
-# must carry, each with exactly these entries, shapes and dtypes (besides 'num_samples').
-Layout = Callable[[Any], "dict[str, dict[str, torch.Tensor]]"]
 
 
 def _is_int(v: Any) -> bool:
@@ -52,12 +53,6 @@ def model_layout(server) -> dict[str, dict[str, torch.Tensor]]:
     return {"model": server.aggregator.broadcast(server.round).get("model", {})}
 
 
-UPDATE_LAYOUTS: dict[str, Layout] = {}  # algorithm name -> its update's layout
-# behaviours that change how an update travels (compression): (server, layout) -> the layout
-# on the wire; each returns the layout unchanged when its course does not use it
-UPDATE_ENCODINGS: list[Callable[[Any, dict], dict]] = []
-
-
 def _check_map(key: str, got: Any, expected: dict[str, torch.Tensor]) -> str | None:
     if not isinstance(got, dict):
         return f"update entry '{key}' must be a map of tensors"
@@ -81,15 +76,31 @@ def _check_map(key: str, got: Any, expected: dict[str, torch.Tensor]) -> str | N
 _TORCH = get_form("torch")
 
 
-def _algorithm(server) -> str | None:
-    course = getattr(server, "course", None)
-    return course.cfg["algorithm.name"] if course is not None else None
+def update_layout(server) -> dict[str, Any]:
+    """What an update must carry in `server`'s course (`fedcore.contract.UpdateLayout`): its
+    algorithm's declared layout, as each of its behaviours declares a change to it."""
+    course = _course(server)
+    if course is None:          # a bare server object: no course, no declarations
+        return model_layout(server)
+    algorithm = registry.algorithms.get(course.cfg["algorithm.name"])
+    layout = (algorithm.update_layout or model_layout)(server)
+    for change in _declared(course.cfg, "update_layout"):
+        layout = change(server, layout)
+    return layout
+
+
+def _course(server):
+    return getattr(server, "course", None)
+
+
+def _declared(cfg, what: str) -> list:
+    """What the course's behaviours declare under `what`, in their order."""
+    found = (getattr(registry.behaviours.get(n), what, None) for n in registry.selected_behaviours(cfg))
+    return [d for d in found if d is not None]
 
 
 def check_updates(content: Any, server) -> str | None:
-    layout = UPDATE_LAYOUTS.get(_algorithm(server), model_layout)(server)
-    for encoding in UPDATE_ENCODINGS:
-        layout = encoding(server, layout)
+    layout = update_layout(server)
     if not isinstance(content, dict) or ("model" in layout and not isinstance(content.get("model"), dict)):
         keys = " and ".join(f"a '{k}' map" for k in layout)
         return f"updates content must be a map with {keys} of tensors"
@@ -97,13 +108,15 @@ def check_updates(content: Any, server) -> str | None:
         return "updates content needs 'num_samples', a non-negative int"
     missing = [k for k in layout if k not in content]
     if missing:
-        return f"updates content needs a '{missing[0]}' map of tensors"
+        kind = "entry" if callable(layout[missing[0]]) else "map of tensors"
+        return f"updates content needs a '{missing[0]}' {kind}"
     extra = sorted(set(content) - set(layout) - {"num_samples"})
     if extra:
         return (f"updates content has unexpected entries {extra[:3]} "
                 f"(expected {sorted(layout)} and num_samples)")
     for key, expected in layout.items():
-        problem = _check_map(key, content.get(key), expected)
+        problem = expected(content[key], server) if callable(expected) else \
+            _check_map(key, content[key], expected)
         if problem:
             return problem
     return None
@@ -124,14 +137,19 @@ def check_metrics(content: Any, server) -> str | None:
     return None
 
 
-CHECKS: dict[str, Check] = {
+# the built-in message types' checks (read-only: others are declared by the behaviours adding them)
+CHECKS: Mapping[str, Check] = MappingProxyType({
     "join_in": check_join_in,
     "updates": check_updates,
     "metrics": check_metrics,
-}
+})
 
 
 def check_content(msg_type: str, content: Any, server) -> str | None:
     """The problem with `content` for `msg_type`, or None when it may be handled."""
     check = CHECKS.get(msg_type)
+    if check is None:
+        course = _course(server)
+        declared = _declared(course.cfg, "message_checks") if course is not None else []
+        check = next((checks[msg_type] for checks in declared if msg_type in checks), None)
     return check(content, server) if check is not None else None
