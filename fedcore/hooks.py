@@ -55,7 +55,8 @@ class Wrappable:
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         for name in METHODS:
-            own = cls.__dict__.get(name)
+            # its own method, or one a mixin outside the plug-in classes brought in first
+            own = getattr(cls, name, None)
             if inspect.isfunction(own) and not hasattr(own, "_dispatches"):
                 setattr(cls, name, _dispatching(name, own))
 
