@@ -63,8 +63,12 @@ def own_randomness(trainer, seed: int) -> None:
         trainer.own_fits += 1
         with client_randomness(seed, client_id, round_, device):
             return fit(client_id, data, received, round_)
-    trainer.wrap(Wrapper("own randomness", "fit", fit_with_own_stream,
-                         per_client_result=True, process_safe=True))
+
+    def counted(fit, *args):   # a batched result: the engine drew the client's stream itself
+        trainer.own_fits += 1
+        return fit(*args)
+    trainer.wrap(Wrapper("own randomness", "fit", fit_with_own_stream, per_client_result=True,
+                         process_safe=True, around_result=counted))
 
 
 def numpy_permutation(n: int, seed: int, client_id: int, epoch: int) -> np.ndarray:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fedcore.contract import FitResult
-from fedcore.hooks import call_around
+from fedcore.hooks import around_result
 from fedcore.message import SERVER_ID, Message
 
 __all__ = ["BatchingTrainer", "Engine"]
@@ -172,8 +172,7 @@ class BatchingTrainer:
             self.batched_fits += 1
             if self._engine.runs_wrappers:
                 return ready.result
-            return call_around(self._trainer, "fit", lambda *_: ready.result,
-                               client_id, data, received, round_)
+            return around_result(self._trainer, "fit", ready.result, client_id, data, received, round_)
         self.sequential_fits += 1
         return self._trainer.fit(client_id, data, received, round_)
 

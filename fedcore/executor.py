@@ -10,6 +10,10 @@ parameters, spread over worker processes, or over Ray actors) and hands each cli
 result when its delivery comes. Virtual timestamps, byte counts and the
 order of events are untouched, so a course gives the same numbers whichever
 executor runs it.
+
+Behaviours change the training through declared wrappers (`fedcore.hooks`), which say what
+each executor needs: a course with a wrapper its executor cannot run is refused when it is
+built, in one line, never run another way than asked.
 """
 from __future__ import annotations
 

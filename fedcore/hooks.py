@@ -11,7 +11,8 @@ a plug-in's own method runs the plain method, never the chain a second time.
 
 A wrapper also says what it supports, and the executors read that instead of guessing:
 `per_client_result` - it needs only the call's inputs, the inner call's result and the client's
-stored state, so the vectorized engine applies it around each client's batched result;
+stored state, and draws from no generator but its own, so the vectorized engine applies it
+around each client's batched result;
 `process_safe` - it touches nothing but the trainer, the client's stored state and the result,
 so a worker process or Ray actor runs it on its own copy of the trainer; `deployable` - it works
 when clients and server are separate processes.
@@ -23,7 +24,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
-__all__ = ["METHODS", "TRAINING", "Wrapper", "Wrappable", "wrappers", "call_around", "refusal"]
+__all__ = ["METHODS", "TRAINING", "Wrapper", "Wrappable", "wrappers", "around_result", "refusal"]
 
 # a trainer's round, its start (after the client's state is restored) and step count, its
 # evaluation; an aggregator's combination of updates and what it sends
@@ -42,6 +43,9 @@ class Wrapper:
     per_client_result: bool = False
     process_safe: bool = False
     deployable: bool = True
+    # what it does around a result computed elsewhere, if not `around` (the client's random
+    # stream: the engine drew it already)
+    around_result: Callable[..., Any] | None = None
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -76,12 +80,20 @@ def wrappers(obj: Any, method: str | None = None) -> tuple[Wrapper, ...]:
     return tuple(w for m in METHODS for w in chains.get(m, ()))
 
 
-def call_around(obj: Any, method: str, inner: Callable[..., Any], *args, **kwargs) -> Any:
-    """Run `obj`'s chain for `method` around `inner` instead of its own method (an executor's
-    batched result stands for the plain fit)."""
+def _call_around(obj: Any, method: str, inner: Callable[..., Any], *args, **kwargs) -> Any:
+    """Run `obj`'s chain for `method` around `inner`, its own method."""
     call = inner
     for w in wrappers(obj, method):
         call = functools.partial(w.around, call)
+    return call(*args, **kwargs)
+
+
+def around_result(obj: Any, method: str, result: Any, *args, **kwargs) -> Any:
+    """Run `obj`'s chain for `method` around `result`, computed elsewhere for these arguments
+    (an executor's batched fit); every wrapper must be `per_client_result`."""
+    call: Callable[..., Any] = lambda *_, **__: result
+    for w in wrappers(obj, method):
+        call = functools.partial(w.around_result or w.around, call)
     return call(*args, **kwargs)
 
 
@@ -100,7 +112,7 @@ def _dispatching(name: str, own: Callable[..., Any]) -> Callable[..., Any]:
                 return own(self, *a, **k)
             finally:
                 inside.discard(name)
-        return call_around(self, name, plain, *args, **kwargs)
+        return _call_around(self, name, plain, *args, **kwargs)
     dispatch._dispatches = name
     return dispatch
 

@@ -6,7 +6,7 @@ import pathlib
 import pytest
 
 from fedcore.contract import Aggregator, Trainer
-from fedcore.hooks import METHODS, Wrappable, Wrapper, call_around, refusal, wrappers
+from fedcore.hooks import METHODS, Wrappable, Wrapper, around_result, refusal, wrappers
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -70,10 +70,13 @@ def test_a_wrapper_that_calls_the_method_again_goes_through_the_chain_again():
 
 
 def test_the_chain_runs_around_a_result_computed_elsewhere():
-    # what the vectorized executor does with a client's batched result
+    # what the vectorized executor does with a client's batched result; a wrapper whose work
+    # the engine did already (the client's random stream) says what it does instead
     p, log = Plain(), []
     p.wrap(Wrapper("w", "fit", _tag("w", log)))
-    assert call_around(p, "fit", lambda x: ["batched", x], 7) == ["batched", 7, "w"]
+    p.wrap(Wrapper("stream", "fit", _tag("stream", log), around_result=_tag("counted", log)))
+    assert around_result(p, "fit", ["batched"], 7) == ["batched", "w", "counted"]
+    assert log == ["counted in", "w in", "w out", "counted out"]
     assert p.calls == []
 
 
