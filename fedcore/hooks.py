@@ -53,8 +53,8 @@ class Wrapper:
 
 
 class Wrappable:
-    """Base of the plug-in classes: `wrap` adds to a method's chain, and every class's own
-    `fit`/`evaluate`/`aggregate`/`broadcast` is reached through a dispatch that runs it."""
+    """Base of the plug-in classes: `wrap` adds to a method's chain, and each of `METHODS` a
+    class defines (or a mixin before it brings in) is reached through a dispatch that runs it."""
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -65,7 +65,7 @@ class Wrappable:
                 setattr(cls, name, _dispatching(name, own))
 
     def wrap(self, wrapper: Wrapper) -> None:
-        """Add `wrapper` outside the method's chain so far (it runs before the ones before it)."""
+        """Add `wrapper` outside the method's chain so far: it runs first, around the others."""
         if not callable(getattr(type(self), wrapper.method, None)):
             raise TypeError(f"{type(self).__name__} has no method {wrapper.method!r} to wrap")
         chains = self.__dict__.setdefault("_chains", {})
