@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from fedcore.contract import Aggregator, ReceivedUpdate, weighted_mean
+from fedcore.hooks import Wrapper
 
 __all__ = ["Deltas", "CombineRule", "replace_combination", "flatten", "unflatten", "float_names"]
 
@@ -47,9 +48,7 @@ def unflatten(vec: torch.Tensor, like: dict[str, torch.Tensor], names: list[str]
 
 def replace_combination(aggregator: Aggregator, rule: CombineRule, label: str) -> None:
     """Make `aggregator` combine updates with `rule` (applied before its own aggregate)."""
-    original = aggregator.aggregate
-
-    def aggregate(updates: list[ReceivedUpdate], round_: int) -> dict[str, float]:
+    def aggregate(original, updates: list[ReceivedUpdate], round_: int) -> dict[str, float]:
         if not updates:
             return original(updates, round_)
         extra = set(updates[0].content) - {"model", "num_samples"}
@@ -78,5 +77,5 @@ def replace_combination(aggregator: Aggregator, rule: CombineRule, label: str) -
         out.update(metrics)
         return out
 
-    aggregator.aggregate = aggregate
+    aggregator.wrap(Wrapper(label, "aggregate", aggregate))
     aggregator.combination = label   # the rule needs every update at once (algorithms/streaming.py)

@@ -32,6 +32,7 @@ import torch
 from fedcore import admission, registry
 from fedcore.config import declare, fraction, validator
 from fedcore.errors import ConfigError
+from fedcore.hooks import Wrapper
 from fedcore.message import Message
 from fedcore.worker import Registration
 
@@ -212,9 +213,8 @@ def wire_layout(reference: dict[str, torch.Tensor], kind: str, share: float) -> 
 def _install_client(course) -> None:
     cfg, trainer = course.cfg, course.trainer
     kind, share, feedback = cfg["compress.type"], cfg["compress.topk_fraction"], error_feedback(cfg)
-    fit = trainer.fit
 
-    def compressed_fit(client_id, data, received, round_):
+    def compressed_fit(fit, client_id, data, received, round_):
         result = fit(client_id, data, received, round_)
         extra = set(result.content) - {"model", "num_samples"}
         if extra:
@@ -229,7 +229,8 @@ def _install_client(course) -> None:
             trainer.store.save(client_id, state)
         result.content = {**maps, "num_samples": result.content["num_samples"]}
         return result
-    trainer.fit = compressed_fit
+    # it encodes the fit's result against what was received, with the client's stored residual
+    trainer.wrap(Wrapper("compress", "fit", compressed_fit, per_client_result=True, process_safe=True))
 
 
 def _install_server(course) -> None:

@@ -36,6 +36,7 @@ from fedcore.algorithms.participants import chosen_clients
 from fedcore.config import declare, non_negative, positive, validator
 from fedcore.contract import ReceivedUpdate
 from fedcore.errors import ConfigError
+from fedcore.hooks import Wrapper
 from fedcore.sampling import PoissonSampler
 from fedcore.schema import clients_per_round
 
@@ -205,14 +206,13 @@ def _install_central(course, q: float) -> None:
     replace_combination(aggregator, central_dp_rule(
         cfg["privacy.dp.clip_norm"], sigma, lambda round_: noise_source(cfg, 0, round_),
         expected=clients_per_round(cfg)), "privacy.dp.mode central")
-    combine = aggregator.aggregate
 
-    def releasing_empty_rounds(updates, round_):
+    def releasing_empty_rounds(combine, updates, round_):
         if not updates:  # the server's own unchanged model: a zero delta, so noise alone is added
             updates = [ReceivedUpdate(0, {"model": dict(aggregator.global_state), "num_samples": 1.0},
                                       round_)]
         return combine(updates, round_)
-    aggregator.aggregate = releasing_empty_rounds
+    aggregator.wrap(Wrapper("differential_privacy central", "aggregate", releasing_empty_rounds))
     aggregator.releases_empty_rounds = sigma > 0
 
 
@@ -220,9 +220,8 @@ def _install_local(course, noisy: set[int]) -> None:
     """Each chosen client clips its update and adds noise before sending it."""
     cfg, trainer = course.cfg, course.trainer
     clip, sigma = cfg["privacy.dp.clip_norm"], cfg["privacy.dp.noise_multiplier"]
-    fit = trainer.fit
 
-    def private_fit(client_id, data, received, round_):
+    def private_fit(fit, client_id, data, received, round_):
         result = fit(client_id, data, received, round_)
         if client_id in noisy:
             source = noise_source(cfg, client_id, round_)
@@ -236,7 +235,10 @@ def _install_local(course, noisy: set[int]) -> None:
                 result.content = dict(result.content, model=model)
             result.metrics["dp_update_norm"] = norm
         return result
-    trainer.fit = private_fit
+    # the clipped, noised update depends on the fit's inputs and result only: it applies to a
+    # batched result as to a plain fit
+    trainer.wrap(Wrapper("differential_privacy local", "fit", private_fit,
+                         per_client_result=True, process_safe=True))
 
 
 def install(course) -> None:
@@ -258,10 +260,9 @@ def install(course) -> None:
         _install_central(course, ledger.q)
     course.checkpointer.register("privacy.dp", ledger.state, ledger.restore)
     aggregator = server.aggregator
-    aggregate = aggregator.aggregate
     source = resolved_noise_source(cfg)
 
-    def accounted(updates, round_):
+    def accounted(aggregate, updates, round_):
         out = dict(aggregate(updates, round_) or {})
         # an update that stands for several clients (a secure sum) names them in `contributors`
         ids = [c for u in updates for c in getattr(u, "contributors", (u.client_id,))]
@@ -272,7 +273,7 @@ def install(course) -> None:
         if "dp_epsilon_replace_one" in out:
             course.monitor.add_summary("dp", {"dp_epsilon_replace_one": out["dp_epsilon_replace_one"]})
         return out
-    aggregator.aggregate = accounted
+    aggregator.wrap(Wrapper("differential_privacy accounting", "aggregate", accounted))
 
 
 install.enabled = lambda cfg: cfg["privacy.dp.mode"] != "none"

@@ -28,6 +28,7 @@ from fedcore import registry
 from fedcore.config import declare, positive, validator
 from fedcore.contract import ReceivedUpdate, evaluate_model
 from fedcore.errors import ConfigError
+from fedcore.hooks import Wrapper
 
 __all__ = ["LOCAL_KEYS", "ExpGradPolicy", "draw_arm", "check_feedback", "feedback_layout",
            "install"]
@@ -178,17 +179,16 @@ def _wrap_trainer(course, candidates: list[dict]) -> None:
     trainer, cfg = course.trainer, course.cfg
     seed, diff = cfg["seed"], cfg["fedex.diff"]
     arm_cfgs = [cfg.with_overrides(**c) for c in candidates]
-    fit, begin = trainer.fit, trainer.begin
     chosen: dict[str, Any] = {}
 
-    def fedex_begin(state, received):
+    def fedex_begin(begin, state, received):
         # after the client's optimizer state is restored, before the first step
         for key, value in chosen.items():
             for group in trainer.optimizer.param_groups:
                 group[_OPTIMIZER_FIELDS[key]] = value
         begin(state, received)
 
-    def fedex_fit(client_id, data, received, round_):
+    def fedex_fit(fit, client_id, data, received, round_):
         theta = received.get("fedex_theta")
         if theta is None:
             return fit(client_id, data, received, round_)
@@ -211,7 +211,9 @@ def _wrap_trainer(course, candidates: list[dict]) -> None:
         result.content = dict(result.content, fedex=feedback)
         return result
 
-    trainer.fit, trainer.begin = fedex_fit, fedex_begin
+    # the arm's values change the training itself; the trainer's own copy carries them
+    trainer.wrap(Wrapper("fedex", "begin", fedex_begin, process_safe=True, deployable=False))
+    trainer.wrap(Wrapper("fedex", "fit", fedex_fit, process_safe=True, deployable=False))
 
 
 def install(course) -> None:
@@ -228,12 +230,11 @@ def install(course) -> None:
                            cfg["fedex.baseline"], cfg["fedex.diff"])
     course.checkpointer.register("fedex", policy.state, policy.restore)
     aggregator = server.aggregator
-    broadcast, aggregate = aggregator.broadcast, aggregator.aggregate
 
-    def fedex_broadcast(round_):
+    def fedex_broadcast(broadcast, round_):
         return {**broadcast(round_), "fedex_theta": torch.from_numpy(policy.theta)}
 
-    def fedex_aggregate(updates, round_):
+    def fedex_aggregate(aggregate, updates, round_):
         feedback = [u.content.get("fedex") for u in updates]
         plain = [ReceivedUpdate(u.client_id, {k: v for k, v in u.content.items() if k != "fedex"},
                                 u.round, u.staleness) for u in updates]
@@ -248,7 +249,8 @@ def install(course) -> None:
                                              "fedex_best_arm": best, "fedex_best": candidates[best]})
         return out
 
-    aggregator.broadcast, aggregator.aggregate = fedex_broadcast, fedex_aggregate
+    aggregator.wrap(Wrapper("fedex", "broadcast", fedex_broadcast, deployable=False))
+    aggregator.wrap(Wrapper("fedex", "aggregate", fedex_aggregate, deployable=False))
 
 
 def check_feedback(feedback: Any, server) -> str | None:

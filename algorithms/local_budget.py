@@ -21,6 +21,7 @@ import math
 from fedcore import registry
 from fedcore.config import declare, positive, validator
 from fedcore.errors import ConfigError
+from fedcore.hooks import Wrapper
 from fedcore.timing import TimeModel
 
 __all__ = ["budget_steps", "install"]
@@ -60,17 +61,21 @@ def install(course) -> None:
                             cfg["train.grad_accum_steps"])
     # the configured profiles, also in a deployed client (whose own clock measures real time)
     profiles = TimeModel.from_config(cfg, range(1, course.num_clients + 1))
-    fit = trainer.fit
+    speed: list[float] = []   # the compute speed of the client being fitted
 
-    def budgeted_fit(client_id, data, received, round_):
-        speed = profiles.profile(client_id).compute_speed
-        trainer.num_steps = lambda n: budget_steps(budget, speed, n, batch, accum)
+    def budgeted_fit(fit, client_id, data, received, round_):
+        speed.append(profiles.profile(client_id).compute_speed)
         try:
             return fit(client_id, data, received, round_)
         finally:
-            del trainer.num_steps      # back to the class's own
+            speed.pop()
 
-    trainer.fit = budgeted_fit
+    def budgeted_steps(num_steps, n_train):
+        return budget_steps(budget, speed[-1], n_train, batch, accum) if speed else num_steps(n_train)
+
+    # the step count changes the training itself; the trainer's own copy (a worker's) takes it
+    trainer.wrap(Wrapper("train.local_time_budget", "num_steps", budgeted_steps, process_safe=True))
+    trainer.wrap(Wrapper("train.local_time_budget", "fit", budgeted_fit, process_safe=True))
 
 
 install.enabled = lambda cfg: cfg["train.local_time_budget"] is not None

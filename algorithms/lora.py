@@ -28,6 +28,7 @@ from fedcore.config import declare, validator
 from fedcore.algorithms.combine import replace_combination
 from fedcore.contract import FitResult
 from fedcore.errors import ConfigError
+from fedcore.hooks import Wrapper
 from fedcore.server_optimizer import from_config as server_optimizer_from_config
 from fedcore.scenarios.llm_models import lora_pairs
 
@@ -120,9 +121,9 @@ def client_rank(cfg, client_id: int) -> int:
 
 def _own_ranks(trainer, pairs) -> None:
     """Each client trains the first `client_rank` components of the received adapters."""
-    inner, cfg = trainer.fit, trainer.cfg
+    cfg = trainer.cfg
 
-    def fit(client_id: int, data, received: dict, round_: int) -> FitResult:
+    def fit(inner, client_id: int, data, received: dict, round_: int) -> FitResult:
         rank = client_rank(cfg, client_id)
         if rank == cfg["model.lora.r"]:
             return inner(client_id, data, received, round_)
@@ -133,7 +134,8 @@ def _own_ranks(trainer, pairs) -> None:
             result.content["model"][b][:, rank:] = 0
         return result
 
-    trainer.fit = fit
+    # the client trains on truncated adapters: the training itself changes
+    trainer.wrap(Wrapper("model.lora.ranks", "fit", fit, process_safe=True))
 
 
 def _exact_aggregation(aggregator, pairs, rank: int) -> None:

@@ -29,6 +29,7 @@ from fedcore import registry
 from fedcore.contract import BatchStream, Trainer, evaluate_model
 from fedcore.config import declare, non_negative, positive, validator
 from fedcore.errors import ConfigError
+from fedcore.hooks import Wrapper
 
 __all__ = ["batchnorm_entries", "ExcludeEntries", "local_train", "evaluate_with", "install"]
 
@@ -137,10 +138,10 @@ def _install_ditto(course) -> None:
     trainer, cfg = course.trainer, course.cfg
     lam, store = cfg["personalization.ditto_lambda"], trainer.store
     initial = _snapshot(trainer)   # w^0: installed before any training, from the course's model
-    fit = trainer.fit
 
-    def ditto_fit(client_id, data, received, round_):
+    def ditto_fit(fit, client_id, data, received, round_):
         result = fit(client_id, data, received, round_)
+        store = trainer.store   # a worker process's own, where one runs the fit
         state = store.load(client_id)
         trainer.load_global(received["model"], state)
         _load(trainer, state.get("ditto_model", initial))
@@ -156,18 +157,21 @@ def _install_ditto(course) -> None:
         store.save(client_id, state)
         return result
 
-    def ditto_evaluate(client_id, data, received):
+    def ditto_evaluate(_evaluate, client_id, data, received):
         # a client not yet trained is evaluated with its personal model as it stands: w^0
         return evaluate_with(trainer, data, store.load(client_id).get("ditto_model", initial))
-    trainer.fit, trainer.evaluate = ditto_fit, ditto_evaluate
+    # the personal model trains on the trainer's model after the global one: the random draws
+    # of a model's dropout follow the plain fit's, so it runs where the fit runs
+    trainer.wrap(Wrapper("personalization ditto", "fit", ditto_fit, process_safe=True))
+    trainer.wrap(Wrapper("personalization ditto", "evaluate", ditto_evaluate))
 
 
 def _install_finetune(course) -> None:
     trainer, cfg = course.trainer, course.cfg
-    evaluate, store = trainer.evaluate, trainer.store
+    store = trainer.store
     only_dropped = cfg["personalization.finetune_on"] == "performance_drop"
 
-    def finetuned_evaluate(client_id, data, received):
+    def finetuned_evaluate(evaluate, client_id, data, received):
         state = store.load(client_id)
         if only_dropped and not state.get("personalize"):
             return evaluate(client_id, data, received)
@@ -176,7 +180,7 @@ def _install_finetune(course) -> None:
         local_train(trainer, client_id, data, steps, cfg["seed"] * 1013 + 5)
         return evaluate_model(trainer.model, data.test.x, data.test.y, trainer.loss,
                               cfg["eval.batch_size"])
-    trainer.evaluate = finetuned_evaluate
+    trainer.wrap(Wrapper("personalization finetune", "evaluate", finetuned_evaluate))
 
 
 def install(course) -> None:

@@ -16,13 +16,13 @@ its own (`fedcore.random_layers`).
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 
 import numpy as np
 import torch
 
 from fedcore.config import declare
+from fedcore.hooks import Wrapper
 
 __all__ = ["epoch_seed", "round_seed", "client_randomness", "own_randomness", "numpy_permutation",
            "NumpyBatchStream"]
@@ -53,17 +53,22 @@ def client_randomness(seed: int, client_id: int, round_: int, device: torch.devi
 
 
 def own_randomness(trainer, seed: int) -> None:
-    """Make every `trainer.fit` draw from its client's round stream (a wrapper on this
-    instance; it also counts the fits in `trainer.own_fits`)."""
-    fit = trainer.fit
+    """Make every `trainer.fit` draw from its client's round stream (a wrapper outside every
+    behaviour's; it also counts the fits in `trainer.own_fits`). The engines draw the same
+    streams themselves, so it applies to a batched result as to a plain fit."""
     trainer.own_fits = 0
+    device = getattr(trainer, "device", None)
 
-    @functools.wraps(fit)
-    def fit_with_own_stream(client_id: int, data, received: dict, round_: int):
+    def fit_with_own_stream(fit, client_id: int, data, received: dict, round_: int):
         trainer.own_fits += 1
-        with client_randomness(seed, client_id, round_, getattr(trainer, "device", None)):
+        with client_randomness(seed, client_id, round_, device):
             return fit(client_id, data, received, round_)
-    trainer.fit = fit_with_own_stream
+
+    def counted(fit, *args):   # a batched result: the engine drew the client's stream itself
+        trainer.own_fits += 1
+        return fit(*args)
+    trainer.wrap(Wrapper("own randomness", "fit", fit_with_own_stream, per_client_result=True,
+                         process_safe=True, around_result=counted))
 
 
 def numpy_permutation(n: int, seed: int, client_id: int, epoch: int) -> np.ndarray:

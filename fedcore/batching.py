@@ -8,6 +8,9 @@ train all of them at once; each later delivery picks up its own, already
 computed, result. Client states are saved only when a client's result is
 picked up, so a receiver that never gets its delivery keeps its state.
 
+The engines read what the behaviours' wrappers of `fit` declare (`fedcore.hooks`): the
+vectorized engine computes the plain fit and the front runs the wrappers around each
+client's result; worker processes and Ray actors run the whole `fit`, wrappers included.
 A model sent to one client alone is trained as usual. A batched result is
 used only if nothing else trained that client in between (a per-client
 count of fits guards this); otherwise, and whenever the engine cannot
@@ -22,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fedcore.contract import FitResult
+from fedcore.hooks import around_result
 from fedcore.message import SERVER_ID, Message
 
 __all__ = ["BatchingTrainer", "Engine"]
@@ -35,6 +39,9 @@ class Engine:
     """Trains a batch of clients; `None` in the output means 'run this one sequentially'."""
 
     name = "engine"
+    # True: its results come from the trainer's whole `fit`, wrappers included (workers run
+    # the chain); False: from the plain fit, and the front runs the chain around each
+    runs_wrappers = False
 
     def fit_many(self, trainer, jobs: list[tuple[int, Any, dict]], received: dict,
                  round_: int) -> list[tuple[FitResult, dict] | None]:
@@ -163,7 +170,9 @@ class BatchingTrainer:
         if ready is not None and ready.version == version:
             self._trainer.store.save(client_id, ready.state)
             self.batched_fits += 1
-            return ready.result
+            if self._engine.runs_wrappers:
+                return ready.result
+            return around_result(self._trainer, "fit", ready.result, client_id, data, received, round_)
         self.sequential_fits += 1
         return self._trainer.fit(client_id, data, received, round_)
 

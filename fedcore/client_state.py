@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from fedcore.comm.fingerprint import differing_keys, fingerprint
+from fedcore.hooks import Wrapper
 
 __all__ = ["ClientStateDir", "StateRefused", "DurableClientState", "keep_client_state", "default_state_dir"]
 
@@ -254,12 +255,11 @@ def keep_client_state(course, cfg) -> DurableClientState | None:
     if folder is None:
         return None
     durable = DurableClientState(course, course.clients[cid], folder)
-    fit = course.trainer.fit
 
-    def durable_fit(client_id, data, received, round_):
+    def durable_fit(fit, client_id, data, received, round_):
         durable.before_training(round_)
         result = fit(client_id, data, received, round_)
         durable.after_training(round_)
         return result
-    course.trainer.fit = durable_fit
+    course.trainer.wrap(Wrapper("distribute.keep_client_state", "fit", durable_fit))
     return durable

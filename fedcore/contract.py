@@ -7,6 +7,9 @@ configured number of optimizer steps, and returns the payload to send. Hooks
 (`begin`, `objective`, `adjust_gradients`, `step`, `payload`) are where an
 algorithm changes the local objective or the update it sends.
 
+Behaviours change `fit`, `evaluate`, `aggregate` or `broadcast` by wrapping them
+(`fedcore.hooks`: `plugin.wrap(Wrapper(...))`), never by replacing them.
+
 An `Aggregator` owns the global state and turns received updates into the
 next one. It never mutates a tensor it has broadcast: each aggregation
 builds new tensors, so in-flight messages stay valid.
@@ -25,6 +28,7 @@ import torch
 from torch import nn
 
 from fedcore.batch_order import epoch_seed, numpy_permutation
+from fedcore.hooks import Wrappable
 from fedcore.inner_loop import build_scheduler
 from fedcore.state import StateStore
 from fedcore.vector_term import VectorTerm
@@ -241,7 +245,7 @@ def _evaluate_tokens(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
             "n": len(y)}
 
 
-class Trainer:
+class Trainer(Wrappable):
     """Client-side local training shared by logical clients (FedAvg's local SGD by default)."""
 
     tensor_form = "torch"   # the tensors it works in; another form is converted at the boundary
@@ -437,7 +441,7 @@ class Trainer:
                               self.cfg["eval.batch_size"])
 
 
-class Aggregator:
+class Aggregator(Wrappable):
     """Server side: owns the global state; FedAvg's sample-weighted average by default."""
 
     def __init__(self, model: nn.Module, cfg, num_clients: int):

@@ -10,6 +10,10 @@ parameters, spread over worker processes, or over Ray actors) and hands each cli
 result when its delivery comes. Virtual timestamps, byte counts and the
 order of events are untouched, so a course gives the same numbers whichever
 executor runs it.
+
+Behaviours change the training through declared wrappers (`fedcore.hooks`), which say what
+each executor needs: a course with a wrapper its executor cannot run is refused when it is
+built, in one line, never run another way than asked.
 """
 from __future__ import annotations
 
@@ -17,6 +21,8 @@ import logging
 
 from fedcore.batch_order import own_randomness
 from fedcore.config import declare, positive
+from fedcore.errors import ConfigError
+from fedcore.hooks import refusal
 
 __all__ = ["EXECUTORS", "apply_torch_threads", "install_executor", "close_executor"]
 
@@ -28,7 +34,8 @@ declare("executor", str, "sequential",
         "how local trainings run: sequential (one after another), vectorized (clients that "
         "receive the same model train together with torch.func over stacked parameters), "
         "processes (a pool of worker processes, one per core), ray (actors on a Ray cluster, or a "
-        "local Ray; see executor.ray.*)", choices=EXECUTORS)
+        "local Ray; see executor.ray.*); a behaviour whose wrapper of the trainer's fit the "
+        "executor cannot run is refused when the course is built", choices=EXECUTORS)
 declare("executor_workers", int, None,
         "processes executor: worker processes (default: the number of usable cores); ray "
         "executor: actors (default: as many as the cluster's resources hold)",
@@ -49,36 +56,21 @@ def apply_torch_threads(cfg) -> None:
 
 def install_executor(course) -> None:
     """Apply `torch_threads`, give every fit its client's own random stream, put the configured
-    executor in front of `course.trainer` and say in one line how the course will train."""
+    executor in front of `course.trainer` and say in one line how the course will train. A
+    behaviour whose wrapper of the trainer's fit the executor cannot run is a `ConfigError`."""
     cfg = course.cfg
     apply_torch_threads(cfg)
     kind = cfg["executor"]
-    reason = _why_not_batched(course, kind)
-    own_randomness(course.trainer, cfg["seed"])   # after the check: it wraps this trainer's fit
-    if reason is not None:
-        log.warning("executor %s: %s; running sequentially", kind, reason)
-        return
+    own_randomness(course.trainer, cfg["seed"])
     if kind == "sequential":
         return
+    refused = refusal(course.trainer, kind)
+    if refused is not None:
+        raise ConfigError(refused)
     from fedcore.batching import BatchingTrainer
     course.trainer = BatchingTrainer.install(course, kind)
     if type(course.trainer) is BatchingTrainer:
         log.info("executor %s: the clients of each broadcast train together", kind)
-
-
-def _why_not_batched(course, kind: str) -> str | None:
-    if kind == "sequential":
-        return None
-    if course.cfg["time.mode"] == "measured":
-        # a batch is computed at its first delivery: that client's stopwatch would hold the
-        # whole batch's time and the others' almost none
-        return "time.mode=measured times each client's own training"
-    if "fit" in vars(course.trainer):
-        # A behaviour wrapped this trainer's fit (local DP noise, Ditto's personal model): the
-        # engines compute the plain fit, so its results would silently lack the wrapper's work.
-        return (f"a behaviour ({', '.join(getattr(course, 'behaviours', ())) or 'extension'}) "
-                "wraps the trainer's fit")
-    return None
 
 
 def close_executor(course) -> None:

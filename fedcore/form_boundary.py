@@ -18,6 +18,7 @@ from typing import Any
 from fedcore.batch_order import NumpyBatchStream  # noqa: F401  (declares train.shuffle)
 from fedcore.config import declare, validator
 from fedcore.errors import ConfigError
+from fedcore.hooks import Wrappable
 from fedcore.tensor_forms import convert
 
 __all__ = ["at_boundary", "FormBoundary", "RUNTIME_FORM", "BACKEND_TRAINERS", "make_trainer"]
@@ -68,7 +69,7 @@ def at_boundary(trainer):
     return trainer if form == RUNTIME_FORM else FormBoundary(trainer)
 
 
-class FormBoundary:
+class FormBoundary(Wrappable):
     """A trainer in another tensor form, seen by the runtime as a torch trainer."""
 
     def __init__(self, trainer):

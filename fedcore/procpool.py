@@ -85,6 +85,7 @@ def _serve(conn, trainer, clients) -> None:
 
 class ProcessEngine(Engine):
     name = "processes"
+    runs_wrappers = True   # a worker runs the trainer's whole fit, behaviours' wrappers included
 
     def __init__(self, course, workers: int | None = None):
         self.course = course

@@ -131,6 +131,7 @@ class TrainerActor:
 
 class RayEngine(Engine):
     name = "ray"
+    runs_wrappers = True   # an actor's course installs the same behaviours' wrappers
 
     def __init__(self, course):
         self.course = course

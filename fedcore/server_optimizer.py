@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from fedcore.config import declare, positive, validator
+from fedcore.hooks import Wrapper
 from fedcore.errors import ConfigError
 
 __all__ = ["ServerOptimizer", "KINDS", "from_config", "install", "l2_norm", "optimized_names"]
@@ -188,9 +189,8 @@ def install(server, checkpointer) -> ServerOptimizer | None:
     if opt.identity:
         return None
     aggregator = server.aggregator
-    inner = aggregator.aggregate
 
-    def aggregate(updates, round_):
+    def aggregate(inner, updates, round_):
         before = aggregator.global_state
         out = dict(inner(updates, round_) or {})
         names = optimized_names(server.model, aggregator.shared)
@@ -198,7 +198,7 @@ def install(server, checkpointer) -> ServerOptimizer | None:
         out.update(norms)
         return out
 
-    aggregator.aggregate = aggregate
+    aggregator.wrap(Wrapper("server optimizer", "aggregate", aggregate))
     aggregator.server_optimizer = opt
     checkpointer.register("server_optimizer", opt.state_dict, opt.load_state_dict)
     return opt

@@ -20,6 +20,7 @@ from fedcore.config import declare, fraction, positive, validator
 from fedcore.errors import ConfigError
 from fedcore.handlers.derived_role import DerivedTable
 from fedcore.handlers.rounds import is_eval_round
+from fedcore.hooks import Wrapper
 from fedcore.message import SERVER_ID
 from fedcore.scenarios.data import ClientData, Split
 from fedcore.worker import Stopwatch
@@ -152,9 +153,8 @@ def install(course) -> None:
     course.monitor.add_summary("attack", {"attack": attack.kind, "attackers": sorted(bad)})
     if attack.kind == "backdoor" and course.server is not None:
         server = course.server
-        aggregate = server.aggregator.aggregate
 
-        def with_backdoor_metric(updates, round_):
+        def with_backdoor_metric(aggregate, updates, round_):
             out = dict(aggregate(updates, round_) or {})
             if is_eval_round(server):
                 test = course.data.server_test
@@ -164,7 +164,7 @@ def install(course) -> None:
                     out["backdoor_acc"] = rate
                     course.monitor.add_summary("attack", {"final_backdoor_acc": rate})
             return out
-        server.aggregator.aggregate = with_backdoor_metric
+        server.aggregator.wrap(Wrapper("attack backdoor metric", "aggregate", with_backdoor_metric))
 
 
 install.enabled = lambda cfg: cfg["attack.type"] != "none"

@@ -19,6 +19,7 @@ import torch
 from fedcore import registry
 from fedcore.contract import evaluate_model
 from fedcore.handlers.derived_role import DerivedTable
+from fedcore.hooks import Wrapper
 
 __all__ = ["global_is_worse", "note_performance_drop", "install"]
 
@@ -58,9 +59,8 @@ def note_performance_drop(client, info) -> None:
 def install(course) -> None:
     """Behaviour: clients check each received model and raise `performance_drop`."""
     trainer, margin = course.trainer, course.cfg["personalization.drop_margin"]
-    fit = trainer.fit if trainer is not None else None  # None: a deployed server
 
-    def checked_fit(client_id, data, received, round_):
+    def checked_fit(fit, client_id, data, received, round_):
         info = global_is_worse(trainer, client_id, data, received, margin)
         if info is not None:
             course.clients[client_id].trigger("performance_drop", dict(info, round=round_))
@@ -70,8 +70,10 @@ def install(course) -> None:
             state["own_model"] = {k: v.detach().clone() for k, v in trainer.entries.items()}
             trainer.store.save(client_id, state)
         return result
-    if trainer is not None:
-        trainer.fit = checked_fit
+    if trainer is not None:  # None: a deployed server
+        # it raises an event on the course's client and keeps the trained model: it needs
+        # the trainer as the plain fit left it, in this process
+        trainer.wrap(Wrapper("performance_drop", "fit", checked_fit))
     course.client_table.register("performance_drop", note_performance_drop)
     for table in course.tables:  # clients, and roles derived from them that train their own way
         if table is course.server_table or (isinstance(table, DerivedTable)

@@ -1,6 +1,7 @@
 """Executors: `vectorized` and `processes` give the sequential executor's numbers, with the
 same virtual times and byte counts, and fall back to sequential (with a logged reason)
-where they cannot apply."""
+where the trainer or config cannot apply; a behaviour whose wrapper of the training an
+executor cannot run is refused when the course is built."""
 import logging
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 from fedcore.contract import Trainer
 from fedcore.batching import BatchingTrainer
 from fedcore.course import Course
+from fedcore.errors import ConfigError
 from fedcore.message import Message
 from fedcore.registry import algorithms
 from fedcore.contract import Aggregator, Algorithm
@@ -175,25 +177,52 @@ def test_processes_fall_back_for_good_when_a_state_cannot_travel(caplog):
     assert _max_diff(seq, par) == 0.0 and par_trace == seq_trace
 
 
-@pytest.mark.parametrize("executor", ["vectorized", "processes"])
-@pytest.mark.parametrize("overrides", [
-    dict(privacy__dp__mode="local", privacy__dp__noise_multiplier=0.5),   # wraps fit: noise
-    dict(personalization__method="ditto"),                                # wraps fit: personal model
-    dict(attack__type="label_flip", attack__clients=[1, 2]),              # attackers' own data
+DP_LOCAL = dict(privacy__dp__mode="local", privacy__dp__noise_multiplier=0.5)   # wraps fit: noise
+DITTO = dict(personalization__method="ditto")                                  # wraps fit: personal model
+LABEL_FLIP = dict(attack__type="label_flip", attack__clients=[1, 2])           # attackers' own data
+TOPK = dict(compress__type="topk", compress__topk_fraction=0.3)   # wraps fit: encodes, keeps a residual
+INT8 = dict(compress__type="int8")                                # wraps fit: stochastic rounding
+
+
+@pytest.mark.parametrize("executor, overrides", [
+    (executor, overrides) for executor in ("vectorized", "processes")
+    for overrides in (DP_LOCAL, DITTO, LABEL_FLIP, TOPK, INT8)
+    if not (executor == "vectorized" and overrides is DITTO)   # refused: see below
 ])
 def test_behaviours_give_the_sequential_numbers_under_every_executor(executor, overrides):
-    # Each executor must give the sequential result, or fall back (with a logged reason).
+    # Each executor the course accepts must give the sequential result.
     _, seq, seq_trace = _run("sequential", eval__clients=False, **overrides)
     _, other, trace = _run(executor, executor_workers=2, eval__clients=False, **overrides)
     assert _max_diff(seq, other) < 1e-5
     assert trace == seq_trace
 
 
-def test_a_wrapped_fit_is_run_sequentially_with_a_reason(caplog):
-    with caplog.at_level(logging.WARNING, logger="fedcore.executor"):
-        course, _, _ = _run("vectorized", privacy__dp__mode="local")
-    assert not isinstance(course.trainer, BatchingTrainer)
-    assert any("wraps the trainer's fit" in r.getMessage() for r in caplog.records)
+@pytest.mark.parametrize("overrides", [DP_LOCAL, TOPK])
+def test_a_wrapper_of_a_clients_result_runs_around_the_vectorized_batch(overrides):
+    # local DP and compression need only a fit's inputs and result: the engine trains the
+    # clients together and their wrappers run around each client's result, with the
+    # sequential executor's states too (compression keeps each client's residual)
+    seq, seq_state, _ = _run("sequential", eval__clients=False, **overrides)
+    vec, vec_state, _ = _run("vectorized", eval__clients=False, **overrides)
+    assert isinstance(vec.trainer, BatchingTrainer) and vec.trainer.batched_fits > 0
+    assert vec.trainer.sequential_fits == 0
+    assert _max_diff(seq_state, vec_state) < 1e-5
+    for cid in seq.client_ids:
+        a, b = seq.trainer.store.load(cid), vec.trainer.store.load(cid)
+        assert a.keys() == b.keys()
+        if overrides is TOPK and "compression_residual" in a:   # a client that trained
+            assert _max_diff(a["compression_residual"], b["compression_residual"]) < 1e-5
+
+
+def test_a_behaviour_the_executor_cannot_run_is_refused_when_the_course_is_built():
+    # Ditto's personal model trains after the global one, on the trainer the plain fit left:
+    # no batched result stands for that, so the vectorized executor refuses it in one line
+    with pytest.raises(ConfigError) as err:
+        Course(small_cfg(None, executor="vectorized", **DITTO)).build()
+    message = str(err.value)
+    assert "\n" not in message
+    assert "executor vectorized" in message and "personalization ditto" in message
+    assert "executors that can: sequential, processes, ray" in message
 
 
 def test_measured_time_runs_sequentially_with_a_reason(caplog):

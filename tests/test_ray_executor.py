@@ -57,6 +57,10 @@ ALGORITHMS = {
     "feddyn": dict(algorithm__name="feddyn", algorithm__feddyn__alpha=0.3, train__local_steps=3,
                    federate__sample_client_num=3, federate__total_round_num=4),
     # inner AdamW moments and step counts live in each client's state (not plain tensors)
+    # behaviours' wrappers of the fit run inside the actors: their courses install them too
+    "ditto": dict(personalization__method="ditto", federate__total_round_num=3),
+    "local_dp": dict(privacy__dp__mode="local", privacy__dp__noise_multiplier=0.5,
+                     federate__total_round_num=3),
     "diloco": dict(algorithm__name="diloco", train__optimizer__type="adamw",
                    train__optimizer__lr=0.01, train__preserve_optimizer_state=True,
                    train__local_steps=3, federate__total_round_num=3),
