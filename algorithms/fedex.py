@@ -212,8 +212,8 @@ def _wrap_trainer(course, candidates: list[dict]) -> None:
         return result
 
     # the arm's values change the training itself; the trainer's own copy carries them
-    trainer.wrap(Wrapper("fedex", "begin", fedex_begin, process_safe=True, deployable=False))
-    trainer.wrap(Wrapper("fedex", "fit", fedex_fit, process_safe=True, deployable=False))
+    trainer.wrap(Wrapper("fedex", "begin", fedex_begin, process_safe=True))
+    trainer.wrap(Wrapper("fedex", "fit", fedex_fit, process_safe=True))
 
 
 def install(course) -> None:
@@ -249,8 +249,8 @@ def install(course) -> None:
                                              "fedex_best_arm": best, "fedex_best": candidates[best]})
         return out
 
-    aggregator.wrap(Wrapper("fedex", "broadcast", fedex_broadcast, deployable=False))
-    aggregator.wrap(Wrapper("fedex", "aggregate", fedex_aggregate, deployable=False))
+    aggregator.wrap(Wrapper("fedex", "broadcast", fedex_broadcast))
+    aggregator.wrap(Wrapper("fedex", "aggregate", fedex_aggregate))
 
 
 def check_feedback(feedback: Any, server) -> str | None:

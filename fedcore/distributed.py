@@ -30,6 +30,7 @@ from fedcore.deployed_resume import not_aggregated_yet, resume_server
 from fedcore.executor import apply_torch_threads
 from fedcore.errors import EXIT_OK, ConfigError, FedcoreError
 from fedcore.form_boundary import make_trainer
+from fedcore.hooks import deployment_refusal
 from fedcore.handlers import deployment
 from fedcore.scheduler import PRIORITY_TIMER, WallClockScheduler
 from fedcore.state import make_state_store
@@ -200,6 +201,13 @@ def _raise_open_files_limit(clients: int) -> None:
                     soft, clients, clients + 64)
 
 
+def _refuse_undeployable(plugin) -> None:
+    """A behaviour whose wrapper needs clients and server in one process stops the course here."""
+    why = deployment_refusal(plugin)
+    if why is not None:
+        raise ConfigError(why)
+
+
 def _measured_time() -> TimeModel:
     return TimeModel({}, mode="measured")  # real seconds: compute is what it took
 
@@ -256,6 +264,7 @@ class ServerCourse(Course):
         self.make_server(model, self._all_ids)
         self.clients = {}
         self.install_handlers()
+        _refuse_undeployable(self.server.aggregator)
         deployment.install(self)
         apply_torch_threads(cfg)
         self.comm.attach(self.server)
@@ -407,6 +416,7 @@ class ClientCourse(Course):
         self.client.finished = False
         self.clients = {client_id: self.client}
         self.install_handlers()
+        _refuse_undeployable(self.trainer)
         apply_torch_threads(cfg)
         self.built = True
         comm.on_new_server = StartEvent(self.client, "start")

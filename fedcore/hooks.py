@@ -15,7 +15,8 @@ stored state, and draws from no generator but its own, so the vectorized engine 
 around each client's batched result;
 `process_safe` - it touches nothing but the trainer, the client's stored state and the result,
 so a worker process or Ray actor runs it on its own copy of the trainer; `deployable` - it works
-when clients and server are separate processes.
+when clients and server are separate processes (a deployed server or client refuses at build,
+in one line, a wrapper that says it does not).
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
-__all__ = ["METHODS", "TRAINING", "Wrapper", "Wrappable", "wrappers", "around_result", "refusal"]
+__all__ = ["METHODS", "TRAINING", "Wrapper", "Wrappable", "wrappers", "around_result", "refusal",
+           "deployment_refusal"]
 
 # a trainer's round, its start (after the client's state is restored) and step count, its
 # evaluation; an aggregator's combination of updates and what it sends
@@ -125,6 +127,15 @@ def refusal(obj: Any, executor: str) -> str | None:
     can = ", ".join(e for e in ("sequential", *_NEEDS) if not _unsupported(obj, e))
     return (f"executor {executor} cannot run behaviour {', '.join(dict.fromkeys(bad))}: its wrapper "
             f"of the trainer's training {_NEEDS[executor][1]}; executors that can: {can}")
+
+
+def deployment_refusal(*objs: Any) -> str | None:
+    """Why a deployed process cannot run the wrappers on `objs` (one line), or None."""
+    bad = [w.behaviour for obj in objs if obj is not None for w in wrappers(obj) if not w.deployable]
+    if not bad:
+        return None
+    return (f"behaviour {', '.join(dict.fromkeys(bad))} does not run in a deployed course "
+            "(its wrapper needs the clients and the server in one process); run it in simulation")
 
 
 # executor -> (the capability each wrapper of the training needs, why without it)

@@ -159,3 +159,45 @@ def test_no_module_outside_the_tests_replaces_a_method_of_a_plugin_object():
     assert len(files) > 100
     found = [hit for f in files for hit in _method_assignments(f)]
     assert found == [], found
+
+
+@pytest.mark.parametrize("role", ["server", "client"])
+def test_a_deployed_process_refuses_a_behaviour_that_declares_it_cannot_deploy(tmp_path, monkeypatch,
+                                                                              role):
+    # A behaviour whose wrapper needs clients and server in one process stops the deployed
+    # process at build, in one line naming it; the same wrapper declared deployable passes.
+    from fedcore.course import Course
+    from fedcore.distributed import ClientCourse, ServerCourse
+    from fedcore.errors import ConfigError
+    from fedcore.scheduler import WallClockScheduler
+    from tests.conftest import small_cfg
+    deployable = [False]
+    installed = Course.install_handlers
+
+    def install_and_wrap(course):
+        installed(course)
+        plugin = course.server.aggregator if role == "server" else course.trainer
+        method = "aggregate" if role == "server" else "fit"
+        plugin.wrap(Wrapper("shared memo", method, lambda inner, *a: inner(*a),
+                            deployable=deployable[0]))
+    monkeypatch.setattr(Course, "install_handlers", install_and_wrap)
+
+    class Comm:
+        on_new_server = None
+
+        def attach(self, worker):
+            self.worker = worker
+
+    def build():
+        ids = {"distribute__client_id": 1} if role == "client" else {"distribute__insecure": True}
+        cfg = small_cfg(None, federate__mode="distributed", distribute__role=role, **ids)
+        if role == "server":
+            return ServerCourse(cfg, tmp_path / "out").build()
+        return ClientCourse(cfg, WallClockScheduler()).build(1, Comm())
+    with pytest.raises(ConfigError) as refused:
+        build()
+    assert str(refused.value) == ("behaviour shared memo does not run in a deployed course (its "
+                                  "wrapper needs the clients and the server in one process); run "
+                                  "it in simulation")
+    deployable[0] = True
+    assert build().built
