@@ -6,7 +6,7 @@ sleep, so a slow round costs no CPU. Nothing here changes what is computed.
 
 `<name>_pausing` is algorithm `<name>` with `Pausing` before its trainer; its updates
 are `<name>`'s (the server checks them against `<name>`'s layout, without which it would
-refuse every SCAFFOLD update as carrying an unexpected `delta_control`).
+refuse every SCAFFOLD update for lacking a `model` map).
 
 The server's pause is set by the environment of that one process, so that a server
 started again with the same config does not pause again:
