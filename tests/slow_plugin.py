@@ -60,12 +60,12 @@ class Pausing:
     def fit(self, client_id, data, received, round_):
         time.sleep(self.cfg["slow_test.pause"])
         once = self.cfg["slow_test.stall_once_in_round"]
-        if client_id in (self.cfg["slow_test.stall_clients"] or ()) and not once:
-            time.sleep(self.cfg["slow_test.stall"])
-            while round_ > self.cfg["slow_test.stall_rounds"]:
-                time.sleep(60)
-        if client_id in (self.cfg["slow_test.stall_clients"] or ()) and round_ == once:
-            if not getattr(self, "stalled_once", False):
+        if client_id in (self.cfg["slow_test.stall_clients"] or ()):
+            if not once:
+                time.sleep(self.cfg["slow_test.stall"])
+                while round_ > self.cfg["slow_test.stall_rounds"]:
+                    time.sleep(60)
+            elif round_ == once and not getattr(self, "stalled_once", False):
                 self.stalled_once = True
                 time.sleep(self.cfg["slow_test.stall"])
         while client_id in (self.cfg["slow_test.hang_clients"] or ()):

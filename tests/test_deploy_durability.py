@@ -6,7 +6,7 @@ is the simulation of the same config (a deployed course equals its simulation to
 tests/test_deploy_course.py). The moments are test pauses of the server (fedcore.snapshot's
 around the snapshot write, tests.slow_plugin's in the aggregation and between the first
 client's models and the others'), except while updates arrive: then clients 1 and 2 reply
-at once and client 3 takes 2 s to train (tests.slow_plugin).
+at once and client 3 takes 5 s to train that round (tests.slow_plugin).
 """
 import json
 import logging
@@ -32,9 +32,6 @@ COURSE = {
     "distribute.heartbeat_interval": 0.2, "distribute.heartbeat_timeout": 20.0,
     "distribute.retry_timeout": 60.0, "distribute.backoff_initial": 0.1, "distribute.backoff_max": 0.5,
 }
-# client 3 takes 1.5 s to train, clients 1 and 2 reply at once
-STALLING = {"plugins": ["tests.slow_plugin"], "algorithm.name": "fedavg_pausing", "slow_test.pause": 0.0,
-            "slow_test.stall_clients": [3], "slow_test.stall": 1.5, "slow_test.stall_rounds": 1000}
 PAUSE = "FEDCORE_TEST_PAUSE_IN_SNAPSHOT"   # fedcore.snapshot's test hook
 SERVER_PAUSE = "FEDCORE_TEST_PAUSE_SERVER"  # tests.slow_plugin's
 UPDATE_LOG = "FEDCORE_TEST_UPDATE_LOG"      # tests.slow_plugin's
@@ -190,7 +187,7 @@ def test_server_killed_at_each_moment_of_a_round_runs_that_round_again_once(tmp_
     # of the snapshot's round (SCAFFOLD's c_i), so the course ends as if uninterrupted.
     out = _kill_and_resume(procs, tmp_path, {
         "plugins": ["tests.slow_plugin"], "algorithm.name": f"{algorithm}_pausing", "slow_test.pause": 0.0,
-        "slow_test.stall_clients": [3], "slow_test.stall": 2.0, "slow_test.stall_once_in_round": 3},
+        "slow_test.stall_clients": [3], "slow_test.stall": 5.0, "slow_test.stall_once_in_round": 3},
         KILLS, rounds=max(KILLS))
     # simulated, the stalling client stalls for no time: how long it takes changes nothing it computes
     simulated = _simulated(tmp_path / "course.yaml", tmp_path / "simulated", "slow_test.stall=0.0")
@@ -293,9 +290,9 @@ def test_a_record_waits_its_hold_after_the_next_round_and_is_closed_by_the_watch
 def test_sigterm_snapshots_the_last_round_and_the_printed_command_resumes_the_course(tmp_path, procs):
     # checkpoint.every=0: no snapshot until the server is told to stop
     rounds = 6
-    cfg = write_cfg(tmp_path / "course.yaml", {**COURSE, **STALLING, "federate.total_round_num": rounds,
-                                               "slow_test.stall_clients": None, "slow_test.pause": 0.3,
-                                               "checkpoint.every": 0})
+    cfg = write_cfg(tmp_path / "course.yaml", {**COURSE, "federate.total_round_num": rounds,
+                                               "plugins": ["tests.slow_plugin"], "algorithm.name": "fedavg_pausing",
+                                               "slow_test.pause": 0.3, "checkpoint.every": 0})
     out, port = tmp_path / "out", _free_port()
     server = procs.fedcore("server", cfg, "distribute.role=server", f"distribute.server_port={port}",
                            f"outdir={out}")
