@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib
 import json
 import os
 import time
@@ -96,6 +97,7 @@ algorithms.register("fedasync_pausing", Algorithm(PausingTrainer, FedAsyncAggreg
 def _register_pausing(name: str) -> None:
     """`<name>_pausing`: `name`'s trainer with `Pausing` before it, `name`'s aggregator and
     update layout."""
+    importlib.import_module(f"fedcore.algorithms.{name}")   # registers it, whatever was loaded before
     base = algorithms.get(name)
     trainer = type(f"Pausing{base.trainer.__name__}", (Pausing, base.trainer), {})
     algorithms.register(f"{name}_pausing", Algorithm(trainer, base.aggregator))
