@@ -30,7 +30,7 @@ COURSE = {
     "federate.total_round_num": ROUNDS, "eval.clients": False,
     "distribute.insecure": True, "distribute.token": "t", "distribute.round_deadline": 60.0,
     "distribute.heartbeat_interval": 0.2, "distribute.heartbeat_timeout": 20.0,
-    "distribute.retry_timeout": 60.0, "distribute.backoff_initial": 0.1, "distribute.backoff_max": 0.5,
+    "distribute.retry_timeout": 300.0, "distribute.backoff_initial": 0.1, "distribute.backoff_max": 0.5,
 }
 PAUSE = "FEDCORE_TEST_PAUSE_IN_SNAPSHOT"   # fedcore.snapshot's test hook
 SERVER_PAUSE = "FEDCORE_TEST_PAUSE_SERVER"  # tests.slow_plugin's
@@ -74,10 +74,10 @@ def _catch(moment, r, server, out, tmp_path) -> None:
       its snapshot's temp file written and not yet renamed."""
     state = [tmp_path / f"client{k}" / "client_state" / str(k) / f"round_{r}.state" for k in (1, 2, 3)]
     if moment != "updates-arriving":
-        wait_for(lambda: "test pause" in text(server), 120, f"the server's pause in round {r}")
+        wait_for(lambda: "test pause" in text(server), 300, f"the server's pause in round {r}")
     trained = {"broadcast": 1, "updates-arriving": 2}.get(moment)   # the clients that trained round r
     if trained:
-        wait_for(lambda: all(s.exists() for s in state[:trained]), 120, f"round {r} trained by {trained}")
+        wait_for(lambda: all(s.exists() for s in state[:trained]), 300, f"round {r} trained by {trained}")
         time.sleep(0.3)   # their updates reach the server (a client keeps its state, then replies)
         assert not any(s.exists() for s in state[trained:])
     if moment == "snapshot-write":
