@@ -3,9 +3,10 @@
 Real processes on loopback. The clients are never restarted: they reconnect through their
 retry loop, are welcomed by the new incarnation and join again. The uninterrupted course
 is the simulation of the same config (a deployed course equals its simulation to 1e-6,
-tests/test_deploy_course.py). Clients 1 and 2 reply at once; client 3 takes 1.5 s to
-train (tests.slow_plugin), so there is a moment when some updates have arrived and
-others not.
+tests/test_deploy_course.py). The moments are test pauses of the server (fedcore.snapshot's
+around the snapshot write, tests.slow_plugin's in the aggregation and between the first
+client's models and the others'), except while updates arrive: then clients 1 and 2 reply
+at once and client 3 takes 5 s to train that round (tests.slow_plugin).
 """
 import json
 import logging
@@ -28,13 +29,12 @@ KILLED_IN = 3        # the round in flight (or being snapshotted) when the serve
 COURSE = {
     "federate.total_round_num": ROUNDS, "eval.clients": False,
     "distribute.insecure": True, "distribute.token": "t", "distribute.round_deadline": 60.0,
-    "distribute.heartbeat_interval": 0.2, "distribute.heartbeat_timeout": 5.0,
-    "distribute.retry_timeout": 60.0, "distribute.backoff_initial": 0.1, "distribute.backoff_max": 0.5,
+    "distribute.heartbeat_interval": 0.2, "distribute.heartbeat_timeout": 20.0,
+    "distribute.retry_timeout": 300.0, "distribute.backoff_initial": 0.1, "distribute.backoff_max": 0.5,
 }
-# client 3 takes 1.5 s to train, clients 1 and 2 reply at once
-STALLING = {"plugins": ["tests.slow_plugin"], "algorithm.name": "fedavg_pausing", "slow_test.pause": 0.0,
-            "slow_test.stall_clients": [3], "slow_test.stall": 1.5, "slow_test.stall_rounds": 1000}
 PAUSE = "FEDCORE_TEST_PAUSE_IN_SNAPSHOT"   # fedcore.snapshot's test hook
+SERVER_PAUSE = "FEDCORE_TEST_PAUSE_SERVER"  # tests.slow_plugin's
+UPDATE_LOG = "FEDCORE_TEST_UPDATE_LOG"      # tests.slow_plugin's
 
 
 def _free_port() -> int:
@@ -48,58 +48,80 @@ def _lines(out):
     return [json.loads(x) for x in f.read_text().splitlines() if x.strip()] if f.exists() else []
 
 
-def _simulated(cfg_path, out):
+def _simulated(cfg_path, out, *overrides):
     """The uninterrupted course: the same config, simulated in this process."""
-    cfg = load_config([str(cfg_path)], ["federate.mode=standalone", f"outdir={out}"])
+    cfg = load_config([str(cfg_path)], ["federate.mode=standalone", f"outdir={out}", *overrides])
     Course(cfg).run()
     return torch.load(out / "final_model.pt", weights_only=True)
 
 
-def _kill_and_resume(procs, tmp_path, extra, moment):
-    """Run the course, SIGKILL its server at `moment`, start it again with resume_from=latest;
-    returns (outdir, the resumed server's log). Moments:
-    before-broadcast: the snapshot of round KILLED_IN - 1 complete, round KILLED_IN's models
-      not yet sent (no client has trained a round the snapshot does not hold);
-    updates-arriving: 0.8 s into round KILLED_IN, clients 1 and 2 replied, client 3 training;
-    snapshot-write: inside the aggregation of round KILLED_IN, its record written to
-      metrics.jsonl, its snapshot's temp file written and not yet renamed."""
+def _pause_env(moment, r) -> dict:
+    """The environment of a server that is to pause at `moment` of round `r` (see _catch)."""
+    return {"before-broadcast": {PAUSE: f"{r - 1}:60:after"}, "snapshot-write": {PAUSE: f"{r}:60"},
+            "aggregation": {SERVER_PAUSE: f"aggregation:{r}:60"},
+            "broadcast": {SERVER_PAUSE: f"broadcast:{r}:60"}}.get(moment, {})
+
+
+def _catch(moment, r, server, out, tmp_path) -> None:
+    """Wait until `server` is at `moment` of round `r` and check what is on disk then:
+    before-broadcast: the snapshot of round r - 1 complete, round r's models not yet sent
+      (no client has trained a round the snapshot does not hold);
+    broadcast: round r's models sent to client 1 only, which trained the round and kept its
+      state of it; clients 2 and 3 have not received them;
+    updates-arriving: clients 1 and 2 trained round r and replied, client 3 is training;
+    aggregation: every update of round r in, its aggregation begun, nothing of it on disk;
+    snapshot-write: inside the aggregation of round r, its record written to metrics.jsonl,
+      its snapshot's temp file written and not yet renamed."""
+    state = [tmp_path / f"client{k}" / "client_state" / str(k) / f"round_{r}.state" for k in (1, 2, 3)]
+    if moment != "updates-arriving":
+        wait_for(lambda: "test pause" in text(server), 300, f"the server's pause in round {r}")
+    trained = {"broadcast": 1, "updates-arriving": 2}.get(moment)   # the clients that trained round r
+    if trained:
+        wait_for(lambda: all(s.exists() for s in state[:trained]), 300, f"round {r} trained by {trained}")
+        time.sleep(0.3)   # their updates reach the server (a client keeps its state, then replies)
+        assert not any(s.exists() for s in state[trained:])
+    if moment == "snapshot-write":
+        assert (out / "checkpoints" / f"round_{r}.tmp").exists()
+        assert len(_lines(out)) == r   # the round's record is out, its snapshot is not
+    else:   # nothing of round r on the server's disk
+        assert not list((out / "checkpoints").glob(f"round_{r}.*"))
+        assert len(_lines(out)) == r - 1
+
+
+def _kill_and_resume(procs, tmp_path, extra, kills, rounds=ROUNDS):
+    """Run the course, SIGKILL its server at each of `kills` ({round: moment}, see _catch)
+    and start it again with resume_from=latest each time; returns the outdir."""
     keys = {k: () for k in (1, 2, 3)}
     if extra.get("secure_aggregation.enabled"):   # the operator's roster of signing keys
         from fedcore.algorithms.secagg_identity import write_roster
         roster, key_files = write_roster(tmp_path, [1, 2, 3])
         extra = {**extra, "secure_aggregation.roster": str(roster)}
         keys = {k: (f"secure_aggregation.signing_key={key_files[k]}",) for k in (1, 2, 3)}
-    cfg = write_cfg(tmp_path / "course.yaml", {**COURSE, **extra})
+    cfg = write_cfg(tmp_path / "course.yaml", {**COURSE, "federate.total_round_num": rounds, **extra})
     out, port = tmp_path / "out", _free_port()
     common = ("distribute.role=server", f"distribute.server_port={port}", f"outdir={out}")
-    env = {"before-broadcast": {PAUSE: f"{KILLED_IN - 1}:60:after"},
-           "snapshot-write": {PAUSE: f"{KILLED_IN}:60"}}.get(moment, {})
-    server = procs.fedcore("server", cfg, *common, env=env)
+    first = min(kills)
+    server = procs.fedcore("server", cfg, *common, env=_pause_env(kills[first], first))
     clients = [procs.fedcore(f"client{k}", cfg, "distribute.role=client", f"distribute.server_port={port}",
                              f"distribute.client_id={k}", f"outdir={tmp_path / f'client{k}'}", *keys[k])
                for k in (1, 2, 3)]   # each keeps its state on disk, to go back to the resumed round
-    if moment == "updates-arriving":
-        wait_for((out / "checkpoints" / f"round_{KILLED_IN - 1}.pt").exists, 120, "the snapshot")
-        time.sleep(0.8)
-    else:
-        wait_for(lambda: "test pause" in text(server), 120, "the server's pause at the snapshot")
-    if moment == "snapshot-write":
-        assert (out / "checkpoints" / f"round_{KILLED_IN}.tmp").exists()
-        assert len(_lines(out)) == KILLED_IN   # the round's record is out, its snapshot is not
-    server.send_signal(signal.SIGKILL)
-    server.wait(30)
-    resumed = procs.fedcore("server-resumed", cfg, *common, "resume_from=latest")
-    assert wait_exit(resumed, 240) == 0, text(resumed)[-3000:]
+    for n, r in enumerate(sorted(kills), 1):
+        _catch(kills[r], r, server, out, tmp_path)
+        server.send_signal(signal.SIGKILL)
+        server.wait(30)
+        server = procs.fedcore(f"server-resumed-{n}", cfg, *common, "resume_from=latest",
+                               env=_pause_env(kills.get(r + 1), r + 1))
+        wait_for(lambda: f"resuming the course from the snapshot of round {r - 1}" in text(server), 120,
+                 f"the server to resume from round {r - 1}")
+    assert wait_exit(server, 240) == 0, text(server)[-3000:]
     for c in clients:
         assert wait_exit(c, 60) == 0, text(c)[-2000:]
-    log = text(resumed)
-    assert f"resuming the course from the snapshot of round {KILLED_IN - 1}" in log
     records = _lines(out)
-    assert [r["round"] for r in records] == list(range(1, ROUNDS + 1))   # each round once, in order
+    assert [r["round"] for r in records] == list(range(1, rounds + 1))   # each round once, in order
     assert all(r["num_updates"] == 3 for r in records)
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["rounds"] == ROUNDS and summary["resumed_from"]["round"] == KILLED_IN - 1
-    return out, log
+    assert summary["rounds"] == rounds and summary["resumed_from"]["round"] == max(kills) - 1
+    return out
 
 
 def _assert_same(final, simulated):
@@ -118,7 +140,7 @@ def test_server_killed_between_snapshot_and_broadcast_ends_as_the_uninterrupted_
     # aggregation course runs its interrupted round's protocol again from its start
     extra = {**SECURE, "algorithm.name": "fedavg"} if algorithm.endswith("secure-aggregation") \
         else {"algorithm.name": algorithm}
-    out, _ = _kill_and_resume(procs, tmp_path, extra, "before-broadcast")
+    out = _kill_and_resume(procs, tmp_path, extra, {KILLED_IN: "before-broadcast"})
     simulated = _simulated(tmp_path / "course.yaml", tmp_path / "simulated")
     _assert_same(torch.load(out / "final_model.pt", weights_only=True), simulated)
     if algorithm == "fedavg":   # the deployed snapshot of round 3 resumes in simulation too
@@ -152,16 +174,23 @@ def test_a_simulated_snapshot_resumes_on_a_deployed_server(tmp_path, procs):
     assert [r["round"] for r in records] == list(range(1, ROUNDS + 1))
 
 
-@pytest.mark.parametrize("moment,algorithm", [("updates-arriving", "fedavg_pausing"),
-                                              ("snapshot-write", "fedavg_pausing")])
-def test_server_killed_mid_round_or_mid_snapshot_runs_that_round_again_once(tmp_path, procs, moment,
-                                                                           algorithm):
-    # The round in flight is run again from the snapshot before it; metrics.jsonl keeps only
-    # the records that snapshot holds (the killed run's record of round KILLED_IN is dropped).
-    # Clients 1 and 2 had trained it already: each goes back to its state of the snapshot's
-    # round, so the course ends as if uninterrupted.
-    out, _ = _kill_and_resume(procs, tmp_path, {**STALLING, "algorithm.name": algorithm}, moment)
-    simulated = _simulated(tmp_path / "course.yaml", tmp_path / "simulated")
+# one course, its server killed at each moment of a round in turn, each in its own round
+KILLS = {2: "broadcast", 3: "updates-arriving", 4: "aggregation", 5: "snapshot-write"}
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "scaffold"])
+def test_server_killed_at_each_moment_of_a_round_runs_that_round_again_once(tmp_path, procs, algorithm):
+    # Each round in flight is run again from the snapshot before it; metrics.jsonl keeps only
+    # the records that snapshot holds (a killed run's record of its round is dropped). The
+    # clients that had trained the round (client 1 while broadcasting, 1 and 2 while updates
+    # arrive, all three in the aggregation and the snapshot write) each go back to their state
+    # of the snapshot's round (SCAFFOLD's c_i), so the course ends as if uninterrupted.
+    out = _kill_and_resume(procs, tmp_path, {
+        "plugins": ["tests.slow_plugin"], "algorithm.name": f"{algorithm}_pausing", "slow_test.pause": 0.0,
+        "slow_test.stall_clients": [3], "slow_test.stall": 5.0, "slow_test.stall_once_in_round": 3},
+        KILLS, rounds=max(KILLS))
+    # simulated, the stalling client stalls for no time: how long it takes changes nothing it computes
+    simulated = _simulated(tmp_path / "course.yaml", tmp_path / "simulated", "slow_test.stall=0.0")
     _assert_same(torch.load(out / "final_model.pt", weights_only=True), simulated)
 
 
@@ -261,9 +290,9 @@ def test_a_record_waits_its_hold_after_the_next_round_and_is_closed_by_the_watch
 def test_sigterm_snapshots_the_last_round_and_the_printed_command_resumes_the_course(tmp_path, procs):
     # checkpoint.every=0: no snapshot until the server is told to stop
     rounds = 6
-    cfg = write_cfg(tmp_path / "course.yaml", {**COURSE, **STALLING, "federate.total_round_num": rounds,
-                                               "slow_test.stall_clients": None, "slow_test.pause": 0.3,
-                                               "checkpoint.every": 0})
+    cfg = write_cfg(tmp_path / "course.yaml", {**COURSE, "federate.total_round_num": rounds,
+                                               "plugins": ["tests.slow_plugin"], "algorithm.name": "fedavg_pausing",
+                                               "slow_test.pause": 0.3, "checkpoint.every": 0})
     out, port = tmp_path / "out", _free_port()
     server = procs.fedcore("server", cfg, "distribute.role=server", f"distribute.server_port={port}",
                            f"outdir={out}")
@@ -289,7 +318,10 @@ def test_sigterm_snapshots_the_last_round_and_the_printed_command_resumes_the_co
 
 def test_fedbuff_server_killed_resumes_and_finishes_counting_no_update_twice(tmp_path, procs):
     # FedBuff aggregates every 2 updates. The server is killed once it has snapshotted round 2;
-    # the resumed one counts only updates from clients that joined it.
+    # the resumed one counts only updates from clients that joined it. Every update is
+    # followed by a digest of its content (tests.slow_plugin's update log): from the client
+    # that sent it into the rounds that aggregated it, the killed server's up to its snapshot
+    # and the resumed server's after it, which together made the final model.
     rounds = 40
     cfg = write_cfg(tmp_path / "course.yaml", {
         **COURSE, "federate.total_round_num": rounds, "algorithm.name": "fedbuff", "asyn.use": True,
@@ -297,13 +329,15 @@ def test_fedbuff_server_killed_resumes_and_finishes_counting_no_update_twice(tmp
         "asyn.broadcast_manner": "after_receiving", "plugins": ["tests.slow_plugin"]})
     out, port = tmp_path / "out", _free_port()
     common = ("distribute.role=server", f"distribute.server_port={port}", f"outdir={out}")
-    server = procs.fedcore("server", cfg, *common)
+    logs = {name: tmp_path / f"updates-{name}.jsonl" for name in ("killed", "resumed", 1, 2, 3)}
+    server = procs.fedcore("server", cfg, *common, env={UPDATE_LOG: str(logs["killed"])})
     clients = [procs.fedcore(f"client{k}", cfg, "distribute.role=client", f"distribute.server_port={port}",
-                             f"distribute.client_id={k}") for k in (1, 2, 3)]
+                             f"distribute.client_id={k}", env={UPDATE_LOG: str(logs[k])}) for k in (1, 2, 3)]
     wait_for((out / "checkpoints" / "round_2.pt").exists, 120, "the snapshot of round 2", interval=0.01)
     server.send_signal(signal.SIGKILL)
     server.wait(30)
-    resumed = procs.fedcore("server-resumed", cfg, *common, "resume_from=latest")
+    resumed = procs.fedcore("server-resumed", cfg, *common, "resume_from=latest",
+                            env={UPDATE_LOG: str(logs["resumed"])})
     assert wait_exit(resumed, 240) == 0, text(resumed)[-3000:]
     resumed_from = json.loads((out / "summary.json").read_text())["resumed_from"]["round"]
     assert 2 <= resumed_from < rounds
@@ -312,6 +346,14 @@ def test_fedbuff_server_killed_resumes_and_finishes_counting_no_update_twice(tmp
     assert all(r["num_updates"] == 2 for r in records)
     for c in clients:
         assert wait_exit(c, 60) == 0, text(c)[-2000:]
+    read = {name: [json.loads(x) for x in f.read_text().splitlines()] for name, f in logs.items()}
+    assert all(e["round"] > resumed_from for e in read["resumed"])
+    counted = [e for e in read["killed"] if e["round"] <= resumed_from] + read["resumed"]
+    assert sorted(e["round"] for e in counted) == sorted(2 * list(range(1, rounds + 1)))
+    digests = [e["digest"] for e in counted]
+    assert len(set(digests)) == len(digests)   # no update counted twice
+    for e in counted:   # each one an update its client sent
+        assert e["digest"] in {s["digest"] for s in read[e["client"]]}, e
 
 
 # ---------------------------------------------------------------- the server's half of state_round
