@@ -35,9 +35,9 @@ import time
 import torch
 
 from fedcore.algorithms.fedavg import FedAvgAggregator, FedAvgTrainer
-from fedcore.comm.validation import UPDATE_LAYOUTS
 from fedcore.config import declare
 from fedcore.contract import Algorithm
+from fedcore.hooks import Wrapper
 from fedcore.registry import algorithms, behaviours
 
 declare("slow_test.pause", float, 0.3, "tests: seconds a client sleeps before each local training")
@@ -100,9 +100,8 @@ def _register_pausing(name: str) -> None:
     importlib.import_module(f"fedcore.algorithms.{name}")   # registers it, whatever was loaded before
     base = algorithms.get(name)
     trainer = type(f"Pausing{base.trainer.__name__}", (Pausing, base.trainer), {})
-    algorithms.register(f"{name}_pausing", Algorithm(trainer, base.aggregator))
-    if name in UPDATE_LAYOUTS:
-        UPDATE_LAYOUTS[f"{name}_pausing"] = UPDATE_LAYOUTS[name]
+    algorithms.register(f"{name}_pausing", Algorithm(trainer, base.aggregator,
+                                                     update_layout=base.update_layout))
 
 
 _register_pausing("scaffold")
@@ -130,13 +129,11 @@ def install_server_pause(course) -> None:
         return
     moment, pause_round, seconds = _server_pause()
     if moment == "aggregation":
-        aggregate = server.aggregator.aggregate
-
-        def pausing_aggregate(updates, round_):
+        def pausing_aggregate(aggregate, updates, round_):
             if round_ == pause_round:
                 _pause(f"in the aggregation of round {round_}", seconds)
             return aggregate(updates, round_)
-        server.aggregator.aggregate = pausing_aggregate
+        server.aggregator.wrap(Wrapper("slow_test_server_pause", "aggregate", pausing_aggregate))
     elif moment == "broadcast":
         send = course.comm.send
 
