@@ -278,21 +278,10 @@ def _import_plugins(modules: Iterable[str]) -> None:
 
 
 def load_builtin_plugins() -> None:
-    """Import the packages whose modules declare keys and register plug-ins."""
-    import fedcore.algorithms  # noqa: F401
-    import fedcore.checkpoint  # noqa: F401
-    import fedcore.device  # noqa: F401
-    import fedcore.distributed  # noqa: F401
-    import fedcore.executor  # noqa: F401
-    import fedcore.ray_executor  # noqa: F401
-    import fedcore.handlers  # noqa: F401
-    import fedcore.loggers  # noqa: F401
-    import fedcore.sampling  # noqa: F401
-    import fedcore.scenarios  # noqa: F401
-    import fedcore.schema  # noqa: F401
-    import fedcore.server_optimizer  # noqa: F401
-    import fedcore.speed_sampling  # noqa: F401
-    import fedcore.timing  # noqa: F401
+    """Import the packages whose modules declare keys and register plug-ins (by name, through
+    the registry: the modules that declare keys import this one)."""
+    from fedcore.registry import load_builtin
+    load_builtin()
 
 
 def read_yaml_file(path: Path, option: str) -> Any:

@@ -33,9 +33,20 @@ from pathlib import Path
 from fedcore.checkpoint import load, restore
 from fedcore.snapshot import LATEST, snapshots
 
-__all__ = ["resume_server", "check_state_round", "not_aggregated_yet"]
+__all__ = ["resume_server", "check_state_round", "not_aggregated_yet", "listed_in_summary", "LISTED"]
 
 log = logging.getLogger("fedcore.deploy")
+
+LISTED = 50  # entries kept in each summary list; the counts go on
+
+
+def listed_in_summary(server, key: str, entry: dict) -> None:
+    """Append `entry` to the summary's list `key` (bounded) and count it in `key_total`."""
+    extra = server.course.monitor.extra_summary
+    entries = extra.setdefault(key, [])
+    if len(entries) < LISTED:
+        entries.append(entry)
+    extra[f"{key}_total"] = extra.get(f"{key}_total", 0) + 1
 
 
 def resume_server(course, value: str) -> int:
@@ -74,9 +85,8 @@ def check_state_round(server, msg) -> None:
            else "newer than the course (it should have rolled back)")
     log.warning("client %d joined with its state of round %d, %s (expected %d..%d); it continues "
                 "with that state", msg.sender, s, why, e, u)
-    from fedcore.handlers.deployment import _listed
-    _listed(server, "state_mismatch", {"client": msg.sender, "state_round": s, "expected": [e, u],
-                                      "round": server.round})
+    listed_in_summary(server, "state_mismatch", {"client": msg.sender, "state_round": s,
+                                                 "expected": [e, u], "round": server.round})
 
 
 def not_aggregated_yet(course, msg) -> bool:
