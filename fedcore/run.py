@@ -40,14 +40,20 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run(args) -> int:
-    from fedcore.config import describe_key, import_named_plugins, load_config, reference_markdown
-    if args.list_keys:
-        print(reference_markdown(), end="")
+    if args.list_keys or args.help_key:
+        from fedcore.key_index import describe_key, reference_markdown
+        if args.list_keys:
+            print(reference_markdown(packaged=True), end="")
+            return EXIT_OK
+        # without a config or overrides no plug-in of a user's can add keys: the packaged index
+        # answers for the built-in ones, without importing the plug-ins and torch
+        named = bool(args.cfg or args.overrides)
+        if named:
+            from fedcore.config import import_named_plugins
+            import_named_plugins(args.cfg or (), args.overrides)   # a plug-in's keys are known too
+        print(describe_key(args.help_key, packaged=not named))
         return EXIT_OK
-    if args.help_key:
-        import_named_plugins(args.cfg or (), args.overrides)   # a plug-in's keys are known too
-        print(describe_key(args.help_key))
-        return EXIT_OK
+    from fedcore.config import load_config
     if not args.cfg:
         raise ConfigError("--cfg FILE.yaml is required (or --help-key KEY)")
     from fedcore.api import resolve_outdir
