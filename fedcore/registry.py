@@ -87,7 +87,8 @@ behaviours = Registry("behaviour", "extensions")
 engines = Registry("executor", "executor")   # what trains a broadcast's clients together
 # Plug-in code the core calls by name: "federated_data", "server_data", "client_data" (the data
 # a simulation, a deployed server and one deployed client build), "model", "deployment" and
-# "edge" (the deployment's and the edge aggregator's handler modules).
+# "edge" (the deployment's and the edge aggregator's handler modules), "secagg_roster" (the
+# launcher's signing keys) and "fedex_local_keys" (what `fedcore.tune --method fedex` may set).
 components = Registry("component", "component")
 
 
