@@ -2,6 +2,7 @@
 through the registry, and setup.cfg's import-linter contracts hold (when lint-imports is installed)."""
 import ast
 import configparser
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -106,4 +107,5 @@ def test_the_import_linter_contracts_hold():
         pytest.skip("import-linter is not installed (the dev extra has it)")
     run = subprocess.run([str(ROOT / ".ci" / "lint-layers")], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "3 kept, 0 broken" in run.stdout
+    kept = re.search(r"Contracts: (\d+) kept, 0 broken", run.stdout)
+    assert kept and int(kept.group(1)) >= 3, run.stdout   # setup.cfg's contracts were all read
