@@ -35,6 +35,7 @@ __all__ = ["LOCAL_KEYS", "ExpGradPolicy", "draw_arm", "check_feedback", "feedbac
 
 LOCAL_KEYS = ("train.optimizer.lr", "train.optimizer.momentum", "train.optimizer.weight_decay",
               "train.local_steps", "train.local_epochs", "train.batch_size")
+registry.components.register("fedex_local_keys", LOCAL_KEYS)   # what `fedcore.tune --method fedex` sets
 _OPTIMIZER_FIELDS = {"train.optimizer.lr": "lr", "train.optimizer.momentum": "momentum",
                      "train.optimizer.weight_decay": "weight_decay"}
 SCHEDULES = ("auto", "constant", "adaptive", "aggressive")

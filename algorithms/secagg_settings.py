@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fedcore import registry
 from fedcore.config import declare, positive, validator
 from fedcore.errors import ConfigError
 from fedcore.schema import clients_per_round
@@ -15,6 +16,14 @@ from fedcore.schema import clients_per_round
 __all__ = ["MERSENNE_61", "Settings", "neighbour_graph"]
 
 MERSENNE_61 = 2 ** 61 - 1
+
+
+@registry.components.register("secagg_roster")
+def write_roster(folder, ids: list[int]):
+    """The operator's part, for fedcore.launch: one signing key per client and their roster
+    (`secagg_identity.write_roster`; cryptography is imported only here)."""
+    from fedcore.algorithms.secagg_identity import write_roster as write
+    return write(folder, ids)
 
 declare("secure_aggregation.enabled", bool, False, "secure aggregation (SecAgg+): the server learns "
         "only the sum of each round's updates")

@@ -10,6 +10,7 @@ exit code; errors are raised (`fedcore.errors.ConfigError`, ...), not printed.
 """
 from __future__ import annotations
 
+import datetime as _dt
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,15 @@ from fedcore.config import Config, load_config
 from fedcore.errors import ConfigError
 from fedcore.monitor import Callback
 
-__all__ = ["run", "configure", "RunResult"]
+__all__ = ["run", "configure", "RunResult", "resolve_outdir"]
+
+
+def resolve_outdir(cfg) -> Path:
+    """`outdir`, or runs/<timestamp>-<name> where it is unset."""
+    if cfg["outdir"]:
+        return Path(cfg["outdir"])
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"{stamp}-{cfg['name']}"
 
 
 @dataclass
@@ -81,7 +90,6 @@ def run(cfg_or_path: str | Path | dict | Iterable | Config | None = None, /, *,
     summary.json and final_model.pt, and raises KeyboardInterrupt.
     """
     from fedcore.course import Course
-    from fedcore.run import resolve_outdir
     cfg = configure(cfg_or_path, **overrides)
     if cfg["federate.mode"] != "standalone" or cfg["distribute.role"] is not None:
         raise ConfigError("federate.mode: fedcore.run() simulates a course in this process; run "

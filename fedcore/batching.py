@@ -24,6 +24,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from fedcore import registry
 from fedcore.contract import FitResult
 from fedcore.hooks import around_result
 from fedcore.message import SERVER_ID, Message
@@ -91,7 +92,7 @@ class BatchingTrainer:
                         "running sequentially", kind)
             return trainer
         if kind == "vectorized":
-            from fedcore.vectorized import VectorEngine
+            VectorEngine = registry.engines.get("vectorized")   # noqa: N806 (a class)
             try:
                 reason = VectorEngine.unsupported(trainer, course.cfg)
             except Exception as exc:  # noqa: BLE001 - a trainer without the expected attributes
@@ -101,14 +102,14 @@ class BatchingTrainer:
                 return trainer
             engine: Engine = VectorEngine(trainer, course.cfg)
         elif kind == "ray":
-            from fedcore.ray_executor import RayEngine
+            RayEngine = registry.engines.get("ray")   # noqa: N806 (a class)
             reason = RayEngine.unsupported(course)
             if reason:
                 log.warning("executor ray: %s; running sequentially", reason)
                 return trainer
             engine = RayEngine(course)
         else:
-            from fedcore.procpool import ProcessEngine
+            ProcessEngine = registry.engines.get("processes")   # noqa: N806 (a class)
             reason = ProcessEngine.unsupported(trainer, course.cfg)
             if reason:
                 log.warning("executor processes: %s; running sequentially", reason)

@@ -95,9 +95,8 @@ class Course:
 
     # ------------------------------------------------------------ assembly
     def build(self, data: Any = None) -> "Course":
-        from fedcore.scenarios.data import build_federated_data
         cfg = self.cfg
-        self.data = data if data is not None else build_federated_data(cfg)
+        self.data = data if data is not None else registry.components.get("federated_data")(cfg)
         self.data_from_config = data is None     # what a remote executor can rebuild on its own
         model = self.make_model()
         try:
@@ -132,7 +131,7 @@ class Course:
     def make_model(self) -> torch.nn.Module:
         """The initial global model: built for the data's shapes, or loaded from model.init_from,
         on the course's device (where the data go too, when they fit)."""
-        from fedcore.scenarios.models import build_model
+        build_model = registry.components.get("model")
         model = build_model(self.cfg, self.data.input_shape, self.data.num_classes)
         if self.cfg["model.init_from"]:
             load_initial_model(model, self.cfg["model.init_from"])

@@ -33,9 +33,17 @@ from pathlib import Path
 from fedcore.checkpoint import load, restore
 from fedcore.snapshot import LATEST, snapshots
 
-__all__ = ["resume_server", "check_state_round", "not_aggregated_yet"]
+__all__ = ["resume_server", "check_state_round", "not_aggregated_yet", "listed_in_summary", "LISTED"]
 
 log = logging.getLogger("fedcore.deploy")
+
+LISTED = 50  # entries kept in each summary list; the counts go on
+
+
+def listed_in_summary(server, key: str, entry: dict) -> None:
+    """Append `entry` to the summary's list `key` (bounded) and count it in `key_total`."""
+    server.course.monitor.append_summary("deployment", key, entry, limit=LISTED)
+    server.course.monitor.tally("deployment", f"{key}_total")
 
 
 def resume_server(course, value: str) -> int:
@@ -74,9 +82,8 @@ def check_state_round(server, msg) -> None:
            else "newer than the course (it should have rolled back)")
     log.warning("client %d joined with its state of round %d, %s (expected %d..%d); it continues "
                 "with that state", msg.sender, s, why, e, u)
-    from fedcore.handlers.deployment import _listed
-    _listed(server, "state_mismatch", {"client": msg.sender, "state_round": s, "expected": [e, u],
-                                      "round": server.round})
+    listed_in_summary(server, "state_mismatch", {"client": msg.sender, "state_round": s,
+                                                 "expected": [e, u], "round": server.round})
 
 
 def not_aggregated_yet(course, msg) -> bool:

@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from fedcore import registry
 from fedcore.comm.stream import INSECURE_NOTED_ENV, INSECURE_WARNING, REFUSED_NOTICE, TOKEN_ENV
 from fedcore.config import declare, non_negative, positive, validator
 from fedcore.checkpoint import interrupted_message
@@ -31,14 +32,14 @@ from fedcore.executor import apply_torch_threads
 from fedcore.errors import EXIT_OK, ConfigError, FedcoreError
 from fedcore.form_boundary import make_trainer
 from fedcore.hooks import deployment_refusal
-from fedcore.handlers import deployment
 from fedcore.scheduler import PRIORITY_TIMER, WallClockScheduler
 from fedcore.state import make_state_store
 from fedcore.timing import TimeModel
 from fedcore.wire.census import values_bound
 from fedcore.worker import Client
 
-__all__ = ["ServerCourse", "ClientCourse", "run_distributed", "run_client", "own_data_config"]
+__all__ = ["ServerCourse", "ClientCourse", "run_distributed", "run_client", "own_data_config",
+           "deployed_process"]
 
 log = logging.getLogger("fedcore.deploy")
 
@@ -240,14 +241,16 @@ class ServerCourse(Course):
 
     def build(self, data: Any = None) -> "ServerCourse":
         from fedcore.comm.grpc_server import GrpcServerComm
-        from fedcore.scenarios.data import FederatedData, build_federated_data
         cfg = self.cfg
-        full = data if data is not None else build_federated_data(cfg)
+        # The server builds only its held-out test set; client partitions live with the clients.
         # No client of this course holds more training samples than the largest partition
         # (clients on larger own data need admission.max_num_samples).
-        self.default_sample_cap = max((len(c.train) for c in full.clients.values()), default=None)
-        # The server keeps only its held-out test set; client partitions live with the clients.
-        self.data = FederatedData({}, full.server_test, full.input_shape, full.num_classes)
+        if data is not None:
+            sizes = {cid: len(c.train) for cid, c in data.clients.items()}
+            self.data = type(data)({}, data.server_test, data.input_shape, data.num_classes)
+        else:
+            self.data, sizes = registry.components.get("server_data")(cfg)
+        self.default_sample_cap = max(sizes.values(), default=None)
         model = self.make_model()
         self.store = make_state_store("memory", None)
         self.trainer = None
@@ -265,6 +268,7 @@ class ServerCourse(Course):
         self.clients = {}
         self.install_handlers()
         _refuse_undeployable(self.server.aggregator)
+        deployment = registry.components.get("deployment")
         deployment.install(self)
         apply_torch_threads(cfg)
         self.comm.attach(self.server)
@@ -288,6 +292,7 @@ class ServerCourse(Course):
     def _count_bytes(self, msg, receiver: int, nbytes: int) -> None:
         """Each message sent or received: counted, and timed for the round deadline."""
         self.monitor.count_bytes(msg, receiver, nbytes)
+        deployment = registry.components.get("deployment")
         deployment.note_traffic(self.server, msg, receiver, self.scheduler.now)
 
     def _new_session(self, client_id: int) -> None:
@@ -394,17 +399,14 @@ class ClientCourse(Course):
         self.server = None  # the server lives in its own process (plug-ins install their client half)
 
     def build(self, client_id: int, comm) -> "ClientCourse":
-        from fedcore.scenarios.data import FederatedData, Split, build_federated_data
         cfg = self.cfg
+        build_client_data = registry.components.get("client_data")
         if cfg["distribute.own_data"]:  # this machine's data.root, whole, is this client's data
-            full = build_federated_data(own_data_config(cfg))
-            mine = full.clients[1]
-        else:  # exactly as the simulation builds it; then keep only our partition
-            full = build_federated_data(cfg)
-            mine = full.clients[client_id]
-        empty = Split(full.server_test.x[:0], full.server_test.y[:0])
-        self.data = FederatedData({client_id: mine}, empty, full.input_shape, full.num_classes)
-        del full
+            own = build_client_data(own_data_config(cfg), 1)
+            self.data = type(own)({client_id: own.clients[1]}, own.server_test, own.input_shape,
+                                  own.num_classes)
+        else:  # only our partition, exactly as the simulation builds it
+            self.data = build_client_data(cfg, client_id)
         self.model = model = self.make_model()   # the course's model (whatever the trainer's form)
         self.store = make_state_store(cfg["state.store"], cfg["state.path"])
         self.trainer = make_trainer(self.algorithm, model, cfg, self.trainer_store())
@@ -476,13 +478,8 @@ def _sigterm_as_interrupt(*_args) -> None:
     raise KeyboardInterrupt
 
 
-def run_distributed(cfg, outdir, check_only: bool = False, command: list[str] | None = None) -> int:
-    """`federate.mode: distributed`: run this process's role (`command`: how it was started,
-    for the command that resumes an interrupted server)."""
-    role = cfg["distribute.role"]
-    if role is None:
-        raise ConfigError("distribute.role: set server or client for federate.mode: distributed "
-                          "(e.g. distribute.role=server)")
+def deployed_process() -> None:
+    """A deployed role's process: its deployment log at info, and SIGTERM as Ctrl-C."""
     logging.getLogger("fedcore.deploy").setLevel(logging.INFO)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -490,11 +487,22 @@ def run_distributed(cfg, outdir, check_only: bool = False, command: list[str] | 
         signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     except ValueError:  # not the main thread (embedded use): leave signals alone
         pass
+
+
+def run_distributed(cfg, outdir, check_only: bool = False, command: list[str] | None = None) -> int:
+    """`federate.mode: distributed`: run this process's role, server or client (`command`: how it
+    was started, for the command that resumes an interrupted server); an edge runs through
+    `fedcore.edge_process.run_edge`, which builds on this module."""
+    role = cfg["distribute.role"]
+    if role is None:
+        raise ConfigError("distribute.role: set server or client for federate.mode: distributed "
+                          "(e.g. distribute.role=server)")
+    if role == "edge":
+        raise ConfigError("distribute.role: edge runs through python -m fedcore.run "
+                          "(fedcore.edge_process.run_edge)")
+    deployed_process()
     if role == "client":
         return run_client(cfg)
-    if role == "edge":   # an edge aggregator of a hierarchical course (topology.edges)
-        from fedcore.edge_process import run_edge
-        return run_edge(cfg, outdir, check_only)
     progress = cfg["verbose"]  # a bar on a terminal, periodic round lines elsewhere
     course = ServerCourse(cfg, outdir, progress=progress).build()
     try:

@@ -20,15 +20,15 @@ import logging
 import os
 from pathlib import Path
 
-from fedcore.distributed import ServerCourse, _measured_time, message_bound, value_bound
+from fedcore.distributed import (ServerCourse, _measured_time, deployed_process, message_bound,
+                                 value_bound)
+from fedcore import registry
 from fedcore.errors import EXIT_OK, FedcoreError
-from fedcore.handlers import deployment
-from fedcore.handlers.edge import Edge, _next_edge_round, install_edge
 from fedcore.message import SERVER_ID
 from fedcore.scheduler import PRIORITY_TIMER
 from fedcore.state import make_state_store
 from fedcore.topology import assign
-from fedcore.worker import HandlerTable
+from fedcore.worker import HandlerTable, Worker
 
 __all__ = ["EdgeCourse", "run_edge", "CLOUD_TOKEN_ENV", "address_file"]
 
@@ -62,14 +62,14 @@ class _FromCloud:
     """What the client comm delivers to: the edge, without the client's rule that `finish`
     ends the process (an edge first passes it on and waits for its clients to leave)."""
 
-    def __init__(self, edge: Edge):
+    def __init__(self, edge: Worker):
         self.deliver = edge.deliver
 
 
 class _Rejoin:
     """A restarted cloud: join it again for the clients already in."""
 
-    def __init__(self, edge: Edge):
+    def __init__(self, edge: Worker):
         self.edge = edge
 
     def __call__(self) -> None:
@@ -79,19 +79,19 @@ class _Rejoin:
                                              "num_samples": sum(edge.declared_samples.values())})
 
 
-def check_edge_round(edge: Edge, event=None) -> None:
+def check_edge_round(edge: Worker, event=None) -> None:
     """Edge `round_check` (periodic): a star server's deadline checks, while the edge runs a cloud
     round (between rounds it waits for the cloud, not for its clients)."""
     if edge.in_cloud_round:
-        deployment.round_check(edge, event)
+        registry.components.get("deployment").round_check(edge, event)
 
 
-def rerun_edge_round(edge: Edge, _event=None) -> None:
+def rerun_edge_round(edge: Worker, _event=None) -> None:
     """Edge `all_joined_in` (raised by the deployment handlers when every client waited for was
     lost before replying): run this edge round again with the clients connected, if any."""
     if edge.in_cloud_round and edge.course.client_ids and not edge.finished:
         edge.edge_round -= 1
-        _next_edge_round(edge)
+        registry.components.get("edge")._next_edge_round(edge)
 
 
 def cloud_config(cfg):
@@ -117,22 +117,20 @@ class EdgeCourse(ServerCourse):
     def __init__(self, cfg, outdir: str | Path | None = None):
         super().__init__(cfg.with_overrides(outdir=None), None, False)   # the cloud writes the outputs
         self.address_dir = Path(outdir) if outdir is not None else None
-        self.edge: Edge | None = None
+        self.edge: Worker | None = None
 
     def build(self) -> "EdgeCourse":
         from fedcore.comm.grpc_client import GrpcClientComm
         from fedcore.comm.grpc_server import GrpcServerComm
-        from fedcore.scenarios.data import FederatedData, build_federated_data
         cfg = self.cfg
         edge_id = cfg["distribute.edge_id"]
         topology = assign(cfg, self._all_ids)
         children = topology.edges[edge_id]
-        full = build_federated_data(cfg)
+        data, sizes = registry.components.get("server_data")(cfg)
         # as a star's server: no client of the course declares more samples than the largest partition
-        self.default_sample_cap = max(len(full.clients[c].train) for c in children)
-        empty = full.server_test.__class__(full.server_test.x[:0], full.server_test.y[:0])
-        self.data = FederatedData({}, empty, full.input_shape, full.num_classes)
-        del full
+        self.default_sample_cap = max(sizes[c] for c in children)
+        test = data.server_test
+        self.data = type(data)({}, type(test)(test.x[:0], test.y[:0]), data.input_shape, data.num_classes)
         model = self.make_model()
         self.store = make_state_store("memory", None)
         self.trainer = None
@@ -149,12 +147,14 @@ class EdgeCourse(ServerCourse):
         self.comm = _Router(self.up, self.down)
         table = HandlerTable("edge")
         self.extra_tables.append(table)
-        install_edge(table)
+        edge_handlers = registry.components.get("edge")
+        deployment = registry.components.get("deployment")
+        edge_handlers.install_edge(table)
         table.register("client_lost", deployment.client_lost, sends=("all_received", "all_joined_in"))
         table.register("round_check", check_edge_round, sends=("all_received", "all_joined_in"))
         table.register("all_joined_in", rerun_edge_round, sends=("models", "all_received"))
         index = sorted(topology.edges).index(edge_id)
-        self.server = self.edge = Edge(edge_id, index, children, table, self, model)
+        self.server = self.edge = edge_handlers.Edge(edge_id, index, children, table, self, model)
         self.edge.selected = set()
         self.down.attach(self.edge)
         self.up.attach(_FromCloud(self.edge))
@@ -186,6 +186,7 @@ class EdgeCourse(ServerCourse):
 
 def run_edge(cfg, outdir, check_only: bool = False) -> int:
     """`distribute.role: edge`: serve this edge's clients and dial the cloud until `finish`."""
+    deployed_process()
     course = EdgeCourse(cfg, outdir).build()
     if check_only:
         return EXIT_OK

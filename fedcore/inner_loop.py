@@ -44,21 +44,6 @@ def _check_scheduler(cfg) -> None:
                           f"exceeds train.scheduler.total_steps {total}")
 
 
-@validator
-def _check_accumulation(cfg) -> None:
-    """Accumulation runs the base step over several micro-batches; a trainer that defines its
-    own `step` (MOON's contrastive term, FedMoS's two-gradient update) would silently lose it."""
-    if cfg["train.grad_accum_steps"] == 1:
-        return
-    from fedcore import registry
-    from fedcore.contract import Trainer
-    cls = registry.algorithms.get(cfg["algorithm.name"]).trainer
-    if cls.step is not Trainer.step and cls.accumulated_step is Trainer.accumulated_step:
-        raise ConfigError(f"train.grad_accum_steps: algorithm {cfg['algorithm.name']} defines its own "
-                          "local step on one mini-batch; set train.grad_accum_steps=1 (or raise "
-                          "train.batch_size)")
-
-
 def lr_factor(t: int, warmup: int, total: int, min_ratio: float) -> float:
     """LR multiplier for a client's optimizer step number `t` (0-based).
 

@@ -196,7 +196,7 @@ def _die_with_parent():
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_intermixed_args(argv)  # overrides may follow --check etc.
     from fedcore.config import load_config
-    from fedcore.run import resolve_outdir
+    from fedcore.api import resolve_outdir
     try:
         cfg = load_config(args.cfg, [*args.overrides, *args.server_opt])
     except FedcoreError as exc:
@@ -236,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     keys_dir = None
     if cfg["secure_aggregation.enabled"] and not cfg["secure_aggregation.roster"]:
         # the operator's part: one signing key per client and the roster of their public keys
-        from fedcore.algorithms.secagg_identity import write_roster
+        from fedcore.registry import components
+        write_roster = components.get("secagg_roster")
         keys_dir = guardian.secrets(Path(tempfile.mkdtemp(prefix="fedcore-secagg-")))  # mode 0700
         roster, key_files = write_roster(keys_dir, list(range(1, n + 1)))
         common.append(f"secure_aggregation.roster={roster}")

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from fedcore import registry
 from fedcore.contract import FitResult
 from fedcore.batching import Engine
 from fedcore.serialization import WireError, encode_value, from_value
@@ -83,6 +84,7 @@ def _serve(conn, trainer, clients) -> None:
         conn.send_bytes(reply)
 
 
+@registry.engines.register("processes")
 class ProcessEngine(Engine):
     name = "processes"
     runs_wrappers = True   # a worker runs the trainer's whole fit, behaviours' wrappers included

@@ -29,6 +29,7 @@ from collections import Counter
 import torch
 import yaml
 
+from fedcore import registry
 from fedcore.batching import Engine
 from fedcore.config import SCHEMA, declare, load_config, non_negative, positive, validator
 from fedcore.contract import FitResult
@@ -129,6 +130,7 @@ class TrainerActor:
             return _encode({"error": f"{type(exc).__name__}: {exc}"})
 
 
+@registry.engines.register("ray")
 class RayEngine(Engine):
     name = "ray"
     runs_wrappers = True   # an actor's course installs the same behaviours' wrappers

@@ -5,16 +5,39 @@
     def build(cfg, spec): ...
 
 and `plugins: [my_module]` in the YAML imports that module before the run.
+
+The core (`fedcore` less its plug-in packages) reaches plug-in code only through these
+tables: `components` holds the pieces it calls by name (the data and model builders,
+the deployment's and the edge's handlers), and `load_builtin()` is the one place that
+imports the built-in plug-in packages, by name, so that they register and declare
+their keys (the `importlinter` contracts in setup.cfg hold the rest of the core to it).
 """
 from __future__ import annotations
 
 import difflib
+import importlib
 from typing import Any, Callable
 
 from fedcore.errors import ConfigError
 
 __all__ = ["Registry", "algorithms", "datasets", "partitioners", "models", "samplers",
-           "courses", "behaviours", "selected_behaviours"]
+           "courses", "behaviours", "engines", "components", "selected_behaviours", "load_builtin",
+           "BUILTIN_MODULES"]
+
+# The modules that register the built-in plug-ins or declare config keys, imported by name.
+BUILTIN_MODULES = (
+    "fedcore.algorithms", "fedcore.checkpoint", "fedcore.device", "fedcore.distributed",
+    "fedcore.executor", "fedcore.vectorized", "fedcore.procpool", "fedcore.ray_executor",
+    "fedcore.handlers", "fedcore.loggers",
+    "fedcore.sampling", "fedcore.scenarios", "fedcore.schema", "fedcore.server_optimizer",
+    "fedcore.speed_sampling", "fedcore.timing",
+)
+
+
+def load_builtin() -> None:
+    """Import the built-in plug-ins and the modules that declare keys (once; cheap after)."""
+    for name in BUILTIN_MODULES:
+        importlib.import_module(name)
 
 
 class Registry:
@@ -33,6 +56,8 @@ class Registry:
         return add(obj) if obj is not None else add
 
     def get(self, name: str) -> Any:
+        if name not in self._items:
+            load_builtin()   # a built-in registers when its package is imported
         try:
             return self._items[name]
         except KeyError:
@@ -59,6 +84,12 @@ models = Registry("model", "model.type")
 samplers = Registry("sampler", "federate.sampler")
 courses = Registry("course", "course")
 behaviours = Registry("behaviour", "extensions")
+engines = Registry("executor", "executor")   # what trains a broadcast's clients together
+# Plug-in code the core calls by name: "federated_data", "server_data", "client_data" (the data
+# a simulation, a deployed server and one deployed client build), "model", "deployment" and
+# "edge" (the deployment's and the edge aggregator's handler modules), "secagg_roster" (the
+# launcher's signing keys) and "fedex_local_keys" (what `fedcore.tune --method fedex` may set).
+components = Registry("component", "component")
 
 
 def selected_behaviours(cfg) -> list[str]:

@@ -13,14 +13,12 @@ prints the outputs folder, the round reached and the command that resumes.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import logging
 import sys
-from pathlib import Path
 
 from fedcore.errors import EXIT_CONFIG, EXIT_OK, ConfigError, exit_code_of
 
-__all__ = ["main", "resolve_outdir"]
+__all__ = ["main"]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -41,24 +39,24 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def resolve_outdir(cfg) -> Path:
-    if cfg["outdir"]:
-        return Path(cfg["outdir"])
-    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return Path("runs") / f"{stamp}-{cfg['name']}"
-
-
 def _run(args) -> int:
-    from fedcore.config import describe_key, import_named_plugins, load_config, reference_markdown
-    if args.list_keys:
-        print(reference_markdown(), end="")
+    if args.list_keys or args.help_key:
+        from fedcore.key_index import describe_key, reference_markdown
+        if args.list_keys:
+            print(reference_markdown(packaged=True), end="")
+            return EXIT_OK
+        # without a config or overrides no plug-in of a user's can add keys: the packaged index
+        # answers for the built-in ones, without importing the plug-ins and torch
+        named = bool(args.cfg or args.overrides)
+        if named:
+            from fedcore.config import import_named_plugins
+            import_named_plugins(args.cfg or (), args.overrides)   # a plug-in's keys are known too
+        print(describe_key(args.help_key, packaged=not named))
         return EXIT_OK
-    if args.help_key:
-        import_named_plugins(args.cfg or (), args.overrides)   # a plug-in's keys are known too
-        print(describe_key(args.help_key))
-        return EXIT_OK
+    from fedcore.config import load_config
     if not args.cfg:
         raise ConfigError("--cfg FILE.yaml is required (or --help-key KEY)")
+    from fedcore.api import resolve_outdir
     cfg = load_config(args.cfg, args.overrides, extra_source="command line")
     if cfg["verbose"] >= 2:
         logging.getLogger("fedcore").setLevel(min(logging.getLogger("fedcore").getEffectiveLevel(),
@@ -71,6 +69,9 @@ def _run(args) -> int:
         except ImportError:
             raise ConfigError("federate.mode: distributed needs fedcore.distributed, which this "
                               "installation lacks; use federate.mode=standalone") from None
+        if cfg["distribute.role"] == "edge":   # an edge aggregator of a hierarchical course
+            from fedcore.edge_process import run_edge
+            return run_edge(cfg, outdir, args.check)
         return run_distributed(cfg, outdir, check_only=args.check, command=_command(args))
     from fedcore.checkpoint import interrupted_message
     from fedcore.course import Course

@@ -153,3 +153,18 @@ declare("distribute.cloud_port", int, 50051, "distribute.role=edge: the cloud se
 declare("distribute.cloud_token_file", str, None, "distribute.role=edge: file holding the token the "
         "edge presents to the cloud (else FEDCORE_CLOUD_TOKEN); its own distribute.token* keys are "
         "what it accepts from its clients")
+
+
+@validator
+def _check_accumulation(cfg) -> None:
+    """Accumulation runs the base step over several micro-batches; a trainer that defines its
+    own `step` (MOON's contrastive term, FedMoS's two-gradient update) would silently lose it.
+    (Here, not in fedcore.inner_loop: the contract imports the inner loop.)"""
+    if cfg["train.grad_accum_steps"] == 1:
+        return
+    from fedcore.contract import Trainer
+    cls = registry.algorithms.get(cfg["algorithm.name"]).trainer
+    if cls.step is not Trainer.step and cls.accumulated_step is Trainer.accumulated_step:
+        raise ConfigError(f"train.grad_accum_steps: algorithm {cfg['algorithm.name']} defines its own "
+                          "local step on one mini-batch; set train.grad_accum_steps=1 (or raise "
+                          "train.batch_size)")

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
+from fedcore import registry
 from fedcore.client_conv import with_client_convs
 from fedcore.batch_order import epoch_seed
 from fedcore.batching import Engine
@@ -54,6 +55,7 @@ __all__ = ["VectorEngine"]
 _STACK_BYTES = 256 * 2 ** 20   # stack a group's data when it takes at most this much memory
 _SCRATCH_BYTES = 32 * 2 ** 20  # the most memory one of the engine's reused buffers keeps
 
+@registry.engines.register("vectorized")
 class VectorEngine(Engine):
     name = "vectorized"
 

@@ -28,18 +28,18 @@ from __future__ import annotations
 
 import bisect
 import logging
+import sys
 
-from fedcore.deployed_resume import check_state_round
+from fedcore.deployed_resume import check_state_round, listed_in_summary as _listed
 from fedcore.message import SERVER_ID
 from fedcore.quiet import QuietLog
 from fedcore.handlers import asyn
-from fedcore.registry import behaviours
+from fedcore.registry import behaviours, components
 
 __all__ = ["arm", "join_timeout", "client_lost", "round_check", "note_traffic", "ReplyTimes", "install"]
 
 log = logging.getLogger("fedcore.deploy")
 
-LISTED = 50  # entries kept in each summary list; the counts go on
 QUANTILE = 0.5   # of the other clients' reply times: the lower median, which a minority cannot move
 
 
@@ -49,12 +49,6 @@ def _quiet(server) -> QuietLog:
     if q is None:
         q = server.deploy_log = QuietLog(log)
     return q
-
-
-def _listed(server, key: str, entry: dict) -> None:
-    """Append `entry` to the summary's list `key` (bounded) and count it in `key_total`."""
-    server.course.monitor.append_summary("deployment", key, entry, limit=LISTED)
-    server.course.monitor.tally("deployment", f"{key}_total")
 
 
 def arm(server, _event=None) -> None:
@@ -283,3 +277,6 @@ def install(course) -> None:
     s.register("join_timeout", join_timeout, sends=("all_joined_in", "join_timeout"))
     s.register("client_lost", client_lost, sends=again)
     s.register("round_check", round_check, sends=again)
+
+
+components.register("deployment", sys.modules[__name__])   # the core's deployed server calls these

@@ -11,6 +11,8 @@ unchanged: they report to their `parent`, their edge.
 """
 from __future__ import annotations
 
+import sys
+
 from fedcore import admission, registry
 from fedcore.algorithms import robust
 from fedcore.algorithms.combine import replace_combination
@@ -213,3 +215,6 @@ def install_edge(table: HandlerTable) -> None:
     table.register("receiving_updates", sync.collect_update, sends=("all_received",))
     table.register("all_received", aggregate_at_edge, sends=("models", "all_received", "updates"))
     table.register("receiving_finish", pass_finish_down, sends=("finish",))
+
+
+registry.components.register("edge", sys.modules[__name__])   # the core's edge process builds on it

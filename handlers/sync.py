@@ -7,7 +7,7 @@ from fedcore import admission
 from fedcore.algorithms.streaming import round_buffer
 from fedcore.contract import ReceivedUpdate
 from fedcore.handlers import evaluation, join, rounds, training
-from fedcore.registry import courses
+from fedcore.registry import components, courses
 from fedcore.schema import clients_per_round
 
 __all__ = ["start_round", "collect_update", "aggregate_and_move_on", "install"]
@@ -44,9 +44,8 @@ def aggregate_and_move_on(server, _event=None) -> None:
 
 @courses.register("sync")
 def install(course) -> None:
-    if course.cfg["topology.edges"]:   # a tree of edge aggregators: HierFAVG's rounds
-        from fedcore.handlers import edge
-        edge.install(course)
+    if course.cfg["topology.edges"]:   # a tree of edge aggregators: HierFAVG's rounds (edge.py)
+        components.get("edge").install(course)
         return
     join.install(course)
     training.install(course)

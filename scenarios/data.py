@@ -16,8 +16,8 @@ import torch
 from fedcore import registry
 from fedcore.errors import ConfigError
 
-__all__ = ["Split", "ClientData", "RawDataset", "FederatedData", "build_federated_data", "hold_out",
-           "raw_dataset", "partition_indices"]
+__all__ = ["Split", "ClientData", "RawDataset", "FederatedData", "build_federated_data",
+           "build_server_data", "build_client_data", "hold_out", "raw_dataset", "partition_indices"]
 
 
 @dataclass
@@ -98,10 +98,8 @@ def _split_indices(idx: np.ndarray, fractions, rng: np.random.Generator):
     return idx[:n_train], idx[n_train:n_train + n_val], idx[n_train + n_val:]
 
 
-def build_federated_data(cfg, raw: RawDataset | None = None) -> FederatedData:
-    """Build, partition and split the configured dataset, cast to the model's dtype."""
-    if raw is None:
-        raw = raw_dataset(cfg)
+def _cast(cfg, raw: RawDataset) -> RawDataset:
+    """`raw` with its features (and, for an MSE loss, its targets) in the model's dtype."""
     dtype = getattr(torch, cfg["model.dtype"])
     if raw.x.is_floating_point():
         raw.x = raw.x.to(dtype)
@@ -111,19 +109,59 @@ def build_federated_data(cfg, raw: RawDataset | None = None) -> FederatedData:
             raw.test.y = raw.test.y.to(dtype)
     if raw.test is not None and raw.test.x.is_floating_point():
         raw.test.x = raw.test.x.to(dtype)
+    return raw
+
+
+def _client_indices(cfg, raw: RawDataset) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Each client's sorted (train, val, test) sample indices, drawn with the run's seed: every
+    process of a course (simulation, server, each client) draws the same ones."""
     parts = partition_indices(cfg, raw)
     rng = np.random.default_rng(cfg["seed"] + 17)
-    clients: dict[int, ClientData] = {}
-    test_parts = []
-    for cid, idx in enumerate(parts, start=1):
-        tr, va, te = _split_indices(np.asarray(idx, dtype=np.int64), cfg["data.splits"], rng)
-        tr, va, te = (torch.from_numpy(np.sort(a)) for a in (tr, va, te))
-        clients[cid] = ClientData(Split(raw.x[tr], raw.y[tr]), Split(raw.x[va], raw.y[va]),
-                                  Split(raw.x[te], raw.y[te]))
-        test_parts.append(te)
+    out = []
+    for idx in parts:
+        splits = _split_indices(np.asarray(idx, dtype=np.int64), cfg["data.splits"], rng)
+        out.append(tuple(torch.from_numpy(np.sort(a)) for a in splits))
+    return out
+
+
+def _server_test(raw: RawDataset, indices) -> Split:
+    """The official test set, or else the union of the clients' test splits."""
     if raw.test is not None:
-        server_test = raw.test
-    else:  # no official test set: the server evaluates on the union of clients' test splits
-        all_te = torch.cat(test_parts) if test_parts else torch.empty(0, dtype=torch.long)
-        server_test = Split(raw.x[all_te], raw.y[all_te])
-    return FederatedData(clients, server_test, raw.input_shape, raw.num_classes)
+        return raw.test
+    all_te = torch.cat([te for _, _, te in indices]) if indices else torch.empty(0, dtype=torch.long)
+    return Split(raw.x[all_te], raw.y[all_te])
+
+
+def _slice(raw: RawDataset, splits) -> ClientData:
+    return ClientData(*(Split(raw.x[i], raw.y[i]) for i in splits))
+
+
+@registry.components.register("federated_data")
+def build_federated_data(cfg, raw: RawDataset | None = None) -> FederatedData:
+    """Build, partition and split the configured dataset, cast to the model's dtype."""
+    raw = _cast(cfg, raw if raw is not None else raw_dataset(cfg))
+    indices = _client_indices(cfg, raw)
+    clients = {cid: _slice(raw, splits) for cid, splits in enumerate(indices, start=1)}
+    return FederatedData(clients, _server_test(raw, indices), raw.input_shape, raw.num_classes)
+
+
+@registry.components.register("server_data")
+def build_server_data(cfg) -> tuple[FederatedData, dict[int, int]]:
+    """What a deployed server (or edge) holds: no client partitions, the server's test set, and
+    each client's number of training samples (its default cap on what a client may declare),
+    counted from the partition's indices without slicing any client's samples."""
+    raw = _cast(cfg, raw_dataset(cfg))
+    indices = _client_indices(cfg, raw)
+    sizes = {cid: len(tr) for cid, (tr, _, _) in enumerate(indices, start=1)}
+    return FederatedData({}, _server_test(raw, indices), raw.input_shape, raw.num_classes), sizes
+
+
+@registry.components.register("client_data")
+def build_client_data(cfg, client_id: int) -> FederatedData:
+    """What deployed client `client_id` holds: its own partition, exactly as the simulation
+    builds it, and an empty server test set."""
+    raw = _cast(cfg, raw_dataset(cfg))
+    indices = _client_indices(cfg, raw)
+    empty = Split(raw.x[:0], raw.y[:0])
+    return FederatedData({client_id: _slice(raw, indices[client_id - 1])}, empty, raw.input_shape,
+                         raw.num_classes)

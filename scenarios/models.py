@@ -16,7 +16,7 @@ from torch import nn
 
 from fedcore.config import declare, positive, validator
 from fedcore.errors import ConfigError
-from fedcore.registry import models
+from fedcore.registry import components, models
 
 __all__ = ["build_model", "logreg", "mlp", "LeNet5", "ConvNet2", "ResNet18", "CharLSTM",
            "count_parameters"]
@@ -45,6 +45,7 @@ def _check_hidden(cfg) -> None:
                           "e.g. [64] or [128, 64]")
 
 
+@components.register("model")
 def build_model(cfg, input_shape, num_classes: int) -> nn.Module:
     """Build `model.type` in `model.dtype`, seeded by the run's seed."""
     torch.manual_seed(cfg["seed"])

@@ -14,6 +14,7 @@ import json
 
 import numpy as np
 
+from fedcore import registry
 from fedcore.errors import ConfigError
 from fedcore.tune.study import Study
 
@@ -24,11 +25,11 @@ DEFAULT_ARMS = 9
 
 def candidates_from_space(study: Study, arms: int | None) -> list[dict]:
     """The space's grid when it has at most `arms` points (default 9), else `arms` seeded draws."""
-    from fedcore.algorithms.fedex import LOCAL_KEYS
+    local_keys = registry.components.get("fedex_local_keys")
     for key in study.space.keys:
-        if key not in LOCAL_KEYS:
+        if key not in local_keys:
             raise ConfigError(f"--method fedex: '{key}' is not a client-side key FedEx can set per "
-                              f"client; the space may use {', '.join(LOCAL_KEYS)}")
+                              f"client; the space may use {', '.join(local_keys)}")
     grid = study.space.grid()
     limit = arms if arms is not None else DEFAULT_ARMS
     if limit < 1:

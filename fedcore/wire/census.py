@@ -11,7 +11,7 @@ envelope's receivers), so the walk's own cost is bounded by the same limit.
 """
 from __future__ import annotations
 
-from fedcore.wire.codec import MAX_DEPTH, WireError
+from fedcore.wire.errors import MAX_DEPTH, WireError
 
 __all__ = ["check_values", "values_bound"]
 

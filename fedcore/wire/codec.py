@@ -14,16 +14,10 @@ from typing import Any
 
 from fedcore.tensor_forms import WIRE_DTYPES, get_form, wire_parts
 from fedcore.wire import fedcore_pb2 as pb
+from fedcore.wire.errors import MAX_DEPTH, WireError
 
 __all__ = ["WireError", "MAX_DEPTH", "encode_value", "from_value", "decode_envelope", "uvarint",
            "zigzag", "varint_size", "receiver_width"]
-
-MAX_DEPTH = 64
-
-
-class WireError(ValueError):
-    """Content that may not travel, or bytes that do not decode to valid content."""
-
 
 def uvarint(n: int) -> bytes:
     out = bytearray()

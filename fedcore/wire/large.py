@@ -18,7 +18,7 @@ from typing import Any
 
 from fedcore.tensor_forms import WIRE_DTYPES, get_form
 from fedcore.wire.census import _varint
-from fedcore.wire.codec import MAX_DEPTH, WireError
+from fedcore.wire.errors import MAX_DEPTH, WireError
 
 __all__ = ["PROTOBUF_LIMIT", "LARGE_ENVELOPE", "RawValue", "LargeEnvelope", "decode_large", "decode_raw_value"]
 
