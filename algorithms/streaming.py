@@ -69,7 +69,7 @@ class RunningMean:
         else:
             return     # weight zero among positive weights: it adds nothing
         for name, acc in self.sum.items():
-            acc.add_(model[name].to(torch.float64), alpha=weight)
+            _add_scaled(acc, model[name], weight)
 
     @property
     def weight(self) -> float:
@@ -77,13 +77,25 @@ class RunningMean:
 
     def mean(self) -> dict[str, torch.Tensor]:
         """The weighted mean in each entry's own dtype (integers rounded); releases the sum."""
-        out, divisor = {}, self.weight
-        for name, acc in (self.sum or {}).items():
-            dtype, _ = self.like[name]
+        out, divisor, sums = {}, self.weight, self.sum or {}
+        self.sum = None
+        for name in list(sums):
+            acc, (dtype, _) = sums.pop(name), self.like[name]   # each sum let go once cast
             acc.div_(divisor)
             out[name] = acc.to(dtype) if dtype.is_floating_point else acc.round_().to(dtype)
-        self.sum = None
         return out
+
+
+FOLD_STEP = 2 ** 20   # elements cast to float64 at a time while folding
+
+
+def _add_scaled(acc: torch.Tensor, t: torch.Tensor, weight: float) -> None:
+    """acc += weight * t in float64, a slice at a time: adding a float32 tensor to a float64
+    one whole would first cast all of it (a temporary twice the tensor's size)."""
+    flat_acc, flat = acc.view(-1), t.reshape(-1)
+    for start in range(0, flat.numel(), FOLD_STEP):
+        part = flat[start:start + FOLD_STEP]
+        flat_acc[start:start + FOLD_STEP].add_(part.to(torch.float64), alpha=weight)
 
 
 class FoldingBuffer:

@@ -35,6 +35,7 @@ from typing import Any, Callable
 import grpc
 
 from fedcore.quiet import QuietLog
+from fedcore.comm.allocator import release_large_blocks
 from fedcore.comm.async_outbox import AsyncOutbox, wake_all
 from fedcore.comm.connections import ConnectionGuard, address_cap, connection_cap
 from fedcore.comm.chunking import FRAME_OVERHEAD, Reassembler, SharedContent, first_chunk_size
@@ -165,6 +166,7 @@ class GrpcServerComm:
     def start(self) -> int:
         """Bind and serve on the server's own event-loop thread; returns the port (useful with
         distribute.server_port: 0)."""
+        release_large_blocks()   # freed model-sized buffers leave the process (comm/allocator.py)
         bound: futures.Future = futures.Future()
         self._thread = threading.Thread(target=self._serve, args=(bound,), name="fedcore-grpc", daemon=True)
         self._thread.start()
@@ -567,7 +569,7 @@ class GrpcServerComm:
 
     def _decode(self, s: Session, data: bytes) -> Message:
         check_values(data, self.max_values)   # before protobuf builds anything
-        env = decode_envelope(data)
+        env = decode_envelope(data, consume=True)   # large tensors view the received bytes
         if env.sender != s.client_id:
             raise WireError(f"envelope sender {env.sender} is not this stream's client {s.client_id}")
         if list(env.receivers) != [SERVER_ID]:
