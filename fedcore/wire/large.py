@@ -42,7 +42,7 @@ class _Placer:
     before them has been read: the data may move back onto them to be aligned. A span
     that would land on an earlier view (`mark`) is copied instead."""
 
-    def __init__(self, owner: bytearray) -> None:
+    def __init__(self, owner: memoryview) -> None:
         import torch
         self.bytes = torch.frombuffer(owner, dtype=torch.uint8)
         self.address = self.bytes.data_ptr()
@@ -120,7 +120,7 @@ def _text(buf: memoryview, span: tuple[int, int]) -> str:
 
 def decode_large(data: bytes | bytearray | memoryview, consume: bool = False) -> LargeEnvelope:
     """The Envelope in `data` (any size), its content left encoded; with `consume`, its large
-    torch tensors will be views of `data` (a bytearray), whose bytes decoding rearranges."""
+    torch tensors will be views of `data` (writable bytes), whose bytes decoding rearranges."""
     buf = memoryview(data)
     env = LargeEnvelope()
     for number, wire, value in _fields(buf, 0, len(buf)):
@@ -140,15 +140,15 @@ def decode_large(data: bytes | bytearray | memoryview, consume: bool = False) ->
         elif number == 6 and wire == 2:
             env.auth = _text(buf, value)
         elif number == 7 and wire == 2:
-            env.content = RawValue(buf, *value, _placer(data) if consume else None)
+            env.content = RawValue(buf, *value, _placer(buf) if consume else None)
     if not env.msg_type:
         raise WireError("envelope has no message type")
     return env
 
 
-def _placer(data) -> _Placer | None:
-    """A placer for `data` where its tensors may view it: a writable bytearray."""
-    return _Placer(data) if isinstance(data, bytearray) and len(data) >= IN_PLACE_BYTES else None
+def _placer(buf: memoryview) -> _Placer | None:
+    """A placer for `buf` where its tensors may view it: writable bytes (a bytearray, an mmap)."""
+    return None if buf.readonly or buf.format != "B" or len(buf) < IN_PLACE_BYTES else _Placer(buf)
 
 
 def decode_raw_value(raw: RawValue | None, form: str = "torch", depth: int = 0) -> Any:
