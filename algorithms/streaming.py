@@ -7,7 +7,8 @@ A FedAvg-family aggregator needs of a round's updates only sum_i w_i x_i and sum
 a `FoldingBuffer`: an arriving update passes admission's per-update checks, is weighted
 by the aggregator's own rule and added to a float64 running sum, and is let go. The
 server then holds the global model, the running sum (float64: twice a float32 model) and
-the update being folded, however many clients send; at the round's end the aggregator
+the update being folded (in deployment its tensors view its received bytes, wire/large.py),
+however many clients send; at the round's end the aggregator
 receives one update carrying the mean (with `contributors` naming the clients, as a
 secure sum does), whose weighted mean is itself.
 
@@ -19,7 +20,8 @@ DP (their combination replaces the mean, `combine.replace_combination`), admissi
 influence check (a median over the round; off in simulation, on in deployment unless
 `admission.norm_ratio: .inf`), FedEx, and aggregators with a rule of their own
 (SCAFFOLD, FedNova, FedDyn, FedBuff, pFedMe, asynchronous courses). Those hold k
-updates of a round: k times the model. See docs/performance.md (W8).
+updates of a round: k times the model. See docs/compression.md (large models) and
+docs/performance.md (W8).
 """
 from __future__ import annotations
 

@@ -202,6 +202,10 @@ class GrpcServerComm:
         # refuses the rest itself); by default as many as the server ever runs, since clients
         # in one process share one connection.
         backlog.append(("grpc.max_concurrent_streams", self.cfg["distribute.max_streams_per_connection"] or calls))
+        window = self.cfg["distribute.stream_window"]
+        if window:   # fixed: gRPC's bandwidth probe grows it to ~8 MB, which each client waiting
+            # for its turn to upload a large model fills (comm/turns.py): memory growing with clients
+            backlog += [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", window)]
         server = grpc.aio.server(options=grpc_options(self.chunk_size, server=True) + backlog,
                                  maximum_concurrent_rpcs=calls)
         handler = grpc.method_handlers_generic_handler(
