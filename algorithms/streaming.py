@@ -7,7 +7,8 @@ A FedAvg-family aggregator needs of a round's updates only sum_i w_i x_i and sum
 a `FoldingBuffer`: an arriving update passes admission's per-update checks, is weighted
 by the aggregator's own rule and added to a float64 running sum, and is let go. The
 server then holds the global model, the running sum (float64: twice a float32 model) and
-the update being folded, however many clients send; at the round's end the aggregator
+the update being folded (in deployment its tensors view its received bytes, wire/large.py),
+however many clients send; at the round's end the aggregator
 receives one update carrying the mean (with `contributors` naming the clients, as a
 secure sum does), whose weighted mean is itself.
 
@@ -18,7 +19,8 @@ relative). Rules that need every update at once keep the list: robust rules and 
 DP (their combination replaces the mean, `combine.replace_combination`), admission's
 influence check (a median over the round, where `admission.norm_ratio` is set), FedEx, and aggregators with a rule of their own
 (SCAFFOLD, FedNova, FedDyn, FedBuff, pFedMe, asynchronous courses). Those hold k
-updates of a round: k times the model. See docs/performance.md (W8).
+updates of a round: k times the model. See docs/compression.md (large models) and
+docs/performance.md (W8).
 """
 from __future__ import annotations
 
@@ -68,7 +70,7 @@ class RunningMean:
         else:
             return     # weight zero among positive weights: it adds nothing
         for name, acc in self.sum.items():
-            acc.add_(model[name].to(torch.float64), alpha=weight)
+            _add_scaled(acc, model[name], weight)
 
     @property
     def weight(self) -> float:
@@ -76,13 +78,25 @@ class RunningMean:
 
     def mean(self) -> dict[str, torch.Tensor]:
         """The weighted mean in each entry's own dtype (integers rounded); releases the sum."""
-        out, divisor = {}, self.weight
-        for name, acc in (self.sum or {}).items():
-            dtype, _ = self.like[name]
+        out, divisor, sums = {}, self.weight, self.sum or {}
+        self.sum = None
+        for name in list(sums):
+            acc, (dtype, _) = sums.pop(name), self.like[name]   # each sum let go once cast
             acc.div_(divisor)
             out[name] = acc.to(dtype) if dtype.is_floating_point else acc.round_().to(dtype)
-        self.sum = None
         return out
+
+
+FOLD_STEP = 2 ** 20   # elements cast to float64 at a time while folding
+
+
+def _add_scaled(acc: torch.Tensor, t: torch.Tensor, weight: float) -> None:
+    """acc += weight * t in float64, a slice at a time: adding a float32 tensor to a float64
+    one whole would first cast all of it (a temporary twice the tensor's size)."""
+    flat_acc, flat = acc.view(-1), t.reshape(-1)
+    for start in range(0, flat.numel(), FOLD_STEP):
+        part = flat[start:start + FOLD_STEP]
+        flat_acc[start:start + FOLD_STEP].add_(part.to(torch.float64), alpha=weight)
 
 
 class FoldingBuffer:

@@ -30,7 +30,7 @@ from fedcore.comm.chunking import FIRST_CHUNK, FRAME_OVERHEAD, Reassembler, chun
 from fedcore.comm.stream import (METHOD, MD_CLIENT_ID, MD_COURSE, MD_SESSION, MD_TOKEN, grpc_options,
                                  heartbeat_frame, parse_frame)
 from fedcore.wire import fedcore_pb2 as pb
-from fedcore.wire.codec import decode_envelope, encode_value, uvarint
+from fedcore.wire.codec import decode_envelope, encode_value, from_value, uvarint
 
 CHUNK = 2 * 1024 * 1024
 
@@ -46,6 +46,13 @@ class Fleet:
 
     def update_content(self, env: pb.Envelope) -> bytes:
         """The update for this round's model, encoded once for all clients of the process."""
+        if not isinstance(env.content, pb.Value):   # a model of 16 MiB or more (wire/large.py)
+            key = ("round", env.round)
+            if self._update is None or self._update[0] != key:
+                self._update = None   # the last round's update goes before this one is built
+                model = from_value(env.content, "numpy")["model"]
+                self._update = (key, encode_value({"model": model, "num_samples": self.args.num_samples}))
+            return self._update[1]
         model = next((e.value.SerializeToString() for e in env.content.map.entries if e.key == "model"), b"")
         if self._update is None or self._update[0] != model:
             # {"model": <the received model>, "num_samples": n}, keys in the order encode_value uses

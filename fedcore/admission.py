@@ -135,14 +135,14 @@ def admit_updates(server, updates: list[ReceivedUpdate]) -> list[ReceivedUpdate]
     ratio = norm_ratio(course)
     if ratio is None:
         return kept
-    reference = {k: t.double() for k, t in server.aggregator.global_state.items()
-                 if isinstance(t, torch.Tensor)}   # once per round, not once per update
     history = getattr(server, "admission_history", None)
     if history is None:
         history = server.admission_history = Returning(server.round)
-    if len(kept) < 2:
+    if len(kept) < 2:   # (a folding round's updates come one at a time: no float64 copy each)
         history.sent(updates, server.round)
         return kept
+    reference = {k: t.double() for k, t in server.aggregator.global_state.items()
+                 if isinstance(t, torch.Tensor)}   # once per round, not once per update
     norms = [_distance(u.content, reference) for u in kept]
     admitted = []
     for u, norm, median in zip(kept, norms, medians_of_others(norms)):

@@ -81,6 +81,12 @@ declare("distribute.insecure", bool, False, "allow plaintext gRPC without TLS (t
         "logs a warning)")
 declare("distribute.chunk_size", int, 2 * 1024 * 1024, "bytes per chunk of a streamed message",
         check=lambda v: None if 1024 <= v <= 64 * 1024 * 1024 else "must be in 1 KiB..64 MiB")
+declare("distribute.stream_window", int, 256 * 1024, "server: bytes a client's stream may send ahead "
+        "of the server's reading (HTTP/2 flow control). Every client waiting for its turn to upload "
+        "a large update holds about twice this in the server; an upload moves at most this much per "
+        "round trip (256 KiB over 50 ms: 5 MB/s): raise it for large models over long links. 0: "
+        "gRPC's bandwidth probe sizes it (about 8 MB a waiting client)",
+        check=lambda v: None if v == 0 or 64 * 1024 <= v <= 64 * 1024 * 1024 else "must be 0 or in 64 KiB..64 MiB")
 declare("distribute.max_message_bytes", int, None, "largest encoded message accepted; larger "
         "ones are refused (INVALID_ARGUMENT) before being buffered (default: 4 x the model's "
         "encoded size + 1 MiB)", check=positive)

@@ -359,7 +359,7 @@ class GrpcClientComm:
                 return _ALIVE
             if self.max_values is not None:
                 check_values(data, self.max_values)   # before protobuf builds anything
-            env = decode_envelope(data)
+            env = decode_envelope(data, consume=True)   # large tensors view the received bytes
             content = from_value(env.content, self.tensor_form)
             if self.device is not None:
                 from fedcore.device import to_device

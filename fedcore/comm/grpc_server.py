@@ -35,6 +35,7 @@ from typing import Any, Callable
 import grpc
 
 from fedcore.quiet import QuietLog
+from fedcore.comm.allocator import release_large_blocks
 from fedcore.comm.async_outbox import AsyncOutbox, wake_all
 from fedcore.comm.connections import ConnectionGuard, address_cap, connection_cap
 from fedcore.comm.chunking import FRAME_OVERHEAD, Reassembler, SharedContent, first_chunk_size
@@ -165,6 +166,7 @@ class GrpcServerComm:
     def start(self) -> int:
         """Bind and serve on the server's own event-loop thread; returns the port (useful with
         distribute.server_port: 0)."""
+        release_large_blocks()   # freed model-sized buffers leave the process (comm/allocator.py)
         bound: futures.Future = futures.Future()
         self._thread = threading.Thread(target=self._serve, args=(bound,), name="fedcore-grpc", daemon=True)
         self._thread.start()
@@ -200,6 +202,10 @@ class GrpcServerComm:
         # refuses the rest itself); by default as many as the server ever runs, since clients
         # in one process share one connection.
         backlog.append(("grpc.max_concurrent_streams", self.cfg["distribute.max_streams_per_connection"] or calls))
+        window = self.cfg["distribute.stream_window"]
+        if window:   # fixed: gRPC's bandwidth probe grows it to ~8 MB, which each client waiting
+            # for its turn to upload a large model fills (comm/turns.py): memory growing with clients
+            backlog += [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", window)]
         server = grpc.aio.server(options=grpc_options(self.chunk_size, server=True) + backlog,
                                  maximum_concurrent_rpcs=calls)
         handler = grpc.method_handlers_generic_handler(
@@ -567,7 +573,7 @@ class GrpcServerComm:
 
     def _decode(self, s: Session, data: bytes) -> Message:
         check_values(data, self.max_values)   # before protobuf builds anything
-        env = decode_envelope(data)
+        env = decode_envelope(data, consume=True)   # large tensors view the received bytes
         if env.sender != s.client_id:
             raise WireError(f"envelope sender {env.sender} is not this stream's client {s.client_id}")
         if list(env.receivers) != [SERVER_ID]:

@@ -4,7 +4,8 @@ A server folding each update into a running sum as it arrives (algorithms/stream
 holds the global model and the sum; without turns, every client sending at once would
 still have its update reassembled and decoded in parallel, one model-sized buffer per
 stream. A stream about to start a message of at least `TURN_BYTES` waits for the turn
-before reading on, so gRPC's flow control holds the sender back, and gives the turn back
+before reading on, so gRPC's flow control holds the sender back (what it sent ahead
+stays within `distribute.stream_window`, fixed by the server), and gives the turn back
 once its message has been delivered to the server's handlers (or was refused, or the
 stream ended). While it waits the stream counts as alive: its client is not silent, the
 server is busy with another's model.

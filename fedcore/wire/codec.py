@@ -175,13 +175,14 @@ def decode_tensor(t: pb.Tensor, form: str = "torch") -> Any:
         raise WireError(f"tensor of shape {shape} and dtype {t.dtype}: {exc}") from None
 
 
-def decode_envelope(data: bytes) -> pb.Envelope:
+def decode_envelope(data: bytes, consume: bool = False) -> pb.Envelope:
     """Parse bytes into an Envelope; raise WireError on anything that is not one. Envelopes of
     `LARGE_ENVELOPE` bytes or more (a large model) are read by wire/large.py: protobuf cannot
-    parse 2 GiB, and below that it copies each tensor's bytes twice before they are decoded."""
+    parse 2 GiB, and below that it copies each tensor's bytes twice before they are decoded;
+    `consume` lets their large tensors view `data` (a received bytearray, not read again)."""
     from fedcore.wire.large import LARGE_ENVELOPE, decode_large
     if len(data) >= LARGE_ENVELOPE:
-        return decode_large(data)
+        return decode_large(data, consume)
     env = pb.Envelope()
     try:
         env.ParseFromString(data)
