@@ -132,7 +132,10 @@ def interrupt(p: subprocess.Popen) -> None:
 # ---------------------------------------------------------------- certificates
 
 def make_certs(folder: Path) -> dict[str, str]:
-    """A CA, a server certificate for 127.0.0.1/localhost and a client certificate (PEM files)."""
+    """A CA, a server certificate for 127.0.0.1/localhost and a client certificate (PEM files);
+    the calling test skips where the optional extra 'certs' (cryptography) is missing."""
+    from tests.conftest import need_extra
+    need_extra("certs")
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
