@@ -31,6 +31,12 @@ def pytest_configure(config):
                             "(its processes import it); skipped with a reason where it is missing")
 
 
+def pytest_collection_modifyitems(items):
+    for item in items:   # real processes on loopback: the bulk of the suite's time
+        if item.path.name.startswith("test_deploy_"):
+            item.add_marker(pytest.mark.deploy)
+
+
 def pytest_runtest_setup(item):
     for mark in item.iter_markers("extra"):
         need_extra(*mark.args)
