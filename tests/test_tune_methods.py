@@ -122,6 +122,7 @@ def test_parallel_trials_give_the_same_results(tmp_path):
     assert _records(tmp_path / "one/trials/0001") == _records(tmp_path / "two/trials/0001")
 
 
+@pytest.mark.extra("tune")
 def test_tpe_finds_the_good_region(tmp_path):
     result = tune(BASE, SPACE, "tpe", trials=6, seed=0, outdir=tmp_path)
     found = [t for t in result.trials if GOOD[0] <= t["params"]["train.optimizer.lr"] <= GOOD[1]]
