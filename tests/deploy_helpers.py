@@ -102,7 +102,7 @@ def wait_exit(p: subprocess.Popen, timeout: float) -> int:
         raise AssertionError(f"process did not exit within {timeout:g}s; output:\n{text(p)[-3000:]}")
 
 
-def server_port(outdir: Path, server: subprocess.Popen, timeout: float = 90.0) -> int:
+def server_port(outdir: Path, server: subprocess.Popen, timeout: float = 300.0) -> int:
     f = outdir / "server_address"
 
     def ready():
