@@ -102,7 +102,7 @@ class BatchingTrainer:
             engine = RayEngine(course)
         else:
             from fedcore.procpool import ProcessEngine
-            reason = ProcessEngine.unsupported(trainer, course.cfg, course)
+            reason = ProcessEngine.unsupported(trainer, course.cfg)
             if reason:
                 log.warning("executor processes: %s; running sequentially", reason)
                 return trainer

@@ -4,8 +4,8 @@ The workers start when the first batch comes, from a fresh interpreter
 (`forkserver`, or `spawn` where there is none), never forked from the course's
 process: they inherit no autograd or CUDA threads and the pool works on every
 platform. Each receives what it needs explicitly - the course's config, as
-Ray's actors do - and builds the same trainer and clients' data from it, so no
-data cross a process boundary. Per batch, the parent sends each worker the
+Ray's actors do - and builds the same trainer and clients' data from it (data
+handed to the course, not made from its config, are sent once as tensors). Per batch, the parent sends each worker the
 received content, the round and its share of (client id, client state) jobs;
 each worker runs the real trainer's `fit` for them and replies with each
 client's content, work, metrics and new state. Config, requests and replies
@@ -87,13 +87,32 @@ def worker_values(cfg) -> str:
     return yaml.safe_dump(values)
 
 
-def build_worker_course(values_yaml: str, threads: int):
+def build_worker_course(values_yaml: str, threads: int, data=None):
     """The course a worker (a process of the pool, or a Ray actor) builds from `worker_values`:
-    its trainer and clients' data are the course's own, made here."""
+    its trainer and clients' data are the course's own, made here (or `data`, as handed to
+    the course)."""
     from fedcore.config import load_config
     from fedcore.course import Course
     torch.set_num_threads(threads)
-    return Course(load_config(None, extra=yaml.safe_load(values_yaml))).build()
+    return Course(load_config(None, extra=yaml.safe_load(values_yaml))).build(data)
+
+
+def _encode_data(data) -> bytes:
+    """A course's FederatedData as `fedcore.serialization` bytes (its splits are tensors)."""
+    def split(s):
+        return [s.x, s.y]
+    return _encode({"clients": [[cid, split(c.train), split(c.val), split(c.test)]
+                                for cid, c in data.clients.items()],
+                    "test": split(data.server_test), "shape": list(data.input_shape),
+                    "num_classes": int(data.num_classes)})
+
+
+def _decode_data(raw: bytes):
+    from fedcore.scenarios.data import ClientData, FederatedData, Split
+    d = _decode(raw)
+    return FederatedData({int(cid): ClientData(Split(*tr), Split(*va), Split(*te))
+                          for cid, tr, va, te in d["clients"]},
+                         Split(*d["test"]), tuple(d["shape"]), d["num_classes"])
 
 
 def _serve(conn) -> None:
@@ -101,7 +120,9 @@ def _serve(conn) -> None:
     sent with its own trainer."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the course's to handle
     try:
-        course = build_worker_course(conn.recv_bytes().decode(), 1)
+        values = conn.recv_bytes().decode()
+        raw = conn.recv_bytes()
+        course = build_worker_course(values, 1, _decode_data(raw) if raw else None)
         torch.set_num_threads(1)
         trainer, clients = course.trainer, course.clients
         store = MemoryStateStore()
@@ -138,10 +159,7 @@ class ProcessEngine(Engine):
         self._conns: list = []
 
     @staticmethod
-    def unsupported(trainer, cfg, course=None) -> str | None:
-        if course is not None and not getattr(course, "data_from_config", True):
-            return ("the course's data were handed to it, not made from the config, so worker "
-                    "processes cannot make them")
+    def unsupported(trainer, cfg) -> str | None:
         if cfg["train.preserve_optimizer_state"]:
             return "train.preserve_optimizer_state: optimizer states do not serialize"
         if getattr(trainer, "device", None) is not None and trainer.device.type != "cpu":
@@ -153,12 +171,15 @@ class ProcessEngine(Engine):
         if _START_METHOD == "forkserver":
             ctx.set_forkserver_preload(_PRELOAD)
         config = worker_values(self.course.cfg).encode()
+        # data handed to the course (not made from its config) go to the workers as tensors
+        data = b"" if getattr(self.course, "data_from_config", True) else _encode_data(self.course.data)
         for _ in range(self.size):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=_serve, args=(child,), daemon=True)
             p.start()
             child.close()
             parent.send_bytes(config)
+            parent.send_bytes(data)
             self._procs.append(p)
             self._conns.append(parent)
         for conn in self._conns:     # every worker has built its course, or says why not
