@@ -1,24 +1,29 @@
 """A pool of worker processes for compute-heavy clients (`executor: processes`).
 
-The workers are forked from the course's process when the first batch comes,
-so each starts with the trainer, the model and every client's data already in
-its memory: no data crosses a process boundary. Per batch, the parent sends
-each worker the received content, the round and its share of (client id,
-client state) jobs; each worker runs the real trainer's `fit` for them and
-replies with each client's content, work, metrics and new state. Requests
-and replies travel as `fedcore.serialization` bytes over pipes, never as
-pickles. A worker trains with one torch thread, the pool has one worker per
-usable core, and the parent saves the states, so results are those of the
-sequential executor.
+The workers start when the first batch comes, from a fresh interpreter
+(`forkserver`, or `spawn` where there is none), never forked from the course's
+process: they inherit no autograd or CUDA threads and the pool works on every
+platform. Each receives what it needs explicitly - the course's config, as
+Ray's actors do - and builds the same trainer and clients' data from it (data
+handed to the course, not made from its config, are sent once as tensors). Per batch, the parent sends each worker the
+received content, the round and its share of (client id, client state) jobs;
+each worker runs the real trainer's `fit` for them and replies with each
+client's content, work, metrics and new state. Config, requests and replies
+travel as bytes over pipes (YAML, `fedcore.serialization`), never as pickles.
+A worker trains with one torch thread, ignores Ctrl-C (the course handles it
+and closes the pool), the pool has one worker per usable core, and the parent
+saves the states, so results are those of the sequential executor.
 """
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
 import os
+import signal
 from typing import Any
 
 import torch
+import yaml
 
 from fedcore import registry
 from fedcore.contract import FitResult
@@ -27,9 +32,18 @@ from fedcore.serialization import WireError, encode_value, from_value
 from fedcore.state import MemoryStateStore
 from fedcore.wire import fedcore_pb2 as pb
 
-__all__ = ["ProcessEngine", "fit_share", "usable_cores"]
+__all__ = ["ProcessEngine", "build_worker_course", "fit_share", "usable_cores", "worker_values"]
 
 log = logging.getLogger("fedcore.executor")
+
+
+# a fresh interpreter for every worker: fork would copy the course's autograd/CUDA threads' state
+_START_METHOD = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+
+# what the fork server imports once for all the workers it forks (a course's plug-ins, and
+# torch._dynamo, which torch.optim imports at its first optimizer): each worker starts warm
+_PRELOAD = ["fedcore.procpool", "fedcore.course", "fedcore.algorithms", "fedcore.handlers",
+            "fedcore.scenarios", "fedcore.distributed", "torch._dynamo"]
 
 
 def usable_cores() -> int:
@@ -63,11 +77,63 @@ def fit_share(trainer, store, clients, req: dict) -> list[dict]:
     return out
 
 
-def _serve(conn, trainer, clients) -> None:
-    """A worker's loop: fit the jobs it is sent with its own copy of the trainer."""
-    torch.set_num_threads(1)
-    store = MemoryStateStore()
-    trainer.store = store          # this process's copy only: states go back to the parent
+def worker_values(cfg) -> str:
+    """The config as a worker builds its course from it: trained one client at a time, no
+    outputs, no resuming. Keys left at their default are not sent: a worker knows the
+    defaults, and need not know keys that plug-ins imported here declared and this course
+    does not use."""
+    from fedcore.config import SCHEMA
+    values = {k: cfg[k] for k in SCHEMA if k in cfg and cfg[k] != SCHEMA[k].default}
+    values.update({"executor": "sequential", "outdir": None, "resume_from": None})
+    return yaml.safe_dump(values)
+
+
+def build_worker_course(values_yaml: str, threads: int, data=None):
+    """The course a worker (a process of the pool, or a Ray actor) builds from `worker_values`:
+    its trainer and clients' data are the course's own, made here (or `data`, as handed to
+    the course)."""
+    from fedcore.config import load_config
+    from fedcore.course import Course
+    torch.set_num_threads(threads)
+    return Course(load_config(None, extra=yaml.safe_load(values_yaml))).build(data)
+
+
+def _encode_data(data) -> bytes:
+    """A course's FederatedData as `fedcore.serialization` bytes (its splits are tensors)."""
+    def split(s):
+        return [s.x, s.y]
+    return _encode({"clients": [[cid, split(c.train), split(c.val), split(c.test)]
+                                for cid, c in data.clients.items()],
+                    "test": split(data.server_test), "shape": list(data.input_shape),
+                    "num_classes": int(data.num_classes)})
+
+
+def _decode_data(raw: bytes):
+    from fedcore.scenarios.data import ClientData, FederatedData, Split
+    d = _decode(raw)
+    return FederatedData({int(cid): ClientData(Split(*tr), Split(*va), Split(*te))
+                          for cid, tr, va, te in d["clients"]},
+                         Split(*d["test"]), tuple(d["shape"]), d["num_classes"])
+
+
+def _serve(conn) -> None:
+    """A worker's loop: build the course from the config it is sent, then fit the jobs it is
+    sent with its own trainer."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the course's to handle
+    try:
+        values = conn.recv_bytes().decode()
+        raw = conn.recv_bytes()
+        course = build_worker_course(values, 1, _decode_data(raw) if raw else None)
+        torch.set_num_threads(1)
+        trainer, clients = course.trainer, course.clients
+        store = MemoryStateStore()
+        trainer.store = store          # this process's only: states go back to the parent
+        conn.send_bytes(_encode({"ready": True}))
+    except (EOFError, OSError):
+        return
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which falls back
+        conn.send_bytes(_encode({"error": f"building the course: {type(exc).__name__}: {exc}"}))
+        return
     while True:
         try:
             data = conn.recv_bytes()
@@ -97,24 +163,32 @@ class ProcessEngine(Engine):
 
     @staticmethod
     def unsupported(trainer, cfg) -> str | None:
-        if "fork" not in mp.get_all_start_methods():
-            return "worker processes are forked and this platform cannot fork"
         if cfg["train.preserve_optimizer_state"]:
             return "train.preserve_optimizer_state: optimizer states do not serialize"
         if getattr(trainer, "device", None) is not None and trainer.device.type != "cpu":
-            return f"device {trainer.device}: a forked process cannot use it (use executor ray)"
+            return f"device {trainer.device}: the pool's workers train on the CPU (use executor ray)"
         return None
 
     def _start(self, trainer) -> None:
-        ctx = mp.get_context("fork")   # the children inherit trainer and data: nothing is pickled
-        clients = self.course.clients
+        ctx = mp.get_context(_START_METHOD)
+        if _START_METHOD == "forkserver":
+            ctx.set_forkserver_preload(_PRELOAD)
+        config = worker_values(self.course.cfg).encode()
+        # data handed to the course (not made from its config) go to the workers as tensors
+        data = b"" if getattr(self.course, "data_from_config", True) else _encode_data(self.course.data)
         for _ in range(self.size):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_serve, args=(child, trainer, clients), daemon=True)
+            p = ctx.Process(target=_serve, args=(child,), daemon=True)
             p.start()
             child.close()
+            parent.send_bytes(config)
+            parent.send_bytes(data)
             self._procs.append(p)
             self._conns.append(parent)
+        for conn in self._conns:     # every worker has built its course, or says why not
+            reply = _decode(conn.recv_bytes())
+            if "error" in reply:
+                raise WireError(f"a worker process failed: {reply['error']}")
         log.info("executor processes: %d worker processes", self.size)
 
     def fit_many(self, trainer, jobs, received, round_):

@@ -27,15 +27,15 @@ import logging
 from collections import Counter
 
 import torch
-import yaml
 
 from fedcore import registry
 from fedcore.batching import Engine
-from fedcore.config import SCHEMA, declare, load_config, non_negative, positive, validator
+from fedcore.config import declare, non_negative, positive, validator
 from fedcore.contract import FitResult
 from fedcore.device import DeviceStateStore, to_device
 from fedcore.errors import ConfigError
-from fedcore.procpool import _decode, _encode, fit_share, usable_cores
+from fedcore.procpool import (_decode, _encode, build_worker_course, fit_share, usable_cores,
+                              worker_values)
 from fedcore.serialization import WireError
 from fedcore.state import MemoryStateStore, plain_state
 
@@ -104,10 +104,8 @@ class TrainerActor:
         """Build this course's trainer and data here (replacing a previous course's); return
         the id of the node this actor runs on."""
         import ray
-        from fedcore.course import Course
         self.trainer = self.clients = None
-        torch.set_num_threads(threads)
-        course = Course(load_config(None, extra=yaml.safe_load(values_yaml))).build()
+        course = build_worker_course(values_yaml, threads)
         self.trainer = course.trainer
         store = MemoryStateStore()    # this actor's: states go back to the course's own store
         self.trainer.store = store if course.device.type == "cpu" else DeviceStateStore(store, course.device)
@@ -150,16 +148,6 @@ class RayEngine(Engine):
                     "actors cannot make them")
         return None
 
-    def _values(self) -> str:
-        """The config as the actors build their course from it: trained one client at a time,
-        no outputs, no resuming. Keys left at their default are not sent: an actor knows the
-        defaults, and need not know keys that plug-ins imported here declared and this course
-        does not use."""
-        cfg = self.cfg
-        values = {k: cfg[k] for k in SCHEMA if k in cfg and cfg[k] != SCHEMA[k].default}
-        values.update({"executor": "sequential", "outdir": None, "resume_from": None})
-        return yaml.safe_dump(values)
-
     def _start(self) -> None:
         ray = require_ray()
         r = self.cfg.section("executor.ray")
@@ -182,7 +170,7 @@ class RayEngine(Engine):
         if self._actors is None:
             actor = ray.remote(TrainerActor).options(num_cpus=r["num_cpus"], num_gpus=r["num_gpus"])
             self._actors = [actor.remote() for _ in range(size)]
-        text, threads = self._values(), max(1, int(r["num_cpus"]))
+        text, threads = worker_values(self.cfg), max(1, int(r["num_cpus"]))
         refs = [a.configure.remote(text, threads) for a in self._actors]
         ready, pending = ray.wait(refs, num_returns=len(refs), timeout=r["start_timeout"])
         if pending:

@@ -7,6 +7,41 @@ import torch
 from fedcore.config import load_config
 
 
+# optional extras (setup.cfg) -> the modules a test of them imports, itself or in its processes
+EXTRAS = {
+    "secagg": ("cryptography",), "certs": ("cryptography",), "data": ("sklearn",),
+    "tune": ("optuna",), "plot": ("matplotlib",), "tensorboard": ("tensorboard",),
+    "mlflow": ("mlflow",), "wandb": ("wandb",), "ray": ("ray",),
+    "llm": ("transformers", "peft", "datasets"),
+    "dev": ("grpc_tools",),   # test tools of the dev extra: protoc, opacus
+}
+
+
+def need_extra(extra: str, *modules: str):
+    """Skip the calling test (or, at a module's top, the whole module) unless the optional extra
+    is installed; return the first module. `modules` narrows the check to those the test uses."""
+    found = [pytest.importorskip(m, reason=f"needs the optional extra '{extra}' ({m} is not "
+                                 f"installed: pip install \"fedcore[{extra}]\")")
+             for m in modules or EXTRAS[extra]]
+    return found[0]
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "extra(name): the test needs the optional extra `name` "
+                            "(its processes import it); skipped with a reason where it is missing")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:   # real processes on loopback: the bulk of the suite's time
+        if item.path.name.startswith("test_deploy_"):
+            item.add_marker(pytest.mark.deploy)
+
+
+def pytest_runtest_setup(item):
+    for mark in item.iter_markers("extra"):
+        need_extra(*mark.args)
+
+
 @pytest.fixture(autouse=True)
 def _few_threads():
     torch.set_num_threads(1)  # tests are many small models: threads only add overhead

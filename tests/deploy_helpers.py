@@ -102,7 +102,7 @@ def wait_exit(p: subprocess.Popen, timeout: float) -> int:
         raise AssertionError(f"process did not exit within {timeout:g}s; output:\n{text(p)[-3000:]}")
 
 
-def server_port(outdir: Path, server: subprocess.Popen, timeout: float = 90.0) -> int:
+def server_port(outdir: Path, server: subprocess.Popen, timeout: float = 300.0) -> int:
     f = outdir / "server_address"
 
     def ready():
@@ -154,7 +154,10 @@ def assert_same_final_model(a: Path, b: Path, atol: float = 1e-6) -> None:
 # ---------------------------------------------------------------- certificates
 
 def make_certs(folder: Path) -> dict[str, str]:
-    """A CA, a server certificate for 127.0.0.1/localhost and a client certificate (PEM files)."""
+    """A CA, a server certificate for 127.0.0.1/localhost and a client certificate (PEM files);
+    the calling test skips where the optional extra 'certs' (cryptography) is missing."""
+    from tests.conftest import need_extra
+    need_extra("certs")
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec

@@ -23,8 +23,10 @@ METHOD = "/fedcore.Fedcore/Connect"
 
 
 def load_proto(folder: Path):
-    """Compile proto/fedcore.proto into `folder` and import it (as `hostile_fedcore_pb2`)."""
-    from grpc_tools import protoc
+    """Compile proto/fedcore.proto into `folder` and import it (as `hostile_fedcore_pb2`); the
+    calling test skips without grpc_tools (the dev extra)."""
+    from tests.conftest import need_extra
+    protoc = need_extra("dev", "grpc_tools.protoc")
     folder.mkdir(parents=True, exist_ok=True)
     src = folder / "hostile_fedcore.proto"
     # Another package name, so these classes can live beside fedcore's own in one process (the

@@ -4,6 +4,10 @@ import stat
 
 import pytest
 
+from tests.conftest import need_extra
+
+need_extra("certs")
+
 from fedcore.certs import main, make_certificates
 from tests.deploy_helpers import server_port, text, wait_exit, write_cfg
 

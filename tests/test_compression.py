@@ -112,6 +112,7 @@ def test_the_wire_check_takes_compressed_updates_only(tmp_path, kind):
     assert "is (1,)" in check_content("updates", bad, server)
 
 
+@pytest.mark.extra("secagg")
 def test_compression_is_refused_where_the_update_is_more_than_a_model():
     for extra in ({"algorithm__name": "scaffold"}, {"secure_aggregation__enabled": True},
                   {"asyn__use": True}):

@@ -196,6 +196,7 @@ def test_csv_natural_clients_and_server_hold_out(tmp_path):
     assert sorted(held.x[:, 0].tolist() + held.test.x[:, 0].tolist()) == list(range(10))
 
 
+@pytest.mark.extra("data")
 def test_digits_is_bundled_real_data():
     raw = raw_dataset(small_cfg(data__type="digits", data__test_size=0.25))
     assert raw.input_shape == (1, 8, 8) and raw.num_classes == 10

@@ -133,7 +133,8 @@ def _assert_same(final, simulated):
 SECURE = {"secure_aggregation.enabled": True, "model.dtype": "float64"}
 
 
-@pytest.mark.parametrize("algorithm", ["fedavg", "scaffold", "fedavg-secure-aggregation"])
+@pytest.mark.parametrize("algorithm", ["fedavg", "scaffold", pytest.param(
+    "fedavg-secure-aggregation", marks=pytest.mark.extra("secagg"))])
 def test_server_killed_between_snapshot_and_broadcast_ends_as_the_uninterrupted_course(
         tmp_path, procs, algorithm):
     # SCAFFOLD's client control variates live in the clients, which go on running; a secure

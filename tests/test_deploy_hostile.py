@@ -12,6 +12,7 @@ and every refusal is counted in the summary.
 """
 import json
 import math
+import re
 
 import grpc
 import pytest
@@ -124,12 +125,26 @@ def test_a_token_holder_cannot_poison_forge_or_take_over(tmp_path, procs):
     assert records[-1]["test_acc"] > 0.5
 
 
+# heartbeat_timeout of the hung-client tests: long enough that live processes on a loaded machine
+# are not taken for dead; it is also the floor of the derived round deadline
+HUNG_SILENCE = 10.0
+
+
+def _derived_deadline(reason: str) -> float:
+    """The least deadline a drop's reason names; it is derived from the clients' reply times
+    (which a loaded machine lengthens), with distribute.heartbeat_timeout as its floor."""
+    m = re.search(r"no reply within the derived round deadline of ([0-9.]+)(?:-[0-9.]+)?s "
+                  r"\(distribute.deadline_factor\)", reason)
+    assert m, reason
+    return float(m.group(1))
+
+
 def test_a_hung_trainer_with_live_heartbeats_is_dropped_by_the_default_deadline(tmp_path, procs):
     cfg = write_cfg(tmp_path / "course.yaml", {
         "federate.client_num": 2, "federate.total_round_num": 2, "eval.clients": False,
         "plugins": ["tests.slow_plugin"], "algorithm.name": "fedavg_pausing", "slow_test.pause": 0.0,
         "slow_test.hang_clients": [2], "distribute.insecure": True, "distribute.token": "t",
-        "distribute.heartbeat_interval": 0.5, "distribute.heartbeat_timeout": 3.0})
+        "distribute.heartbeat_interval": 0.5, "distribute.heartbeat_timeout": HUNG_SILENCE})
     out = tmp_path / "out"
     server = procs.fedcore("server", cfg, "distribute.role=server", "distribute.server_port=0",
                            f"outdir={out}")
@@ -144,7 +159,7 @@ def test_a_hung_trainer_with_live_heartbeats_is_dropped_by_the_default_deadline(
     summary = json.loads((out / "summary.json").read_text())
     # dropped once: a client that missed its deadline is not sampled again until it replies
     assert summary["dropped_total"] == 1 and "lost_clients" not in summary
-    assert all("derived round deadline of 3." in d["reason"] and d["clients"] == [2] for d in summary["dropped"])
+    assert all(_derived_deadline(d["reason"]) >= HUNG_SILENCE and d["clients"] == [2] for d in summary["dropped"])
 
 
 def test_a_hung_client_sampled_alone_is_dropped_by_the_deadline_of_earlier_rounds(tmp_path, procs):
@@ -154,7 +169,7 @@ def test_a_hung_client_sampled_alone_is_dropped_by_the_deadline_of_earlier_round
         "federate.client_num": 3, "federate.sample_client_num": 1, "federate.total_round_num": 3,
         "eval.clients": False, "plugins": ["tests.slow_plugin"], "algorithm.name": "fedavg_pausing",
         "slow_test.pause": 0.0, "slow_test.hang_clients": [1], "distribute.insecure": True,
-        "distribute.token": "t", "distribute.heartbeat_interval": 0.5, "distribute.heartbeat_timeout": 3.0})
+        "distribute.token": "t", "distribute.heartbeat_interval": 0.5, "distribute.heartbeat_timeout": HUNG_SILENCE})
     out = tmp_path / "out"
     server = procs.fedcore("server", cfg, "distribute.role=server", "distribute.server_port=0",
                            f"outdir={out}")
@@ -166,7 +181,7 @@ def test_a_hung_client_sampled_alone_is_dropped_by_the_deadline_of_earlier_round
     assert [r["num_updates"] for r in records] == [1, 1, 1]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["dropped_total"] >= 1   # with seed 0, client 1 is sampled in round 2
-    assert all("derived round deadline of 3." in d["reason"] and d["clients"] == [1] for d in summary["dropped"])
+    assert all(_derived_deadline(d["reason"]) >= HUNG_SILENCE and d["clients"] == [1] for d in summary["dropped"])
     assert all(wait_exit(c, 60) == 0 for c in clients[1:])
 
 

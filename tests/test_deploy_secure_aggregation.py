@@ -5,6 +5,10 @@ import json
 import pytest
 import torch
 
+from tests.conftest import need_extra
+
+need_extra("secagg")
+
 from fedcore.algorithms.secagg_identity import write_roster
 from fedcore.course import Course
 from tests.conftest import small_cfg

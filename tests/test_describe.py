@@ -18,6 +18,7 @@ def test_label_entropy_by_hand():
     assert label_entropy(hist) == pytest.approx([np.log(2), np.log(4), 0.0, 0.0])
 
 
+@pytest.mark.extra("plot")
 def test_heat_map_rows_are_label_distributions(tmp_path):
     fig = heat_map(np.array([[4, 0], [1, 1], [0, 0]]), tmp_path / "h.png")
     drawn = fig.axes[0].images[0].get_array()
@@ -26,6 +27,7 @@ def test_heat_map_rows_are_label_distributions(tmp_path):
     assert read_image(tmp_path / "h.png").shape[:2] == (round(height), round(width))
 
 
+@pytest.mark.extra("plot")
 def test_heat_map_format_follows_the_suffix(tmp_path):
     heat_map(np.array([[1, 2]]), tmp_path / "h.svg")
     heat_map(np.array([[1, 2]]), tmp_path / "h.pdf")
@@ -33,6 +35,8 @@ def test_heat_map_format_follows_the_suffix(tmp_path):
     assert (tmp_path / "h.pdf").read_bytes()[:5] == b"%PDF-"
 
 
+@pytest.mark.extra("plot")
+@pytest.mark.extra("data")
 def test_cli_prints_sizes_and_histograms_and_writes_png(tmp_path, capsys):
     png = tmp_path / "d.png"
     rc = main(["data.type=digits", "data.partition=shards", "data.shards_per_client=2",

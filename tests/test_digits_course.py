@@ -6,6 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import need_extra
+
+need_extra("data")
+
 from fedcore.config import load_config
 from fedcore.course import Course
 from fedcore.scenarios.models import build_model

@@ -178,14 +178,15 @@ def test_an_empty_sample_still_releases_the_noise_and_is_accounted(tmp_path):
     ({"asyn__use": True, "asyn__min_received_num": 2}, "synchronous rounds on a Poisson sample"),
     ({"asyn__overselection": True}, "synchronous rounds on a Poisson sample"),
     ({"federate__sampler": "group"}, "central DP samples clients itself"),
-    ({"secure_aggregation__enabled": True, "federate__sample_client_num": 3},
-     "needs every client in every round"),
+    pytest.param({"secure_aggregation__enabled": True, "federate__sample_client_num": 3},
+                 "needs every client in every round", marks=pytest.mark.extra("secagg")),
 ])
 def test_central_dp_refuses_samplings_its_bound_does_not_cover(override, needle):
     with pytest.raises(ConfigError, match=needle):
         small_cfg(None, privacy__dp__mode="central", **override)
 
 
+@pytest.mark.extra("secagg")
 def test_central_noise_on_a_secure_sum_is_seeded_in_simulation_and_from_the_os_when_deployed():
     """The server's noise on the unmasked sum: a simulation draws what plain central DP draws from
     the seed; a deployed course draws fresh OS noise, which no client holding the config can regenerate."""

@@ -159,20 +159,13 @@ def test_vectorized_gathers_per_client_when_data_are_too_big_to_stack(monkeypatc
     assert _max_diff(seq, vec) < 1e-5
 
 
-class _IntKeyState(Trainer):
-    """Keeps a per-client record with int keys: fine in memory, but it cannot be serialized."""
-
-    def begin(self, client_state, received):
-        client_state["seen"] = {1: client_state.get("seen", {}).get(1, 0) + 1}
-
-
 def test_processes_fall_back_for_good_when_a_state_cannot_travel(caplog):
-    algorithms.register("_test_intkeys", Algorithm(_IntKeyState, Aggregator))
-    _, seq, seq_trace = _run("sequential", algorithm__name="_test_intkeys")
+    plugin = dict(plugins=["tests.int_key_plugin"], algorithm__name="_test_intkeys")
+    _, seq, seq_trace = _run("sequential", **plugin)
     with caplog.at_level(logging.WARNING, logger="fedcore.executor"):
-        course, par, par_trace = _run("processes", executor_workers=2,
-                                      algorithm__name="_test_intkeys")
+        course, par, par_trace = _run("processes", executor_workers=2, **plugin)
     assert any("running sequentially from now on" in r.getMessage() for r in caplog.records)
+    assert not any("building the course" in r.getMessage() for r in caplog.records)
     assert course.trainer.batched_fits == 0
     assert _max_diff(seq, par) == 0.0 and par_trace == seq_trace
 

@@ -128,15 +128,19 @@ def test_overwriting_a_handler_warns_and_is_listed(tmp_path, caplog):
 
 def test_logical_clients_share_one_model():
     """1000 logical clients, 100 per round: two model instances in all (global + shared trainer)."""
+    def linear_13():
+        gc.collect()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # gc.get_objects touches deprecated torch module attributes
+            return [o for o in gc.get_objects() if isinstance(o, nn.Linear) and o.in_features == 13]
+
+    earlier = linear_13()   # what tests before this one in the process left alive (held: ids stay theirs)
     cfg = small_cfg(None, federate__client_num=1000, federate__sample_client_num=100,
                     federate__total_round_num=1, data__synthetic__samples_per_client=5,
                     data__synthetic__dim=13, eval__clients=False)
     course = Course(cfg).build()
     course.run()
-    gc.collect()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # gc.get_objects touches deprecated torch module attributes
-        layers = [o for o in gc.get_objects() if isinstance(o, nn.Linear) and o.in_features == 13]
+    layers = [o for o in linear_13() if all(o is not e for e in earlier)]
     assert len(layers) == 2
     assert {id(course.trainer.model[1]), id(course.server.model[1])} == {id(x) for x in layers}
     assert len(course.clients) == 1000 and len(course.monitor.records) == 1
@@ -167,6 +171,8 @@ def test_the_run_tunes_the_garbage_collector_and_puts_it_back():
             seen.setdefault("during", (gc.get_threshold(), gc.get_freeze_count() > 0))
 
     before = gc.get_threshold()
+    frozen_before = gc.get_freeze_count() > 0   # a test before this one may have frozen objects
+    gc.unfreeze()
     gc.set_threshold(555, 11, 12)
     try:
         cfg = small_cfg(None, federate__total_round_num=1)
@@ -180,3 +186,5 @@ def test_the_run_tunes_the_garbage_collector_and_puts_it_back():
     finally:
         gc.unfreeze()
         gc.set_threshold(*before)
+        if frozen_before:
+            gc.freeze()

@@ -8,7 +8,7 @@ import pytest
 
 from fedcore.course import Course
 from fedcore.errors import ConfigError
-from tests.conftest import small_cfg
+from tests.conftest import need_extra, small_cfg
 from tests.deploy_helpers import wait_for
 
 
@@ -19,6 +19,8 @@ def records(outdir):
 @pytest.fixture(scope="module")
 def logged(tmp_path_factory):
     """One small course with csv, tensorboard and mlflow on (eval every 2 rounds: fields vary)."""
+    need_extra("tensorboard")
+    need_extra("mlflow")
     out = tmp_path_factory.mktemp("logged")
     cfg = small_cfg(out, name="logged", federate__total_round_num=3, eval__freq=2,
                     loggers=["csv", "tensorboard", "mlflow"])
@@ -84,6 +86,7 @@ def _wandb_records(path):
 
 
 @pytest.mark.slow
+@pytest.mark.extra("wandb")
 def test_wandb_offline_run_reads_back(tmp_path, monkeypatch):
     from wandb.proto import wandb_internal_pb2
     monkeypatch.setenv("WANDB_MODE", "offline")

@@ -3,6 +3,10 @@ import json
 
 import pytest
 
+from tests.conftest import need_extra
+
+need_extra("plot")
+
 from fedcore.plot import draw_runs, main
 from tests.conftest import small_cfg
 

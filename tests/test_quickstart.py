@@ -1,6 +1,8 @@
 """The shipped quickstart scenario reaches the accuracy its docs promise."""
 from pathlib import Path
 
+import pytest
+
 from fedcore.config import load_config
 from fedcore.course import Course
 
@@ -15,6 +17,7 @@ def test_quickstart_reaches_target(tmp_path):
     assert summary["time_to_target"] is not None and summary["time_to_target"] < summary["virtual_time"]
 
 
+@pytest.mark.extra("plot")
 def test_quickstart_ends_with_a_plot(tmp_path):
     """The README's quickstart with a plot: run the course into a folder, then plot it."""
     from fedcore.plot import draw_runs

@@ -10,8 +10,16 @@ from fedcore.course import Course
 # language-model scenarios need the [llm] extra
 _NO_LLM = pytest.mark.skipif(not all(importlib.util.find_spec(m) for m in ("transformers", "peft")),
                              reason="the [llm] extra (transformers, peft) is not installed")
-SCENARIOS = [pytest.param(p, marks=_NO_LLM) if p.stem.startswith("llm_") else p
-             for p in sorted((Path(__file__).resolve().parent.parent / "scenarios").glob("*.yaml"))]
+_EXTRA = {"digits_dirichlet": "data", "secure_aggregation": "secagg"}   # scenario -> its extra
+
+
+def _param(p):
+    if p.stem.startswith("llm_"):
+        return pytest.param(p, marks=_NO_LLM)
+    return pytest.param(p, marks=pytest.mark.extra(_EXTRA[p.stem])) if p.stem in _EXTRA else p
+
+
+SCENARIOS = [_param(p) for p in sorted((Path(__file__).resolve().parent.parent / "scenarios").glob("*.yaml"))]
 
 
 @pytest.mark.parametrize("path", SCENARIOS, ids=lambda p: p.stem)

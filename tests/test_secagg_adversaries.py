@@ -7,6 +7,10 @@ import logging
 
 import pytest
 
+from tests.conftest import need_extra
+
+need_extra("secagg")
+
 from fedcore.course import Course
 from fedcore.errors import NothingAggregated
 from fedcore.message import SERVER_ID

@@ -9,6 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+from tests.conftest import need_extra
+
+need_extra("secagg")
+
 from fedcore.algorithms.secagg_crypto import (field_add, new_private_key, prg_field, public_bytes,
                                               quantize)
 from fedcore.algorithms.secagg_settings import MERSENNE_61, neighbour_graph

@@ -6,6 +6,7 @@ the best validation accuracy 0.925 at lr = 1, and >= 0.9 only for lr in
 [1, 3.2] of the grid (0.84 at 0.32, 0.58 at 10): the good region is taken as
 lr in [0.5, 4].
 """
+import importlib.util
 import json
 
 import pytest
@@ -55,7 +56,10 @@ def test_grid_maps_the_known_region(grid):
     cfg = load_config(grid.best_config)
     assert cfg["train.optimizer.lr"] == 1.0 and cfg["eval.val"] and best["federate"]["total_round_num"] == 9
     assert json.loads((out / "study.json").read_text())["rounds_spent"] == spent
-    assert (out / "plot.png").stat().st_size > 1000
+    if importlib.util.find_spec("matplotlib"):   # the plot extra; without it the study has no plot
+        assert (out / "plot.png").stat().st_size > 1000
+    else:
+        assert not (out / "plot.png").exists()
     assert len(list((out / "trials").iterdir())) == 13 and (out / "trials/0007/metrics.jsonl").is_file()
 
 
@@ -122,6 +126,7 @@ def test_parallel_trials_give_the_same_results(tmp_path):
     assert _records(tmp_path / "one/trials/0001") == _records(tmp_path / "two/trials/0001")
 
 
+@pytest.mark.extra("tune")
 def test_tpe_finds_the_good_region(tmp_path):
     result = tune(BASE, SPACE, "tpe", trials=6, seed=0, outdir=tmp_path)
     found = [t for t in result.trials if GOOD[0] <= t["params"]["train.optimizer.lr"] <= GOOD[1]]

@@ -6,6 +6,10 @@ descriptors, i.e. the schema itself rather than generator-version text.
 """
 from pathlib import Path
 
+from tests.conftest import need_extra
+
+need_extra("dev", "grpc_tools")
+
 from google.protobuf import descriptor_pb2
 from grpc_tools import protoc
 
