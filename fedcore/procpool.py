@@ -109,11 +109,10 @@ def _encode_data(data) -> bytes:
 
 
 def _decode_data(raw: bytes):
-    from fedcore.scenarios.data import ClientData, FederatedData, Split
     d = _decode(raw)
-    return FederatedData({int(cid): ClientData(Split(*tr), Split(*va), Split(*te))
-                          for cid, tr, va, te in d["clients"]},
-                         Split(*d["test"]), tuple(d["shape"]), d["num_classes"])
+    return registry.components.get("federated_data_from_splits")(
+        {cid: (tr, va, te) for cid, tr, va, te in d["clients"]}, d["test"], d["shape"],
+        d["num_classes"])
 
 
 def _serve(conn) -> None:

@@ -145,6 +145,16 @@ def build_federated_data(cfg, raw: RawDataset | None = None) -> FederatedData:
     return FederatedData(clients, _server_test(raw, indices), raw.input_shape, raw.num_classes)
 
 
+@registry.components.register("federated_data_from_splits")
+def federated_data_from_splits(clients: dict, test: tuple, input_shape, num_classes: int
+                               ) -> FederatedData:
+    """A FederatedData from its tensors: {client: (train, val, test)} with each split an (x, y)
+    pair (how a worker process receives a course's data)."""
+    return FederatedData({int(cid): ClientData(*(Split(*s) for s in splits))
+                          for cid, splits in clients.items()},
+                         Split(*test), tuple(input_shape), int(num_classes))
+
+
 @registry.components.register("server_data")
 def build_server_data(cfg) -> tuple[FederatedData, dict[int, int]]:
     """What a deployed server (or edge) holds: no client partitions, the server's test set, and
