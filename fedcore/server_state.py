@@ -155,7 +155,12 @@ def _value(value: Any, hint: Any, where: str) -> Any:
         return value
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
-        for arm in args:
+        arms = [a for a in args if a is not type(None)]
+        if value is None and len(arms) < len(args):
+            return None
+        if len(arms) == 1:   # an Optional: what is wrong with the value is the one arm's to say
+            return _value(value, arms[0], where)
+        for arm in arms:
             try:
                 return _value(value, arm, where)
             except StateError:
