@@ -61,7 +61,14 @@ def note(server, kind: str, message: str, level: int = logging.WARNING) -> None:
     state = server.state(AdmissionState)
     state.quiet(kind, message, level)
     state.counts[kind] = state.counts.get(kind, 0) + 1
-    server.course.monitor.extra_summary["admission"] = state.counts
+    _add_counts(server.course, {kind: 1})
+
+
+def _add_counts(course, counts: dict[str, int]) -> None:
+    """The summary's `admission` counts are the course's: the server's and its edges' together."""
+    summary = course.monitor.extra_summary.setdefault("admission", {})
+    for kind, n in counts.items():
+        summary[kind] = summary.get(kind, 0) + n
 
 
 def norm_ratio(course) -> float | None:
@@ -224,7 +231,7 @@ class AdmissionState:
     def restored(self, worker) -> None:
         """After a resume: the summary goes on counting from the snapshot's counts."""
         if self.counts:
-            worker.course.monitor.extra_summary["admission"] = self.counts
+            _add_counts(worker.course, self.counts)
 
 
 def scaled_update(u: ReceivedUpdate, reference: dict[str, torch.Tensor], s: float) -> ReceivedUpdate:
