@@ -23,6 +23,8 @@ deployment alike, and an algorithm never sees an update they refused:
 
 Refusals are counted in the summary (`admission`) and logged at most once per
 reason every few seconds (`fedcore.quiet`), so a hostile peer cannot flood the log.
+What admission keeps between rounds is the server's typed `AdmissionState`, which
+snapshots save (`fedcore.server_state`).
 """
 from __future__ import annotations
 
