@@ -24,11 +24,14 @@ deployment alike, and an algorithm never sees an update they refused:
 
 Refusals are counted in the summary (`admission`) and logged at most once per
 reason every few seconds (`fedcore.quiet`), so a hostile peer cannot flood the log.
+What admission keeps between rounds is the server's typed `AdmissionState`, which
+snapshots save (`fedcore.server_state`).
 """
 from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,9 +39,10 @@ import torch
 from fedcore.config import declare, positive
 from fedcore.contract import ReceivedUpdate, clone_tree
 from fedcore.quiet import QuietLog
+from fedcore.server_state import Outcome, transient, worker_state
 from fedcore.tensor_forms import get_form
 
-__all__ = ["admit_updates", "Returning", "scaled_update", "Snapshot", "finite_state",
+__all__ = ["admit_updates", "AdmissionState", "Returning", "scaled_update", "Snapshot", "finite_state",
            "reject_round", "note", "sample_cap", "norm_ratio"]
 
 log = logging.getLogger("fedcore.admission")
@@ -53,17 +57,20 @@ declare("admission.max_num_samples", int, None, "largest num_samples an update m
 declare("admission.max_rejected_rounds", int, 3, "deployment: rounds in a row whose aggregate is "
         "not finite before the course stops as diverged (exit code 5)", check=positive)
 
-def _quiet(server) -> QuietLog:
-    q = getattr(server, "admission_log", None)
-    if q is None:
-        q = server.admission_log = QuietLog(log)
-    return q
 
 
 def note(server, kind: str, message: str, level: int = logging.WARNING) -> None:
     """Count one refusal of `kind` in the summary's `admission` counts; log it (rate-limited)."""
-    _quiet(server)(kind, message, level)
-    server.course.monitor.tally("admission", "admission", kind)
+    state = server.state(AdmissionState)
+    state.quiet(kind, message, level)
+    state.counts[kind] = state.counts.get(kind, 0) + 1
+    _add_counts(server.course, {kind: 1})
+
+
+def _add_counts(course, counts: dict[str, int]) -> None:
+    """The summary's `admission` counts are the course's: the server's and its edges' together."""
+    for kind, n in counts.items():
+        course.monitor.tally("admission", "admission", kind, by=n)
 
 
 def norm_ratio(course) -> float | None:
@@ -113,7 +120,8 @@ def medians_of_others(values: list[float]) -> list[float]:
 def admit_updates(server, updates: list[ReceivedUpdate]) -> list[ReceivedUpdate]:
     """The updates that may be aggregated; each refusal is counted and logged."""
     course = server.course
-    declared = getattr(server, "declared_samples", {})
+    state = server.state(AdmissionState)
+    declared = state.declared
     cap = sample_cap(course)
     kept = []
     for u in updates:
@@ -135,9 +143,9 @@ def admit_updates(server, updates: list[ReceivedUpdate]) -> list[ReceivedUpdate]
     ratio = norm_ratio(course)
     if ratio is None:
         return kept
-    history = getattr(server, "admission_history", None)
-    if history is None:
-        history = server.admission_history = Returning(server.round)
+    if state.history is None:
+        state.history = Returning(server.round)
+    history = state.history
     if len(kept) < 2:   # (a folding round's updates come one at a time: no float64 copy each)
         history.sent(updates, server.round)
         return kept
@@ -166,6 +174,7 @@ def admit_updates(server, updates: list[ReceivedUpdate]) -> list[ReceivedUpdate]
     return admitted
 
 
+@dataclass
 class Returning:
     """Which clients are returning from missed rounds (paused, lost, late, not sampled).
 
@@ -180,21 +189,20 @@ class Returning:
     whose updates were refused could never get there); a client sending every round keeps the
     plain rule (refusal)."""
 
-    def __init__(self, first_round: int):
-        self.first = first_round         # the first round admission saw (a resumed course's too)
-        self.last: dict[int, int] = {}   # client -> last round it sent an update in
-        self.until: dict[int, int] = {}  # client -> last round it counts as returning
-        self.span: dict[int, int] = {}   # client -> rounds it missed before it came back
+    first_round: int             # the first round admission saw
+    last: dict[int, int] = field(default_factory=dict)    # client -> last round it sent an update in
+    until: dict[int, int] = field(default_factory=dict)   # client -> last round it counts as returning
+    span: dict[int, int] = field(default_factory=dict)    # client -> rounds it missed before it came back
 
     def returning(self, client_id: int, round_: int) -> bool:
-        last = self.last.get(client_id, self.first - 1)
+        last = self.last.get(client_id, self.first_round - 1)
         return last < round_ - 1 or self.until.get(client_id, -1) >= round_
 
     def sent(self, updates: list[ReceivedUpdate], round_: int) -> None:
         """Note the round's updates (admitted or not: a refused client did not miss the round)."""
         for u in updates:
             cid = u.client_id
-            last = self.last.get(cid, self.first - 1)
+            last = self.last.get(cid, self.first_round - 1)
             if last < round_ - 1:
                 self.span[cid] = round_ - 1 - last
                 self.until[cid] = round_ + self.span[cid]
@@ -203,6 +211,26 @@ class Returning:
     def still_away(self, client_id: int, round_: int) -> None:
         """The client's update this round had to be scaled: it stays returning `span` rounds more."""
         self.until[client_id] = max(self.until.get(client_id, -1), round_ + self.span.get(client_id, 1))
+
+
+@worker_state("admission")
+@dataclass
+class AdmissionState:
+    """What admission keeps on the server (or an edge aggregator). Saved in snapshots, so that
+    a resumed course bounds, scales and refuses exactly as the uninterrupted one would, and
+    its summary counts refusals from the course's start."""
+    declared: dict[int, int] = field(default_factory=dict)   # client -> num_samples of its first join
+    counts: dict[str, int] = field(default_factory=dict)     # refusals by kind (summary `admission`)
+    told: dict[str, int] = field(default_factory=dict)       # `counts` when clients were last told
+    history: Returning | None = None                         # the norm rule's returning clients
+    rejected_in_a_row: int = 0                               # aggregates rejected since the last adopted
+    # rate-limits log lines by wall-clock time, which a restart resets anyway
+    quiet: QuietLog = transient(lambda: QuietLog(log))
+
+    def restored(self, worker) -> None:
+        """After a resume: the summary goes on counting from the snapshot's counts."""
+        if self.counts:
+            _add_counts(worker.course, self.counts)
 
 
 def scaled_update(u: ReceivedUpdate, reference: dict[str, torch.Tensor], s: float) -> ReceivedUpdate:
@@ -251,13 +279,14 @@ def reject_round(server, why: str) -> bool:
     """The round's aggregate is not adopted (the previous model stays). Returns True when the
     course should run the round again, False when it stops as diverged."""
     course = server.course
-    server.rejected_in_a_row = getattr(server, "rejected_in_a_row", 0) + 1
-    again = course.wall_clock and server.rejected_in_a_row < course.cfg["admission.max_rejected_rounds"]
+    state = server.state(AdmissionState)
+    state.rejected_in_a_row += 1
+    again = course.wall_clock and state.rejected_in_a_row < course.cfg["admission.max_rejected_rounds"]
     note(server, "rejected rounds", f"round {server.round}: aggregate rejected: {why}; the previous "
          "global model is kept", logging.WARNING if again else logging.INFO)
     if again:
         return True
-    server.diverged = (f"course diverged in round {server.round}: {why} (likely cause: a learning "
+    server.state(Outcome).diverged = (f"course diverged in round {server.round}: {why} (likely cause: a learning "
                        f"rate too large, e.g. train.optimizer.lr={course.cfg['train.optimizer.lr']:g}, "
                        "or poisoned updates); outputs hold the last finite model")
     return False

@@ -1,9 +1,11 @@
 """Checkpoints of a simulated course at round boundaries, and resuming from one.
 
 A checkpoint is written right after an aggregation: the global model, the
-aggregator's own state, every logical client's state, the sampler's and
-torch's random state, the records written so far and the open record of the
-round just aggregated. Resuming restores all of it, re-sends that round's
+aggregator's own state, every behaviour's typed server state (`server.states`,
+see `fedcore.server_state`: admission's, secure aggregation's, ...) and the
+plug-in states registered here (the privacy ledger, the server optimizer),
+every logical client's state, the sampler's and torch's random state, the
+records written so far and the open record of the round just aggregated. Resuming restores all of it, re-sends that round's
 evaluation requests if it asked for any, and raises `all_joined_in` at the
 checkpoint's virtual time, so a resumed course continues exactly where the
 original was (same models, same metrics; only `bytes_eval` counts the
@@ -28,6 +30,7 @@ import torch
 from fedcore.config import declare, non_negative, validator
 from fedcore.device import CPU, to_cpu, to_device
 from fedcore.errors import ConfigError
+from fedcore.server_state import StateError, decode
 from fedcore.snapshot import LATEST, interrupts_deferred, newest_loadable, resolve, write_snapshot
 
 __all__ = ["Checkpointer", "resume", "load_tensor_file", "stop_at_round_end"]
@@ -170,6 +173,7 @@ class Checkpointer:
             "best": [server.best_acc, server.evals_since_best],
             "target": [monitor.time_to_target, monitor.rounds_to_target],
             "extras": {name: cpu(get()) for name, (get, _) in self.extras.items()},
+            "states": server.states.saved(),   # copies already
         }
 
     def save(self, server, state: dict[str, Any] | None = None) -> None:
@@ -325,6 +329,10 @@ def _checked(course, path: str, state: Any) -> dict[str, Any]:
     if absent:
         raise ConfigError(f"resume_from: '{path}' holds no state for '{absent[0]}', which this "
                           "course keeps; resume with the config that wrote the checkpoint")
+    try:
+        state["states"] = decode(state.get("states", {}))
+    except StateError as exc:
+        raise ConfigError(f"resume_from: '{path}' is not a usable snapshot: {exc}") from None
     return state
 
 
@@ -342,6 +350,7 @@ def restore(course, state: dict[str, Any], metrics_lines: int | None = None) -> 
     extras = state.get("extras", {})
     for name, (_, set_) in course.checkpointer.extras.items():
         set_(extras[name])
+    server.states.restore(state["states"], server)
     torch.set_rng_state(state["torch_rng"])
     for cid, client_state in state["client_states"].items():
         course.store.save(int(cid), client_state)

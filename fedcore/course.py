@@ -311,12 +311,12 @@ _YOUNG_OBJECTS = 100_000   # net new container objects between young collections
 def raise_if_diverged(server) -> None:
     """After the outputs are written: a course stopped by divergence, or a secure course that
     aggregated no round, exits with its own code."""
-    why = getattr(server, "diverged", None)
-    if why:
-        raise CourseDiverged(why)
-    why = getattr(server, "unaggregated", None)
-    if why:
-        raise NothingAggregated(why)
+    from fedcore.server_state import Outcome
+    outcome = server.state(Outcome)
+    if outcome.diverged:
+        raise CourseDiverged(outcome.diverged)
+    if outcome.unaggregated:
+        raise NothingAggregated(outcome.unaggregated)
 
 
 class StartEvent:

@@ -235,7 +235,7 @@ class ServerCourse(Course):
         """The clients a handler may address: connected and joined (all ids before assembly)."""
         if self.built:
             live = self.comm.live_ids(self.server.joined)
-            benched = getattr(self.server, "deploy_benched", None)  # missed a deadline, silent since
+            benched = registry.components.get("deployment").benched(self.server)  # missed a deadline, silent since
             if benched and not self.server.finished:
                 live = [c for c in live if c not in benched]
             return live
@@ -304,14 +304,16 @@ class ServerCourse(Course):
     def _new_session(self, client_id: int) -> None:
         """A new process joins as `client_id`: what an earlier session declared is not its
         (a squatter's num_samples 0 would void the real client's updates)."""
-        getattr(self.server, "declared_samples", {}).pop(client_id, None)
+        from fedcore.admission import AdmissionState
+        self.server.state(AdmissionState).declared.pop(client_id, None)
 
     def updates_refused(self, received: list, admitted: list) -> None:
         """Admission refused some of `received`: each of their clients is told, with the kinds of
         refusal counted since the last time, so that it says so (log and exit status)."""
-        counts = getattr(self.server, "admission_log", None)
-        counts = counts.counts if counts is not None else {}
-        told, self._told = getattr(self, "_told", {}), dict(counts)
+        from fedcore.admission import AdmissionState
+        state = self.server.state(AdmissionState)
+        counts, told = state.counts, state.told
+        state.told = dict(counts)
         why = "; ".join(k for k in counts if counts[k] > told.get(k, 0)) or "refused by admission"
         kept = {id(u) for u in admitted}
         for u in received:

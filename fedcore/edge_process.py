@@ -20,6 +20,7 @@ import logging
 import os
 from pathlib import Path
 
+from fedcore.admission import AdmissionState
 from fedcore.distributed import (ServerCourse, _measured_time, deployed_process, message_bound,
                                  value_bound)
 from fedcore import registry
@@ -76,7 +77,7 @@ class _Rejoin:
         edge = self.edge
         if edge.started and not edge.finished:
             edge.send("join_in", SERVER_ID, {"client_id": edge.id,
-                                             "num_samples": sum(edge.declared_samples.values())})
+                                             "num_samples": sum(edge.state(AdmissionState).declared.values())})
 
 
 def check_edge_round(edge: Worker, event=None) -> None:

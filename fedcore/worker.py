@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterable
 
 from fedcore.message import SERVER_ID, Message, receiving
 from fedcore.scheduler import PRIORITY_TIMER, HandlerError
+from fedcore.server_state import StateHolder, WorkerStates
 
 __all__ = ["Handler", "HandlerTable", "Worker", "Server", "Client", "handler_name"]
 
@@ -75,12 +76,13 @@ class HandlerTable:
         return "\n".join(lines)
 
 
-class Worker:
+class Worker(StateHolder):
     """A participant: its id, handler table, communicator and clock.
 
     `now` is the time of the event being handled at this worker; `spend`
     advances it by modelled (or measured) compute time, so a message sent
-    after local work is stamped when the work is done.
+    after local work is stamped when the work is done. What behaviours keep on it between
+    events is in `states`, read with `self.state(Cls)` (`fedcore.server_state`).
     """
 
     role = "worker"
@@ -93,6 +95,7 @@ class Worker:
         self.now = 0.0
         self.busy_until = 0.0
         self.round = 0
+        self.states = WorkerStates()
 
     # ------------------------------------------------------------ registry
     def register(self, event: str, fn: Handler, sends: Iterable[str] = ()) -> None:

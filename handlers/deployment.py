@@ -29,14 +29,18 @@ from __future__ import annotations
 import bisect
 import logging
 import sys
+from dataclasses import dataclass, field
+from typing import Any
 
 from fedcore.deployed_resume import check_state_round, listed_in_summary as _listed
 from fedcore.message import SERVER_ID
 from fedcore.quiet import QuietLog
 from fedcore.handlers import asyn
 from fedcore.registry import behaviours, components
+from fedcore.server_state import worker_state
 
-__all__ = ["arm", "join_timeout", "client_lost", "round_check", "note_traffic", "ReplyTimes", "install"]
+__all__ = ["arm", "join_timeout", "client_lost", "round_check", "note_traffic", "ReplyTimes",
+           "DeployWatch", "benched", "install"]
 
 log = logging.getLogger("fedcore.deploy")
 
@@ -45,16 +49,13 @@ QUANTILE = 0.5   # of the other clients' reply times: the lower median, which a 
 
 def _quiet(server) -> QuietLog:
     """Per-client lines, each kind at most once every few seconds (a peer may flap on purpose)."""
-    q = getattr(server, "deploy_log", None)
-    if q is None:
-        q = server.deploy_log = QuietLog(log)
-    return q
+    return server.state(DeployWatch).quiet
 
 
 def arm(server, _event=None) -> None:
     """Server `start`: with `distribute.min_clients`, start after the join timeout."""
     cfg = server.course.cfg
-    server.deploy_round = (None, 0.0)
+    server.state(DeployWatch).seen_round = (None, 0.0)
     if cfg["distribute.min_clients"] is not None:
         server.set_timer(cfg["distribute.join_timeout"], "join_timeout")
 
@@ -76,7 +77,7 @@ def join_timeout(server, _event=None) -> None:
 
 
 def _sync(server) -> bool:
-    return server.course.cfg["course"] == "sync" and isinstance(getattr(server, "selected", None), set)
+    return server.course.cfg["course"] == "sync" and isinstance(server.selected, set)
 
 
 def _async(server) -> bool:
@@ -126,10 +127,11 @@ def round_check(server, _event=None) -> None:
     if not _sync(server):
         return
     this_round = (server.round, id(server.buffer))  # a round run again gets a new buffer
-    seen_round, since = getattr(server, "deploy_round", (None, 0.0))
+    watch = server.state(DeployWatch)
+    seen_round, since = watch.seen_round
     first_look = seen_round != this_round
     if first_look:
-        server.deploy_round, since = (this_round, server.now), server.now
+        watch.seen_round, since = (this_round, server.now), server.now
     late = _overdue(server, since)
     if late:   # dropped together: dropping completes the round, and the next has other clients
         lo, hi = min(_deadline(server, c) for c in late), max(_deadline(server, c) for c in late)
@@ -138,12 +140,12 @@ def round_check(server, _event=None) -> None:
             why = f"no reply within distribute.round_deadline={lo:g}s"
         else:
             why = f"no reply within the derived round deadline of {span} (distribute.deadline_factor)"
-        _bench(server).update(late)   # not sampled again until it shows life (`note_traffic`)
+        benched(server).update(late)   # not sampled again until it shows life (`note_traffic`)
         _drop(server, late, why)
     if not late and not first_look and not server.selected and not server.buffer \
             and server.course.client_ids:
         log.warning("round %d: restarting with the clients now connected", server.round)
-        server.deploy_round = (this_round, server.now)
+        watch.seen_round = (this_round, server.now)
         server.trigger("all_joined_in")
 
 
@@ -197,19 +199,28 @@ class ReplyTimes:
         return self._sorted[int(QUANTILE * max(n - 2, 0))] if n else None
 
 
+@worker_state("deployment")
+@dataclass
+class DeployWatch:
+    """What the deployed server watches its live clients with. Transient, none of it is
+    saved: it times replies and connections of the running processes (wall-clock instants
+    of this incarnation), and a resumed server's clients join it again anyway."""
+    transient = True
+    quiet: QuietLog = field(default_factory=lambda: QuietLog(log))
+    seen_round: tuple[Any, float] = (None, 0.0)      # the round round_check last saw, since when
+    reply_times: ReplyTimes = field(default_factory=lambda: ReplyTimes())
+    benched: set[int] = field(default_factory=set)   # missed a deadline, not sampled until heard from
+    model_bytes: int | None = None                   # the global model's size, measured once
+
+
 def _times(server) -> ReplyTimes:
-    times = getattr(server, "reply_times", None)
-    if times is None:
-        times = server.reply_times = ReplyTimes()
-    return times
+    return server.state(DeployWatch).reply_times
 
 
-def _bench(server) -> set[int]:
+def benched(server) -> set[int]:
     """Clients dropped for missing a deadline: not sampled until they send an update or join."""
-    bench = getattr(server, "deploy_benched", None)
-    if bench is None:
-        bench = server.deploy_benched = set()
-    return bench
+    return server.state(DeployWatch).benched
+
 
 
 def note_traffic(server, msg, receiver: int, now: float) -> None:
@@ -222,7 +233,7 @@ def note_traffic(server, msg, receiver: int, now: float) -> None:
             _times(server).replied(msg.sender, msg.round, now)
         else:
             check_state_round(server, msg)
-        _bench(server).discard(msg.sender)
+        benched(server).discard(msg.sender)
 
 
 def _overdue(server, since: float) -> list[int]:
@@ -250,9 +261,10 @@ def _deadline(server, cid: int | None) -> float:
     cfg = server.course.cfg
     if cfg["distribute.round_deadline"] is not None:
         return cfg["distribute.round_deadline"]
-    if not hasattr(server, "model_bytes"):
-        server.model_bytes = sum(t.numel() * t.element_size() for t in server.aggregator.global_state.values())
-    transfer = 2 * server.model_bytes / cfg["distribute.min_bytes_per_second"]
+    watch = server.state(DeployWatch)
+    if watch.model_bytes is None:
+        watch.model_bytes = sum(t.numel() * t.element_size() for t in server.aggregator.global_state.values())
+    transfer = 2 * watch.model_bytes / cfg["distribute.min_bytes_per_second"]
     times, ceiling = _times(server), cfg["distribute.max_round_deadline"]
     took = times.lowest() if cid is None else times.of_others(cid)   # None: the least of anyone's
     if took is None:

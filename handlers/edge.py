@@ -50,7 +50,6 @@ class Edge(Worker):
         share = clients_per_round(cfg) * len(children) / course.num_clients
         self.per_round = max(1, int(round(share)))
         self.joined: set[int] = set()
-        self.declared_samples: dict[int, int] = {}
         self.selected: set[int] = set()
         self.buffer: list = []
         self.started = self.finished = False
@@ -70,7 +69,7 @@ def admit_to_edge(edge: Edge, msg) -> None:
     if len(edge.joined) == len(edge.children) and not edge.started:
         edge.started = True
         edge.send("join_in", edge.parent, {"client_id": edge.id,
-                                           "num_samples": sum(edge.declared_samples.values())})
+                                           "num_samples": sum(edge.state(admission.AdmissionState).declared.values())})
 
 
 def start_edge_rounds(edge: Edge, msg) -> None:

@@ -30,7 +30,7 @@ CLOUD_RULES = ("sync", "fedasync", "fedbuff")
 def edge_content(edge, model: dict) -> dict:
     """What an edge sends the cloud: its model, or (FedBuff at the cloud) its float entries'
     change from the cloud model it started from, the others as they are."""
-    content = {"model": model, "num_samples": sum(edge.declared_samples.values())}
+    content = {"model": model, "num_samples": sum(edge.state(admission.AdmissionState).declared.values())}
     if edge.course.cfg["topology.cloud_aggregator"] != "fedbuff":
         return content
     start = edge.cloud_model

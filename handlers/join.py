@@ -7,6 +7,8 @@ none; see `fedcore.client_state`).
 """
 from __future__ import annotations
 
+from fedcore.admission import AdmissionState
+
 __all__ = ["join_in", "admit_client", "note_join", "install"]
 
 
@@ -39,9 +41,7 @@ def note_join(server, msg) -> None:
     server.joined.add(msg.sender)
     declared = msg.content.get("num_samples") if isinstance(msg.content, dict) else None
     if declared is not None:
-        if not hasattr(server, "declared_samples"):
-            server.declared_samples = {}
-        server.declared_samples.setdefault(msg.sender, declared)
+        server.state(AdmissionState).declared.setdefault(msg.sender, declared)
 
 
 def install(course) -> None:

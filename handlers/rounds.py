@@ -57,7 +57,7 @@ def aggregate(server, updates: list[ReceivedUpdate], extra: dict | None = None) 
         if not admission.finite_state(server.aggregator.global_state):
             snapshot.restore()
             return _rejected(server, "the aggregated model has non-finite values")
-    server.rejected_in_a_row = 0
+    server.state(admission.AdmissionState).rejected_in_a_row = 0
     fields.update(extra or {})
     expected = 0
     if is_eval_round(server):

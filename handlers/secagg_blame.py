@@ -15,8 +15,9 @@ from typing import Any
 import numpy as np
 
 from fedcore.algorithms.secagg_settings import Settings
+from fedcore.server_state import transient, worker_state
 
-__all__ = ["ServerRound", "exclude", "keys_problem", "shares_problem", "settle_survivors", "checked_shares",
+__all__ = ["ServerRound", "SecaggServer", "exclude", "keys_problem", "shares_problem", "settle_survivors", "checked_shares",
            "survivor_keys"]
 
 log = logging.getLogger("fedcore.secagg")
@@ -56,6 +57,21 @@ class ServerRound:
                 "secagg_refusals": len(self.refusals)}
 
 
+@worker_state("secure_aggregation")
+@dataclass
+class SecaggServer:
+    """A secure course's server state. Saved: how many rounds were aggregated (a course that
+    aggregated none exits as such) and every public key and masked input seen, so that one
+    replayed from an earlier round is refused after a restart too. The round in progress is
+    transient: its keys and shares belong to clients' sessions of that round, and a round in
+    flight when the server died is run again from its start with fresh keys."""
+    aggregated: int = 0
+    seen_keys: set[bytes] = field(default_factory=set)
+    seen_inputs: set[bytes] = field(default_factory=set)
+    current: ServerRound | None = transient(lambda: None)
+    timeout: float = transient(float)   # a stage's wait (secure_aggregation.stage_timeout), from the config
+
+
 def exclude(server, sr: ServerRound, client: int, what: str) -> None:
     """Leave a misbehaving client out of the rest of the round, naming it and what it did."""
     if client not in sr.excluded:
@@ -67,11 +83,12 @@ def exclude(server, sr: ServerRound, client: int, what: str) -> None:
 def _weight_bound(server, client: int) -> int:
     """The largest weight a client may declare: 1 when all weigh 1, else the sample count it
     joined with, capped as admission caps it (admission.max_num_samples)."""
-    from fedcore.admission import sample_cap
+    from fedcore.admission import AdmissionState, sample_cap
     s = Settings.of(server.course.cfg)
     if s.uniform:
         return 1
-    bounds = [b for b in (getattr(server, "declared_samples", {}).get(client), sample_cap(server.course))
+    declared = server.state(AdmissionState).declared.get(client)
+    bounds = [b for b in (declared, sample_cap(server.course))
               if b is not None]
     return s.client_weight(min(bounds)) if bounds else s.modulus
 
@@ -87,7 +104,8 @@ def keys_problem(server, msg) -> str | None:
         return "its keys are not signed with its roster key"
     if not 1 <= c["weight"] <= bound:
         return f"it declared weight {c['weight']}, outside 1..{bound} (its join)"
-    if c["cipher_key"] in server.secagg_seen_keys or c["mask_key"] in server.secagg_seen_keys:
+    seen = server.state(SecaggServer).seen_keys
+    if c["cipher_key"] in seen or c["mask_key"] in seen:
         return "it replayed public keys of an earlier round"
     return None
 

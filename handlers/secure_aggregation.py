@@ -40,11 +40,12 @@ import numpy as np
 
 from fedcore.algorithms.secagg_settings import Settings, neighbour_graph
 from fedcore.handlers import rounds, secagg_checks, secagg_client, sync
-from fedcore.handlers.secagg_blame import (ServerRound, checked_shares, exclude, keys_problem, settle_survivors,
-                                           shares_problem, survivor_keys)
+from fedcore.handlers.secagg_blame import (SecaggServer, ServerRound, checked_shares, exclude, keys_problem,
+                                           settle_survivors, shares_problem, survivor_keys)
 from fedcore.message import SERVER_ID
 from fedcore.registry import behaviours
 from fedcore.scheduler import PRIORITY_TIMER
+from fedcore.server_state import Outcome
 
 __all__ = ["install", "STAGES"]
 
@@ -74,7 +75,7 @@ def _send(server, sr: ServerRound, msg_type: str, receiver: int, content: Any) -
 def _next_stage(server, sr: ServerRound, stage: str, expected) -> None:
     sr.stage = stage
     server.selected, server.buffer = set(expected), []
-    if server.secagg_timeout:
+    if server.state(SecaggServer).timeout:
         _arm_timeout(server, sr, stage)
 
 
@@ -82,22 +83,22 @@ def _arm_timeout(server, sr: ServerRound, stage: str) -> None:
     """Raise `secagg_stage_timeout` after `secure_aggregation.stage_timeout` if the stage is
     still waiting then; a stage that completed in time leaves the server's clock alone."""
     def fire() -> None:
-        if server.secagg is sr and sr.stage == stage and server.selected:
+        if server.state(SecaggServer).current is sr and sr.stage == stage and server.selected:
             server.now = server.course.scheduler.now
             server.trigger("secagg_stage_timeout", (sr.serial, stage))
-    server.course.scheduler.schedule(server.now + server.secagg_timeout, PRIORITY_TIMER, fire)
+    server.course.scheduler.schedule(server.now + server.state(SecaggServer).timeout, PRIORITY_TIMER, fire)
 
 
 def start_secure_round(server, _event=None) -> None:
     """`all_joined_in` (and after each round): sample and send the model, as a sync round does;
     the clients answer with keys, not updates."""
     sync.start_round(server)
-    server.secagg = ServerRound(next(_serials), server.round)
-    _next_stage(server, server.secagg, "keys", server.selected)
+    sr = server.state(SecaggServer).current = ServerRound(next(_serials), server.round)
+    _next_stage(server, sr, "keys", server.selected)
 
 
 def _accept(server, msg, stage: str) -> ServerRound | None:
-    sr = getattr(server, "secagg", None)
+    sr = server.state(SecaggServer).current
     if server.finished or sr is None or msg.round != sr.round or sr.stage != stage \
             or msg.sender not in server.selected:
         log.info("round %d: %s from client %d (round %d) ignored", server.round, msg.msg_type,
@@ -127,7 +128,7 @@ def collect_keys(server, msg) -> None:
     else:
         sr.keys[u] = (c["cipher_key"], c["mask_key"])
         sr.weights[u], sr.key_signatures[u] = c["weight"], c["signature"]
-    server.secagg_seen_keys.update((c["cipher_key"], c["mask_key"]))
+    server.state(SecaggServer).seen_keys.update((c["cipher_key"], c["mask_key"]))
     _received(server, msg, "keys")
 
 
@@ -156,10 +157,10 @@ def collect_masked_input(server, msg) -> None:
         return
     y = msg.content["masked"].numpy().astype(np.uint64)
     digest = hashlib.sha256(y.tobytes()).digest()
-    if digest in server.secagg_seen_inputs:
+    if digest in server.state(SecaggServer).seen_inputs:
         exclude(server, sr, msg.sender, "it replayed a masked input already sent")
     else:
-        server.secagg_seen_inputs.add(digest)
+        server.state(SecaggServer).seen_inputs.add(digest)
         sr.masked[msg.sender] = y
         sr.bad_shares[msg.sender] = [v for v in msg.content["bad_shares"] if msg.sender in sr.shares.get(v, {})]
         if sr.bad_shares[msg.sender]:
@@ -197,7 +198,7 @@ def client_refused(server, msg) -> None:
     """`receiving_secagg_abort`: a client refused the round (it saw something only a lying or
     broken server would send); it is waited for no longer, and the round counts as aborted if
     it does not complete."""
-    sr = getattr(server, "secagg", None)
+    sr = server.state(SecaggServer).current
     if sr is None or msg.round != sr.round:
         return
     sr.refusals[msg.sender] = str(msg.content.get("reason", ""))
@@ -230,17 +231,17 @@ def _skip(server, sr: ServerRound, why: str, kind: str = "skipped") -> None:
     server.course.monitor.append_summary("secure_aggregation", f"secagg_{kind}_rounds", sr.round)
     fields = {"num_updates": 0, "secagg_skipped": 1, f"secagg_{kind}": 1, "secagg_survivors": len(sr.masked),
               **sr.fields()}
-    server.secagg, server.selected, server.buffer = None, set(), []
+    server.state(SecaggServer).current, server.selected, server.buffer = None, set(), []
     if rounds.aggregate(server, [], fields):
         start_secure_round(server)
-    elif not server.secagg_aggregated:
-        server.unaggregated = (f"secure aggregation: no round of the course could be aggregated "
+    elif not server.state(SecaggServer).aggregated:
+        server.state(Outcome).unaggregated = (f"secure aggregation: no round of the course could be aggregated "
                                f"(last: round {sr.round} {kind}: {why})")
 
 
 def advertise_keys(server, _event=None) -> None:
     """`secagg_keys_collected`: send each client its neighbours' signed public keys."""
-    sr = server.secagg
+    sr = server.state(SecaggServer).current
     u1 = sorted(sr.keys)
     s = _settings(server)
     sr.graph = neighbour_graph(u1, s.neighbours, server.course.cfg["seed"], sr.round)
@@ -260,7 +261,7 @@ def advertise_keys(server, _event=None) -> None:
 
 def route_shares(server, _event=None) -> None:
     """`secagg_shares_collected`: deliver each signed, encrypted share to its holder."""
-    sr = server.secagg
+    sr = server.state(SecaggServer).current
     u2 = sorted(sr.shares)
     if not _enough(server, sr, u2, "shared their secrets"):
         return
@@ -275,7 +276,7 @@ def route_shares(server, _event=None) -> None:
 
 def request_consistency(server, _event=None) -> None:
     """`secagg_inputs_collected`: settle the survivor set and ask each survivor to sign it."""
-    sr = server.secagg
+    sr = server.state(SecaggServer).current
     if not _enough(server, sr, sorted(sr.masked), "sent masked inputs"):
         return
     settle_survivors(server, sr)
@@ -289,7 +290,7 @@ def request_consistency(server, _event=None) -> None:
 
 def request_unmasking(server, _event=None) -> None:
     """`secagg_signatures_collected`: forward the signatures; tell each signer who dropped."""
-    sr = server.secagg
+    sr = server.state(SecaggServer).current
     signers = sorted(sr.signatures)
     if not _enough(server, sr, signers, "signed the survivor set", _settings(server).quorum(sr.threshold)):
         return
@@ -309,7 +310,7 @@ def unmask_and_aggregate(server, _event=None) -> None:
     """`secagg_shares_revealed`: rebuild the secrets, remove the masks, check the sum is one
     honest inputs can reach, and aggregate it."""
     from fedcore.algorithms.secure_sum import ShareShortage, mean_delta, out_of_range, unmask, unmasked_update
-    sr, s, cfg = server.secagg, _settings(server), server.course.cfg
+    sr, s, cfg = server.state(SecaggServer).current, _settings(server), server.course.cfg
     survivors = sr.survivors
     try:
         total = unmask({v: sr.masked[v] for v in survivors}, sr.dropped, {u: sr.keys[u][1] for u in sr.keys},
@@ -330,8 +331,9 @@ def unmask_and_aggregate(server, _event=None) -> None:
         mean = (mean * weight + _central_noise(model, names, s.dp_clip, cfg, sr.round)) / weight
     update = unmasked_update(server.aggregator, mean, weight, names, survivors, sr.round)
     fields = {"num_updates": len(survivors), "secagg_survivors": len(survivors), **sr.fields()}
-    server.secagg = None
-    server.secagg_aggregated += 1
+    state = server.state(SecaggServer)
+    state.current = None
+    state.aggregated += 1
     if rounds.aggregate(server, [update], fields):
         start_secure_round(server)
 
@@ -354,20 +356,20 @@ def _central_noise(model, names: list[str], clip: float, cfg, round_: int) -> np
 
 def stage_timeout(server, payload) -> None:
     """`secagg_stage_timeout`: go on without the clients still silent in this stage."""
-    sr = getattr(server, "secagg", None)
+    sr = server.state(SecaggServer).current
     serial, stage = payload
     if sr is None or sr.serial != serial or sr.stage != stage or not server.selected:
         return
     log.warning("secure aggregation: round %d: no %s from client(s) %s within %gs; going on without them",
                 sr.round, dict((s, m) for s, m, _ in STAGES)[stage], sorted(server.selected),
-                server.secagg_timeout)
+                server.state(SecaggServer).timeout)
     server.selected.clear()
     server.trigger(_EVENT[stage])
 
 
 def stage_complete(server, _event=None) -> None:
     """`all_received` (a deployment dropped the last clients it waited for): end the stage."""
-    sr = getattr(server, "secagg", None)
+    sr = server.state(SecaggServer).current
     if sr is not None:
         server.trigger(_EVENT[sr.stage])
 
@@ -439,9 +441,7 @@ def install(course) -> None:
         raise ConfigError(str(exc)) from None
     server = getattr(course, "server", None)
     if server is not None:
-        server.secagg, server.secagg_aggregated = None, 0
-        server.secagg_seen_keys, server.secagg_seen_inputs = set(), set()
-        server.secagg_timeout = _auto_timeout(course)
+        server.state(SecaggServer).timeout = _auto_timeout(course)
         if not course.wall_clock and course.timing.has_dropouts:
             course.comm.filters.append(_withhold_after_sharing(course.timing))
 

@@ -31,6 +31,7 @@ import torch
 
 from fedcore.config import declare
 from fedcore.handlers import secagg_client, secure_aggregation as secagg
+from fedcore.handlers.secagg_blame import SecaggServer
 from fedcore.registry import behaviours
 from fedcore.shamir import random_secret
 
@@ -190,7 +191,7 @@ def _views(server, sr, kind):
 
 def _lying_consistency(kind):
     def request(server, _event=None):
-        sr = server.secagg
+        sr = server.state(SecaggServer).current
         s0, sr.views = _views(server, sr, kind)
         sr.survivors = s0
         sr.dropped = {}
@@ -211,7 +212,7 @@ def _take_any_signature(server, msg):
 
 
 def _lying_unmask(server, _event=None):
-    sr = server.secagg
+    sr = server.state(SecaggServer).current
     signers = sorted(sr.signatures)
     if not signers:
         return secagg.request_unmasking(server)
@@ -226,7 +227,7 @@ def _lying_unmask(server, _event=None):
 
 def _overlapping_unmask(server, _event=None):
     """The honest request, but each signer's dropped list also names a survivor neighbour."""
-    sr = server.secagg
+    sr = server.state(SecaggServer).current
     signers = sorted(sr.signatures)
     for u in signers:
         secagg._send(server, sr, "secagg_unmask_request", u, {

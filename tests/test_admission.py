@@ -8,13 +8,14 @@ import sys
 import pytest
 import torch
 
-from fedcore.admission import Snapshot, admit_updates, finite_state, medians_of_others
+from fedcore.admission import AdmissionState, Snapshot, admit_updates, finite_state, medians_of_others
 from fedcore.quiet import QuietLog
 from fedcore.contract import ReceivedUpdate
 from fedcore.course import Course
 from fedcore.errors import EXIT_DIVERGED, CourseDiverged
 from fedcore.monitor import Monitor, strict_json
 from tests.conftest import small_cfg
+from fedcore.server_state import Outcome, StateHolder, WorkerStates
 from tests.deploy_helpers import ROOT, _env, write_cfg
 
 
@@ -33,11 +34,12 @@ class _Aggregator:
         return {}
 
 
-class _Server:
+class _Server(StateHolder):
     def __init__(self, course, state, declared=None):
         self.course, self.round = course, 3
         self.aggregator = _Aggregator(state)
-        self.declared_samples = declared or {}
+        self.states = WorkerStates()
+        self.state(AdmissionState).declared = declared or {}
 
 
 def _update(cid, w, n=10):
@@ -169,7 +171,7 @@ def test_in_deployment_a_rejected_round_runs_again_until_max_rejected_rounds():
     assert reject_round(server, "the aggregated model has non-finite values") is True
     assert reject_round(server, "the aggregated model has non-finite values") is True
     assert reject_round(server, "the aggregated model has non-finite values") is False
-    assert server.diverged.startswith("course diverged in round 3: the aggregated model has non-finite")
+    assert server.state(Outcome).diverged.startswith("course diverged in round 3: the aggregated model has non-finite")
     assert server.course.monitor.extra_summary["admission"] == {"rejected rounds": 3}
 
 

@@ -174,7 +174,7 @@ def test_derived_deadline_is_the_others_median_reply_time_times_the_factor():
     _kept_until(server, 0.0, 15.2)
     assert course.raised == [("all_received", server.now)]
     assert "derived round deadline of 15.2s" in course.monitor.extra_summary["dropped"][0]["reason"]
-    assert server.deploy_benched == {3, 4}    # not sampled again until they show life
+    assert deployment.benched(server) == {3, 4}    # not sampled again until they show life
 
 
 def test_a_clients_own_lateness_never_lengthens_its_own_deadline():
@@ -205,11 +205,11 @@ def test_the_derived_deadline_has_a_ceiling_and_is_the_ceiling_before_anyone_rep
 
 def test_a_benched_client_comes_back_with_an_update_or_a_join_but_not_with_metrics():
     course, server = _timed_server()
-    server.deploy_benched = {2, 3}
+    deployment.benched(server).update({2, 3})
     deployment.note_traffic(server, _Msg("metrics", 2, 4), SERVER_ID, 1.0)
     deployment.note_traffic(server, _Msg("updates", 2, 3), SERVER_ID, 1.0)   # a late one
     deployment.note_traffic(server, _Msg("join_in", 3, 0), SERVER_ID, 1.0)
-    assert server.deploy_benched == set()
+    assert deployment.benched(server) == set()
 
 
 def test_lost_lists_stay_bounded():

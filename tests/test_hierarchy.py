@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from fedcore.admission import AdmissionState
 from fedcore.course import Course
 from fedcore.errors import ConfigError, IncompleteCourseError
 from fedcore.scenarios.data import ClientData, FederatedData, Split
@@ -411,7 +412,7 @@ def test_an_edge_ignores_a_join_from_another_edges_client(tmp_path):
     edge = course.edges[7]                       # clients 1-3; client 4 is edge 8's
     edge.deliver(Message("join_in", 4, (7,), 0, 0.0, {"client_id": 4, "num_samples": 10**6}))
     course.server.deliver(Message("join_in", 2, (0,), 0, 0.0, {"client_id": 2, "num_samples": 30}))
-    assert edge.joined == set() and 4 not in getattr(edge, "declared_samples", {})
+    assert edge.joined == set() and 4 not in edge.state(AdmissionState).declared
     assert course.server.joined == set()
     counts = course.monitor.extra_summary["admission"]
     assert counts == {"join from a client of another edge": 1, "join from a worker that is not an edge": 1}
