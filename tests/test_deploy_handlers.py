@@ -3,6 +3,7 @@ import logging
 
 import torch
 
+from fedcore.deployed_resume import LISTED
 from fedcore.handlers import deployment
 from fedcore.message import SERVER_ID
 from fedcore.monitor import Monitor
@@ -214,7 +215,7 @@ def test_a_benched_client_comes_back_with_an_update_or_a_join_but_not_with_metri
 
 def test_lost_lists_stay_bounded():
     course, server = _server()
-    for k in range(deployment.LISTED + 30):
+    for k in range(LISTED + 30):
         server.trigger("client_lost", {"client_id": 1 + k % 3, "reason": "flapping"})
     extra = course.monitor.extra_summary
-    assert len(extra["lost_clients"]) == deployment.LISTED and extra["lost_clients_total"] == deployment.LISTED + 30
+    assert len(extra["lost_clients"]) == LISTED and extra["lost_clients_total"] == LISTED + 30
