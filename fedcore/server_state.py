@@ -22,11 +22,11 @@ state is such sets `transient = True` and is left out of snapshots.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import types
 import typing
 from typing import Any, Callable, TypeVar
 
-import torch
 
 __all__ = ["StateError", "worker_state", "transient", "WorkerStates", "StateHolder", "Outcome",
            "registered_states"]
@@ -137,7 +137,7 @@ def _plain(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)
                 if not f.metadata.get("transient")}
-    if isinstance(value, torch.Tensor):
+    if _is_tensor(value):
         return value.detach().to("cpu", copy=True)
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
@@ -147,6 +147,12 @@ def _plain(value: Any) -> Any:
         return value
     raise StateError(f"a worker state holds a {type(value).__name__}, which a snapshot cannot "
                      "save; make its field transient or plain data")
+
+
+def _is_tensor(value: Any) -> bool:
+    """A torch tensor (torch is not imported for it: a torch-less client holds none)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
 
 
 def _value(value: Any, hint: Any, where: str) -> Any:
