@@ -340,7 +340,8 @@ class ServerCourse(Course):
         self.scheduler.schedule(self.scheduler.clock + period, PRIORITY_TIMER, self._watch)
 
     def _maybe_stop(self) -> None:
-        """Once finished, stop when every client has left (or after a heartbeat timeout's grace)."""
+        """Once finished, stop when every client has left, or after a heartbeat timeout's grace
+        (the least round deadline while a record still waits for evaluations)."""
         if not self.server.finished:
             return
         if self._finish_clock is None:
@@ -349,6 +350,8 @@ class ServerCourse(Course):
         # Departures are events on this thread, queued behind the messages sent before them
         # (a client's last metrics), so stopping here loses nothing a leaving client sent.
         grace = self.cfg["distribute.heartbeat_timeout"]
+        if self.monitor.open_records():   # the last evaluations get their round's deadline too
+            grace = max(grace, self.monitor.hold_seconds())
         if not self._awaiting or self.scheduler.clock - self._finish_clock > grace:
             self.scheduler.stop()
 
