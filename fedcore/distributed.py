@@ -85,7 +85,8 @@ declare("distribute.stream_window", int, 256 * 1024, "server: bytes a client's s
         "of the server's reading (HTTP/2 flow control). Every client waiting for its turn to upload "
         "a large update holds about twice this in the server; an upload moves at most this much per "
         "round trip (256 KiB over 50 ms: 5 MB/s): raise it for large models over long links. 0: "
-        "gRPC's bandwidth probe sizes it (about 8 MB a waiting client)",
+        "gRPC's bandwidth probe sizes it (about 8 MB a waiting client), as it does wherever the course's "
+        "messages are too small to take turns (under 16 MiB)",
         check=lambda v: None if v == 0 or 64 * 1024 <= v <= 64 * 1024 * 1024 else "must be 0 or in 64 KiB..64 MiB")
 declare("distribute.max_message_bytes", int, None, "largest encoded message accepted; larger "
         "ones are refused (INVALID_ARGUMENT) before being buffered (default: 4 x the model's "

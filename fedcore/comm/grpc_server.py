@@ -203,8 +203,11 @@ class GrpcServerComm:
         # in one process share one connection.
         backlog.append(("grpc.max_concurrent_streams", self.cfg["distribute.max_streams_per_connection"] or calls))
         window = self.cfg["distribute.stream_window"]
-        if window:   # fixed: gRPC's bandwidth probe grows it to ~8 MB, which each client waiting
-            # for its turn to upload a large model fills (comm/turns.py): memory growing with clients
+        if window and self.max_message >= TURN_BYTES:
+            # fixed where uploads take turns (comm/turns.py): gRPC's bandwidth probe grows it to
+            # ~8 MB, which each waiting client fills (memory growing with clients); a course of
+            # small messages keeps the probe (with it fixed, a flood of refused calls halved the
+            # course's rate: tests/test_deploy_availability.py)
             backlog += [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", window)]
         server = grpc.aio.server(options=grpc_options(self.chunk_size, server=True) + backlog,
                                  maximum_concurrent_rpcs=calls)
