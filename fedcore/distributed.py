@@ -236,7 +236,7 @@ class ServerCourse(Course):
         """The clients a handler may address: connected and joined (all ids before assembly)."""
         if self.built:
             live = self.comm.live_ids(self.server.joined)
-            benched = registry.components.get("deployment").benched(self.server)  # missed a deadline, silent since
+            benched = self.deployment.benched(self.server)  # missed a deadline, silent since
             if benched and not self.server.finished:
                 live = [c for c in live if c not in benched]
             return live
@@ -275,7 +275,8 @@ class ServerCourse(Course):
         self.clients = {}
         self.install_handlers()
         _refuse_undeployable(self.server.aggregator)
-        deployment = registry.components.get("deployment")
+        # the deployment behaviour, looked up once: its traffic note runs on every message
+        self.deployment = deployment = registry.components.get("deployment")
         deployment.install(self)
         apply_torch_threads(cfg)
         self.comm.attach(self.server)
@@ -299,8 +300,7 @@ class ServerCourse(Course):
     def _count_bytes(self, msg, receiver: int, nbytes: int) -> None:
         """Each message sent or received: counted, and timed for the round deadline."""
         self.monitor.count_bytes(msg, receiver, nbytes)
-        deployment = registry.components.get("deployment")
-        deployment.note_traffic(self.server, msg, receiver, self.scheduler.now)
+        self.deployment.note_traffic(self.server, msg, receiver, self.scheduler.now)
 
     def _new_session(self, client_id: int) -> None:
         """A new process joins as `client_id`: what an earlier session declared is not its

@@ -149,7 +149,7 @@ class EdgeCourse(ServerCourse):
         table = HandlerTable("edge")
         self.extra_tables.append(table)
         edge_handlers = registry.components.get("edge")
-        deployment = registry.components.get("deployment")
+        self.deployment = deployment = registry.components.get("deployment")
         edge_handlers.install_edge(table)
         table.register("client_lost", deployment.client_lost, sends=("all_received", "all_joined_in"))
         table.register("round_check", check_edge_round, sends=("all_received", "all_joined_in"))
