@@ -18,6 +18,7 @@ stops; a second one stops at once (keeping the last checkpoint written, if any).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -119,6 +120,9 @@ class Checkpointer:
         # `fedcore.deployed_resume`)
         self.contributed: dict[int, int] = {}
         self.unsaved: dict[str, Any] | None = None   # the last round's state, where not written
+        # the written records as JSON lines, encoded once each: a snapshot carries them as one
+        # text, not as thousands of objects to pickle (a deployed server snapshots every round)
+        self._record_lines: list[str] = []
 
     def register(self, name: str, get: Callable[[], Any], set_: Callable[[Any], None]) -> None:
         """Have `get()` saved in each checkpoint under `name` and `set_(value)` called on resume;
@@ -165,7 +169,7 @@ class Checkpointer:
             "sampler_turn": getattr(server.sampler, "turn", None),   # the group sampler's position
             "torch_rng": torch.get_rng_state(),
             "client_states": {cid: store.load(cid) for cid in course.client_ids if cid in store},
-            "records": list(monitor.records),
+            "records": self._records_text(monitor.records),
             "pending": monitor.open_records(),
             "metrics_lines": monitor.lines_written,
             "contributed": dict(self.contributed),
@@ -175,6 +179,14 @@ class Checkpointer:
             "extras": {name: cpu(get()) for name, (get, _) in self.extras.items()},
             "states": server.states.saved(),   # copies already
         }
+
+    def _records_text(self, records: list[dict[str, Any]]) -> str:
+        """`records` as JSON lines (floats exactly, NaN included), encoding only the new ones."""
+        lines = self._record_lines
+        if len(lines) > len(records):   # records restarted (a resume): encode them again
+            lines.clear()
+        lines.extend(json.dumps(r) for r in records[len(lines):])
+        return "\n".join(lines)
 
     def save(self, server, state: dict[str, Any] | None = None) -> None:
         self._write(state if state is not None else self.state(server))
@@ -254,6 +266,14 @@ def stop_at_round_end(course):
         for sig, handler in previous.items():
             if signal.getsignal(sig) is request_stop:
                 signal.signal(sig, handler)
+
+
+def _records_of(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """A snapshot's written records: JSON lines (a list in snapshots written before)."""
+    records = state["records"]
+    if isinstance(records, str):
+        return [json.loads(line) for line in records.splitlines()]
+    return records
 
 
 def interrupted_message(course, command: list[str] | None) -> str:
@@ -354,7 +374,7 @@ def restore(course, state: dict[str, Any], metrics_lines: int | None = None) -> 
     torch.set_rng_state(state["torch_rng"])
     for cid, client_state in state["client_states"].items():
         course.store.save(int(cid), client_state)
-    monitor.preload(state["records"], state["pending"], state["bytes"], state["target"],
+    monitor.preload(_records_of(state), state["pending"], state["bytes"], state["target"],
                     keep_lines=metrics_lines)
     course.checkpointer.contributed = {int(c): int(r) for c, r in state.get("contributed", {}).items()}
     course.checkpointer.last_round = state["round"]

@@ -125,3 +125,23 @@ def test_resume_refuses_a_checkpoint_of_another_algorithm(tmp_path):
     with pytest.raises(ConfigError, match="written by algorithm.name fedavg, not scaffold"):
         Course(small_cfg(tmp_path / "r", federate__total_round_num=3, algorithm__name="scaffold",
                          resume_from=str(tmp_path / "full" / "checkpoints" / "round_1.pt"))).build()
+
+
+def test_a_snapshot_carries_the_records_as_json_lines_each_encoded_once(tmp_path):
+    # A deployed server snapshots every round: its records travel as one JSON text (not
+    # thousands of objects for torch's pickler), each encoded once, and come back exactly
+    # (NaN included); a snapshot written with a list of records still loads.
+    from types import SimpleNamespace
+    from fedcore.checkpoint import Checkpointer, _records_of
+    course = SimpleNamespace(cfg={"checkpoint.every": 0, "checkpoint.path": None, "checkpoint.keep": None},
+                             wall_clock=False, outdir=None)
+    cp = Checkpointer(course)
+    records = [{"round": 1, "test_acc": 0.25, "loss": float("nan")}, {"round": 2, "test_acc": 1 / 3}]
+    text = cp._records_text(records)
+    assert isinstance(text, str) and text.count("\n") == 1
+    records.append({"round": 3, "bytes_up": 10})
+    records[0]["round"] = 99   # written records are not encoded again
+    back = _records_of({"records": cp._records_text(records)})
+    assert [r["round"] for r in back] == [1, 2, 3]
+    assert back[1]["test_acc"] == 1 / 3 and back[0]["loss"] != back[0]["loss"]   # NaN
+    assert _records_of({"records": [{"round": 7}]}) == [{"round": 7}]
