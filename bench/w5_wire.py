@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from fedcore.certs import make_certificates
 from fedcore.config import load_config
 from fedcore.message import Message
 from fedcore.scheduler import ImmediateScheduler
@@ -237,7 +238,7 @@ def main(argv=None) -> int:
     tmp = None
     if a.tls:
         tmp = tempfile.mkdtemp(prefix="fedcore-w5-")
-        _make_certs(Path(tmp))
+        make_certificates(tmp, clients=0, days=1)   # a throw-away CA and server certificate
         modes.append(("tls", tmp))
     for name, tls_dir in modes:
         tls = _tls_files(tls_dir) if tls_dir else None
@@ -257,39 +258,6 @@ def main(argv=None) -> int:
 def _tls_files(folder: str) -> dict:
     f = Path(folder)
     return {"ca": str(f / "ca.pem"), "server_cert": str(f / "server.pem"), "server_key": str(f / "server.key")}
-
-
-def _make_certs(folder: Path) -> None:
-    """A throw-away CA and a server certificate for 127.0.0.1 (the `cryptography` package)."""
-    import datetime as dt
-    import ipaddress
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-    now = dt.datetime.now(dt.timezone.utc)
-
-    def cert(subject: str, key, issuer: str, issuer_key, ca: bool, san=None):
-        b = (x509.CertificateBuilder()
-             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
-             .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
-             .public_key(key.public_key()).serial_number(x509.random_serial_number())
-             .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=1))
-             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
-        if san:
-            b = b.add_extension(x509.SubjectAlternativeName(san), critical=False)
-        return b.sign(issuer_key, hashes.SHA256())
-
-    ca_key, srv_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    ca = cert("bench CA", ca_key, "bench CA", ca_key, True)
-    srv = cert("localhost", srv_key, "bench CA", ca_key, False,
-               [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
-    pem = serialization.Encoding.PEM
-    (folder / "ca.pem").write_bytes(ca.public_bytes(pem))
-    (folder / "server.pem").write_bytes(srv.public_bytes(pem))
-    (folder / "server.key").write_bytes(srv_key.private_bytes(
-        pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
 
 
 if __name__ == "__main__":

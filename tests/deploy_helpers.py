@@ -6,8 +6,6 @@ still running when the test ends, pass or fail. Servers listen on a free port
 """
 from __future__ import annotations
 
-import datetime as _dt
-import ipaddress
 import os
 import signal
 import subprocess
@@ -154,48 +152,13 @@ def assert_same_final_model(a: Path, b: Path, atol: float = 1e-6) -> None:
 # ---------------------------------------------------------------- certificates
 
 def make_certs(folder: Path) -> dict[str, str]:
-    """A CA, a server certificate for 127.0.0.1/localhost and a client certificate (PEM files);
-    the calling test skips where the optional extra 'certs' (cryptography) is missing."""
+    """A CA, a server certificate for localhost/127.0.0.1 and a client certificate, made by the
+    project's own generator (`fedcore.certs`); the calling test skips where the optional extra
+    'certs' (cryptography) is missing."""
     from tests.conftest import need_extra
     need_extra("certs")
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-    now = _dt.datetime.now(_dt.timezone.utc)
-
-    def name(cn: str) -> x509.Name:
-        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-    def issue(subject: str, key, issuer_name, issuer_key, ca: bool, san=None, usage=None):
-        b = (x509.CertificateBuilder().subject_name(name(subject)).issuer_name(issuer_name)
-             .public_key(key.public_key()).serial_number(x509.random_serial_number())
-             .not_valid_before(now - _dt.timedelta(minutes=5)).not_valid_after(now + _dt.timedelta(days=2))
-             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
-        if san:
-            b = b.add_extension(x509.SubjectAlternativeName(san), critical=False)
-        if usage:
-            b = b.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
-        return b.sign(issuer_key, hashes.SHA256())
-
-    def write(stem: str, cert, key) -> None:
-        (folder / f"{stem}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        (folder / f"{stem}.key").write_bytes(key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
-
-    folder.mkdir(parents=True, exist_ok=True)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = issue("fedcore test CA", ca_key, name("fedcore test CA"), ca_key, True)
-    srv_key = ec.generate_private_key(ec.SECP256R1())
-    srv = issue("localhost", srv_key, ca.subject, ca_key, False,
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))],
-                ExtendedKeyUsageOID.SERVER_AUTH)
-    cli_key = ec.generate_private_key(ec.SECP256R1())
-    cli = issue("client", cli_key, ca.subject, ca_key, False, None, ExtendedKeyUsageOID.CLIENT_AUTH)
-    write("ca", ca, ca_key)
-    write("server", srv, srv_key)
-    write("client", cli, cli_key)
-    return {k: str(folder / f) for k, f in [("ca", "ca.pem"), ("server_cert", "server.pem"),
-                                            ("server_key", "server.key"), ("client_cert", "client.pem"),
-                                            ("client_key", "client.key")]}
+    from fedcore.certs import make_certificates
+    files = make_certificates(folder, clients=1, days=2)
+    return {"ca": str(files["ca"]), "server_cert": str(files["server_cert"]),
+            "server_key": str(files["server_key"]), "client_cert": str(files["client_1_cert"]),
+            "client_key": str(files["client_1_key"])}
