@@ -5,7 +5,7 @@ bytes, tensors, and lists/tuples and str-keyed dicts of those. Anything
 else is refused on the way out; anything malformed is refused on the way in.
 The encoding and decoding themselves live in `fedcore.wire.codec` (no torch
 there, for clients without it); this module adds torch's side: decoding into
-torch tensors by default, protobuf `Value`s, and exact sizes.
+torch tensors by default, one receiver's envelope, and exact sizes.
 `encoded_size` computes the exact number of bytes the protobuf encoding takes
 without building it, so a simulation can count honest bytes for free.
 """
@@ -18,11 +18,11 @@ from typing import Any
 import torch
 
 from fedcore.wire import fedcore_pb2 as pb
-from fedcore.wire.codec import (MAX_DEPTH, WireError, decode_envelope, encode_value, from_value,
-                                receiver_width, tensor_wire, timestamp_size)
+from fedcore.wire.codec import (WireError, decode_envelope, encode_value, envelope_parts, from_value,
+                                receiver_width, tensor_wire, timestamp_size, varint_size, zigzag)
 
 __all__ = [
-    "WireError", "ALLOWED_DTYPES", "to_value", "encode_value", "from_value", "encoded_size",
+    "WireError", "ALLOWED_DTYPES", "encode_value", "from_value", "encoded_size",
     "envelope_size", "receiver_width", "encode_envelope", "decode_envelope",
 ]
 
@@ -36,65 +36,11 @@ _DTYPE_NAMES = {v: k for k, v in ALLOWED_DTYPES.items()}
 
 # ---------------------------------------------------------------- encoding
 
-def to_value(obj: Any) -> pb.Value:
-    """Build the protobuf Value for `obj`; raise WireError for a type not allowed."""
-    v = pb.Value()
-    _fill(v, obj, 0)
-    return v
-
-
-def _fill(v: pb.Value, obj: Any, depth: int) -> None:
-    """Write `obj` into `v` in place (no intermediate copies of tensor bytes)."""
-    if depth > MAX_DEPTH:
-        raise WireError(f"content nested deeper than {MAX_DEPTH} levels")
-    if obj is None:
-        v.none = True
-    elif isinstance(obj, bool):
-        v.b = obj
-    elif isinstance(obj, int):
-        v.i = obj
-    elif isinstance(obj, float):
-        v.f = obj
-    elif isinstance(obj, str):
-        v.s = obj
-    elif isinstance(obj, (bytes, bytearray)):
-        v.raw = bytes(obj)
-    elif isinstance(obj, (list, tuple)):
-        v.list.SetInParent()
-        for item in obj:
-            _fill(v.list.items.add(), item, depth + 1)
-    elif isinstance(obj, dict):
-        v.map.SetInParent()
-        for key, item in obj.items():
-            if not isinstance(key, str):
-                raise WireError(f"map keys must be str, got {type(key).__name__}")
-            entry = v.map.entries.add()
-            entry.key = key
-            _fill(entry.value, item, depth + 1)
-    else:
-        parts = tensor_wire(obj)
-        if parts is None:
-            raise WireError(f"type {type(obj).__name__} is not allowed in message content")
-        v.tensor.dtype, shape, data = parts
-        v.tensor.shape.extend(shape)
-        v.tensor.data = data.tobytes()
-
-
 # ---------------------------------------------------------------- sizes
-
-def _varint_size(n: int) -> int:
-    if n < 0:
-        n += 1 << 64
-    return (n.bit_length() + 6) // 7 or 1
-
-
-def _zigzag(n: int) -> int:
-    return (n << 1) ^ (n >> 63)
-
 
 def _field(payload: int) -> int:
     """Bytes of a length-delimited field with a one-byte tag."""
-    return payload + 2 if payload < 0x80 else 1 + _varint_size(payload) + payload
+    return payload + 2 if payload < 0x80 else 1 + varint_size(payload) + payload
 
 
 @functools.lru_cache(maxsize=4096)
@@ -110,14 +56,14 @@ def _tensor_size(dtype: torch.dtype, shape: torch.Size) -> int:
 def _wire_tensor_size(name: str, shape: tuple[int, ...], nbytes: int) -> int:
     size = _field(len(name))
     if len(shape):
-        size += _field(sum(_varint_size(d) for d in shape))
+        size += _field(sum(varint_size(d) for d in shape))
     if nbytes:
         size += _field(nbytes)
     return _field(size)
 
 
 def encoded_size(obj: Any) -> int:
-    """Exact length of `to_value(obj).SerializeToString()`, computed without encoding."""
+    """Exact length of `encode_value(obj)`, computed without encoding."""
     # Tensors and maps of tensors are by far the most common content: test them first.
     if isinstance(obj, torch.Tensor):
         return _tensor_size(obj.dtype, obj.shape)
@@ -135,7 +81,7 @@ def encoded_size(obj: Any) -> int:
     if obj is None or isinstance(obj, bool):
         return 2
     if isinstance(obj, int):
-        return 1 + _varint_size(_zigzag(obj))
+        return 1 + varint_size(zigzag(obj))
     if isinstance(obj, float):
         return 9
     if isinstance(obj, str):
@@ -171,11 +117,11 @@ def envelope_size(msg_type: str, sender: int, receivers, round_: int, timestamp:
     """
     size = _field(len(msg_type.encode("utf-8"))) if msg_type else 0
     if sender:
-        size += 1 + _varint_size(_zigzag(sender))
+        size += 1 + varint_size(zigzag(sender))
     if receivers:
-        size += _field(sum(_varint_size(_zigzag(r)) for r in receivers))
+        size += _field(sum(varint_size(zigzag(r)) for r in receivers))
     if round_:
-        size += 1 + _varint_size(_zigzag(round_))
+        size += 1 + varint_size(zigzag(round_))
     size += timestamp_size(timestamp)
     if auth:
         size += _field(len(auth.encode("utf-8")))
@@ -186,7 +132,7 @@ def envelope_size(msg_type: str, sender: int, receivers, round_: int, timestamp:
 
 def encode_envelope(msg_type: str, sender: int, receivers, round_: int, timestamp: float,
                     content: Any, auth: str = "") -> bytes:
-    env = pb.Envelope(msg_type=msg_type, sender=sender, receivers=list(receivers),
-                      round=round_, timestamp=timestamp, auth=auth)
-    _fill(env.content, content, 0)
-    return env.SerializeToString()
+    """One receiver's envelope: the header and the content's encoding (`encode_value`)."""
+    header = pb.Envelope(msg_type=msg_type, sender=sender, receivers=list(receivers),
+                         round=round_, timestamp=timestamp, auth=auth)
+    return b"".join(envelope_parts(header, encode_value(content)))

@@ -7,7 +7,8 @@ import torch
 
 from fedcore.comm.chunking import Reassembler, chunk_frames, envelope_parts
 from fedcore.comm.grpc_client import backoff_delay
-from fedcore.serialization import WireError, encode_envelope, envelope_size, to_value
+from fedcore.serialization import WireError, encode_envelope, envelope_size
+from tests.wire_reference import reference_envelope, to_value
 from fedcore.wire import fedcore_pb2 as pb
 
 
@@ -32,8 +33,10 @@ def test_envelope_parts_parse_as_the_envelope_and_have_its_exact_size():
     content = {"model": {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}, "num_samples": 7}
     header = pb.Envelope(msg_type="updates", sender=3, receivers=[0], round=2, timestamp=1.5)
     joined = b"".join(envelope_parts(header, to_value(content).SerializeToString()))
+    reference = reference_envelope("updates", 3, [0], 2, 1.5, content)   # protobuf's own, fields in order
+    assert pb.Envelope.FromString(joined) == pb.Envelope.FromString(reference)
     assert joined == encode_envelope("updates", 3, [0], 2, 1.5, content)
-    assert len(joined) == envelope_size("updates", 3, [0], 2, 1.5, content)
+    assert len(joined) == len(reference) == envelope_size("updates", 3, [0], 2, 1.5, content)
 
 
 def _feed_all(r, chunks):

@@ -13,7 +13,7 @@ import hashlib
 import time
 from typing import Iterator, Sequence
 
-from fedcore.wire.codec import WireError
+from fedcore.wire.codec import WireError, content_field, envelope_parts, uvarint
 from fedcore.wire import fedcore_pb2 as pb
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "FIRST_CHUNK", "FRAME_OVERHEAD", "first_chunk_size", "envelope_parts", "SharedContent",
@@ -34,32 +34,6 @@ def first_chunk_size(chunk_size: int, heartbeat_timeout: float, min_rate: float)
     return int(min(chunk_size, max(FIRST_CHUNK, min_rate * heartbeat_timeout / 8)))
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
-
-
-def envelope_parts(header: pb.Envelope, content: bytes) -> tuple[bytes, bytes, bytes]:
-    """The bytes of `header` with `content` (an encoded Value) as its field 7, in three parts.
-
-    Protobuf fields may come in any order, so header + tag + length + content
-    parses as one Envelope; the content is never copied per receiver.
-    """
-    return header.SerializeToString(), _content_field(content), content
-
-
-def _content_field(content: bytes) -> bytes:
-    """The tag and length that make `content` an Envelope's field 7."""
-    return b"\x3a" + _varint(len(content))
-
-
 class SharedContent:
     """One message's encoded content, framed and hashed once, for the envelopes of many receivers.
 
@@ -72,7 +46,7 @@ class SharedContent:
     __slots__ = ("field", "content", "_digest")
 
     def __init__(self, content: bytes):
-        self.field = _content_field(content)
+        self.field = content_field(content)
         self.content = content
         self._digest = hashlib.sha256(self.field)
         self._digest.update(content)
@@ -86,7 +60,7 @@ class SharedContent:
 
 
 def _field(number: int, wire_type: int) -> bytes:
-    return _varint(number << 3 | wire_type)
+    return uvarint(number << 3 | wire_type)
 
 
 def _chunk_head(message_id: int, offset: int, total: int, sha: bytes, n: int) -> tuple[bytes, int]:
@@ -99,13 +73,13 @@ def _chunk_head(message_id: int, offset: int, total: int, sha: bytes, n: int) ->
     inner = bytearray()
     for number, value in ((1, message_id), (2, offset), (3, total)):
         if value:
-            inner += _field(number, 0) + _varint(value)
+            inner += _field(number, 0) + uvarint(value)
     if sha:
-        inner += _field(4, 2) + _varint(len(sha)) + sha
+        inner += _field(4, 2) + uvarint(len(sha)) + sha
     if n:
-        inner += _field(5, 2) + _varint(n)
+        inner += _field(5, 2) + uvarint(n)
     inner_len = len(inner) + n
-    head = _field(1, 2) + _varint(inner_len) + bytes(inner)
+    head = _field(1, 2) + uvarint(inner_len) + bytes(inner)
     return head, len(head) + n
 
 

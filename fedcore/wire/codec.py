@@ -16,8 +16,8 @@ from fedcore.tensor_forms import WIRE_DTYPES, get_form, wire_parts
 from fedcore.wire import fedcore_pb2 as pb
 from fedcore.wire.errors import MAX_DEPTH, WireError
 
-__all__ = ["WireError", "MAX_DEPTH", "encode_value", "from_value", "decode_envelope", "uvarint",
-           "zigzag", "varint_size", "receiver_width"]
+__all__ = ["WireError", "MAX_DEPTH", "encode_value", "from_value", "decode_envelope", "envelope_parts",
+           "content_field", "uvarint", "zigzag", "varint_size", "receiver_width"]
 
 def uvarint(n: int) -> bytes:
     out = bytearray()
@@ -173,6 +173,20 @@ def decode_tensor(t: pb.Tensor, form: str = "torch") -> Any:
         return get_form(form).from_wire(t.dtype, shape, t.data)
     except (ValueError, RuntimeError, OverflowError) as exc:   # what a form's library refuses
         raise WireError(f"tensor of shape {shape} and dtype {t.dtype}: {exc}") from None
+
+
+def envelope_parts(header: pb.Envelope, content: bytes) -> tuple[bytes, bytes, bytes]:
+    """The bytes of `header` with `content` (an encoded Value) as its field 7, in three parts.
+
+    Protobuf fields may come in any order, so header + tag + length + content
+    parses as one Envelope; the content is never copied per receiver.
+    """
+    return header.SerializeToString(), content_field(content), content
+
+
+def content_field(content: bytes) -> bytes:
+    """The tag and length that make `content` an Envelope's field 7."""
+    return b"\x3a" + uvarint(len(content))
 
 
 def decode_envelope(data: bytes, consume: bool = False) -> pb.Envelope:
