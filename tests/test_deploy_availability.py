@@ -131,9 +131,11 @@ def test_a_squatters_stuck_streams_end_with_its_session_and_keep_no_one_out(tmp_
 
     channels, calls = [], []
     try:
-        for k in range(3):   # a connection of its own for each; none is read
+        for k in range(3):   # a connection of its own for each; none is read, nor grows its
+            # receive window (the bandwidth probe could make room for the whole model)
             channels.append(grpc.insecure_channel(f"127.0.0.1:{port}",
-                                                  options=[("grpc.use_local_subchannel_pool", 1)]))
+                                                  options=[("grpc.use_local_subchannel_pool", 1),
+                                                           ("grpc.http2.bdp_probe", 0)]))
             calls.append(channels[-1].stream_stream(METHOD)(
                 frames([_join_frame(pb, 3, 30)] if k == 0 else []), metadata=md))
             time.sleep(1.0)   # the round starts; the model's write to this call waits
