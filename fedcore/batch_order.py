@@ -1,6 +1,6 @@
 """A client's own random draws: its mini-batch order and its round's random stream.
 
-`BatchStream` (fedcore.contract) draws each epoch's permutation with torch by
+`BatchStream` draws each epoch's permutation with torch by
 default; with `train.shuffle: numpy` it draws it here, so a numpy (or any
 other) trainer that walks `NumpyBatchStream` sees exactly the torch trainer's
 batches.
@@ -25,7 +25,7 @@ from fedcore.config import declare
 from fedcore.hooks import Wrapper
 
 __all__ = ["epoch_seed", "round_seed", "client_randomness", "own_randomness", "numpy_permutation",
-           "NumpyBatchStream"]
+           "BatchStream", "NumpyBatchStream"]
 
 declare("train.shuffle", str, "torch", "how each epoch's mini-batch permutation is drawn: torch's "
         "generator, or numpy's (the same batches for trainers of every backend)",
@@ -95,6 +95,47 @@ class NumpyBatchStream:
             self.epoch += 1
             self.offset = 0
             self._perm = numpy_permutation(self.n, self.seed, self.client_id, self.epoch)
+        idx = self._perm[self.offset:self.offset + self.batch_size]
+        self.offset += len(idx)
+        return idx
+
+    def position(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "offset": self.offset}
+
+
+class BatchStream:
+    """A client's persistent, seeded mini-batch stream.
+
+    Each epoch is a fresh permutation drawn from `(seed, client, epoch)`; the
+    position (epoch, offset) is kept in the client's state, so the stream
+    advances across rounds instead of replaying the first batches.
+    """
+
+    def __init__(self, n: int, batch_size: int, seed: int, client_id: int,
+                 epoch: int = 0, offset: int = 0, shuffle: str = "torch"):
+        self.n, self.batch_size = n, batch_size
+        self.seed, self.client_id = seed, client_id
+        self.epoch, self.offset = epoch, offset
+        self.shuffle = shuffle   # train.shuffle: whose generator draws the permutations
+        self._perm = self._permutation(epoch)
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        if self.shuffle == "numpy":
+            return torch.from_numpy(numpy_permutation(self.n, self.seed, self.client_id, epoch))
+        g = torch.Generator().manual_seed(self.epoch_seed(self.seed, self.client_id, epoch))
+        return torch.randperm(self.n, generator=g)
+
+    epoch_seed = staticmethod(epoch_seed)
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return math.ceil(self.n / self.batch_size)
+
+    def next(self) -> torch.Tensor:
+        if self.offset >= self.n:
+            self.epoch += 1
+            self.offset = 0
+            self._perm = self._permutation(self.epoch)
         idx = self._perm[self.offset:self.offset + self.batch_size]
         self.offset += len(idx)
         return idx

@@ -17,9 +17,7 @@ builds new tensors, so in-flight messages stay valid.
 from __future__ import annotations
 
 import fnmatch
-import itertools
 import math
-import operator
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -27,9 +25,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from fedcore.batch_order import epoch_seed, numpy_permutation
+from fedcore.batch_order import BatchStream
 from fedcore.hooks import Wrappable
 from fedcore.inner_loop import build_scheduler
+from fedcore.model_ops import clone_tree, evaluate_model, model_device, weighted_mean
 from fedcore.state import StateStore
 from fedcore.vector_term import VectorTerm
 
@@ -91,158 +90,6 @@ class ShareFilter:
 
     def __call__(self, name: str) -> bool:
         return self.patterns is None or any(fnmatch.fnmatchcase(name, p) for p in self.patterns)
-
-
-class BatchStream:
-    """A client's persistent, seeded mini-batch stream.
-
-    Each epoch is a fresh permutation drawn from `(seed, client, epoch)`; the
-    position (epoch, offset) is kept in the client's state, so the stream
-    advances across rounds instead of replaying the first batches.
-    """
-
-    def __init__(self, n: int, batch_size: int, seed: int, client_id: int,
-                 epoch: int = 0, offset: int = 0, shuffle: str = "torch"):
-        self.n, self.batch_size = n, batch_size
-        self.seed, self.client_id = seed, client_id
-        self.epoch, self.offset = epoch, offset
-        self.shuffle = shuffle   # train.shuffle: whose generator draws the permutations
-        self._perm = self._permutation(epoch)
-
-    def _permutation(self, epoch: int) -> torch.Tensor:
-        if self.shuffle == "numpy":
-            return torch.from_numpy(numpy_permutation(self.n, self.seed, self.client_id, epoch))
-        g = torch.Generator().manual_seed(self.epoch_seed(self.seed, self.client_id, epoch))
-        return torch.randperm(self.n, generator=g)
-
-    epoch_seed = staticmethod(epoch_seed)
-
-    @property
-    def batches_per_epoch(self) -> int:
-        return math.ceil(self.n / self.batch_size)
-
-    def next(self) -> torch.Tensor:
-        if self.offset >= self.n:
-            self.epoch += 1
-            self.offset = 0
-            self._perm = self._permutation(self.epoch)
-        idx = self._perm[self.offset:self.offset + self.batch_size]
-        self.offset += len(idx)
-        return idx
-
-    def position(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "offset": self.offset}
-
-
-_STACK_LIMIT = 64 * 2 ** 20   # bytes: updates are stacked for one matrix-vector product up to this
-
-
-def weighted_mean(tensors: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
-    """sum_i w_i t_i / sum_i w_i; integer tensors are averaged in float64 and rounded back.
-
-    Floating-point tensors are taken as the rows of one matrix and averaged with one
-    matrix-vector product: a view of their common storage when they are consecutive rows
-    of one tensor (a vectorised group's updates), else a stacked copy (up to `_STACK_LIMIT`
-    bytes; beyond that, one fused add per tensor, without the copy). Both matrices hold the
-    same numbers in the same layout, so the result does not depend on how the updates were made.
-    """
-    total = float(sum(weights))
-    ref = tensors[0]
-    if not ref.is_floating_point():
-        acc = torch.zeros(ref.shape, dtype=torch.float64, device=ref.device)
-        for t, w in zip(tensors, weights):
-            acc.add_(t.to(torch.float64), alpha=w / total)
-        return acc.round().to(ref.dtype)
-    rows = _rows(tensors)
-    if rows is None:
-        acc = torch.zeros(ref.shape, dtype=ref.dtype, device=ref.device)
-        for t, w in zip(tensors, weights):
-            acc.add_(t.to(ref.dtype), alpha=w / total)
-        return acc
-    coef = torch.tensor([w / total for w in weights], dtype=ref.dtype, device=ref.device)
-    return (coef @ rows).reshape(ref.shape)
-
-
-def _rows(tensors: list[torch.Tensor]) -> torch.Tensor | None:
-    """The tensors as the rows of one [k, numel] matrix, or None where that would need a copy
-    of more than `_STACK_LIMIT` bytes (or they differ in dtype or shape)."""
-    ref = tensors[0]
-    k, m = len(tensors), ref.numel()
-    dtype, shape = ref.dtype, ref.shape
-    base = ref._base
-    if base is not None and m > 0 and base.is_contiguous():
-        # consecutive rows of one tensor: the matrix is a view of it (checked with one
-        # C-level pass per property: this runs for every entry of every aggregation)
-        start = ref.storage_offset()
-        if list(map(_STORAGE_OFFSET, tensors)) == list(range(start, start + k * m, m)) \
-                and all(b is base for b in map(_BASE, tensors)) \
-                and all(map(_CONTIGUOUS, tensors)) and all(s == shape for s in map(_SHAPE, tensors)):
-            return base.view(-1)[start - base.storage_offset():][:k * m].view(k, m)
-    if any(t.dtype != dtype or t.shape != shape for t in tensors) \
-            or k * m * ref.element_size() > _STACK_LIMIT:
-        return None
-    return torch.stack(tensors).view(k, m)
-
-
-_STORAGE_OFFSET, _CONTIGUOUS = torch.Tensor.storage_offset, torch.Tensor.is_contiguous
-_BASE, _SHAPE = operator.attrgetter("_base"), operator.attrgetter("shape")
-
-
-def model_device(model: nn.Module) -> torch.device:
-    """The device of the model's first parameter or buffer (the CPU for an empty model)."""
-    for t in itertools.chain(model.parameters(), model.buffers()):
-        return t.device
-    return torch.device("cpu")
-
-
-def evaluate_model(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str,
-                   batch_size: int = 1024) -> dict[str, float]:
-    """Mean loss and (for classification) accuracy of `model` on (x, y); with a target per
-    position (y [N, T], a language model's next tokens) they are per token, with perplexity."""
-    n = len(y)
-    if n == 0:
-        return {}
-    if y.dim() == 2 and loss != "mse":
-        return _evaluate_tokens(model, x, y, batch_size)
-    was_training = model.training
-    model.eval()
-    total_loss, correct = 0.0, 0
-    device = model_device(model)
-    with torch.no_grad():
-        for start in range(0, n, batch_size):
-            xb, yb = x[start:start + batch_size], y[start:start + batch_size]
-            if xb.device != device:   # data kept in CPU memory: moved one batch at a time
-                xb, yb = xb.to(device), yb.to(device)
-            out = model(xb)
-            if loss == "mse":
-                total_loss += nn.functional.mse_loss(out.reshape(yb.shape), yb, reduction="sum").item()
-            else:
-                total_loss += nn.functional.cross_entropy(out, yb, reduction="sum").item()
-                correct += (out.argmax(1) == yb).sum().item()
-    model.train(was_training)
-    result = {"loss": total_loss / n, "n": n}
-    if loss != "mse":
-        result["acc"] = correct / n
-    return result
-
-
-def _evaluate_tokens(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
-                     batch_size: int) -> dict[str, float]:
-    """Token-level loss, next-token accuracy and perplexity exp(loss) of logits [B, V, T]."""
-    was_training = model.training
-    model.eval()
-    total_loss, correct, device = 0.0, 0, model_device(model)
-    with torch.no_grad():
-        for start in range(0, len(y), batch_size):
-            xb, yb = x[start:start + batch_size].to(device), y[start:start + batch_size].to(device)
-            out = model(xb)
-            total_loss += nn.functional.cross_entropy(out, yb, reduction="sum").item()
-            correct += (out.argmax(1) == yb).sum().item()
-    model.train(was_training)
-    tokens = y.numel()
-    mean = total_loss / tokens
-    return {"loss": mean, "acc": correct / tokens, "perplexity": math.exp(min(mean, 700.0)),
-            "n": len(y)}
 
 
 class Trainer(Wrappable):
@@ -498,14 +345,3 @@ class Aggregator(Wrappable):
 
 def _batch(split, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return split.x[idx], split.y[idx]
-
-
-def clone_tree(obj: Any) -> Any:
-    """A copy of a state_dict tree whose tensors share no storage with the original."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, dict):
-        return {k: clone_tree(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(clone_tree(v) for v in obj)
-    return obj

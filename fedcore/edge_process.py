@@ -21,8 +21,8 @@ import os
 from pathlib import Path
 
 from fedcore.admission import AdmissionState
-from fedcore.distributed import (ServerCourse, _measured_time, deployed_process, message_bound,
-                                 value_bound)
+from fedcore.deploy_config import message_bound, value_bound
+from fedcore.distributed import ServerCourse, _measured_time, deployed_process
 from fedcore import registry
 from fedcore.errors import EXIT_OK, FedcoreError
 from fedcore.message import SERVER_ID

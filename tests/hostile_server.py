@@ -58,7 +58,7 @@ class HostileServer(GrpcServerComm):
 
 def main(cfg_path: str, mode: str, port_file: str) -> None:
     import fedcore
-    from fedcore.distributed import message_bound
+    from fedcore.deploy_config import message_bound
     from fedcore.scenarios.data import build_federated_data
     from fedcore.scenarios.models import build_model
     from fedcore.scheduler import WallClockScheduler

@@ -40,7 +40,7 @@ def test_integer_buffers_are_averaged_and_rounded_back():
 
 
 def test_weighted_mean_of_rows_of_one_tensor_equals_that_of_separate_tensors(monkeypatch):
-    import fedcore.contract as base
+    import fedcore.model_ops as base
     stacked = torch.tensor([[[1.0, 2.0]], [[3.0, -2.0]], [[5.0, 0.5]]])   # three 1x2 updates
     rows, copies, w = list(stacked.unbind(0)), [t.clone() for t in stacked], [1.0, 3.0, 4.0]
     # (1*[1,2] + 3*[3,-2] + 4*[5,0.5]) / 8 = [30/8, -2/8]

@@ -239,7 +239,7 @@ def test_hundreds_of_streams_share_one_thread_and_one_encoded_broadcast():
 
 
 def test_events_handed_over_together_run_in_order_until_one_stops_the_scheduler():
-    from fedcore.comm.grpc_server import _Batch
+    from fedcore.comm.handover import Batch as _Batch
     from fedcore.scheduler import Scheduler
     scheduler, ran = Scheduler(), []
     events = [lambda: ran.append(1), lambda: (ran.append(2), scheduler.stop()), lambda: ran.append(3)]

@@ -36,6 +36,7 @@ import grpc
 
 from fedcore.comm.chunking import FRAME_OVERHEAD, Reassembler, envelope_parts, first_chunk_size
 from fedcore.comm.fingerprint import fingerprint
+from fedcore.comm.handover import Delivery, Raise
 from fedcore.comm.stream import (METHOD, MD_CLIENT_ID, MD_COURSE, MD_REFUSED, MD_SESSION, MD_TOKEN, Outbox,
                                  REFUSED_NOTICE,
                                  allowed_silence, bye_frame, channel_credentials, grpc_options,
@@ -43,7 +44,6 @@ from fedcore.comm.stream import (METHOD, MD_CLIENT_ID, MD_COURSE, MD_REFUSED, MD
 from fedcore.errors import EXIT_SERVER_GONE, ConfigError, FedcoreError
 from fedcore.message import SERVER_ID, Message
 from fedcore.quiet import QuietLog
-from fedcore.scheduler import HandlerError
 from fedcore.tensor_forms import first_nonfinite, get_form
 from fedcore.wire import fedcore_pb2 as pb
 from fedcore.wire.census import check_values, values_bound
@@ -167,7 +167,7 @@ class GrpcClientComm:
             self.durable_state = keep_client_state(course, self.cfg)
         early, self._early = self._early, []
         for msg in early:
-            self.scheduler.call_soon(_Delivery(self, msg))
+            self.scheduler.call_soon(Delivery(self, msg))
 
     def set_bounds(self, nbytes: int, values: int) -> None:
         """Refuse messages above `nbytes` or holding more than `values` values from now on, on
@@ -226,7 +226,7 @@ class GrpcClientComm:
     def _fail(self, err: FedcoreError) -> None:
         self.fatal = err
         self._welcomed.set()
-        self.scheduler.call_soon(_Raise(err))
+        self.scheduler.call_soon(Raise(err))
 
     def _loop(self) -> None:
         try:
@@ -378,7 +378,7 @@ class GrpcClientComm:
             if self.worker is None:
                 self._early.append(msg)
             else:
-                self.scheduler.call_soon(_Delivery(self, msg))
+                self.scheduler.call_soon(Delivery(self, msg))
         elif kind == "bye":
             log.warning("client %s: the server is leaving (%s)", self.who, frame.bye.reason)
             return _ALIVE
@@ -419,36 +419,6 @@ class GrpcClientComm:
             if self.on_new_server is not None:
                 self.scheduler.call_soon(self.on_new_server)
         self._welcomed.set()
-
-
-class _Delivery:
-    __slots__ = ("comm", "msg")
-
-    def __init__(self, comm: GrpcClientComm, msg: Message):
-        self.comm, self.msg = comm, msg
-
-    def __call__(self) -> None:
-        worker, msg = self.comm.worker, self.msg
-        try:
-            worker.deliver(msg)
-        except HandlerError as exc:
-            # what the server sent could not be used (a model of another layout, say): the
-            # client says so and waits for the next message rather than dying of it
-            self.comm.quiet(f"unusable {msg.msg_type}", f"client {self.comm.client_id}: round {msg.round}: "
-                            f"the server's '{msg.msg_type}' could not be used ({exc}); skipped",
-                            logging.ERROR)
-        if getattr(worker, "finished", False):
-            self.comm.scheduler.stop()
-
-
-class _Raise:
-    __slots__ = ("err",)
-
-    def __init__(self, err: Exception):
-        self.err = err
-
-    def __call__(self) -> None:
-        raise self.err
 
 
 def _refused_by_server(exc: grpc.RpcError) -> bool:

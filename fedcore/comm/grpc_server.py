@@ -22,26 +22,25 @@ received message is decoded off the loop, so it never delays other clients.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import itertools
 import logging
 import secrets
 import threading
 import time
 from concurrent import futures
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import grpc
 
 from fedcore.quiet import QuietLog
 from fedcore.comm.allocator import release_large_blocks
-from fedcore.comm.async_outbox import AsyncOutbox, wake_all
+from fedcore.comm.async_outbox import wake_all
 from fedcore.comm.connections import ConnectionGuard, address_cap, connection_cap
 from fedcore.comm.chunking import FRAME_OVERHEAD, Reassembler, SharedContent, first_chunk_size
-from fedcore.comm.fingerprint import differing_keys
-from fedcore.comm.stream import (MD_CLIENT_ID, MD_COURSE, MD_SESSION, MD_TOKEN, REFUSED, allowed_silence, grpc_options,
-                                 heartbeat_frame, parse_frame, read_token, read_tokens, server_credentials)
+from fedcore.comm.handover import Arrival, Batch, Lost
+from fedcore.comm.sessions import OPEN_PER_ID, CallAdmission, Refused, Session
+from fedcore.comm.stream import (REFUSED, allowed_silence, grpc_options, heartbeat_frame, parse_frame,
+                                 read_token, read_tokens, server_credentials)
 from fedcore.comm.metrics_gate import MetricsGate
 from fedcore.comm.turns import TURN_BYTES, Turns
 from fedcore.comm.validation import check_content
@@ -57,46 +56,8 @@ __all__ = ["GrpcServerComm", "Session"]
 log = logging.getLogger("fedcore.deploy")
 
 
-@dataclass(eq=False)
-class Session:
-    """One client process as the server knows it; outlives reconnects of that process."""
-
-    client_id: int
-    session_id: str
-    outbox: AsyncOutbox
-    peer: str = ""
-    state: str = "live"           # live | left | lost
-    last_seen: float = field(default_factory=time.monotonic)
-    last_delivered: int = 0       # highest message id handed to the scheduler (drops duplicates)
-    streams: int = 0              # streams opened by this session (1 + reconnects)
-    receiving: bool = False       # one of its messages is half-received (a slow link may be busy)
-    calls: set = field(default_factory=set)   # the tasks of its calls still running (on the loop)
-
-    def end_calls(self, keep=None) -> None:
-        """On the loop: end every call this session opened (but `keep`), the ones whose write
-        waits on a peer that stopped reading included, so its id is free for its owner."""
-        for task in list(self.calls):
-            if task is not keep:
-                task.cancel()
-
-
 # Received messages above this many bytes are decoded on a worker thread, not the event loop.
 DECODE_OFF_LOOP = 256 * 1024
-
-# Calls one client id may hold open at once: its live stream and a few that a reconnect replaced
-# but whose pending write still waits in flow control (a peer that stopped reading; gRPC's
-# asyncio API cannot reset one stream). Beyond that its calls are refused, so the limit on
-# concurrent calls, sized to this many per id, always leaves room for every other client.
-OPEN_PER_ID = 3
-
-
-class _Refused(Exception):
-    """A call the server will not take: the status code and what the peer is told."""
-
-    def __init__(self, code: grpc.StatusCode, detail: str):
-        super().__init__(detail)
-        self.code, self.detail = code, detail
-
 
 class _StreamStatus:
     __slots__ = ("done", "error", "reasm", "task")
@@ -108,7 +69,7 @@ class _StreamStatus:
         self.task = asyncio.current_task()   # the call's own task
 
 
-class GrpcServerComm:
+class GrpcServerComm(CallAdmission):
     """Listens, admits and authenticates clients, and moves messages between them and the server."""
 
     device = CPU   # where received tensors are put; the course sets its own device
@@ -271,20 +232,6 @@ class GrpcServerComm:
             return {str(c): {"state": s.state, "streams": s.streams}
                     for c, s in sorted(self.sessions.items())}
 
-    def refusals(self) -> dict[str, int]:
-        """How many messages, streams and connections were refused, by kind (for the summary)."""
-        counts = dict(self.quiet.counts)
-        closer = getattr(self, "_closer", None)
-        if closer is not None and closer.closed:
-            counts["connections closed after a refused call"] = closer.closed
-        if closer is not None and closer.over_cap:
-            counts["connections closed beyond their address's cap"] = closer.over_cap
-        return dict(sorted(counts.items()))
-
-    def _admitted_on(self, peer: str) -> bool:
-        """Whether a call was ever admitted on `peer`'s connection (its refusals do not close it)."""
-        return peer in self._admitted_peers
-
     def expire(self, timeout: float) -> list[tuple[int, str]]:
         """Mark sessions silent for longer than `timeout` (longer while one of their messages is
         half-received) as lost; returns (id, reason) for each."""
@@ -329,7 +276,7 @@ class GrpcServerComm:
         woken = []
         for receiver in msg.receivers:
             if receiver == SERVER_ID:
-                self.scheduler.call_soon(_Arrival(self, msg, 0))
+                self.scheduler.call_soon(Arrival(self, msg, 0))
                 continue
             with self._lock:
                 s = self.sessions.get(receiver)
@@ -345,97 +292,6 @@ class GrpcServerComm:
         wake_all(woken)
 
     # ------------------------------------------------------------ one stream
-    def _authorized(self, cid: int, token: str) -> bool:
-        expected = self.tokens.get(cid, self.token)
-        if expected is None:  # no token configured at all: client certificates (or insecure mode) admit
-            return self.token is None and not self.tokens
-        return hmac.compare_digest(expected.encode(), token.encode())
-
-    def _refuse(self, code, kind: str, detail: str, logged: str) -> None:
-        """Refuse this call with `code` and `detail` (what the peer is told), counting the refusal."""
-        self.quiet(kind, logged)
-        raise _Refused(code, detail)
-
-    def _admit(self, context) -> tuple[Session, object]:
-        md = {k: v for k, v in context.invocation_metadata() if isinstance(v, str)}
-        peer = context.peer()
-        token = md.get(MD_TOKEN, "")
-        token = token[7:] if token.startswith("Bearer ") else token
-        session_id = md.get(MD_SESSION, "")[:64] or secrets.token_hex(8)
-        try:
-            cid = int(md.get(MD_CLIENT_ID, "0"))
-        except ValueError:
-            cid = -1
-        if not 0 <= cid <= self.num_clients:
-            self._refuse(grpc.StatusCode.INVALID_ARGUMENT, "client id out of range",
-                         f"client id must be in 1..{self.num_clients} (or 0 to be assigned one)",
-                         f"refused {peer}: client id {md.get(MD_CLIENT_ID, '')[:20]!r} outside "
-                         f"1..{self.num_clients}")
-        if cid == 0 and self.tokens:  # per-client tokens: the token names the client
-            cid = next((k for k, t in self.tokens.items()
-                        if hmac.compare_digest(t.encode(), token.encode())), 0)
-            ok = cid != 0
-        else:
-            ok = self._authorized(cid, token)
-        if not ok:
-            self._refuse(grpc.StatusCode.UNAUTHENTICATED, "wrong or missing token", "wrong or missing token",
-                         f"refused {peer} (client id {md.get(MD_CLIENT_ID, '0')[:20]}): wrong or missing token")
-        course = getattr(self.server, "course", None)
-        if MD_COURSE in md and course is not None:
-            differ = differing_keys(course.cfg, md[MD_COURSE][:8192])
-            if differ:
-                why = "course config differs from the server's: " + ", ".join(differ[:8])
-                self._refuse(grpc.StatusCode.FAILED_PRECONDITION, "course config differs",
-                             why, f"refused {peer} (client id {cid}): {why}")
-        with self._lock:
-            if cid == 0:
-                cid = next((c for c in range(1, self.num_clients + 1)
-                            if c not in self.sessions or self.sessions[c].state != "live"), 0)
-                if cid == 0:
-                    raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                   f"all {self.num_clients} client ids are taken (federate.client_num)")
-            busy = self._open.get(cid, 0)   # calls of this id still running
-            s = self.sessions.get(cid)
-            if s is not None and s.state != "live" and s.calls:
-                # calls of a session that ended, stuck on a peer that stopped reading: ended now
-                busy -= len(s.calls)
-                s.end_calls()
-            if busy >= OPEN_PER_ID:
-                self._refuse(grpc.StatusCode.UNAVAILABLE, "too many open streams for one id",
-                             f"client id {cid} still has {busy} streams open; try again once they end",
-                             f"refused {peer}: client {cid} already has {busy} streams open "
-                             "(its earlier ones are not reading what they were sent)")
-            live = None
-            if s is not None and s.state == "live" and s.session_id != session_id:
-                # Never swapped in: a live session keeps its id until it leaves or goes silent.
-                live = s
-            else:
-                if s is None or s.state != "live":
-                    s = Session(cid, session_id, AsyncOutbox(self.chunk_size, self.first_size, self._ids, self._loop), peer)
-                    self.sessions[cid] = s
-                    how = "connected"
-                else:
-                    how = "reconnected"
-                s.peer, s.last_seen = peer, time.monotonic()
-                s.streams += 1
-                self._open[cid] = busy + 1
-                token_ = s.outbox.claim()
-        if live is not None:
-            self._refuse(grpc.StatusCode.ALREADY_EXISTS, "second session for a live id",
-                         f"client id {cid} already has a live session; a second one is refused until "
-                         f"it leaves or is silent for distribute.heartbeat_timeout={self.hb_timeout:g}s",
-                         f"refused {peer}: a second session for client {cid}, whose session from "
-                         f"{live.peer} is alive")
-        self._admitted_peers[peer] = None   # on the loop; the oldest forgotten beyond a fleet's worth
-        if len(self._admitted_peers) > 4 * self.num_clients + 1024:
-            del self._admitted_peers[next(iter(self._admitted_peers))]
-        if how == "reconnected":  # a peer may reconnect on purpose, again and again
-            self.quiet_info(f"reconnected {cid}", f"client {cid} reconnected from {peer}", logging.INFO)
-        else:
-            self.quiet_info(f"connected {cid}", f"client {cid} connected from {peer}", logging.INFO)
-            self._hand_over(_NewSession(self, cid))   # before anything this session sends
-        return s, token_
-
     async def _connect(self, request_iterator, context) -> None:
         """The Connect RPC: admit, welcome, then write the session's outbox until the stream ends
         while a second coroutine reads what the client sends.
@@ -447,7 +303,7 @@ class GrpcServerComm:
             return   # a call queued on a connection closed for its refusals: nothing to answer
         try:
             s, token = self._admit(context)
-        except _Refused as refused:
+        except Refused as refused:
             self._closer.refused(context.peer())   # a refused call does not keep its connection
             await context.abort(refused.code, refused.detail, REFUSED)
         task = asyncio.current_task()
@@ -519,7 +375,7 @@ class GrpcServerComm:
                     s.state = "lost"
             if ended:
                 s.end_calls(keep=status.task)   # this one ends itself, telling the peer why
-                self._hand_over(_Lost(self, s.client_id, f"refused: {str(exc)[:200]}"))
+                self._hand_over(Lost(self, s.client_id, f"refused: {str(exc)[:200]}"))
         except asyncio.CancelledError:
             pass   # the stream's writer ended the call
         except Exception as exc:  # the stream broke (RpcError, cancellation): the session may come back
@@ -541,7 +397,7 @@ class GrpcServerComm:
 
     def _flush_handover(self) -> None:
         events, self._handover = self._handover, []
-        self.scheduler.call_soon(events[0] if len(events) == 1 else _Batch(events, self.scheduler))
+        self.scheduler.call_soon(events[0] if len(events) == 1 else Batch(events, self.scheduler))
 
     async def _take(self, s: Session, frame: pb.Frame, reasm: Reassembler) -> bool:
         """One frame from `s`'s stream; False once the stream is to end (the client left)."""
@@ -563,12 +419,12 @@ class GrpcServerComm:
             else:
                 msg = self._decode(s, data)
             s.last_delivered = frame.chunk.message_id
-            self._hand_over(_Arrival(self, msg, len(data), reasm))
+            self._hand_over(Arrival(self, msg, len(data), reasm))
         elif kind == "bye":
             with self._lock:
                 if s.state == "live":
                     s.state = "left"
-            self._hand_over(_Lost(self, s.client_id, f"left: {frame.bye.reason[:200]}"))
+            self._hand_over(Lost(self, s.client_id, f"left: {frame.bye.reason[:200]}"))
             return False
         elif kind == "welcome":
             raise WireError("a client sent a server's welcome frame")
@@ -593,71 +449,6 @@ class GrpcServerComm:
         if problem:
             raise WireError(problem)
         return Message(env.msg_type, env.sender, (SERVER_ID,), env.round, env.timestamp, content)
-
-
-class _Arrival:
-    """A received message, delivered on the scheduler thread."""
-
-    __slots__ = ("comm", "msg", "nbytes", "turn")
-
-    def __init__(self, comm: GrpcServerComm, msg: Message, nbytes: int, turn: object = None):
-        self.comm, self.msg, self.nbytes, self.turn = comm, msg, nbytes, turn
-
-    def __call__(self) -> None:
-        comm, msg = self.comm, self.msg
-        if self.nbytes:
-            comm.count_bytes(msg, SERVER_ID, self.nbytes)
-        if msg.msg_type == "join_in":
-            comm.quiet_info(f"joined {msg.sender}", f"client {msg.sender} joined the course", logging.INFO)
-        elif msg.msg_type == "updates" and not comm.update_gate(msg):
-            return
-        elif msg.msg_type == "metrics" and not comm.metrics_gate.admit(msg):
-            return
-        try:
-            comm.server.deliver(msg)
-        finally:   # handled (an update folded): the next large message may come in
-            self.msg = None
-            if self.turn is not None and not comm._loop.is_closed():
-                comm._loop.call_soon_threadsafe(comm._turns.give_back, self.turn)
-        comm.after_delivery()
-
-
-class _Batch:
-    """Events handed over together, run in the order they came; those after one that stopped
-    the scheduler are left unrun, as they would have been left in its queue."""
-
-    __slots__ = ("events", "scheduler")
-
-    def __init__(self, events: list, scheduler):
-        self.events, self.scheduler = events, scheduler
-
-    def __call__(self) -> None:
-        for event in self.events:
-            if getattr(self.scheduler, "stopped", False):
-                return
-            event()
-
-
-class _NewSession:
-    """A new session (a new process) for a client id, on the scheduler thread."""
-
-    __slots__ = ("comm", "client_id")
-
-    def __init__(self, comm: GrpcServerComm, client_id: int):
-        self.comm, self.client_id = comm, client_id
-
-    def __call__(self) -> None:
-        self.comm.on_new_session(self.client_id)
-
-
-class _Lost:
-    __slots__ = ("comm", "client_id", "reason")
-
-    def __init__(self, comm: GrpcServerComm, client_id: int, reason: str):
-        self.comm, self.client_id, self.reason = comm, client_id, reason
-
-    def __call__(self) -> None:
-        self.comm.on_lost(self.client_id, self.reason)
 
 
 def _finish_tasks(loop: asyncio.AbstractEventLoop) -> None:
