@@ -75,34 +75,6 @@ def numpy_permutation(n: int, seed: int, client_id: int, epoch: int) -> np.ndarr
     return np.random.default_rng(epoch_seed(seed, client_id, epoch)).permutation(n)
 
 
-class NumpyBatchStream:
-    """`BatchStream` with `train.shuffle: numpy`, yielding numpy index arrays (same position
-    format, so a client's stored position means the same in both)."""
-
-    def __init__(self, n: int, batch_size: int, seed: int, client_id: int,
-                 epoch: int = 0, offset: int = 0):
-        self.n, self.batch_size = n, batch_size
-        self.seed, self.client_id = seed, client_id
-        self.epoch, self.offset = epoch, offset
-        self._perm = numpy_permutation(n, seed, client_id, epoch)
-
-    @property
-    def batches_per_epoch(self) -> int:
-        return math.ceil(self.n / self.batch_size)
-
-    def next(self) -> np.ndarray:
-        if self.offset >= self.n:
-            self.epoch += 1
-            self.offset = 0
-            self._perm = numpy_permutation(self.n, self.seed, self.client_id, self.epoch)
-        idx = self._perm[self.offset:self.offset + self.batch_size]
-        self.offset += len(idx)
-        return idx
-
-    def position(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "offset": self.offset}
-
-
 class BatchStream:
     """A client's persistent, seeded mini-batch stream.
 
@@ -142,3 +114,15 @@ class BatchStream:
 
     def position(self) -> dict[str, int]:
         return {"epoch": self.epoch, "offset": self.offset}
+
+
+class NumpyBatchStream(BatchStream):
+    """`BatchStream` with `train.shuffle: numpy`, yielding numpy index arrays (same position
+    format, so a client's stored position means the same in both)."""
+
+    def __init__(self, n: int, batch_size: int, seed: int, client_id: int,
+                 epoch: int = 0, offset: int = 0):
+        super().__init__(n, batch_size, seed, client_id, epoch, offset, shuffle="numpy")
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        return numpy_permutation(self.n, self.seed, self.client_id, epoch)
