@@ -81,6 +81,7 @@ class ServerCourse(Course):
         self.scheduler = WallClockScheduler()
         self._finish_clock: float | None = None
         self._awaiting: set[int] | None = None  # clients still to leave after the finish
+        self._departed: set[int] = set()        # clients whose departure this thread has handled
 
     @property
     def client_ids(self) -> list[int]:
@@ -158,6 +159,7 @@ class ServerCourse(Course):
         (a squatter's num_samples 0 would void the real client's updates)."""
         from fedcore.admission import AdmissionState
         self.server.state(AdmissionState).declared.pop(client_id, None)
+        self._departed.discard(client_id)
 
     def updates_refused(self, received: list, admitted: list) -> None:
         """Admission refused some of `received`: each of their clients is told, with the kinds of
@@ -173,6 +175,7 @@ class ServerCourse(Course):
                 self.comm.tell(u.client_id, REFUSED_NOTICE, u.round, {"why": why})
 
     def _lost(self, client_id: int, reason: str) -> None:
+        self._departed.add(client_id)
         if self._awaiting is not None:
             self._awaiting.discard(client_id)
         self.server.now = self.scheduler.now
@@ -198,9 +201,11 @@ class ServerCourse(Course):
             return
         if self._finish_clock is None:
             self._finish_clock = self.scheduler.clock
-            self._awaiting = set(self.comm.live_ids())
-        # Departures are events on this thread, queued behind the messages sent before them
-        # (a client's last metrics), so stopping here loses nothing a leaving client sent.
+            # Departures are events on this thread, queued behind the messages sent before them
+            # (a client's last metrics). A client the event loop already knows gone, whose
+            # departure this thread has not handled yet, is still awaited: its last messages
+            # may be queued, and stopping now would lose them.
+            self._awaiting = set(self.comm.live_ids()) | (set(self.server.joined) - self._departed)
         grace = self.cfg["distribute.heartbeat_timeout"]
         if self.monitor.open_records():   # the last evaluations get their round's deadline too
             grace = max(grace, self.monitor.hold_seconds())

@@ -291,6 +291,30 @@ def test_a_record_waits_its_hold_after_the_next_round_and_is_closed_by_the_watch
     assert [r["round"] for r in lines] == [1, 2, 3, 4] and "client_evals" not in lines[2]
 
 
+def test_a_finished_server_awaits_a_departure_its_event_loop_saw_until_it_handles_it():
+    # Both clients answered the last evaluation and said bye. The event loop has seen the byes
+    # (no live session), but the scheduler thread has not yet run the queued metrics and
+    # departures: the server must not stop then (it did, and wrote the last record without
+    # its evaluations); it stops once it has handled both departures.
+    from types import SimpleNamespace
+    from fedcore.distributed import ServerCourse
+    stops, triggered = [], []
+    course = ServerCourse.__new__(ServerCourse)
+    course.cfg = {"distribute.heartbeat_timeout": 2.0}
+    course.scheduler = SimpleNamespace(clock=10.0, now=10.0, stop=lambda: stops.append(course.scheduler.clock))
+    course.server = SimpleNamespace(finished=True, joined={1, 2, 3}, now=0.0,
+                                    trigger=lambda event, data=None: triggered.append((event, data)))
+    course.comm = SimpleNamespace(live_ids=lambda joined=None: [])
+    course.monitor = SimpleNamespace(open_records=lambda: {6: {}}, hold_seconds=lambda: 60.0)
+    course._finish_clock, course._awaiting, course._departed = None, None, {3}   # 3 was lost before
+    course._maybe_stop()
+    assert stops == [] and course._awaiting == {1, 2}
+    course._lost(1, "left: finished")
+    assert stops == []
+    course._lost(2, "left: finished")
+    assert stops == [10.0] and [e for e, _ in triggered] == ["client_lost", "client_lost"]
+
+
 def test_sigterm_snapshots_the_last_round_and_the_printed_command_resumes_the_course(tmp_path, procs):
     # checkpoint.every=0: no snapshot until the server is told to stop
     rounds = 6

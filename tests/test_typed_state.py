@@ -167,7 +167,7 @@ def test_a_deployed_server_resumes_admissions_state_from_a_simulations_snapshot(
 # Probes left on purpose: each asks whether the object in hand is a course's worker at all (a
 # bare server object in unit tests, the gRPC service before a worker is attached), not for state.
 ALLOWED_PROBES = {
-    ("fedcore/comm/grpc_server.py", 'getattr(self.server, "course", None)'),
+    ("fedcore/comm/sessions.py", 'getattr(self.server, "course", None)'),
     ("fedcore/comm/validation.py", 'getattr(server, "course", None)'),
     ("algorithms/compression.py", 'getattr(server, "course", None)'),
 }
