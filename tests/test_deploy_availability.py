@@ -349,17 +349,18 @@ def _stream_flood(procs, tmp_path, kind: str) -> dict:
     report = tmp_path / f"{kind}.json"
     attacker = procs.start(f"attack-{kind}", ["-m", "tests.h2_attack", str(port), kind, "8", "300", str(report)])
     done = {True: [0, 0.0], False: [0, 0.0]}   # attacking -> [rounds, seconds]
-    fewest = None   # rounds in the flood's slowest window
+    flooded = []   # rounds in each window of the flood
     for window in range(8):
         attacking = window % 2 == 1
         os.kill(attacker.pid, signal.SIGCONT if attacking else signal.SIGSTOP)
         time.sleep(0.5)   # the flood stopped (its connections closed) or under way again
         first, started = rounds(), time.monotonic()
         time.sleep(2.5)
-        done[attacking][0] += rounds() - first
+        n = rounds() - first
+        done[attacking][0] += n
         done[attacking][1] += time.monotonic() - started
         if attacking:
-            fewest = min(rounds() - first, fewest if fewest is not None else rounds() - first)
+            flooded.append(n)
     # a client started during the flood joins: client 3 killed, lost, then started again
     clients[3].kill()
     wait_exit(clients[3], 30)
@@ -380,7 +381,7 @@ def _stream_flood(procs, tmp_path, kind: str) -> dict:
     assert wait_exit(server, 60) == 130, text(server)[-3000:]
     figures = json.loads(report.read_text())
     figures.update(rate_off=done[False][0] / done[False][1], rate_on=done[True][0] / done[True][1],
-                   fewest_rounds_flooded=fewest, joined_after=joined_after,
+                   fewest_rounds_flooded=min(flooded), joined_after=joined_after,
                    rss_grown_mib=(rss_after - rss_before) / 1024)
     lifetimes = figures.pop("lifetimes")   # sorted; the few open across a pause include it
     assert len(lifetimes) >= 20, figures
