@@ -33,6 +33,8 @@ from pathlib import Path
 
 import yaml
 
+from bench.proc import cpu_seconds
+
 ROOT = Path(__file__).resolve().parents[1]
 COURSE = {
     "seed": 0, "verbose": False, "eval": {"clients": False},
@@ -47,9 +49,11 @@ HOG = "import os\nos.nice(19)\nwhile True:\n    pass\n"
 
 
 def _cpu(pid: int) -> float:
-    """CPU seconds (user + system) of process `pid` so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds of `pid`, which must still run (a disturber stopped is still there)."""
+    seconds = cpu_seconds(pid)
+    if seconds is None:
+        raise SystemExit(f"flood_rate: process {pid} ended during the measurement")
+    return seconds
 
 
 def _wait(what, seconds: float, label: str):

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from bench.proc import cpu_seconds
 from fedcore.certs import make_certificates
 from fedcore.config import load_config
 from fedcore.message import Message
@@ -148,14 +149,7 @@ class _Server:
 
     def cpu(self) -> tuple[float, float]:
         """CPU seconds so far of this process and of all client processes (Linux /proc)."""
-        ticks = os.sysconf("SC_CLK_TCK")
-        clients = 0.0
-        for p in self.procs:
-            try:
-                fields = Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()
-                clients += (int(fields[11]) + int(fields[12])) / ticks
-            except (OSError, IndexError, ValueError):
-                pass
+        clients = sum(filter(None, (cpu_seconds(p.pid) for p in self.procs)))
         return time.process_time(), clients
 
     def close(self) -> None:
