@@ -54,13 +54,16 @@ def test_a_session_expired_by_the_server_resumes_and_loses_no_message():
         server.send(Message("note", 0, (2,), 1, 0.0, {"n": 1}))
         assert at_client.wait(1)
         assert server.expire(0.0) == [(2, "no heartbeat for 0s (distribute.heartbeat_timeout)")]
-        # The server ended that stream; the client redials with the same session and is admitted
-        # afresh. Messages on the new session must not be mistaken for ones already delivered.
+        # The server ended that stream; the client hears the end and redials with the same session
+        # at once, not after its own heartbeat timeout (30 s here), and is admitted afresh.
+        # Messages on the new session must not be mistaken for ones already delivered.
+        expired = time.monotonic()
         server.send(Message("note", 0, (2,), 1, 0.0, {"n": 2}))  # not connected: dropped
         deadline = time.monotonic() + 60
         while server.live_ids() != [2] and time.monotonic() < deadline:
             time.sleep(0.02)
         assert server.live_ids() == [2] and server.sessions[2].streams == 1
+        assert time.monotonic() - expired < 15, "the client waited out its heartbeat timeout"
         server.send(Message("note", 0, (2,), 2, 0.0, {"n": 3, "t": torch.arange(3)}))
         assert at_client.wait(2)
         assert [m["n"] for m in at_client.got] == [1, 3] and torch.equal(at_client.got[1]["t"], torch.arange(3))

@@ -58,6 +58,9 @@ log = logging.getLogger("fedcore.deploy")
 
 # Received messages above this many bytes are decoded on a worker thread, not the event loop.
 DECODE_OFF_LOOP = 256 * 1024
+# Seconds an expired session's calls have to end by themselves before they are cancelled.
+EXPIRED_GRACE = 1.0
+
 
 class _StreamStatus:
     __slots__ = ("done", "error", "reasm", "task")
@@ -245,8 +248,15 @@ class GrpcServerComm(CallAdmission):
                     s.outbox.clear()
                     s.outbox.wake()
                     lost.append((cid, f"no heartbeat for {allowed:g}s (distribute.heartbeat_timeout)"))
-                    self._on_loop(s.end_calls)
+                    self._on_loop(self._end_expired, s)
         return lost
+
+    def _end_expired(self, s: Session) -> None:
+        """On the loop: an expired session's stream, woken, ends by itself, so its peer hears the
+        end and redials at once (a cancelled call sends the peer nothing: it would wait out its own
+        heartbeat timeout). A call whose write waits on a peer that stopped reading cannot end by
+        itself: after `EXPIRED_GRACE` seconds whatever is left is cancelled."""
+        self._loop.call_later(EXPIRED_GRACE, s.end_calls)
 
     def _on_loop(self, fn, *args) -> None:
         loop = self._loop
@@ -311,11 +321,12 @@ class GrpcServerComm(CallAdmission):
         try:
             await self._stream(s, token, context)
         finally:
-            s.calls.discard(task)
-            with self._lock:
-                left = self._open.pop(s.client_id) - 1
-                if left:
-                    self._open[s.client_id] = left
+            if task in s.calls:   # not already taken off the count by a later admission
+                s.calls.discard(task)
+                with self._lock:
+                    left = self._open.pop(s.client_id) - 1
+                    if left:
+                        self._open[s.client_id] = left
 
     async def _stream(self, s: Session, token, context) -> None:
         """An admitted stream: the welcome, then the outbox's frames, until the stream ends."""

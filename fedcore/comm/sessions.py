@@ -40,12 +40,16 @@ class Session:
     receiving: bool = False       # one of its messages is half-received (a slow link may be busy)
     calls: set = field(default_factory=set)   # the tasks of its calls still running (on the loop)
 
-    def end_calls(self, keep=None) -> None:
+    def end_calls(self, keep=None, uncount: bool = False) -> None:
         """On the loop: end every call this session opened (but `keep`), the ones whose write
-        waits on a peer that stopped reading included, so its id is free for its owner."""
+        waits on a peer that stopped reading included, so its id is free for its owner.
+        `uncount`: the caller has taken them off the id's count of open calls already; they
+        leave `calls`, so their ends do not take them off again."""
         for task in list(self.calls):
             if task is not keep:
                 task.cancel()
+                if uncount:
+                    self.calls.discard(task)
 
 
 # Calls one client id may hold open at once: its live stream and a few that a reconnect replaced
@@ -135,7 +139,7 @@ class CallAdmission:
             if s is not None and s.state != "live" and s.calls:
                 # calls of a session that ended, stuck on a peer that stopped reading: ended now
                 busy -= len(s.calls)
-                s.end_calls()
+                s.end_calls(uncount=True)
             if busy >= OPEN_PER_ID:
                 self._refuse(grpc.StatusCode.UNAVAILABLE, "too many open streams for one id",
                              f"client id {cid} still has {busy} streams open; try again once they end",
