@@ -6,10 +6,12 @@ still running when the test ends, pass or fail. Servers listen on a free port
 """
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -46,8 +48,27 @@ def _env() -> dict:
     return env
 
 
+_zygote = None
+
+
+def _fork_server():
+    """This test process's zygote (tests/zygote.py), started at first use; None where
+    FEDCORE_TEST_ZYGOTE=0 asks for a fresh interpreter per process."""
+    global _zygote
+    if os.environ.get("FEDCORE_TEST_ZYGOTE", "1") == "0":
+        return None
+    if _zygote is None:
+        from tests.zygote import Zygote
+        _zygote = Zygote(tempfile.mkdtemp(prefix="fedcore-zygote-"), _env(), str(ROOT))
+        atexit.register(_zygote.close)
+    return _zygote
+
+
 class Procs:
-    """Starts processes with their output in files; `cleanup()` kills the survivors."""
+    """Starts processes with their output in files; `cleanup()` kills the survivors.
+
+    `python -m fedcore.run` processes are forked from a zygote that imported torch, gRPC and
+    fedcore once (tests/zygote.py): real processes, without two seconds of imports each."""
 
     def __init__(self, tmp: Path):
         self.tmp = tmp
@@ -55,10 +76,15 @@ class Procs:
 
     def start(self, name: str, args: list[str], env: dict | None = None, **popen) -> subprocess.Popen:
         log = self.tmp / f"{name}.log"
-        fh = log.open("ab")
-        p = subprocess.Popen([sys.executable, *args], stdout=fh, stderr=subprocess.STDOUT,
-                             cwd=ROOT, env={**_env(), **(env or {})}, **popen)
-        fh.close()
+        zygote = _fork_server() if args[:2] == ["-m", "fedcore.run"] and not popen else None
+        if zygote is not None:
+            log.touch()   # there from the start, as with Popen
+            p = zygote.spawn(args[2:], {**_env(), **(env or {})}, str(ROOT), str(log))
+        else:
+            fh = log.open("ab")
+            p = subprocess.Popen([sys.executable, *args], stdout=fh, stderr=subprocess.STDOUT,
+                                 cwd=ROOT, env={**_env(), **(env or {})}, **popen)
+            fh.close()
         p.log = log  # type: ignore[attr-defined]
         self.procs.append((p, log))
         return p

@@ -1,0 +1,38 @@
+"""The deployment tests' zygote (tests/zygote.py): what it starts behaves as a fresh
+`python -m fedcore.run` process would, as far as the tests can tell."""
+import os
+import signal
+
+import pytest
+
+from tests.deploy_helpers import Procs, server_port, text, wait_exit, write_cfg
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(os.environ.get("FEDCORE_TEST_ZYGOTE") == "0",
+                                 reason="FEDCORE_TEST_ZYGOTE=0: every process is a fresh interpreter")]
+
+
+def test_a_forked_run_has_its_own_pid_output_and_exit_code(tmp_path, procs: Procs):
+    listing = procs.start("keys", ["-m", "fedcore.run", "--list-keys"])
+    bad = procs.start("bad", ["-m", "fedcore.run", "--cfg", str(tmp_path / "missing.yaml")])
+    assert wait_exit(listing, 60) == 0 and wait_exit(bad, 60) == 2
+    assert type(listing).__name__ == "ZygoteProcess"   # not a Popen: forked, not started afresh
+    assert listing.pid not in (os.getpid(), bad.pid)
+    assert "federate.client_num" in text(listing)
+    assert "missing.yaml" in text(bad) and "federate.client_num" not in text(bad)
+
+
+def test_a_forked_server_dies_of_sigkill_and_exits_130_on_ctrl_c_as_a_fresh_one(tmp_path, procs: Procs):
+    cfg = write_cfg(tmp_path / "course.yaml", {"distribute.insecure": True, "distribute.token": "t"})
+    servers = []
+    for k in range(2):
+        out = tmp_path / f"out{k}"
+        servers.append(procs.fedcore(f"server{k}", cfg, "distribute.role=server",
+                                     "distribute.server_port=0", f"outdir={out}"))
+        server_port(out, servers[-1])   # listening: it waits for clients that never come
+    killed, interrupted = servers
+    killed.kill()
+    interrupted.send_signal(signal.SIGINT)
+    assert wait_exit(killed, 30) == -signal.SIGKILL
+    assert wait_exit(interrupted, 60) == 130, text(interrupted)[-2000:]   # Ctrl-C, documented
+    assert "Traceback" not in text(interrupted)
