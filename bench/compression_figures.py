@@ -1,15 +1,21 @@
-"""Accuracy against bytes sent for each update compression, on one image course.
+"""Accuracy (or perplexity) against bytes sent for each update compression, on one image
+course and one language course.
 
-    python bench/compression_figures.py [KEY=VALUE ...]
+    python bench/compression_figures.py [--course image|language] [KEY=VALUE ...]
 
-Runs scenarios/digits_dirichlet.yaml (scikit-learn's 8x8 handwritten digits, 30
-clients, Dirichlet(0.5) label skew, an MLP) once per `compress.*` setting below and
-prints a Markdown table: final test accuracy, the clients' upload (`bytes_up` summed
-over rounds, what the wire carried) and its ratio to uncompressed FedAvg in the same
-run. The figures in docs/compression.md come from this script.
+`image` (the default) runs scenarios/digits_dirichlet.yaml (scikit-learn's 8x8 handwritten
+digits, 30 clients, Dirichlet(0.5) label skew, an MLP); `language` runs
+scenarios/llm_lora.yaml (a tiny GPT-2-style decoder, four authors as clients, rank-8 LoRA
+adapters, exact aggregation), where what is compressed is the adapters each client sends.
+Each course runs once per `compress.*` setting below; the script prints a Markdown table:
+the final test accuracy (image) or the final test perplexity and next-token accuracy
+(language), the clients' upload (`bytes_up` summed over rounds, what the wire carried) and
+its ratio to the uncompressed course in the same run. The figures in docs/compression.md
+come from this script.
 """
 from __future__ import annotations
 
+import math
 import sys
 import tempfile
 import time
@@ -20,7 +26,8 @@ import torch
 from fedcore.config import load_config
 from fedcore.course import Course
 
-SCENARIO = Path(__file__).resolve().parents[1] / "scenarios" / "digits_dirichlet.yaml"
+SCENARIOS = Path(__file__).resolve().parents[1] / "scenarios"
+COURSES = {"image": SCENARIOS / "digits_dirichlet.yaml", "language": SCENARIOS / "llm_lora.yaml"}
 
 SETTINGS = [
     ("none", []),
@@ -34,24 +41,39 @@ SETTINGS = [
 ]
 
 
-def run(keys: list[str], extra: list[str]) -> tuple[float, int, float]:
-    """(final test accuracy, total bytes up, wall seconds) of one course."""
+def run(scenario: Path, keys: list[str], extra: list[str]) -> tuple[dict, int, float]:
+    """(the last evaluation's record, total bytes up, wall seconds) of one course."""
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as out:
-        cfg = load_config(SCENARIO, [f"outdir={out}", "verbose=false", *keys, *extra])
+        cfg = load_config(scenario, [f"outdir={out}", "verbose=false", *keys, *extra])
         summary = Course(cfg).run()
-    return summary["final_test_acc"], summary["bytes_up"], time.perf_counter() - start
+    return summary["final"], summary["bytes_up"], time.perf_counter() - start
 
 
 def main(argv: list[str]) -> int:
+    course = "image"
+    if argv[:1] == ["--course"]:
+        if len(argv) < 2 or argv[1] not in COURSES:
+            print(f"--course takes one of {sorted(COURSES)}", file=sys.stderr)
+            return 2
+        course, argv = argv[1], argv[2:]
     torch.set_num_threads(1)
-    print("| compression | final test acc | bytes up (total) | of uncompressed | wall s |")
-    print("|---|---|---|---|---|")
+    if course == "image":
+        print("| compression | final test acc | bytes up (total) | of uncompressed | wall s |")
+        print("|---|---|---|---|---|")
+    else:
+        print("| compression | final test perplexity | next-token acc | bytes up (total) "
+              "| of uncompressed | wall s |")
+        print("|---|---|---|---|---|---|")
     base = None
     for label, keys in SETTINGS:
-        acc, up, wall = run(keys, argv)
+        final, up, wall = run(COURSES[course], keys, argv)
         base = base or up
-        print(f"| {label} | {acc:.4f} | {up:,} | {up / base:.3f} | {wall:.1f} |", flush=True)
+        if course == "image":
+            scores = f"{final['test_acc']:.4f}"
+        else:
+            scores = f"{math.exp(final['test_loss']):.3f} | {final['test_acc']:.4f}"
+        print(f"| {label} | {scores} | {up:,} | {up / base:.3f} | {wall:.1f} |", flush=True)
     return 0
 
 
