@@ -1,5 +1,6 @@
 """The deployment tests' zygote (tests/zygote.py): what it starts behaves as a fresh
-`python -m fedcore.run` process would, as far as the tests can tell."""
+`python -m fedcore.run` process would, as far as the tests can tell: its own pid, output, exit
+code and signals."""
 import os
 import signal
 
@@ -22,7 +23,7 @@ def test_a_forked_run_has_its_own_pid_output_and_exit_code(tmp_path, procs: Proc
     assert "missing.yaml" in text(bad) and "federate.client_num" not in text(bad)
 
 
-def test_a_forked_server_dies_of_sigkill_and_exits_130_on_ctrl_c_as_a_fresh_one(tmp_path, procs: Procs):
+def test_a_forked_server_ignores_what_a_fresh_one_ignores_dies_of_sigkill_and_exits_130_on_ctrl_c(tmp_path, procs: Procs):
     cfg = write_cfg(tmp_path / "course.yaml", {"distribute.insecure": True, "distribute.token": "t"})
     servers = []
     for k in range(2):
@@ -31,8 +32,21 @@ def test_a_forked_server_dies_of_sigkill_and_exits_130_on_ctrl_c_as_a_fresh_one(
                                      "distribute.server_port=0", f"outdir={out}"))
         server_port(out, servers[-1])   # listening: it waits for clients that never come
     killed, interrupted = servers
+    # a Popen'ed one to compare with (any Popen keyword starts a fresh interpreter)
+    fresh = procs.fedcore("fresh", cfg, "distribute.role=server", "distribute.server_port=0",
+                          f"outdir={tmp_path / 'fresh'}", close_fds=True)
+    server_port(tmp_path / "fresh", fresh)
+    assert type(fresh).__name__ == "Popen"
+    for forked in servers:   # the signals it ignores (SIGPIPE among them) are a fresh process's
+        assert _ignored_signals(forked.pid) == _ignored_signals(fresh.pid)
     killed.kill()
     interrupted.send_signal(signal.SIGINT)
     assert wait_exit(killed, 30) == -signal.SIGKILL
     assert wait_exit(interrupted, 60) == 130, text(interrupted)[-2000:]   # Ctrl-C, documented
     assert "Traceback" not in text(interrupted)
+
+
+def _ignored_signals(pid: int) -> str:
+    status = open(f"/proc/{pid}/status").read()
+    return next(line for line in status.splitlines() if line.startswith("SigIgn:"))
+

@@ -40,8 +40,7 @@ def _child(request: dict, listener: socket.socket, conns: list) -> int:
     listener.close()
     for c in conns:
         c.close()
-    for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGPIPE, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_DFL)
+    # the zygote changed only SIGINT; the rest is as Python starts any process (SIGPIPE ignored)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     os.environ.clear()
     os.environ.update(request["env"])
@@ -59,6 +58,7 @@ def _child(request: dict, listener: socket.socket, conns: list) -> int:
     random.seed()              # not the zygote's state, shared by every child
     np.random.seed()
     import runpy
+    sys.modules.pop(MODULE, None)   # run as __main__, as `python -m` does, not beside the zygote's copy
     sys.argv = [MODULE, *request["argv"]]
     try:
         runpy.run_module(MODULE, run_name="__main__", alter_sys=True)
