@@ -23,7 +23,7 @@ INDEX = Path(__file__).with_name("key_index.json")
 
 def entry(key) -> dict:
     """One declared `fedcore.config.Key` as the reference shows it."""
-    from fedcore.config import _TYPE_NAMES
+    from fedcore.config_keys import _TYPE_NAMES
     allowed = key.allowed()
     return {"type": _TYPE_NAMES[key.type] + (" or null" if key.nullable else ""),
             "default": repr(key.default),

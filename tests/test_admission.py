@@ -177,7 +177,8 @@ def test_in_deployment_a_rejected_round_runs_again_until_max_rejected_rounds():
 
 def test_a_deployed_client_skips_a_non_finite_model_and_never_sends_a_non_finite_update(caplog):
     from fedcore.comm.chunking import Reassembler, chunk_frames
-    from fedcore.comm.grpc_client import GrpcClientComm, _Stream
+    from fedcore.comm.client_inbound import ClientStream
+    from fedcore.comm.grpc_client import GrpcClientComm
     from fedcore.comm.stream import parse_frame
     from fedcore.message import Message
     from fedcore.serialization import encode_envelope
@@ -190,7 +191,7 @@ def test_a_deployed_client_skips_a_non_finite_model_and_never_sends_a_non_finite
     cfg = small_cfg(None, federate__mode="distributed", distribute__role="client", distribute__insecure=True)
     comm = GrpcClientComm(cfg, _Sched())
     comm.client_id, comm.worker = 1, object()
-    stream = _Stream(Reassembler(2 ** 20, comm.chunk_size))
+    stream = ClientStream(Reassembler(2 ** 20, comm.chunk_size))
     stream.welcomed = True   # messages come after the server's welcome
     bad = {"model": {"w": torch.tensor([1.0, float("inf")])}}
     for raw in chunk_frames((encode_envelope("models", 0, [1], 2, 0.0, bad),), 1, 1024):

@@ -34,11 +34,11 @@ from typing import Callable
 
 import grpc
 
+from fedcore.comm.client_inbound import MESSAGE, ClientInbound, ClientStream
 from fedcore.comm.chunking import FRAME_OVERHEAD, Reassembler, envelope_parts, first_chunk_size
 from fedcore.comm.fingerprint import fingerprint
 from fedcore.comm.handover import Delivery, Raise
 from fedcore.comm.stream import (METHOD, MD_CLIENT_ID, MD_COURSE, MD_REFUSED, MD_SESSION, MD_TOKEN, Outbox,
-                                 REFUSED_NOTICE,
                                  allowed_silence, bye_frame, channel_credentials, grpc_options,
                                  heartbeat_frame, parse_frame, read_token)
 from fedcore.errors import EXIT_SERVER_GONE, ConfigError, FedcoreError
@@ -46,15 +46,14 @@ from fedcore.message import SERVER_ID, Message
 from fedcore.quiet import QuietLog
 from fedcore.tensor_forms import first_nonfinite, get_form
 from fedcore.wire import fedcore_pb2 as pb
-from fedcore.wire.census import check_values, values_bound
-from fedcore.wire.codec import WireError, decode_envelope, encode_value, from_value
+from fedcore.wire.census import values_bound
+from fedcore.wire.codec import WireError, encode_value
 
 __all__ = ["GrpcClientComm", "ServerUnreachable", "EXIT_SERVER_GONE", "backoff_delay"]
 
 log = logging.getLogger("fedcore.deploy")
 
 EARLY_BOUND = 2 ** 20   # bytes of a message before the course's model is known
-_ALIVE, _MESSAGE = 1, 2   # what a frame showed of the server: a live session, a delivered message
 
 
 class ServerUnreachable(FedcoreError):
@@ -73,19 +72,7 @@ def backoff_delay(attempt: int, initial: float, maximum: float, rng: random.Rand
     return rng.uniform(d / 2, d)
 
 
-class _Stream:
-    __slots__ = ("done", "last_recv", "call", "reasm", "welcomed", "why")
-
-    def __init__(self, reasm: Reassembler):
-        self.done = False
-        self.last_recv = time.monotonic()   # the last frame after the welcome (or the dial)
-        self.call = None
-        self.reasm = reasm
-        self.welcomed = False
-        self.why = ""   # why this client cancelled the call, if it did
-
-
-class GrpcClientComm:
+class GrpcClientComm(ClientInbound):
     """Connects, gets the client id, and moves messages between the client worker and the server."""
 
     def __init__(self, cfg, scheduler, tensor_form: str = "torch", bounds_from_course: bool = False):
@@ -132,7 +119,7 @@ class GrpcClientComm:
         self._early: list[Message] = []
         self._rng = random.Random()
         self._thread: threading.Thread | None = None
-        self._stream: _Stream | None = None
+        self._stream: ClientStream | None = None
         self.quiet = QuietLog(log)   # per kind of unusable message, a line now and then
         self.refusals: list[tuple[int, str]] = []   # (round, why) of each update the server refused
         self.durable_state = None   # the course's client state on disk, once attached
@@ -178,7 +165,7 @@ class GrpcClientComm:
             stream.reasm.max_message = nbytes
         self._bounded.set()
 
-    def _await_bounds(self, stream: _Stream) -> None:
+    def _await_bounds(self, stream: ClientStream) -> None:
         """Hold the stream's next frame until the course has set this client's bounds (gRPC's
         flow control holds the server meanwhile, and heartbeats keep going both ways)."""
         while not self._bounded.wait(self.hb_interval) and not self._closing.is_set():
@@ -242,7 +229,7 @@ class GrpcClientComm:
         fresh = True
         try:
             while not self._closing.is_set():
-                stream = _Stream(Reassembler(self.max_message, self.chunk_size))
+                stream = ClientStream(Reassembler(self.max_message, self.chunk_size))
                 token = self.outbox.claim()
                 self._stream = stream
                 answered = False   # whether the server's side of this call sent anything
@@ -256,8 +243,8 @@ class GrpcClientComm:
                         shown = self._on_frame(parse_frame(raw, self.chunk_size + FRAME_OVERHEAD), stream)
                         if shown:
                             stream.last_recv = time.monotonic()
-                        delivered = delivered or shown == _MESSAGE
-                        if shown == _MESSAGE or (shown and fresh):
+                        delivered = delivered or shown == MESSAGE
+                        if shown == MESSAGE or (shown and fresh):
                             last_ok, attempt, fresh = stream.last_recv, 0, True
                     reason = "the server closed the stream"
                 except grpc.RpcError as exc:
@@ -320,7 +307,7 @@ class GrpcClientComm:
         finally:
             channel.close()
 
-    def _requests(self, token, stream: _Stream):
+    def _requests(self, token, stream: ClientStream):
         """The request side of one stream: queued frames, or a heartbeat when idle."""
         def alive() -> bool:
             return not stream.done and not (self._closing.is_set() and not self.connected)
@@ -338,87 +325,6 @@ class GrpcClientComm:
             return heartbeat_frame()
 
         yield from self.outbox.frames(token, alive, self.hb_interval, idle)
-
-    def _on_frame(self, frame: pb.Frame, stream: _Stream) -> int:
-        """Take one frame; what it shows of the server: _MESSAGE (a message delivered), _ALIVE
-        (any other good frame after this stream's welcome) or 0 (the welcome itself, or a frame
-        before it). What no server may send raises WireError."""
-        kind = frame.WhichOneof("kind")
-        if kind == "welcome":
-            self._welcome(frame.welcome, stream)
-            return 0
-        if not stream.welcomed:
-            if kind == "chunk":
-                raise WireError("the server sent a message before its welcome")
-            return 0   # a heartbeat, or a goodbye, from a server that has not admitted us
-        if kind == "chunk":
-            data = stream.reasm.feed(frame.chunk)
-            if data is None:
-                return _ALIVE   # a message under way (a slow link may take minutes over one)
-            if frame.chunk.message_id <= self._last_delivered:
-                return _ALIVE
-            if self.max_values is not None:
-                check_values(data, self.max_values)   # before protobuf builds anything
-            env = decode_envelope(data, consume=True)   # large tensors view the received bytes
-            content = from_value(env.content, self.tensor_form)
-            if self.device is not None:
-                from fedcore.device import to_device
-                content = to_device(content, self.device)
-            msg = Message(env.msg_type, env.sender, tuple(env.receivers), env.round, env.timestamp,
-                          content)
-            self._last_delivered = frame.chunk.message_id
-            if msg.msg_type == REFUSED_NOTICE:
-                self._refused(msg)
-                return _MESSAGE
-            bad = first_nonfinite(msg.content)
-            if bad is not None:
-                log.warning("client %s: round %d: the server's '%s' is not finite (%s): skipped; "
-                            "waiting for the next", self.who, msg.round, msg.msg_type, bad)
-                return _MESSAGE
-            if self.worker is None:
-                self._early.append(msg)
-            else:
-                self.scheduler.call_soon(Delivery(self, msg))
-        elif kind == "bye":
-            log.warning("client %s: the server is leaving (%s)", self.who, frame.bye.reason)
-            return _ALIVE
-        return _MESSAGE if kind == "chunk" else _ALIVE
-
-    def _refused(self, msg: Message) -> None:
-        """The server did not aggregate this client's update of a round: say so now (and, by
-        `refusals`, in the exit status)."""
-        why = msg.content.get("why") if isinstance(msg.content, dict) else None
-        why = str(why)[:300] if why else "no reason given"
-        self.refusals.append((msg.round, why))
-        self.quiet("refused update", f"client {self.client_id}: the server refused its update of round "
-                   f"{msg.round}: {why}", logging.ERROR)
-
-    def _welcome(self, w: pb.Welcome, stream: _Stream) -> None:
-        """The server admitted this stream: under the id asked for (or one in range, where the
-        server assigns it), and the same id again on every later stream."""
-        if stream.welcomed:
-            raise WireError("the server sent a second welcome on one stream")
-        expected = self.client_id or self.requested_id
-        top = self.num_clients or w.client_id   # a course's client count, where the config says
-        if not 1 <= w.client_id <= top or (expected and w.client_id != expected):
-            raise WireError(f"the server's welcome names client id {w.client_id}, not "
-                            + (f"{expected}" if expected else f"one in 1..{self.num_clients}"))
-        stream.welcomed = True
-        stream.last_recv = time.monotonic()
-        new_server = self.server_session is not None and w.server_session != self.server_session
-        self.client_id, self.server_session, self.connected = w.client_id, w.server_session, True
-        # a resuming server says from which round (a field of newer servers' welcomes); the
-        # state kept on disk goes back to that round first, so the join declares one it can take
-        resumed = getattr(w, "resumed_round", 0)
-        if resumed and self.durable_state is not None:
-            self.scheduler.call_soon(lambda: self.durable_state.resume_at(resumed))
-        if new_server:
-            self._last_delivered = 0
-            log.warning("client %d: the server restarted%s; joining again", self.client_id,
-                        f" (the course resumed at round {resumed})" if resumed else "")
-            if self.on_new_server is not None:
-                self.scheduler.call_soon(self.on_new_server)
-        self._welcomed.set()
 
 
 def _refused_by_server(exc: grpc.RpcError) -> bool:

@@ -37,42 +37,30 @@ from fedcore.comm.allocator import release_large_blocks
 from fedcore.comm.async_outbox import wake_all
 from fedcore.comm.connections import ConnectionGuard, address_cap, connection_cap
 from fedcore.comm.chunking import FRAME_OVERHEAD, Reassembler, SharedContent, first_chunk_size
-from fedcore.comm.handover import Arrival, Batch, Lost
+from fedcore.comm.handover import Arrival
+from fedcore.comm.server_inbound import Inbound, StreamStatus
 from fedcore.comm.sessions import OPEN_PER_ID, CallAdmission, Refused, Session
-from fedcore.comm.stream import (REFUSED, allowed_silence, grpc_options, heartbeat_frame, parse_frame,
-                                 read_token, read_tokens, server_credentials)
+from fedcore.comm.stream import (REFUSED, allowed_silence, grpc_options, heartbeat_frame, read_token,
+                                 read_tokens, server_credentials)
 from fedcore.comm.metrics_gate import MetricsGate
 from fedcore.comm.turns import TURN_BYTES, Turns
-from fedcore.comm.validation import check_content
 from fedcore.errors import ConfigError
 from fedcore.message import SERVER_ID, Message
-from fedcore.device import CPU, to_device
-from fedcore.serialization import WireError, decode_envelope, encode_value, from_value
+from fedcore.device import CPU
+from fedcore.serialization import encode_value
 from fedcore.wire import fedcore_pb2 as pb
-from fedcore.wire.census import check_values, values_bound
+from fedcore.wire.census import values_bound
 
 __all__ = ["GrpcServerComm", "Session"]
 
 log = logging.getLogger("fedcore.deploy")
 
 
-# Received messages above this many bytes are decoded on a worker thread, not the event loop.
-DECODE_OFF_LOOP = 256 * 1024
 # Seconds an expired session's calls have to end by themselves before they are cancelled.
 EXPIRED_GRACE = 1.0
 
 
-class _StreamStatus:
-    __slots__ = ("done", "error", "reasm", "task")
-
-    def __init__(self, reasm: Reassembler) -> None:
-        self.done = False
-        self.error: str | None = None
-        self.reasm = reasm
-        self.task = asyncio.current_task()   # the call's own task
-
-
-class GrpcServerComm(CallAdmission):
+class GrpcServerComm(CallAdmission, Inbound):
     """Listens, admits and authenticates clients, and moves messages between them and the server."""
 
     device = CPU   # where received tensors are put; the course sets its own device
@@ -330,7 +318,7 @@ class GrpcServerComm(CallAdmission):
 
     async def _stream(self, s: Session, token, context) -> None:
         """An admitted stream: the welcome, then the outbox's frames, until the stream ends."""
-        status = _StreamStatus(Reassembler(self.max_message, self.chunk_size))
+        status = StreamStatus(Reassembler(self.max_message, self.chunk_size))
         reader = asyncio.get_running_loop().create_task(self._read(s, context, status))
 
         def alive() -> bool:
@@ -361,105 +349,6 @@ class GrpcServerComm(CallAdmission):
             reader.cancel()   # the call is ending: nothing more will be read from it
         if status.error is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, status.error, REFUSED)
-
-    async def _read(self, s: Session, context, status: _StreamStatus) -> None:
-        """Reader of one stream: frames -> messages -> scheduler events."""
-        reasm = status.reasm
-        try:
-            while True:
-                raw = await context.read()
-                if raw is grpc.aio.EOF:
-                    reasm.end_of_stream()
-                    break
-                s.last_seen = time.monotonic()
-                more = await self._take(s, parse_frame(raw, self.max_frame), reasm)
-                raw = None   # not kept while waiting for the next frame: a fleet waits at once
-                if not more:   # the client left: its other calls end with this one
-                    s.end_calls(keep=status.task)
-                    break
-        except WireError as exc:
-            status.error = str(exc)
-            self.quiet("malformed message", f"client {s.client_id} ({s.peer}): refused a message: {exc}")
-            with self._lock:  # a peer that broke the protocol ends its session: the id is free again
-                ended = s.state == "live"
-                if ended:
-                    s.state = "lost"
-            if ended:
-                s.end_calls(keep=status.task)   # this one ends itself, telling the peer why
-                self._hand_over(Lost(self, s.client_id, f"refused: {str(exc)[:200]}"))
-        except asyncio.CancelledError:
-            pass   # the stream's writer ended the call
-        except Exception as exc:  # the stream broke (RpcError, cancellation): the session may come back
-            log.debug("client %d: stream ended: %s", s.client_id, exc)
-        finally:
-            status.done = True
-            self._turns.give_back(reasm)
-            reasm.drop()
-            s.receiving = False
-            s.outbox.wake()
-
-    def _hand_over(self, event) -> None:
-        """Queue `event` for the course's scheduler thread (on the loop). Events gathered while
-        the loop runs one pass go over together, in order: waking the scheduler thread once per
-        pass instead of once per message spares both threads (they share one interpreter lock)."""
-        self._handover.append(event)
-        if len(self._handover) == 1:
-            self._loop.call_soon(self._flush_handover)
-
-    def _flush_handover(self) -> None:
-        events, self._handover = self._handover, []
-        self.scheduler.call_soon(events[0] if len(events) == 1 else Batch(events, self.scheduler))
-
-    async def _take(self, s: Session, frame: pb.Frame, reasm: Reassembler) -> bool:
-        """One frame from `s`'s stream; False once the stream is to end (the client left)."""
-        kind = frame.WhichOneof("kind")
-        if kind == "chunk":
-            if frame.chunk.offset == 0 and frame.chunk.total_size >= TURN_BYTES:
-                await self._turns.take(reasm, lambda: setattr(s, "last_seen", time.monotonic()))
-            data = reasm.feed(frame.chunk)
-            s.receiving = reasm.in_progress
-            if data is None:
-                return True
-            if frame.chunk.message_id <= s.last_delivered:
-                self.quiet("duplicate message", f"client {s.client_id}: dropped message "
-                           f"{frame.chunk.message_id}, already received", logging.INFO)
-                self._turns.give_back(reasm)
-                return True  # sent again after a reconnect; we already have it
-            if len(data) > DECODE_OFF_LOOP:   # decoding a large model would hold up other clients
-                msg = await asyncio.get_running_loop().run_in_executor(self._decoder, self._decode, s, data)
-            else:
-                msg = self._decode(s, data)
-            s.last_delivered = frame.chunk.message_id
-            self._hand_over(Arrival(self, msg, len(data), reasm))
-        elif kind == "bye":
-            with self._lock:
-                if s.state == "live":
-                    s.state = "left"
-            self._hand_over(Lost(self, s.client_id, f"left: {frame.bye.reason[:200]}"))
-            return False
-        elif kind == "welcome":
-            raise WireError("a client sent a server's welcome frame")
-        return True
-
-    def _decode(self, s: Session, data: bytes) -> Message:
-        check_values(data, self.max_values)   # before protobuf builds anything
-        env = decode_envelope(data, consume=True)   # large tensors view the received bytes
-        if env.sender != s.client_id:
-            raise WireError(f"envelope sender {env.sender} is not this stream's client {s.client_id}")
-        if list(env.receivers) != [SERVER_ID]:
-            raise WireError(f"envelope receivers {list(env.receivers)[:4]} are not the server")
-        if env.msg_type not in self.accepts:
-            raise WireError(f"unknown message type '{env.msg_type[:64]}'")
-        try:
-            content = to_device(from_value(env.content), self.device)
-        except WireError:
-            raise
-        except Exception as exc:
-            raise WireError(f"content does not decode: {type(exc).__name__}: {exc}") from None
-        problem = check_content(env.msg_type, content, self.server)
-        if problem:
-            raise WireError(problem)
-        return Message(env.msg_type, env.sender, (SERVER_ID,), env.round, env.timestamp, content)
 
 
 def _finish_tasks(loop: asyncio.AbstractEventLoop) -> None:
