@@ -25,6 +25,7 @@ from typing import Any
 from fedcore import registry
 from fedcore.comm.stream import INSECURE_NOTED_ENV, INSECURE_WARNING, REFUSED_NOTICE
 from fedcore.checkpoint import interrupted_message
+from fedcore.client_state import write_atomic
 from fedcore.course import Course, StartEvent, collector_for_run, raise_if_diverged
 from fedcore.deploy_config import message_bound, redacted, value_bound
 from fedcore.deployed_resume import not_aggregated_yet, resume_server
@@ -231,7 +232,8 @@ class ServerCourse(Course):
         host = self.cfg["distribute.server_host"]
         _warn_if_insecure(self.cfg)
         if self.outdir is not None:
-            (self.outdir / "server_address").write_text(f"{host}:{port}\n")
+            # whole or absent: a launcher or script polling for it never reads it half-written
+            write_atomic(self.outdir / "server_address", f"{host}:{port}\n".encode())
         log.info("server listening on %s:%d for %d clients", host, port, self.num_clients)
         self.scheduler.schedule(0.0, PRIORITY_TIMER, StartEvent(self.server, "start"))
         self.scheduler.schedule(0.0, PRIORITY_TIMER, self._watch)
