@@ -77,13 +77,14 @@ class Procs:
     def start(self, name: str, args: list[str], env: dict | None = None, **popen) -> subprocess.Popen:
         log = self.tmp / f"{name}.log"
         zygote = _fork_server() if args[:2] == ["-m", "fedcore.run"] and not popen else None
+        full_env = {**_env(), **(env or {})}
         if zygote is not None:
             log.touch()   # there from the start, as with Popen
-            p = zygote.spawn(args[2:], {**_env(), **(env or {})}, str(ROOT), str(log))
+            p = zygote.spawn(args[2:], full_env, str(ROOT), str(log))
         else:
             fh = log.open("ab")
             p = subprocess.Popen([sys.executable, *args], stdout=fh, stderr=subprocess.STDOUT,
-                                 cwd=ROOT, env={**_env(), **(env or {})}, **popen)
+                                 cwd=ROOT, env=full_env, **popen)
             fh.close()
         p.log = log  # type: ignore[attr-defined]
         self.procs.append((p, log))
