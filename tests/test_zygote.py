@@ -50,3 +50,17 @@ def _ignored_signals(pid: int) -> str:
     status = open(f"/proc/{pid}/status").read()
     return next(line for line in status.splitlines() if line.startswith("SigIgn:"))
 
+
+def test_a_forked_run_sees_the_pythonpath_its_test_gives_it(tmp_path, procs: Procs):
+    # a fresh interpreter reads PYTHONPATH at start-up; the forked one was started before it
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    (mods / "zygote_probe_plugin.py").write_text(
+        "from fedcore.config import declare\n"
+        "declare('zygote_probe.size', int, 7, 'a key only this plug-in declares')\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(mods), os.environ.get("PYTHONPATH", "")])}
+    p = procs.start("probe", ["-m", "fedcore.run", "--help-key", "zygote_probe.size",
+                              "plugins=[zygote_probe_plugin]"], env=env)
+    assert wait_exit(p, 60) == 0, text(p)[-2000:]
+    assert "zygote_probe.size: int, default 7" in text(p)
+

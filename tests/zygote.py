@@ -45,6 +45,9 @@ def _child(request: dict, listener: socket.socket, conns: list) -> int:
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
+    # read at start-up by a fresh interpreter: a PYTHONPATH other than the zygote's still counts
+    extra = [d for d in os.environ.get("PYTHONPATH", "").split(os.pathsep) if d and d not in sys.path]
+    sys.path[1:1] = extra
     log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
@@ -158,12 +161,10 @@ class ZygoteProcess:
         return json.loads(line)
 
     def poll(self) -> int | None:
-        if self.returncode is None:
-            answer = self._read_line(0)
-            if answer is not None:
-                self.returncode = answer["returncode"]
-                self._sock.close()
-        return self.returncode
+        try:
+            return self.wait(0)
+        except subprocess.TimeoutExpired:
+            return None
 
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is None:
