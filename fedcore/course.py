@@ -27,6 +27,7 @@ from fedcore.form_boundary import make_trainer
 from fedcore.loggers import make_loggers
 from fedcore.monitor import Callback, Monitor, StopRun
 from fedcore.progress import make_progress
+from fedcore.random_layers import draw_on_client_stream
 from fedcore.scheduler import PRIORITY_TIMER, Scheduler, WallClockScheduler
 from fedcore.server_optimizer import install as install_server_optimizer
 from fedcore.state import make_state_store
@@ -140,7 +141,7 @@ class Course:
         apply_determinism(self.cfg)
         if self.device.type != "cpu":
             self.data = place_data(self.data, self.device, self.cfg["device_data_bytes"])
-            model.to(self.device)
+            draw_on_client_stream(model.to(self.device))   # dropout masks: the CPU's numbers
         return model
 
     def trainer_store(self):

@@ -12,8 +12,16 @@ layers), stacked into [clients, batch, ...] tensors. Its copy of the model has
 a `MaskFeed` hands it. Hence the sequential executor's numbers, with dropout
 on, for every client of the batch.
 
-Other random layers (channel dropout, alpha dropout, RReLU) and dropout on an
-accelerator (whose fused kernel draws its masks another way) are named by
+On an accelerator `nn.Dropout` would draw with the device's fused kernel, from
+the device's generator: numbers the CPU never gives and the engine could not
+replay. A course's model on such a device has `StreamDropout` in place of each
+`nn.Dropout` (`draw_on_client_stream`, when the course places the model): it
+draws its mask on the CPU from the client's stream, exactly as the CPU layer
+does, and moves it to the device. So a client's masks depend on the seed, the
+client and the round alone - not on the device or the executor - and the
+engine replays them on any device.
+
+Other random layers (channel dropout, alpha dropout, RReLU) are named by
 `random_layer_reason`, so such a course is known to train one client at a
 time before its first round.
 """
@@ -28,7 +36,8 @@ from torch import nn
 
 from fedcore.batch_order import round_seed
 
-__all__ = ["random_layer_reason", "MaskFeed", "ReplayedDropout"]
+__all__ = ["random_layer_reason", "draw_on_client_stream", "MaskFeed", "ReplayedDropout",
+           "StreamDropout"]
 
 _OTHER_RANDOM = (nn.modules.dropout._DropoutNd, nn.RReLU)
 
@@ -41,10 +50,35 @@ def random_layer_reason(model: nn.Module, device: torch.device) -> str | None:
             if device.type != "cpu" and m.p > 0:
                 return (f"layer {name} (Dropout) on {device}: the sequential fit draws its mask "
                         "with the device's fused kernel, which the vectorized engine does not replay")
+        elif type(m) is StreamDropout:
+            continue
         elif isinstance(m, _OTHER_RANDOM):
             return (f"layer {name} ({type(m).__name__}) draws random numbers the vectorized "
                     "engine does not replay")
     return None
+
+
+class StreamDropout(nn.Dropout):
+    """`nn.Dropout` whose training mask comes from torch's CPU generator - the client's stream
+    inside a fit - whatever the device of its input: the CPU layer's numbers on every device."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = self.p
+        if not self.training or p == 0 or p == 1 or x.device.type == "cpu":
+            return super().forward(x)
+        mask = torch.empty(x.shape, dtype=x.dtype, pin_memory=x.device.type == "cuda")
+        mask.bernoulli_(1 - p).div_(1 - p)   # as the CPU layer draws and scales its noise
+        mask = mask.to(x.device, non_blocking=True)
+        return x.mul_(mask) if self.inplace else x * mask
+
+
+def draw_on_client_stream(model: nn.Module) -> nn.Module:
+    """Give `model`'s `nn.Dropout` layers their masks from the CPU stream (`StreamDropout`):
+    called where a course places its model on an accelerator."""
+    for m in model.modules():
+        if type(m) is nn.Dropout:
+            m.__class__ = StreamDropout
+    return model
 
 
 class ReplayedDropout(nn.Dropout):
@@ -55,6 +89,9 @@ class ReplayedDropout(nn.Dropout):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.feed.take(self, x)
+
+
+_REPLAYED = (nn.Dropout, StreamDropout)
 
 
 class MaskFeed:
@@ -70,13 +107,13 @@ class MaskFeed:
     def install(cls, model: nn.Module, copied: bool) -> tuple[nn.Module, "MaskFeed | None"]:
         """`model` (copied unless `copied` says it already is a copy) with its `nn.Dropout`s
         replayed, and their feed; `model` itself and None where it has no dropout."""
-        if not any(type(m) is nn.Dropout for m in model.modules()):
+        if not any(type(m) in _REPLAYED for m in model.modules()):
             return model, None
         if not copied:
             model = copy.deepcopy(model)
         feed = cls(model)
         for m in model.modules():
-            if type(m) is nn.Dropout:
+            if type(m) in _REPLAYED:
                 m.__class__ = ReplayedDropout
                 m.feed = feed
         return model, feed
@@ -114,23 +151,28 @@ class MaskFeed:
         return layout
 
     def draws(self, client_ids: list[int], round_: int, seed: int, sizes: tuple[int, ...],
-              sample: torch.Tensor, device: torch.device) -> Iterator[tuple[torch.Tensor, ...]]:
-        """Each step's masks for the clients of a group, as [clients, batch, ...] tensors:
-        what each client's sequential fit draws in `round_` for batches of `sizes`."""
+              sample: torch.Tensor, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
+        """Each step's masks for the clients of a group, as [clients, batch, ...] tensors on
+        `device`: what each client's sequential fit draws in `round_` for batches of `sizes`.
+        All are drawn before the first step; for a GPU into page-locked memory, whose copies
+        then run without waiting for the GPU."""
         layout = self._layout(sample)
         gens = [torch.Generator().manual_seed(round_seed(seed, cid, round_)) for cid in client_ids]
+        pinned = device.type == "cuda"
+        steps = []
         for b in sizes:
             step = []
             for p, shape, dtype in layout:
                 if p == 0:   # dropout with p=0 draws nothing and returns its input
                     step.append(torch.ones((len(gens), b) + shape, dtype=dtype, device=device))
                     continue
-                out = torch.empty((len(gens), b) + shape, dtype=dtype)
+                out = torch.empty((len(gens), b) + shape, dtype=dtype, pin_memory=pinned)
                 if p == 1:   # nor does p=1: it zeroes its input
                     out.zero_()
                 else:
                     for j, g in enumerate(gens):
                         out[j].bernoulli_(1 - p, generator=g)
                     out.div_(1 - p)
-                step.append(out.to(device))
-            yield tuple(step)
+                step.append(out.to(device, non_blocking=pinned))
+            steps.append(tuple(step))
+        return steps
