@@ -51,6 +51,10 @@ class Engine:
     def close(self) -> None:
         """Release processes or other resources."""
 
+    def summary(self) -> dict:
+        """Fields the engine adds to the run's summary."""
+        return {}
+
 
 @dataclass
 class _Batch:
@@ -128,6 +132,9 @@ class BatchingTrainer:
 
     def close(self) -> None:
         self._engine.close()
+
+    def engine_summary(self) -> dict:
+        return self._engine.summary()
 
     # ------------------------------------------------------------ watching sends
     def _note(self, msg: Message, receiver: int) -> bool:

@@ -51,6 +51,7 @@ def _public_relu_grad(g: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return torch.where(out > 0, g, 0.0)
 
 
+_DEVICES = ("cpu", "cuda")
 PRIVATE, PUBLIC = (_private_log_softmax, _private_relu_grad), (_public_log_softmax, _public_relu_grad)
 _chosen: tuple | None = None
 
@@ -115,8 +116,9 @@ class DenseStep:
 
     def applies(self, x: torch.Tensor, y: torch.Tensor) -> bool:
         """Class-index labels, one per sample, and inputs that reach the first Linear as one
-        vector per sample, on the CPU (where the layouts were compared with `vmap`)."""
-        if y.is_floating_point() or y.dim() != 2 or x.device.type != "cpu" or x.dim() < 3:
+        vector per sample, on the CPU or a CUDA GPU (where the layouts were compared with
+        `vmap`'s)."""
+        if y.is_floating_point() or y.dim() != 2 or x.device.type not in _DEVICES or x.dim() < 3:
             return False
         return x.dim() == 3 or ("flatten", None, None) in self.layers[:self._first]
 

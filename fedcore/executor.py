@@ -84,4 +84,6 @@ def close_executor(course) -> None:
     sequential = getattr(trainer, "sequential_fits", None)
     if sequential is None:
         sequential = getattr(trainer, "own_fits", 0)
-    course.monitor.add_summary("executor", {"batched_fits": batched, "sequential_fits": sequential})
+    engine = getattr(trainer, "engine_summary", None)
+    course.monitor.add_summary("executor", {"batched_fits": batched, "sequential_fits": sequential,
+                                            **(engine() if engine is not None else {})})

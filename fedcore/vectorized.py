@@ -41,6 +41,7 @@ from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
 from fedcore import registry
+from fedcore.config import declare
 from fedcore.client_conv import with_client_convs
 from fedcore.batch_order import epoch_seed
 from fedcore.batching import Engine
@@ -48,9 +49,14 @@ from fedcore.contract import FitResult, Trainer
 from fedcore.dense_step import DenseStep
 from fedcore.random_layers import MaskFeed, random_layer_reason
 from fedcore.serialization import encoded_size
+from fedcore.step_graphs import StepGraphs
 from fedcore.vector_term import VectorTerm
 
 __all__ = ["VectorEngine"]
+
+declare("executor.vectorized.cuda_graphs", bool, True,
+        "vectorized executor on a CUDA device: run each repeated shape of group's local steps "
+        "as one CUDA graph (the same kernels, launched as one unit; FedAvg's local step only)")
 
 _STACK_BYTES = 256 * 2 ** 20   # stack a group's data when it takes at most this much memory
 _SCRATCH_BYTES = 32 * 2 ** 20  # the most memory one of the engine's reused buffers keeps
@@ -99,8 +105,16 @@ class VectorEngine(Engine):
             return -torch.log_softmax(out, 1).gather(1, y.unsqueeze(1)).sum() / y.shape[0]
         self._step = vmap(grad_and_value(objective))
         self._first_step = vmap(grad_and_value(objective), in_dims=(None, 0, 0, 0))
-        # the same steps as explicit operations, for Flatten/Linear/ReLU stacks on the CPU
+        # the same steps as explicit operations, for Flatten/Linear/ReLU stacks
         self._dense = DenseStep.of(model, loss)
+        # on a GPU, each repeated shape of group runs as one CUDA graph (fedcore.step_graphs),
+        # where the step reads nothing but its inputs (the base term: no per-round constants)
+        graphs = (self.device.type == "cuda" and cfg["executor.vectorized.cuda_graphs"]
+                  and type(self.term).adjust is VectorTerm.adjust)
+        self._graphs = StepGraphs(self._graphed) if graphs else None
+
+    def summary(self) -> dict:
+        return {} if self._graphs is None else {"cuda_graph_replays": self._graphs.replays}
 
     @staticmethod
     def unsupported(trainer, cfg) -> str | None:
@@ -176,7 +190,7 @@ class VectorEngine(Engine):
             group_plans = [plans[i] for i in members]
             masks = None if self._feed is None else self._feed.draws(
                 [p[4] for p in group_plans], round_, seed, sig[0], group_plans[0][0].x, self.device)
-            params, losses = self._train_group(model_in, group_plans, steps, ctx, masks)
+            params, losses = self._train_group(model_in, group_plans, sig[0], ctx, masks)
             work = float(sum(sig[0]))
             results = term.finish(ctx, received, params, steps, states, [p[3] for p in group_plans])
             sizes: dict[int, int] = {}   # a group's contents differ only in num_samples
@@ -189,39 +203,47 @@ class VectorEngine(Engine):
                 out[i] = (FitResult(content, work, metrics, (content, size)), new_state)
         return out
 
-    def _batches(self, plans: list, steps: int):
-        """Each step's mini-batches of all clients of a group, as [clients, batch, ...] tensors.
+    def _stacked(self, plans: list, sizes: tuple[int, ...]):
+        """The group's samples and every step's batch rows in them, on the engine's device:
+        (xs, ys, rows), with step s's batches at rows[c * sum(sizes[:s]):][:c * sizes[s]],
+        client after client; None when the group's data together are too large to stack
+        (`_STACK_BYTES`; then each step gathers its batches itself).
 
-        When the group's data together are small they are concatenated once and every
-        step is one indexing operation; otherwise each client's batch is gathered into
-        place on its own. The concatenated samples and each step's gathered inputs are
-        written into buffers the engine keeps (up to `_SCRATCH_BYTES` each) rather than
-        into fresh allocations, which the OS would zero-fill page by page every round.
-        """
-        if steps == 0:
-            return
+        The samples are concatenated into a buffer the engine keeps (up to `_SCRATCH_BYTES`)
+        rather than a fresh allocation, which the OS would zero-fill page by page every round.
+        All steps' rows are made at once and moved in one copy; data kept in CPU memory for a
+        GPU are gathered there and moved once, as the steps' batches in order."""
         x0 = plans[0][0].x
         total = sum(p[3] for p in plans)
-        if total * x0[0].numel() * x0.element_size() <= _STACK_BYTES:
-            c = len(plans)
-            shape = tuple(x0.shape[1:])
-            xs = torch.cat([p[0].x for p in plans],   # all clients' samples, in turn
-                           out=self._scratch("xs", (total,) + shape, x0.dtype, x0.device))
-            ys = torch.cat([p[0].y for p in plans])
-            yshape = tuple(ys.shape[1:])
-            first = torch.tensor(list(itertools.accumulate((p[3] for p in plans[:-1]), initial=0)),
-                                 device=x0.device).unsqueeze(1)   # each client's first row
-            for s in range(steps):
-                rows = (torch.stack([p[1][s] for p in plans]).to(x0.device) + first).view(-1)
-                b = rows.numel() // c
-                xb = torch.index_select(xs, 0, rows, out=self._scratch("xb", (len(rows),) + shape,
-                                                                       xs.dtype, xs.device))
-                yield (xb.view((c, b) + shape).to(self.device),
-                       ys.index_select(0, rows).view((c, b) + yshape).to(self.device))
-        else:
-            for s in range(steps):
-                xb, yb = VectorEngine._gather(plans, s)
-                yield xb.to(self.device), yb.to(self.device)
+        if total * x0[0].numel() * x0.element_size() > _STACK_BYTES:
+            return None
+        shape = tuple(x0.shape[1:])
+        xs = torch.cat([p[0].x for p in plans],   # all clients' samples, in turn
+                       out=self._scratch("xs", (total,) + shape, x0.dtype, x0.device))
+        ys = torch.cat([p[0].y for p in plans])
+        first = torch.tensor(list(itertools.accumulate((p[3] for p in plans[:-1]), initial=0)))
+        rows = torch.cat([(torch.stack([p[1][s] for p in plans]) + first.unsqueeze(1)).view(-1)
+                          for s in range(len(sizes))])
+        if xs.device != self.device:
+            xs, ys = xs.index_select(0, rows).to(self.device), ys.index_select(0, rows).to(self.device)
+            return xs, ys, torch.arange(len(rows), device=self.device)
+        if rows.device != self.device:
+            pinned = self.device.type == "cuda"
+            rows = (rows.pin_memory() if pinned else rows).to(self.device, non_blocking=pinned)
+        return xs, ys, rows
+
+    def _indexed(self, xs: torch.Tensor, ys: torch.Tensor, rows: torch.Tensor,
+                 sizes: tuple[int, ...], c: int, scratch: bool = True):
+        """Each step's mini-batches, as [clients, batch, ...] tensors, from `_stacked`'s
+        output (the inputs written into a kept buffer with `scratch`)."""
+        shape, yshape = tuple(xs.shape[1:]), tuple(ys.shape[1:])
+        at = 0
+        for b in sizes:
+            r = rows[at:at + c * b]
+            at += c * b
+            out = self._scratch("xb", (c * b,) + shape, xs.dtype, xs.device) if scratch else None
+            yield (torch.index_select(xs, 0, r, out=out).view((c, b) + shape),
+                   ys.index_select(0, r).view((c, b) + yshape))
 
     def _scratch(self, slot: str, shape: tuple, dtype: torch.dtype,
                  device: torch.device) -> torch.Tensor:
@@ -247,25 +269,48 @@ class VectorEngine(Engine):
             torch.index_select(train.y, 0, idx[s].to(y0.device), out=yb[j])
         return xb, yb
 
-    @torch.no_grad()
-    def _train_group(self, model_in: dict[str, torch.Tensor], plans: list, steps: int, ctx=None,
-                     masks=None):
+    def _train_group(self, model_in: dict[str, torch.Tensor], plans: list,
+                     sizes: tuple[int, ...], ctx=None, masks: list | None = None):
+        """The group's trained parameters (stacked) and each client's summed loss."""
         c = len(plans)
-        term = self.term
         # The first step starts every client from the same received tensors (not batched,
         # not copied); its update creates each client's own stacked parameters.
         params = {n: model_in[n].detach() for n in self.names}
+        if not sizes:   # clients without training data send the received model back
+            return {n: p.unsqueeze(0).repeat((c,) + (1,) * p.dim()) for n, p in params.items()}, [0.0] * c
+        stacked = self._stacked(plans, sizes)
+        if stacked is None:
+            batches = ((xb.to(self.device), yb.to(self.device))
+                       for xb, yb in (self._gather(plans, s) for s in range(len(sizes))))
+            params, loss = self._descend(params, batches, masks, ctx)
+        elif self._graphs is not None and ctx is None:
+            params, loss = self._graphs((sizes, c), *stacked, params, masks)
+        else:
+            params, loss = self._descend(params, self._indexed(*stacked, sizes, c), masks, ctx)
+        return params, loss.tolist()
+
+    def _graphed(self, sizes_c: tuple, xs, ys, rows, params, masks):
+        """The descent as `StepGraphs` captures it: from its inputs alone."""
+        sizes, c = sizes_c
+        return self._descend(params, self._indexed(xs, ys, rows, sizes, c, scratch=False), masks)
+
+    @torch.no_grad()
+    def _descend(self, params: dict[str, torch.Tensor], batches, masks: list | None = None, ctx=None):
+        """SGD over `batches` from `params` (one set for all clients, or stacked): the stacked
+        parameters after it and each client's summed loss (a float64 tensor)."""
+        term = self.term
+        params = dict(params)   # the caller's dict keeps its tensors (a graph's inputs)
         bufs: dict[str, torch.Tensor] = {}
-        loss_sum = torch.zeros(c, dtype=torch.float64, device=self.device)
+        loss_sum = None
         dense = self._dense
-        for s, (xb, yb) in enumerate(self._batches(plans, steps)):
+        for s, (xb, yb) in enumerate(batches):
             if dense is not None and dense.applies(xb, yb):
                 grads, loss = dense(params, xb, yb, shared=not s)
             else:
                 with torch.enable_grad():
-                    step_masks = () if masks is None else next(masks)
+                    step_masks = () if masks is None else masks[s]
                     grads, loss = (self._step if s else self._first_step)(params, xb, yb, step_masks)
-            loss_sum += loss.double()
+            loss_sum = loss.double() if loss_sum is None else loss_sum.add_(loss.double())
             for n in self.names:
                 d = term.adjust(ctx, n, grads[n], params[n])
                 if self.weight_decay:
@@ -284,9 +329,7 @@ class VectorEngine(Engine):
                     params[n] = torch.add(params[n], d, alpha=-self.lr, out=d)
                 else:
                     params[n] = torch.add(params[n], d, alpha=-self.lr)   # broadcasts to [c, ...]
-        if steps == 0:   # clients without training data send the received model back
-            params = {n: p.unsqueeze(0).repeat((c,) + (1,) * p.dim()) for n, p in params.items()}
-        return params, loss_sum.tolist()
+        return params, loss_sum
 
 
 def _draw(n: int, batch_size: int, seed: int, client_id: int, epoch: int, offset: int,

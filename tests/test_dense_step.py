@@ -31,11 +31,16 @@ MODELS = {
 }
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU; torch sees none on this machine"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("shared", [True, False], ids=["first_step", "own_parameters"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("clients, batch", [(2, 1), (5, 4), (30, 10)])
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_dense_step_equals_vmap_bit_for_bit(name, clients, batch, dtype, shared):
+def test_dense_step_equals_vmap_bit_for_bit(name, clients, batch, dtype, shared, device):
     make, shape, classes = MODELS[name]
     torch.manual_seed(clients * 100 + batch)
     model = make().to(dtype)
@@ -44,6 +49,8 @@ def test_dense_step_equals_vmap_bit_for_bit(name, clients, batch, dtype, shared)
         params = {n: p + 0.1 * torch.randn((clients,) + p.shape, dtype=dtype) for n, p in params.items()}
     x = torch.randn((clients, batch) + shape, dtype=dtype)
     y = torch.randint(0, classes, (clients, batch))
+    model.to(device)
+    params, x, y = {n: p.to(device) for n, p in params.items()}, x.to(device), y.to(device)
     with torch.enable_grad():
         grads, loss = _vmap_step(model, shared)(params, x, y)
     dense = DenseStep.of(model, "cross_entropy")
@@ -141,4 +148,4 @@ def test_the_public_operations_give_vmaps_numbers_bit_for_bit(monkeypatch):
         for clients, batch in [(2, 1), (30, 10)]:
             for dtype in (torch.float32, torch.float64):
                 for shared in (True, False):
-                    test_dense_step_equals_vmap_bit_for_bit(name, clients, batch, dtype, shared)
+                    test_dense_step_equals_vmap_bit_for_bit(name, clients, batch, dtype, shared, "cpu")
