@@ -129,6 +129,8 @@ def place_data(data, device: torch.device, budget: int | None):
     if device.type == "cpu":
         return data
     clients = data.clients
+    if len(clients.keys()) != len(clients):   # clients made on access: moved batch by batch
+        return data
     splits = [s for c in clients.values() for s in (c.train, c.val, c.test)] + [data.server_test]
     size = sum(t.numel() * t.element_size() for s in splits for t in (s.x, s.y))
     if budget is None:

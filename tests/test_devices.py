@@ -7,9 +7,10 @@ import torch
 
 from fedcore.config import load_config
 from fedcore.course import Course
-from fedcore.device import DeviceStateStore, resolve_device, to_cpu, to_device
+from fedcore.device import DeviceStateStore, place_data, resolve_device, to_cpu, to_device
 from fedcore.errors import ConfigError
 from fedcore.run import main
+from fedcore.scenarios.data import ClientData, FederatedData, Split
 from fedcore.state import MemoryStateStore
 from tests.conftest import small_cfg
 
@@ -145,3 +146,19 @@ def _tensors(obj):
 def test_device_is_resolved_when_the_config_loads():
     with pytest.raises(ConfigError, match="device"):
         load_config(None, extra={"device": "cuda:12345"})
+
+
+def test_clients_made_on_access_stay_where_they_are_made():
+    """A mapping that makes each client's data when asked (10^6 clients need no resident
+    shards) cannot be moved whole: the trainer moves its batches instead."""
+    class OnAccess(dict):
+        def __missing__(self, cid):
+            return ClientData(Split(torch.full((3, 2), float(cid)), torch.zeros(3, dtype=torch.long)),
+                              Split(torch.empty(0, 2), torch.empty(0, dtype=torch.long)),
+                              Split(torch.empty(0, 2), torch.empty(0, dtype=torch.long)))
+
+        def __len__(self):
+            return 1000
+    data = FederatedData(OnAccess(), Split(torch.zeros(2, 2), torch.zeros(2, dtype=torch.long)), (2,), 2)
+    assert place_data(data, torch.device("cuda"), None) is data
+    assert float(data.clients[7].train.x[0, 0]) == 7.0
