@@ -29,6 +29,7 @@ from fedcore.client_state import write_atomic
 from fedcore.course import Course, StartEvent, collector_for_run, raise_if_diverged
 from fedcore.deploy_config import message_bound, redacted, value_bound
 from fedcore.deployed_resume import not_aggregated_yet, resume_server
+from fedcore.batch_order import own_randomness
 from fedcore.executor import apply_torch_threads
 from fedcore.errors import EXIT_OK, ConfigError, FedcoreError
 from fedcore.form_boundary import make_trainer
@@ -280,6 +281,7 @@ class ClientCourse(Course):
         self.model = model = self.make_model()   # the course's model (whatever the trainer's form)
         self.store = make_state_store(cfg["state.store"], cfg["state.path"])
         self.trainer = make_trainer(self.algorithm, model, cfg, self.trainer_store())
+        own_randomness(self.trainer, cfg["seed"])   # the client's draws: the simulation's
         self.timing = _measured_time()
         self.comm = comm
         comm.device = self.device          # received tensors go where the model is

@@ -42,8 +42,8 @@ declare("model.causal_lm.max_positions", int, 256, "causal_lm built from config:
 declare("model.causal_lm.init_std", float, 0.02, "causal_lm built from config: standard deviation "
         "of the random initial weights (GPT-2's and Llama's 0.02)", check=positive)
 declare("model.causal_lm.dropout", float, 0.0, "causal_lm built from config: dropout on embeddings, "
-        "attention and residuals (its masks come from each process's own generator, so with dropout "
-        "a deployed course no longer replays its simulation)",
+        "attention and residuals (masks from torch's generator, seeded by every fit from the client's "
+        "own stream, in a deployed client as in the simulation)",
         check=lambda v: None if 0 <= v < 1 else "must be in [0, 1)")
 declare("model.lora.r", int, 0, "LoRA rank of the adapters (0: no adapters, every weight is trained "
         "and exchanged); the global rank when clients have their own (model.lora.ranks)",

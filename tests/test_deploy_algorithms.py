@@ -4,7 +4,7 @@ Synchronous courses with fixed seeds and full participation must end with the
 simulation's final model (to 1e-6) and count the same bytes per round:
 SCAFFOLD (its updates carry control-variate deltas, its broadcast the server's
 control variate), FedDyn, FedRep and pFedMe (heads and personal models stay
-with each client), DiLoCo (inner optimizer state stays with each client
+with each client), an MLP with dropout (each client's masks from its own stream), DiLoCo (inner optimizer state stays with each client
 and is never sent), FedAdam on FedNova (the normalizing factor crosses the
 wire, the server optimizer's moments stay with the server) and FedAvg with
 local DP noise combined by the coordinate median (two behaviour plug-ins, each
@@ -52,6 +52,10 @@ SYNC_COURSES = {
     "fedrep": {"algorithm.name": "fedrep", "model.type": "mlp", "model.hidden": [6],
                "algorithm.fedrep.head_epochs": 2},
     "pfedme": {"algorithm.name": "pfedme", "algorithm.pfedme.beta": 1.5},
+    # dropout: each client draws its masks from its own (seed, client, round) stream, in its
+    # process as in the simulation
+    "mlp_dropout": {"model.type": "mlp", "model.hidden": [6], "model.mlp_dropout": 0.3,
+                    "train.local_steps": 3},
     # client 1 drifts (only its own process knows), the server clips around its history
     "drift_centered_clip": {"attack.type": "drift", "attack.clients": [1], "admission.norm_ratio": 50.0,
                             "aggregator.robust_rule": "centered_clip", "aggregator.cc_tau": 0.1},
