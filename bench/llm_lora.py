@@ -10,8 +10,8 @@ adapters, takes `--steps` SGD steps on its own batches of random tokens and send
 the server averages them (model.lora.aggregation: separate, the same arithmetic as the plain
 loop's mean). The plain loop does the same work with one model and no messages. Tokens per
 second count the training tokens of the rounds after the first (the first builds and warms up).
-fedcore's vectorized executor is measured where it accepts the course, else its reason is
-printed (it does not yet stack adapters over a shared frozen base). The last line reads
+fedcore's vectorized executor (the adapters of a round's clients stacked over one shared frozen
+base) is measured where it accepts the course, else its reason is printed. The last line reads
 `llm_lora_tokens_per_s_plain=... fedcore_sequential=... ratio_sequential_over_plain=...`.
 Exits 2 with one line where `--device cuda` (the default) finds no GPU.
 """
@@ -152,7 +152,8 @@ def _why_not_vectorized(cfg, data) -> str | None:
     """The vectorized executor's own reason for refusing this course (None: it accepts it)."""
     from fedcore.course import Course
     from fedcore.vectorized import VectorEngine
-    return VectorEngine.unsupported(Course(cfg, outdir=None).build(data).trainer, cfg)
+    plain = Course(cfg.with_overrides(executor="sequential"), outdir=None).build(data)
+    return VectorEngine.unsupported(plain.trainer, cfg)
 
 
 def _count(cfg, data) -> tuple[int, int]:

@@ -1,7 +1,10 @@
 """Vectorised local training: many logical clients' SGD in one batched computation.
 
 For a trainer whose local step is a pure function of (parameters, mini-batch)
-- the base `Trainer`'s objective and SGD, on a model with no buffers - the
+- the base `Trainer`'s objective and SGD, on a model that keeps no state in
+buffers (a non-persistent buffer, such as a rotary embedding's frequencies, is
+a constant; so are frozen parameters outside the model's state, such as
+LoRA's base weights: every client of a group shares them unbatched) - the
 clients that received the same model are trained together: their parameters
 are stacked along a new leading dimension and every step computes all their
 gradients at once with `torch.func` (`functional_call`, `grad_and_value`,
@@ -135,14 +138,17 @@ class VectorEngine(Engine):
         if trainer._local_init:
             return "federate.share_params keeps some entries local"
         for name, m in trainer.model.named_modules():
-            if any(True for _ in m.buffers(recurse=False)):
-                return (f"layer {name or 'model'} ({type(m).__name__}) has buffers (state such as "
-                        "batch norm's running statistics)")
+            kept = [b for b, _ in m.named_buffers(recurse=False) if b not in m._non_persistent_buffers_set]
+            if kept:
+                return (f"layer {name or 'model'} ({type(m).__name__}) has buffers that keep "
+                        f"state ({', '.join(kept)}; such as batch norm's running statistics)")
         random = random_layer_reason(trainer.model, trainer.device)
         if random is not None:
             return random
-        if len(trainer.params) != len(list(trainer.model.parameters())):
-            return "the model has frozen parameters"
+        trained = set(trainer.param_names)
+        frozen = [n for n in trainer.entries if n not in trained]
+        if frozen:   # frozen parameters not in the model's state (LoRA's base) are constants
+            return f"entry {frozen[0]} of the model's state is not trained (a frozen parameter)"
         if term.names() != list(trainer.param_names):
             return "some trainable parameters are not shared"
         return None
