@@ -5,7 +5,8 @@ The workers start when the first batch comes, from a fresh interpreter
 process: they inherit no autograd or CUDA threads and the pool works on every
 platform. Each receives what it needs explicitly - the course's config, as
 Ray's actors do - and builds the same trainer and clients' data from it (data
-handed to the course, not made from its config, are sent once as tensors). Per batch, the parent sends each worker the
+handed to the course, not made from its config, are sent once as tensors; a client's
+data that a mapping makes on access go with each of its jobs). Per batch, the parent sends each worker the
 received content, the round and its share of (client id, client state) jobs;
 each worker runs the real trainer's `fit` for them and replies with each
 client's content, work, metrics and new state. Config, requests and replies
@@ -63,14 +64,17 @@ def _decode(data: bytes) -> Any:
     return from_value(v)
 
 
-def fit_share(trainer, store, clients, req: dict) -> list[dict]:
+def fit_share(trainer, store, clients, req: dict, data=None) -> list[dict]:
     """What a worker does with its share of a batch: each job's client state goes into the
-    worker's own store, the real trainer fits it, and the result and new state come back."""
+    worker's own store, the real trainer fits it, and the result and new state come back.
+    A job that carries its client's data (`_data_of`) is trained on them; `data` is the
+    worker's course's FederatedData, whose shape they take."""
     out = []
     for job in req["jobs"]:
         cid = job["cid"]
         store.save(cid, job["state"])
-        res = trainer.fit(cid, clients[cid].data, req["received"], req["round"])
+        own = clients[cid].data if "data" not in job else _client_of(cid, job["data"], data)
+        res = trainer.fit(cid, own, req["received"], req["round"])
         out.append({"content": res.content, "work": float(res.work),
                     "metrics": dict(res.metrics), "state": store.load(cid)})
         store.save(cid, {})
@@ -98,21 +102,53 @@ def build_worker_course(values_yaml: str, threads: int, data=None):
     return Course(load_config(None, extra=yaml.safe_load(values_yaml))).build(data)
 
 
+def _made_on_access(data) -> bool:
+    """Clients whose data a mapping makes when asked (it cannot list them): sent with the jobs."""
+    return len(data.clients.keys()) != len(data.clients)
+
+
+def _data_of(client) -> list:
+    """A client's splits as tensors: [[x, y] of train, of val, of test]."""
+    return [[s.x, s.y] for s in (client.train, client.val, client.test)]
+
+
 def _encode_data(data) -> bytes:
-    """A course's FederatedData as `fedcore.serialization` bytes (its splits are tensors)."""
-    def split(s):
-        return [s.x, s.y]
-    return _encode({"clients": [[cid, split(c.train), split(c.val), split(c.test)]
-                                for cid, c in data.clients.items()],
-                    "test": split(data.server_test), "shape": list(data.input_shape),
-                    "num_classes": int(data.num_classes)})
+    """A course's FederatedData as `fedcore.serialization` bytes (its splits are tensors); with
+    clients made on access, none (their data go with each job)."""
+    clients = [] if _made_on_access(data) else [[cid, *_data_of(c)] for cid, c in data.clients.items()]
+    return _encode({"clients": clients, "on_access": _made_on_access(data),
+                    "test": [data.server_test.x, data.server_test.y],
+                    "shape": list(data.input_shape), "num_classes": int(data.num_classes)})
+
+
+class _SentWithJobs(dict):
+    """A worker's clients whose data come with each job: empty until then."""
+
+    def __init__(self, empty):
+        super().__init__()
+        self.empty = empty
+
+    def __missing__(self, cid: int):
+        return self.empty
 
 
 def _decode_data(raw: bytes):
     d = _decode(raw)
+    build = registry.components.get("federated_data_from_splits")
+    data = build({cid: (tr, va, te) for cid, tr, va, te in d["clients"]}, d["test"], d["shape"],
+                 d["num_classes"])
+    if d["on_access"]:
+        x, y = d["test"]
+        empty = (x[:0], y[:0])
+        data.clients = _SentWithJobs(build({0: (empty, empty, empty)}, empty, d["shape"],
+                                           d["num_classes"]).clients[0])
+    return data
+
+
+def _client_of(cid: int, splits: list, data):
+    """Client `cid`'s data as a job carried them."""
     return registry.components.get("federated_data_from_splits")(
-        {cid: (tr, va, te) for cid, tr, va, te in d["clients"]}, d["test"], d["shape"],
-        d["num_classes"])
+        {cid: splits}, splits[2], data.input_shape, data.num_classes).clients[cid]
 
 
 def _serve(conn) -> None:
@@ -143,7 +179,7 @@ def _serve(conn) -> None:
             if req.get("stop"):
                 return
             req.update(_decode(conn.recv_bytes()))
-            reply = _encode({"results": fit_share(trainer, store, clients, req)})
+            reply = _encode({"results": fit_share(trainer, store, clients, req, course.data)})
         except Exception as exc:  # noqa: BLE001 - reported to the parent, which falls back
             reply = _encode({"error": f"{type(exc).__name__}: {exc}"})
         conn.send_bytes(reply)
@@ -159,6 +195,7 @@ class ProcessEngine(Engine):
         self.size = workers or usable_cores()
         self._procs: list = []
         self._conns: list = []
+        self._with_jobs = False   # clients' data go with each job (made on access)
 
     @staticmethod
     def unsupported(trainer, cfg) -> str | None:
@@ -174,7 +211,9 @@ class ProcessEngine(Engine):
             ctx.set_forkserver_preload(_PRELOAD)
         config = worker_values(self.course.cfg).encode()
         # data handed to the course (not made from its config) go to the workers as tensors
-        data = b"" if getattr(self.course, "data_from_config", True) else _encode_data(self.course.data)
+        handed = not getattr(self.course, "data_from_config", True)
+        data = _encode_data(self.course.data) if handed else b""
+        self._with_jobs = handed and _made_on_access(self.course.data)
         for _ in range(self.size):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=_serve, args=(child,), daemon=True)
@@ -199,8 +238,9 @@ class ProcessEngine(Engine):
         for conn, share in zip(self._conns, shares):
             if share:
                 conn.send_bytes(head)
-                conn.send_bytes(_encode({"jobs": [{"cid": cid, "state": state}
-                                                  for cid, _, state in share]}))
+                conn.send_bytes(_encode({"jobs": [
+                    {"cid": cid, "state": state, **({"data": _data_of(data)} if self._with_jobs else {})}
+                    for cid, data, state in share]}))
                 busy.append((conn, share))
         answers: dict[int, tuple[FitResult, dict]] = {}
         errors = []

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 # A fresh interpreter, poisoned as torch's autograd engine poisons a process whose threads
 # run: any child forked from it dies at once. The course's workers must still train.
@@ -49,3 +50,39 @@ def test_a_poisoned_fork_is_what_the_test_above_guards_against():
             "print(p.exitcode)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "17"
+
+
+class _OnAccess(dict):
+    """Clients whose data are made when asked (as a data set of a million clients would be):
+    the mapping cannot list them, so the pool cannot send them to its workers up front."""
+
+    def __init__(self, made):
+        super().__init__()
+        self.made = made
+
+    def __missing__(self, cid):
+        return self.made[cid]
+
+    def __len__(self):
+        return len(self.made)
+
+
+def test_clients_made_on_access_go_to_the_workers_with_their_jobs():
+    import dataclasses
+
+    from fedcore import registry
+    from fedcore.course import Course
+    from tests.conftest import small_cfg
+
+    def run(executor):
+        cfg = small_cfg(None, executor=executor, executor_workers=2, torch_threads=1,
+                        train__local_steps=2, federate__total_round_num=2)
+        data = registry.components.get("federated_data")(cfg)
+        course = Course(cfg).build(dataclasses.replace(data, clients=_OnAccess(data.clients)))
+        summary = course.run()
+        return summary, course.server.aggregator.global_state
+    seq_summary, seq = run("sequential")
+    summary, par = run("processes")
+    assert summary["batched_fits"] == seq_summary["sequential_fits"] == 12   # 6 clients x 2 rounds
+    assert summary["sequential_fits"] == 0
+    assert seq.keys() == par.keys() and all(torch.equal(seq[k], par[k]) for k in seq)
