@@ -108,6 +108,7 @@ def _measure(fn: Callable[[], tuple], conn, exact: bool) -> None:
         own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
         state = {k: v.cpu() for k, v in times.final_state.items()}
+        kids = max(kids, int(getattr(times, "worker_peak_mb", 0.0) * 1024))   # pool workers
         conn.send_bytes(_encode({"rounds": times.wall_rounds, "whole": whole, "rss_kb": own,
                                  "children_rss_kb": kids, "state": state, "fits": fits}))
     except Exception as exc:  # noqa: BLE001 - reported by the parent
@@ -137,6 +138,7 @@ def _fedcore(name: str, users: int, cfg) -> Callable[[], tuple]:
         times = run_fedcore(cfg, workload_data(name, users, resident=cfg["device"] != "cpu"),
                             before_run=lambda course: seen.setdefault("course", course))
         summary = seen["course"].monitor.extra_summary
+        times.worker_peak_mb = summary.get("worker_peak_rss_mb", 0.0)
         return times, [summary.get("batched_fits", 0), summary.get("sequential_fits", 0)]
     return run
 

@@ -33,6 +33,11 @@ from fedcore.serialization import WireError, encode_value, from_value
 from fedcore.state import MemoryStateStore
 from fedcore.wire import fedcore_pb2 as pb
 
+try:
+    import resource
+except ImportError:   # not on Windows: the workers' memory goes unreported
+    resource = None
+
 __all__ = ["ProcessEngine", "build_worker_course", "fit_share", "usable_cores", "worker_values"]
 
 log = logging.getLogger("fedcore.executor")
@@ -179,7 +184,9 @@ def _serve(conn) -> None:
             if req.get("stop"):
                 return
             req.update(_decode(conn.recv_bytes()))
-            reply = _encode({"results": fit_share(trainer, store, clients, req, course.data)})
+            reply = _encode({"results": fit_share(trainer, store, clients, req, course.data),
+                             "peak_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+                             if resource is not None else 0})
         except Exception as exc:  # noqa: BLE001 - reported to the parent, which falls back
             reply = _encode({"error": f"{type(exc).__name__}: {exc}"})
         conn.send_bytes(reply)
@@ -196,6 +203,7 @@ class ProcessEngine(Engine):
         self._procs: list = []
         self._conns: list = []
         self._with_jobs = False   # clients' data go with each job (made on access)
+        self._peak_kb = 0         # the largest peak resident memory a worker reported
 
     @staticmethod
     def unsupported(trainer, cfg) -> str | None:
@@ -249,11 +257,17 @@ class ProcessEngine(Engine):
             if "error" in reply:
                 errors.append(reply["error"])
                 continue
+            self._peak_kb = max(self._peak_kb, reply.get("peak_kb", 0))
             for (cid, _, _), r in zip(share, reply["results"]):
                 answers[cid] = (FitResult(r["content"], r["work"], r["metrics"]), r["state"])
         if errors:
             raise WireError(f"a worker process failed: {errors[0]}")
         return [answers.get(cid) for cid, _, _ in jobs]
+
+    def summary(self) -> dict:
+        """The workers' largest peak resident memory (a fork server's workers are not this
+        process's children, so its own accounting of children does not see them)."""
+        return {"worker_peak_rss_mb": round(self._peak_kb / 1024, 1)} if self._peak_kb else {}
 
     def close(self) -> None:
         for conn in self._conns:

@@ -85,4 +85,6 @@ def test_clients_made_on_access_go_to_the_workers_with_their_jobs():
     summary, par = run("processes")
     assert summary["batched_fits"] == seq_summary["sequential_fits"] == 12   # 6 clients x 2 rounds
     assert summary["sequential_fits"] == 0
+    # each worker reports its peak memory: it holds torch and a course, well over 100 MB
+    assert summary["worker_peak_rss_mb"] > 100 and "worker_peak_rss_mb" not in seq_summary
     assert seq.keys() == par.keys() and all(torch.equal(seq[k], par[k]) for k in seq)
