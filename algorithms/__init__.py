@@ -7,7 +7,7 @@ from fedcore.algorithms import dp, local_budget, personalization, robust  # noqa
 from fedcore.algorithms import compression, streaming  # noqa: F401  (after the behaviours that change the update)
 from fedcore.algorithms import fedrep, pfedme  # noqa: F401  (after the behaviours, whose order they keep)
 from fedcore.algorithms import fedex  # noqa: F401  (last: it wraps what the others installed)
-from fedcore.contract import Aggregator, Algorithm, Trainer
+from fedcore.kernel.contract import Aggregator, Algorithm, Trainer
 
 __all__ = ["Aggregator", "Algorithm", "Trainer", "compression", "diloco", "dp", "fedasync", "fedavg", "fedbuff", "fedex",
            "feddyn", "fedmos", "fednova", "fedprox", "fedrep", "local_budget", "lora", "moon", "personalization",

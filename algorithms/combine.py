@@ -14,8 +14,8 @@ from typing import Callable
 
 import torch
 
-from fedcore.contract import Aggregator, ReceivedUpdate, weighted_mean
-from fedcore.hooks import Wrapper
+from fedcore.kernel.contract import Aggregator, ReceivedUpdate, weighted_mean
+from fedcore.kernel.hooks import Wrapper
 
 __all__ = ["Deltas", "CombineRule", "replace_combination", "flatten", "unflatten", "float_names"]
 

@@ -29,12 +29,14 @@ import math
 
 import torch
 
-from fedcore import admission, registry
-from fedcore.config import declare, fraction, validator
-from fedcore.errors import ConfigError
-from fedcore.hooks import Wrapper
-from fedcore.message import Message
-from fedcore.worker import Registration
+from fedcore.runtime import admission
+
+from fedcore.kernel import registry
+from fedcore.kernel.config import declare, fraction, validator
+from fedcore.kernel.errors import ConfigError
+from fedcore.kernel.hooks import Wrapper
+from fedcore.kernel.message import Message
+from fedcore.kernel.worker import Registration
 
 __all__ = ["KINDS", "LEVELS", "rounding_generator", "quantize", "dequantize", "top_k", "densify",
            "encode_update", "decode_update", "wire_layout", "install"]

@@ -4,7 +4,7 @@ Each round every selected client runs exactly H = `train.local_steps` optimizer 
 of its own inner optimizer from the global model θ and sends its weights θ_k (the
 FedAvg payload). The server forms the outer gradient g = −Σ_k p_k (θ_k − θ) / Σ_k p_k
 and applies SGD, momentum SGD or Nesterov momentum SGD to θ (PyTorch's recurrences,
-no dampening) through the server-optimizer mechanism (`fedcore.server_optimizer`);
+no dampening) through the server-optimizer mechanism (`fedcore.runtime.server_optimizer`);
 the momentum buffers are server state that persists across rounds.
 Inner optimizer and scheduler state stay in each client's state store. The alignment
 note docs/algorithms/diloco.md maps the contract to this code and its tests.
@@ -17,12 +17,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from fedcore.contract import Aggregator, Algorithm, ReceivedUpdate, Trainer, weighted_mean
-from fedcore.config import declare, positive, validator
-from fedcore.errors import ConfigError
-from fedcore.registry import algorithms
-from fedcore.schema import clients_per_round
-from fedcore.server_optimizer import ServerOptimizer, l2_norm
+from fedcore.kernel.contract import Aggregator, Algorithm, ReceivedUpdate, Trainer, weighted_mean
+from fedcore.kernel.config import declare, positive, validator
+from fedcore.kernel.errors import ConfigError
+from fedcore.kernel.registry import algorithms
+from fedcore.kernel.schema import clients_per_round
+from fedcore.runtime.server_optimizer import ServerOptimizer, l2_norm
 
 __all__ = ["DiLoCoTrainer", "DiLoCoAggregator", "DILOCO", "reset_warnings"]
 

@@ -27,18 +27,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedcore import registry
+from fedcore.kernel import registry
 from fedcore.algorithms.combine import Deltas, flatten, float_names, replace_combination, unflatten
 from fedcore.algorithms.dp_accountant import RdpAccountant
 from fedcore.algorithms.dp_noise import (noise_generator, noise_source, resolved_noise_source,
                                          standard_normal)
 from fedcore.algorithms.participants import chosen_clients
-from fedcore.config import declare, non_negative, positive, validator
-from fedcore.contract import ReceivedUpdate
-from fedcore.errors import ConfigError
-from fedcore.hooks import Wrapper
-from fedcore.sampling import PoissonSampler
-from fedcore.schema import clients_per_round
+from fedcore.kernel.config import declare, non_negative, positive, validator
+from fedcore.kernel.contract import ReceivedUpdate
+from fedcore.kernel.errors import ConfigError
+from fedcore.kernel.hooks import Wrapper
+from fedcore.runtime.sampling import PoissonSampler
+from fedcore.kernel.schema import clients_per_round
 
 __all__ = ["clip_delta", "gaussian_noise", "noise_generator", "privatize", "central_dp_rule", "install"]
 

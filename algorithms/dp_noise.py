@@ -21,8 +21,8 @@ import os
 import numpy as np
 import torch
 
-from fedcore.config import declare, validator
-from fedcore.errors import ConfigError
+from fedcore.kernel.config import declare, validator
+from fedcore.kernel.errors import ConfigError
 
 __all__ = ["OS_NOISE", "deployed", "noise_generator", "noise_source", "resolved_noise_source",
            "os_standard_normal", "standard_normal"]

@@ -13,9 +13,9 @@ from the last update mixed in.
 """
 from __future__ import annotations
 
-from fedcore.contract import Aggregator, Algorithm, ReceivedUpdate, Trainer
-from fedcore.config import declare, fraction
-from fedcore.registry import algorithms
+from fedcore.kernel.contract import Aggregator, Algorithm, ReceivedUpdate, Trainer
+from fedcore.kernel.config import declare, fraction
+from fedcore.kernel.registry import algorithms
 
 __all__ = ["FedAsyncAggregator", "FEDASYNC"]
 

@@ -6,8 +6,8 @@ server sets w <- sum_k n_k w_k / sum_k n_k. Both halves are the base classes.
 """
 from __future__ import annotations
 
-from fedcore.contract import Aggregator, Algorithm, Trainer
-from fedcore.registry import algorithms
+from fedcore.kernel.contract import Aggregator, Algorithm, Trainer
+from fedcore.kernel.registry import algorithms
 
 __all__ = ["FedAvgTrainer", "FedAvgAggregator", "FEDAVG"]
 

@@ -13,9 +13,9 @@ deltas: they are averaged like FedAvg.
 """
 from __future__ import annotations
 
-from fedcore.contract import Aggregator, Algorithm, ReceivedUpdate, Trainer, weighted_mean
-from fedcore.config import declare, positive
-from fedcore.registry import algorithms
+from fedcore.kernel.contract import Aggregator, Algorithm, ReceivedUpdate, Trainer, weighted_mean
+from fedcore.kernel.config import declare, positive
+from fedcore.kernel.registry import algorithms
 
 __all__ = ["FedBuffTrainer", "FedBuffAggregator", "FEDBUFF"]
 

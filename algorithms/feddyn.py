@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from fedcore.contract import Aggregator, Algorithm, ReceivedUpdate, Trainer, weighted_mean
-from fedcore.config import declare, validator
-from fedcore.errors import ConfigError
-from fedcore.registry import algorithms
-from fedcore.vector_term import VectorTerm, stack_state
+from fedcore.kernel.contract import Aggregator, Algorithm, ReceivedUpdate, Trainer, weighted_mean
+from fedcore.kernel.config import declare, validator
+from fedcore.kernel.errors import ConfigError
+from fedcore.kernel.registry import algorithms
+from fedcore.kernel.vector_term import VectorTerm, stack_state
 
 __all__ = ["FedDynTrainer", "FedDynTerm", "FedDynAggregator", "FEDDYN"]
 

@@ -24,11 +24,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedcore import registry
-from fedcore.config import declare, positive, validator
-from fedcore.contract import ReceivedUpdate, evaluate_model
-from fedcore.errors import ConfigError
-from fedcore.hooks import Wrapper
+from fedcore.kernel import registry
+from fedcore.kernel.config import declare, positive, validator
+from fedcore.kernel.contract import ReceivedUpdate, evaluate_model
+from fedcore.kernel.errors import ConfigError
+from fedcore.kernel.hooks import Wrapper
 
 __all__ = ["LOCAL_KEYS", "ExpGradPolicy", "draw_arm", "check_feedback", "feedback_layout",
            "install"]
@@ -275,7 +275,7 @@ def check_feedback(feedback: Any, server) -> str | None:
 
 
 def feedback_layout(server, layout: dict) -> dict:
-    """What clients send in a FedEx course (`fedcore.contract.LayoutChange`): the course's
+    """What clients send in a FedEx course (`fedcore.kernel.contract.LayoutChange`): the course's
     update and, under 'fedex', the feedback `check_feedback` admits."""
     return {**layout, "fedex": check_feedback}
 

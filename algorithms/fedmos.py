@@ -16,10 +16,10 @@ from __future__ import annotations
 import torch
 from torch.func import functional_call
 
-from fedcore.contract import Aggregator, Algorithm, ReceivedUpdate, Trainer
-from fedcore.config import declare, fraction, validator
-from fedcore.errors import ConfigError
-from fedcore.registry import algorithms
+from fedcore.kernel.contract import Aggregator, Algorithm, ReceivedUpdate, Trainer
+from fedcore.kernel.config import declare, fraction, validator
+from fedcore.kernel.errors import ConfigError
+from fedcore.kernel.registry import algorithms
 
 __all__ = ["FedMoSTrainer", "FedMoSAggregator", "FEDMOS"]
 

@@ -27,10 +27,10 @@ import torch
 from fedcore.algorithms.fedprox import Straggling
 from fedcore.algorithms.robust import INCOMPATIBLE
 from fedcore.comm.validation import model_layout
-from fedcore.config import declare, validator
-from fedcore.contract import Aggregator, Algorithm, ReceivedUpdate, Trainer, weighted_mean
-from fedcore.errors import ConfigError
-from fedcore.registry import algorithms
+from fedcore.kernel.config import declare, validator
+from fedcore.kernel.contract import Aggregator, Algorithm, ReceivedUpdate, Trainer, weighted_mean
+from fedcore.kernel.errors import ConfigError
+from fedcore.kernel.registry import algorithms
 
 __all__ = ["FedNovaTrainer", "FedNovaAggregator", "FEDNOVA", "norm_factor"]
 

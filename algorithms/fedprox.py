@@ -17,10 +17,10 @@ import math
 
 import torch
 
-from fedcore.contract import Aggregator, Algorithm, FitResult, Trainer
-from fedcore.config import declare, non_negative
-from fedcore.registry import algorithms
-from fedcore.vector_term import VectorTerm
+from fedcore.kernel.contract import Aggregator, Algorithm, FitResult, Trainer
+from fedcore.kernel.config import declare, non_negative
+from fedcore.kernel.registry import algorithms
+from fedcore.kernel.vector_term import VectorTerm
 
 __all__ = ["FedProxTrainer", "FedProxTerm", "FedProxAggregator", "FEDPROX", "straggler_steps"]
 

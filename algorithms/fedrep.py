@@ -20,11 +20,11 @@ import math
 
 from torch import nn
 
-from fedcore.config import declare, non_negative
-from fedcore.contract import Aggregator, Algorithm, Trainer
-from fedcore.errors import ConfigError
+from fedcore.kernel.config import declare, non_negative
+from fedcore.kernel.contract import Aggregator, Algorithm, Trainer
+from fedcore.kernel.errors import ConfigError
 from fedcore.algorithms.personalization import ExcludeEntries
-from fedcore.registry import algorithms
+from fedcore.kernel.registry import algorithms
 
 __all__ = ["FedRepTrainer", "UniformAggregator", "FEDREP", "head_entries"]
 

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import math
 
-from fedcore import registry
-from fedcore.config import declare, positive, validator
-from fedcore.errors import ConfigError
-from fedcore.hooks import Wrapper
-from fedcore.timing import TimeModel
+from fedcore.kernel import registry
+from fedcore.kernel.config import declare, positive, validator
+from fedcore.kernel.errors import ConfigError
+from fedcore.kernel.hooks import Wrapper
+from fedcore.runtime.timing import TimeModel
 
 __all__ = ["budget_steps", "install"]
 

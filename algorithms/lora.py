@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import torch
 
-from fedcore import registry
-from fedcore.config import declare, validator
+from fedcore.kernel import registry
+from fedcore.kernel.config import declare, validator
 from fedcore.algorithms.combine import replace_combination
-from fedcore.contract import FitResult
-from fedcore.errors import ConfigError
-from fedcore.hooks import Wrapper
-from fedcore.server_optimizer import from_config as server_optimizer_from_config
+from fedcore.kernel.contract import FitResult
+from fedcore.kernel.errors import ConfigError
+from fedcore.kernel.hooks import Wrapper
+from fedcore.runtime.server_optimizer import from_config as server_optimizer_from_config
 from fedcore.scenarios.llm_models import lora_pairs
 
 __all__ = ["exact_lora_mean", "truncate_rank", "client_rank", "install"]

@@ -21,11 +21,11 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
-from fedcore import registry
-from fedcore.contract import Aggregator, Algorithm, Trainer
-from fedcore.config import declare, non_negative, positive, validator
-from fedcore.errors import ConfigError
-from fedcore.registry import algorithms
+from fedcore.kernel import registry
+from fedcore.kernel.contract import Aggregator, Algorithm, Trainer
+from fedcore.kernel.config import declare, non_negative, positive, validator
+from fedcore.kernel.errors import ConfigError
+from fedcore.kernel.registry import algorithms
 
 __all__ = ["MoonTrainer", "MoonAggregator", "MOON", "contrastive_loss"]
 

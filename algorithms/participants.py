@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedcore.errors import ConfigError
+from fedcore.kernel.errors import ConfigError
 
 __all__ = ["chosen_clients"]
 

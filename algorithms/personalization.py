@@ -25,11 +25,11 @@ from typing import Callable
 import torch
 from torch import nn
 
-from fedcore import registry
-from fedcore.contract import BatchStream, Trainer, evaluate_model
-from fedcore.config import declare, non_negative, positive, validator
-from fedcore.errors import ConfigError
-from fedcore.hooks import Wrapper
+from fedcore.kernel import registry
+from fedcore.kernel.contract import BatchStream, Trainer, evaluate_model
+from fedcore.kernel.config import declare, non_negative, positive, validator
+from fedcore.kernel.errors import ConfigError
+from fedcore.kernel.hooks import Wrapper
 
 __all__ = ["batchnorm_entries", "ExcludeEntries", "local_train", "evaluate_with", "install"]
 

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import torch
 
-from fedcore.config import declare, positive, validator
-from fedcore.contract import Algorithm, Trainer
-from fedcore.errors import ConfigError
+from fedcore.kernel.config import declare, positive, validator
+from fedcore.kernel.contract import Algorithm, Trainer
+from fedcore.kernel.errors import ConfigError
 from fedcore.algorithms.fedrep import UniformAggregator
 from fedcore.algorithms.personalization import evaluate_with
-from fedcore.registry import algorithms
+from fedcore.kernel.registry import algorithms
 
 __all__ = ["PFedMeTrainer", "PFedMeAggregator", "PFEDME"]
 

@@ -29,10 +29,10 @@ import math
 
 import torch
 
-from fedcore import registry
+from fedcore.kernel import registry
 from fedcore.algorithms.combine import Deltas, flatten, replace_combination, unflatten
-from fedcore.config import declare, non_negative, positive, validator
-from fedcore.errors import ConfigError
+from fedcore.kernel.config import declare, non_negative, positive, validator
+from fedcore.kernel.errors import ConfigError
 
 __all__ = ["RULES", "INCOMPATIBLE", "krum_scores", "krum_select", "coordinate_median",
            "trimmed_mean", "clip_to_norm", "centered_clip", "make_rule", "install"]
@@ -76,7 +76,7 @@ def _check_robust(cfg) -> None:
                           f"{cfg['algorithm.name']} ({why}); use robust_rule=none or a FedAvg-style "
                           "algorithm")
     if rule in ("krum", "multi_krum"):
-        from fedcore.schema import clients_per_round
+        from fedcore.kernel.schema import clients_per_round
         n, f = clients_per_round(cfg), cfg["aggregator.byzantine_num"]
         where = "a round has at most"
         if cfg["course"] == "async":

@@ -17,11 +17,11 @@ import logging
 
 import torch
 
-from fedcore.contract import Aggregator, Algorithm, ReceivedUpdate, Trainer, weighted_mean
-from fedcore.config import declare, positive, validator
-from fedcore.errors import ConfigError
-from fedcore.registry import algorithms
-from fedcore.vector_term import VectorTerm, stack_state
+from fedcore.kernel.contract import Aggregator, Algorithm, ReceivedUpdate, Trainer, weighted_mean
+from fedcore.kernel.config import declare, positive, validator
+from fedcore.kernel.errors import ConfigError
+from fedcore.kernel.registry import algorithms
+from fedcore.kernel.vector_term import VectorTerm, stack_state
 
 __all__ = ["ScaffoldTrainer", "ScaffoldTerm", "ScaffoldAggregator", "SCAFFOLD"]
 

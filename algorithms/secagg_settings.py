@@ -8,10 +8,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fedcore import registry
-from fedcore.config import declare, positive, validator
-from fedcore.errors import ConfigError
-from fedcore.schema import clients_per_round
+from fedcore.kernel import registry
+from fedcore.kernel.config import declare, positive, validator
+from fedcore.kernel.errors import ConfigError
+from fedcore.kernel.schema import clients_per_round
 
 __all__ = ["MERSENNE_61", "Settings", "neighbour_graph"]
 

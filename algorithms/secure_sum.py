@@ -19,8 +19,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedcore.contract import ReceivedUpdate
-from fedcore.shamir import combine
+from fedcore.kernel.contract import ReceivedUpdate
+from fedcore.kernel.shamir import combine
 
 __all__ = ["MASK_INFO", "mask_sign", "pair_key", "pair_mask", "unmask", "mean_delta", "unmasked_update",
            "ShareShortage", "out_of_range"]

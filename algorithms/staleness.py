@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from fedcore.config import declare, non_negative
+from fedcore.kernel.config import declare, non_negative
 
 __all__ = ["polynomial", "hinge", "discount_function", "DISCOUNTS"]
 

@@ -28,10 +28,12 @@ import math
 
 import torch
 
-from fedcore import admission, registry
-from fedcore.config import declare
-from fedcore.contract import Aggregator, ReceivedUpdate
-from fedcore.errors import ConfigError
+from fedcore.runtime import admission
+
+from fedcore.kernel import registry
+from fedcore.kernel.config import declare
+from fedcore.kernel.contract import Aggregator, ReceivedUpdate
+from fedcore.kernel.errors import ConfigError
 
 __all__ = ["RunningMean", "FoldingBuffer", "folds", "round_buffer", "AUTO_MIN_BYTES"]
 

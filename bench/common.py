@@ -18,9 +18,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedcore import registry
-from fedcore.contract import BatchStream, evaluate_model, weighted_mean
-from fedcore.config import load_config
+from fedcore.kernel import registry
+from fedcore.kernel.contract import BatchStream, evaluate_model, weighted_mean
+from fedcore.kernel.config import load_config
 from fedcore.scenarios.data import ClientData, FederatedData, Split
 from bench.images import INPUT_SHAPE, NUM_CLASSES, LeNet5, class_templates, image_samples
 
@@ -172,7 +172,7 @@ def run_fedcore(cfg, data: FederatedData, before_run: Callable | None = None,
                 until_acc: float | None = None) -> RoundTimes:
     """Build and run a fedcore course; round times come from its own per-round records.
     With `until_acc` the run stops after the first round whose test accuracy reaches it."""
-    from fedcore.course import Course, CourseStalled
+    from fedcore.runtime.course import Course, CourseStalled
     clock = _Clock()   # the build counts in round 1, like the reference's set-up
     course = Course(cfg, outdir=None).build(data)
     if before_run is not None:

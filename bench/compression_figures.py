@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from fedcore.config import load_config
-from fedcore.course import Course
+from fedcore.kernel.config import load_config
+from fedcore.runtime.course import Course
 
 SCENARIOS = Path(__file__).resolve().parents[1] / "scenarios"
 COURSES = {"image": SCENARIOS / "digits_dirichlet.yaml", "language": SCENARIOS / "llm_lora.yaml"}

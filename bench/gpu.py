@@ -19,7 +19,7 @@ import torch
 import bench.common as common
 from bench import w1_overhead, w2_compute
 from bench.common import bench_data, interleave, max_abs_diff, run_fedcore, run_plain
-from fedcore.device import place_data
+from fedcore.runtime.device import place_data
 
 WORKLOADS = {"W1": (w1_overhead.config, lambda: bench_data(1000, 10, seed=0)),
              "W2": (w2_compute.config, lambda: bench_data(100, 100, seed=0))}

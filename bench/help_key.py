@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 
-FULL_SCHEMA = "from fedcore.config import load_builtin_plugins; load_builtin_plugins()"
+FULL_SCHEMA = "from fedcore.kernel.config import load_builtin_plugins; load_builtin_plugins()"
 
 
 def _timed(cmd: list[str], repeat: int) -> tuple[float, float]:

@@ -150,8 +150,8 @@ def main(argv=None) -> int:
 
 def _why_not_vectorized(cfg, data) -> str | None:
     """The vectorized executor's own reason for refusing this course (None: it accepts it)."""
-    from fedcore.course import Course
-    from fedcore.vectorized import VectorEngine
+    from fedcore.runtime.course import Course
+    from fedcore.execution.vectorized import VectorEngine
     plain = Course(cfg.with_overrides(executor="sequential"), outdir=None).build(data)
     return VectorEngine.unsupported(plain.trainer, cfg)
 

@@ -36,8 +36,8 @@ from typing import Callable
 import torch
 
 from bench.common import _LazyClients, bench_cfg, max_abs_diff, run_fedcore, run_plain
-from fedcore.device import place_data
-from fedcore.procpool import _decode, _encode, usable_cores
+from fedcore.runtime.device import place_data
+from fedcore.execution.procpool import _decode, _encode, usable_cores
 from fedcore.scenarios.data import ClientData, FederatedData, Split
 
 __all__ = ["WORKLOADS", "workload_data", "workload_cfg", "main"]

@@ -1,7 +1,7 @@
 """What a deployed server's snapshot costs per round: bytes on disk and seconds to write.
 
 Builds a course's server half (aggregator, sampler, monitor) for each model, then writes
-its snapshot with `fedcore.snapshot.write_snapshot` (temp file, fsync, rename, fsync of the
+its snapshot with `fedcore.runtime.snapshot.write_snapshot` (temp file, fsync, rename, fsync of the
 folder, `latest` pointer) `--repeats` times into a temporary folder on the disk of `--dir`,
 and prints the file's size and the median write time.
 
@@ -15,9 +15,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from fedcore.config import load_config
-from fedcore.course import Course
-from fedcore.snapshot import write_snapshot
+from fedcore.kernel.config import load_config
+from fedcore.runtime.course import Course
+from fedcore.runtime.snapshot import write_snapshot
 
 MODELS = {
     "logreg, 8 features x 3 classes (the tests' model)": {"model.type": "logreg"},

@@ -24,7 +24,7 @@ import torch
 
 from bench.common import (NUM_CLASSES, RoundTimes, _teacher, bench_cfg, client_shard,
                           max_abs_diff, run_fedcore)
-from fedcore import registry
+from fedcore.kernel import registry
 from fedcore.scenarios.data import RawDataset
 
 CLIENTS, SAMPLES = 100, 100

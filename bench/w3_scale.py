@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 import fedcore.algorithms  # noqa: F401  (registers the algorithms named on the command line)
-from fedcore import registry
+from fedcore.kernel import registry
 from bench.common import bench_cfg, bench_data, max_abs_diff, run_fedcore, run_plain
 
 

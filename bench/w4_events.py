@@ -18,10 +18,10 @@ CLOCK = "cpu"   # events per CPU second of this process: robust when other proce
 from types import SimpleNamespace
 
 from fedcore.comm.inprocess import InProcessComm, _Delivery
-from fedcore.message import Message
-from fedcore.scheduler import PRIORITY_MESSAGE, Scheduler
-from fedcore.timing import TimeModel
-from fedcore.worker import Client, HandlerTable
+from fedcore.kernel.message import Message
+from fedcore.kernel.scheduler import PRIORITY_MESSAGE, Scheduler
+from fedcore.runtime.timing import TimeModel
+from fedcore.kernel.worker import Client, HandlerTable
 
 
 def _noop(worker, msg) -> None:

@@ -36,9 +36,9 @@ import torch
 
 from bench.proc import cpu_seconds
 from fedcore.certs import make_certificates
-from fedcore.config import load_config
-from fedcore.message import Message
-from fedcore.scheduler import ImmediateScheduler
+from fedcore.kernel.config import load_config
+from fedcore.kernel.message import Message
+from fedcore.kernel.scheduler import ImmediateScheduler
 
 TOKEN = "bench-token"
 ROOT = Path(__file__).resolve().parents[1]

@@ -6,7 +6,7 @@
 
 `run` takes what `python -m fedcore.run` takes (files, overrides) and also
 mappings, writes the same outputs, and returns a `RunResult` instead of an
-exit code; errors are raised (`fedcore.errors.ConfigError`, ...), not printed.
+exit code; errors are raised (`fedcore.kernel.errors.ConfigError`, ...), not printed.
 """
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from typing import Any, Iterable
 
 import torch
 
-from fedcore.config import Config, load_config
-from fedcore.errors import ConfigError
-from fedcore.monitor import Callback
+from fedcore.kernel.config import Config, load_config
+from fedcore.kernel.errors import ConfigError
+from fedcore.runtime.monitor import Callback
 
 __all__ = ["run", "configure", "RunResult", "resolve_outdir"]
 
@@ -85,11 +85,11 @@ def run(cfg_or_path: str | Path | dict | Iterable | Config | None = None, /, *,
 
     `cfg_or_path` and `overrides` as in `configure()`. The run writes the usual outputs to
     `outdir` (default `runs/<timestamp>-<name>`) and shows progress as `verbose` says;
-    `callbacks` (`fedcore.monitor.Callback`) see every record and the summary as they come.
+    `callbacks` (`fedcore.runtime.monitor.Callback`) see every record and the summary as they come.
     Ctrl-C lets the round end and writes its checkpoint (a second one stops at once), then
     summary.json and final_model.pt, and raises KeyboardInterrupt.
     """
-    from fedcore.course import Course
+    from fedcore.runtime.course import Course
     cfg = configure(cfg_or_path, **overrides)
     if cfg["federate.mode"] != "standalone" or cfg["distribute.role"] is not None:
         raise ConfigError("federate.mode: fedcore.run() simulates a course in this process; run "

@@ -17,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-from fedcore.errors import EXIT_OK, ConfigError, FedcoreError
+from fedcore.kernel.errors import EXIT_OK, ConfigError, FedcoreError
 
 __all__ = ["make_certificates", "main"]
 

@@ -14,7 +14,7 @@ Ctrl-C stops every process it started.
 
 Its processes never outlive it, however it ends: on Linux each child asks the
 kernel for SIGTERM when the launcher dies (`prctl(PR_SET_PDEATHSIG)`), and on
-every system a guardian process (`fedcore/launch_guard.py`), started first,
+every system a guardian process (`fedcore/deployment/launch_guard.py`), started first,
 watches a pipe from the launcher whose end the kernel closes even on SIGKILL:
 it then removes the tokens folder and ends the processes the launcher started.
 
@@ -22,7 +22,7 @@ it then removes the tokens folder and ends the processes the launcher started.
 crash, the OOM killer; or exit status 1, an unexpected error, or 4, a client that gave up
 on its server) up to N times each, after 1 s, then 2, 4, ... (at most 30 s) for each
 further restart of that process. A client is started again with the same arguments (it
-loads its state from its state folder, `fedcore.client_state`); the server is started again
+loads its state from its state folder, `fedcore.comm.client_state`); the server is started again
 on the same port with `resume_from=latest`, so the clients reconnect to the resumed course.
 A configuration error (status 2), an interrupt (130) and a course's own outcomes (3, 5, 6)
 are not restarted.
@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 from fedcore.comm.stream import INSECURE_NOTED_ENV, INSECURE_WARNING, TOKEN_ENV, write_secret
-from fedcore.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_SERVER_GONE, FedcoreError
+from fedcore.kernel.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_SERVER_GONE, FedcoreError
 
 __all__ = ["main"]
 
@@ -140,11 +140,11 @@ def _stop(procs: list[subprocess.Popen], sig: int, wait: float) -> None:
 
 
 class _Guardian:
-    """The guardian process (`fedcore.launch_guard`): told each child's pid, and `done` once
+    """The guardian process (`fedcore.deployment.launch_guard`): told each child's pid, and `done` once
     the launcher has stopped them itself; if the launcher dies first, the guardian acts."""
 
     def __init__(self):
-        script = Path(__file__).with_name("launch_guard.py")
+        script = Path(__file__).parent / "deployment" / "launch_guard.py"
         self.proc = subprocess.Popen([sys.executable, "-I", str(script)], stdin=subprocess.PIPE,
                                      text=True, start_new_session=True)
 
@@ -195,7 +195,7 @@ def _die_with_parent():
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_intermixed_args(argv)  # overrides may follow --check etc.
-    from fedcore.config import load_config
+    from fedcore.kernel.config import load_config
     from fedcore.api import resolve_outdir
     try:
         cfg = load_config(args.cfg, [*args.overrides, *args.server_opt])
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     guardian = _Guardian()  # before anything it would have to clean up
     tree = None
     if cfg["topology.edges"]:   # a hierarchical course: edge processes between server and clients
-        from fedcore.launch_tree import LaunchTree
+        from fedcore.deployment.launch_tree import LaunchTree
         tree = LaunchTree(cfg, n)
     if not any(cfg[k] for k in ("distribute.token", "distribute.tokens", "distribute.token_file",
                                 "distribute.tokens_file")) and not os.environ.get(TOKEN_ENV):
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     keys_dir = None
     if cfg["secure_aggregation.enabled"] and not cfg["secure_aggregation.roster"]:
         # the operator's part: one signing key per client and the roster of their public keys
-        from fedcore.registry import components
+        from fedcore.kernel.registry import components
         write_roster = components.get("secagg_roster")
         keys_dir = guardian.secrets(Path(tempfile.mkdtemp(prefix="fedcore-secagg-")))  # mode 0700
         roster, key_files = write_roster(keys_dir, list(range(1, n + 1)))

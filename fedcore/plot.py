@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable
 
-from fedcore.errors import EXIT_OK, ConfigError, FedcoreError
+from fedcore.kernel.errors import EXIT_OK, ConfigError, FedcoreError
 
 __all__ = ["X_AXES", "new_figure", "read_run", "draw_runs", "plot_runs", "main"]
 

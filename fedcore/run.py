@@ -16,7 +16,7 @@ import argparse
 import logging
 import sys
 
-from fedcore.errors import EXIT_CONFIG, EXIT_OK, ConfigError, exit_code_of
+from fedcore.kernel.errors import EXIT_CONFIG, EXIT_OK, ConfigError, exit_code_of
 
 __all__ = ["main"]
 
@@ -41,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _run(args) -> int:
     if args.list_keys or args.help_key:
-        from fedcore.key_index import describe_key, reference_markdown
+        from fedcore.kernel.key_index import describe_key, reference_markdown
         if args.list_keys:
             print(reference_markdown(packaged=True), end="")
             return EXIT_OK
@@ -49,11 +49,11 @@ def _run(args) -> int:
         # answers for the built-in ones, without importing the plug-ins and torch
         named = bool(args.cfg or args.overrides)
         if named:
-            from fedcore.config import import_named_plugins
+            from fedcore.kernel.config import import_named_plugins
             import_named_plugins(args.cfg or (), args.overrides)   # a plug-in's keys are known too
         print(describe_key(args.help_key, packaged=not named))
         return EXIT_OK
-    from fedcore.config import load_config
+    from fedcore.kernel.config import load_config
     if not args.cfg:
         raise ConfigError("--cfg FILE.yaml is required (or --help-key KEY)")
     from fedcore.api import resolve_outdir
@@ -65,16 +65,16 @@ def _run(args) -> int:
     outdir = None if args.check and not cfg["outdir"] else resolve_outdir(cfg)
     if cfg["federate.mode"] == "distributed" or cfg.get("distribute.role") is not None:
         try:
-            from fedcore.distributed import run_distributed
+            from fedcore.deployment.distributed import run_distributed
         except ImportError:
-            raise ConfigError("federate.mode: distributed needs fedcore.distributed, which this "
+            raise ConfigError("federate.mode: distributed needs fedcore.deployment.distributed, which this "
                               "installation lacks; use federate.mode=standalone") from None
         if cfg["distribute.role"] == "edge":   # an edge aggregator of a hierarchical course
-            from fedcore.edge_process import run_edge
+            from fedcore.deployment.edge_process import run_edge
             return run_edge(cfg, outdir, args.check)
         return run_distributed(cfg, outdir, check_only=args.check, command=_command(args))
-    from fedcore.checkpoint import interrupted_message
-    from fedcore.course import Course
+    from fedcore.runtime.checkpoint import interrupted_message
+    from fedcore.runtime.course import Course
     course = Course(cfg, outdir, progress=cfg["verbose"]).build()
     try:
         return course.check_or_run(args.check)

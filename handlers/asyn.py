@@ -30,15 +30,15 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
-from fedcore.contract import ReceivedUpdate
+from fedcore.kernel.contract import ReceivedUpdate
 from fedcore.algorithms.staleness import discount_function
-from fedcore.config import declare, fraction, non_negative, positive, resolver, validator
-from fedcore.errors import ConfigError
+from fedcore.kernel.config import declare, fraction, non_negative, positive, resolver, validator
+from fedcore.kernel.errors import ConfigError
 from fedcore.handlers import evaluation, join, rounds, training
-from fedcore.registry import courses
-from fedcore.schema import clients_per_round
-from fedcore.serialization import encoded_size
-from fedcore.timing import expected_work
+from fedcore.kernel.registry import courses
+from fedcore.kernel.schema import clients_per_round
+from fedcore.wire.serialization import encoded_size
+from fedcore.runtime.timing import expected_work
 
 __all__ = ["Strategy", "resolve_strategy", "install", "ASYNC_KEYS"]
 

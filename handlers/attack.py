@@ -12,18 +12,18 @@ from __future__ import annotations
 
 import torch
 
-from fedcore import registry
+from fedcore.kernel import registry
 from fedcore.algorithms.attacks import (add_trigger, drift_update, fixed_direction, flip_labels,
                                         gaussian_update, poison_backdoor, scale_update, sign_flip)
 from fedcore.algorithms.participants import chosen_clients
-from fedcore.config import declare, fraction, positive, validator
-from fedcore.errors import ConfigError
+from fedcore.kernel.config import declare, fraction, positive, validator
+from fedcore.kernel.errors import ConfigError
 from fedcore.handlers.derived_role import DerivedTable
 from fedcore.handlers.rounds import is_eval_round
-from fedcore.hooks import Wrapper
-from fedcore.message import SERVER_ID
+from fedcore.kernel.hooks import Wrapper
+from fedcore.kernel.message import SERVER_ID
 from fedcore.scenarios.data import ClientData, Split
-from fedcore.worker import Stopwatch
+from fedcore.kernel.worker import Stopwatch
 
 __all__ = ["ATTACKS", "attack_and_reply", "backdoor_success", "install"]
 
@@ -68,7 +68,7 @@ class _Attack:
         self.seed = cfg["seed"]
         default = {"sign_flip": 1.0, "backdoor": 1.0, "drift": 7.0}.get(self.kind)
         if default is None:
-            from fedcore.schema import clients_per_round
+            from fedcore.kernel.schema import clients_per_round
             default = float(clients_per_round(cfg))
         self.scale = cfg["attack.scale"] if cfg["attack.scale"] is not None else default
         self.noise_std = cfg["attack.noise_std"]

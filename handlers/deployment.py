@@ -32,12 +32,12 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from fedcore.deployed_resume import check_state_round, listed_in_summary as _listed
-from fedcore.message import SERVER_ID
-from fedcore.quiet import QuietLog
+from fedcore.deployment.deployed_resume import check_state_round, listed_in_summary as _listed
+from fedcore.kernel.message import SERVER_ID
+from fedcore.runtime.quiet import QuietLog
 from fedcore.handlers import asyn
-from fedcore.registry import behaviours, components
-from fedcore.server_state import worker_state
+from fedcore.kernel.registry import behaviours, components
+from fedcore.kernel.server_state import worker_state
 
 __all__ = ["arm", "join_timeout", "client_lost", "round_check", "note_traffic", "ReplyTimes",
            "DeployWatch", "benched", "install"]

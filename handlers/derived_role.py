@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from fedcore.worker import Handler, HandlerTable, Registration, log
+from fedcore.kernel.worker import Handler, HandlerTable, Registration, log
 
 __all__ = ["DerivedTable"]
 

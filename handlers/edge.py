@@ -13,15 +13,17 @@ from __future__ import annotations
 
 import sys
 
-from fedcore import admission, registry
+from fedcore.runtime import admission
+
+from fedcore.kernel import registry
 from fedcore.algorithms import robust
 from fedcore.algorithms.combine import replace_combination
 from fedcore.algorithms.fedavg import FedAvgAggregator
-from fedcore.errors import ConfigError
+from fedcore.kernel.errors import ConfigError
 from fedcore.handlers import edge_async, evaluation, join, rounds, sync, training
-from fedcore.schema import clients_per_round
-from fedcore.topology import TIERS, TierLinks, assign, check
-from fedcore.worker import HandlerTable, Worker
+from fedcore.kernel.schema import clients_per_round
+from fedcore.runtime.topology import TIERS, TierLinks, assign, check
+from fedcore.kernel.worker import HandlerTable, Worker
 
 __all__ = ["Edge", "HIERARCHICAL_ALGORITHMS", "install", "install_edge"]
 
@@ -158,7 +160,7 @@ def install(course) -> None:
     """The hierarchical course: assign clients to edges and register the cloud's, the edges' and
     the clients' handlers. In simulation one course holds every tier; deployed, each process
     installs its own: the cloud (role server) the cloud's, each client the client's, and each
-    edge process its edge's (`fedcore.edge_process`, through `install_edge`)."""
+    edge process its edge's (`fedcore.deployment.edge_process`, through `install_edge`)."""
     cfg = course.cfg
     # FedAvg's own aggregator also under another name (a plug-in's trainer with FedAvg's mean)
     if cfg["algorithm.name"] not in HIERARCHICAL_ALGORITHMS and course.algorithm.aggregator is not FedAvgAggregator:

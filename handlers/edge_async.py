@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import logging
 
-from fedcore import admission, registry
+from fedcore.runtime import admission
+
+from fedcore.kernel import registry
 from fedcore.algorithms.staleness import discount_function
-from fedcore.contract import ReceivedUpdate
+from fedcore.kernel.contract import ReceivedUpdate
 from fedcore.handlers import rounds
 
 __all__ = ["CLOUD_RULES", "install_cloud", "edge_content"]

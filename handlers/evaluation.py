@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from fedcore.config import declare, validator
-from fedcore.contract import evaluate_model
-from fedcore.errors import ConfigError
-from fedcore.message import SERVER_ID
+from fedcore.kernel.config import declare, validator
+from fedcore.kernel.contract import evaluate_model
+from fedcore.kernel.errors import ConfigError
+from fedcore.kernel.message import SERVER_ID
 
 __all__ = ["evaluate_global", "request_client_evaluation", "evaluate_and_reply", "collect_metrics",
            "install"]

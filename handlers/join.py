@@ -1,13 +1,13 @@
 """Joining the course: clients announce themselves; the server starts when all are in.
 
 A client declares its training-sample count when it joins; the admission layer
-refuses any later update that claims more (`fedcore.admission`). A deployed client
+refuses any later update that claims more (`fedcore.runtime.admission`). A deployed client
 that holds a saved state also declares `state_round`, the round of that state (absent:
-none; see `fedcore.client_state`).
+none; see `fedcore.comm.client_state`).
 """
 from __future__ import annotations
 
-from fedcore.admission import AdmissionState
+from fedcore.runtime.admission import AdmissionState
 
 __all__ = ["join_in", "admit_client", "note_join", "install"]
 

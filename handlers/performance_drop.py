@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from fedcore import registry
-from fedcore.contract import evaluate_model
+from fedcore.kernel import registry
+from fedcore.kernel.contract import evaluate_model
 from fedcore.handlers.derived_role import DerivedTable
-from fedcore.hooks import Wrapper
+from fedcore.kernel.hooks import Wrapper
 
 __all__ = ["global_is_worse", "note_performance_drop", "install"]
 

@@ -7,10 +7,10 @@ restored from a checkpoint.
 """
 from __future__ import annotations
 
-from fedcore import admission
+from fedcore.runtime import admission
 from fedcore.algorithms.streaming import FoldingBuffer
-from fedcore.config import declare, positive
-from fedcore.contract import ReceivedUpdate
+from fedcore.kernel.config import declare, positive
+from fedcore.kernel.contract import ReceivedUpdate
 from fedcore.handlers.evaluation import evaluate_global, request_client_evaluation
 
 __all__ = ["aggregate", "finish_course", "note_finish", "stop_diverged", "is_eval_round", "resume_course", "install"]

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from fedcore.algorithms.secagg_settings import Settings
-from fedcore.server_state import transient, worker_state
+from fedcore.kernel.server_state import transient, worker_state
 
 __all__ = ["ServerRound", "SecaggServer", "exclude", "keys_problem", "shares_problem", "settle_survivors", "checked_shares",
            "survivor_keys"]
@@ -83,7 +83,7 @@ def exclude(server, sr: ServerRound, client: int, what: str) -> None:
 def _weight_bound(server, client: int) -> int:
     """The largest weight a client may declare: 1 when all weigh 1, else the sample count it
     joined with, capped as admission caps it (admission.max_num_samples)."""
-    from fedcore.admission import AdmissionState, sample_cap
+    from fedcore.runtime.admission import AdmissionState, sample_cap
     s = Settings.of(server.course.cfg)
     if s.uniform:
         return 1
@@ -114,7 +114,7 @@ def shares_problem(server, sr: ServerRound, msg, bundle: dict[int, tuple[bytes, 
     """What is wrong with a dealer's shares: commitments of the wrong size, or a ciphertext its
     signature does not cover."""
     from fedcore.algorithms.secagg_identity import course_identity, shares_statement, verify
-    from fedcore.shamir import COMMITMENT_BYTES
+    from fedcore.kernel.shamir import COMMITMENT_BYTES
     commitments, u = msg.content["commitments"], msg.sender
     if len(commitments) != 2 * sr.threshold * COMMITMENT_BYTES:
         return f"it sent {len(commitments)} bytes of commitments, not {2 * sr.threshold} commitments"
@@ -152,7 +152,7 @@ def settle_survivors(server, sr: ServerRound) -> None:
 def checked_shares(server, sr: ServerRound, kind: str, owners) -> dict[int, dict[int, int]]:
     """The revealed shares of `kind` that lie on their owner's committed polynomial; a holder
     that reveals one that does not is named and its share ignored."""
-    from fedcore.shamir import commitments_from_bytes, share_from_bytes, verify_share
+    from fedcore.kernel.shamir import commitments_from_bytes, share_from_bytes, verify_share
     out = {}
     for v in owners:
         polys = commitments_from_bytes(sr.commitments[v], 2 * sr.threshold)

@@ -22,10 +22,10 @@ import numpy as np
 import torch
 
 from fedcore.algorithms.secure_sum import mask_sign, pair_key, pair_mask
-from fedcore.message import SERVER_ID
-from fedcore.shamir import (SHARE_BYTES, commitments_from_bytes, commitments_to_bytes, random_secret,
+from fedcore.kernel.message import SERVER_ID
+from fedcore.kernel.shamir import (SHARE_BYTES, commitments_from_bytes, commitments_to_bytes, random_secret,
                             share_from_bytes, share_to_bytes, split, verify_share)
-from fedcore.worker import Stopwatch
+from fedcore.kernel.worker import Stopwatch
 
 __all__ = ["train_and_advertise", "share_keys", "mask_input", "sign_survivors", "reveal_shares", "SHARE_INFO"]
 

@@ -42,10 +42,10 @@ from fedcore.algorithms.secagg_settings import Settings, neighbour_graph
 from fedcore.handlers import rounds, secagg_checks, secagg_client, sync
 from fedcore.handlers.secagg_blame import (SecaggServer, ServerRound, checked_shares, exclude, keys_problem,
                                            settle_survivors, shares_problem, survivor_keys)
-from fedcore.message import SERVER_ID
-from fedcore.registry import behaviours
-from fedcore.scheduler import PRIORITY_TIMER
-from fedcore.server_state import Outcome
+from fedcore.kernel.message import SERVER_ID
+from fedcore.kernel.registry import behaviours
+from fedcore.kernel.scheduler import PRIORITY_TIMER
+from fedcore.kernel.server_state import Outcome
 
 __all__ = ["install", "STAGES"]
 
@@ -380,8 +380,8 @@ def _auto_timeout(course) -> float:
     timing = getattr(course, "timing", None)
     if value is not None or course.wall_clock or timing is None or not timing.has_dropouts:
         return value or 0.0
-    from fedcore.serialization import encoded_size
-    from fedcore.timing import expected_work
+    from fedcore.wire.serialization import encoded_size
+    from fedcore.runtime.timing import expected_work
     nbytes = encoded_size(course.server.aggregator.broadcast(1))
     return 2.0 * max(timing.round_trip_time(c, expected_work(course, c), nbytes) for c in course.client_ids)
 
@@ -437,7 +437,7 @@ def install(course) -> None:
     try:
         course_identity(course)   # a missing or wrong key file stops a deployed process at once
     except ValueError as exc:
-        from fedcore.errors import ConfigError
+        from fedcore.kernel.errors import ConfigError
         raise ConfigError(str(exc)) from None
     server = getattr(course, "server", None)
     if server is not None:

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import logging
 
-from fedcore import admission
+from fedcore.runtime import admission
 from fedcore.algorithms.streaming import round_buffer
-from fedcore.contract import ReceivedUpdate
+from fedcore.kernel.contract import ReceivedUpdate
 from fedcore.handlers import evaluation, join, rounds, training
-from fedcore.registry import components, courses
-from fedcore.schema import clients_per_round
+from fedcore.kernel.registry import components, courses
+from fedcore.kernel.schema import clients_per_round
 
 __all__ = ["start_round", "collect_update", "aggregate_and_move_on", "install"]
 

@@ -6,7 +6,7 @@ import math
 from torch import nn
 from torch.nn import functional as F
 
-from fedcore.registry import models
+from fedcore.kernel.registry import models
 
 __all__ = ["mlp_bn", "cnn_bn", "BatchNorm1d"]
 

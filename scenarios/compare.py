@@ -31,7 +31,7 @@ def family_files(name: str, folder: Path = HERE) -> list[Path]:
     """The reference file first, then the synchronous members, then the others, by name."""
     ref = folder / f"{name}.yaml"
     if not ref.is_file():
-        from fedcore.errors import ConfigError
+        from fedcore.kernel.errors import ConfigError
         raise ConfigError(f"--family: no scenario '{ref}'")
     members = sorted(folder.glob(f"{name}_*.yaml"))
     return [ref] + sorted(members, key=lambda f: (_is_async(f), f.name))
@@ -72,9 +72,9 @@ def _same_setting(ref, cfg) -> str | None:
 def run_family(files: list[Path], overrides: list[str], outdir: Path | None = None,
                log=sys.stderr) -> list[dict[str, Any]]:
     """Run each member; returns one row per member (the reference first)."""
-    from fedcore.config import load_config
-    from fedcore.course import Course, CourseStalled
-    from fedcore.errors import ConfigError
+    from fedcore.kernel.config import load_config
+    from fedcore.runtime.course import Course, CourseStalled
+    from fedcore.kernel.errors import ConfigError
     rows, ref = [], None
     for path in files:
         cfg = load_config(path, list(overrides) + ["verbose=false"])
@@ -139,8 +139,8 @@ def format_table(rows: list[dict[str, Any]], target: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from fedcore.config import load_config
-    from fedcore.errors import FedcoreError
+    from fedcore.kernel.config import load_config
+    from fedcore.kernel.errors import FedcoreError
     p = argparse.ArgumentParser(prog="python -m fedcore.scenarios.compare", description=__doc__.split("\n")[0])
     p.add_argument("--family", default="async_vs_sync", help="family name (files NAME.yaml, NAME_*.yaml)")
     p.add_argument("--dir", default=str(HERE), help="folder holding the family's YAML files")

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from fedcore.config import load_config
-from fedcore.course import Course
+from fedcore.kernel.config import load_config
+from fedcore.runtime.course import Course
 
 __all__ = ["main", "run_one", "report"]
 

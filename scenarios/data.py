@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fedcore import registry
-from fedcore.errors import ConfigError
+from fedcore.kernel import registry
+from fedcore.kernel.errors import ConfigError
 
 __all__ = ["Split", "ClientData", "RawDataset", "FederatedData", "build_federated_data",
            "build_server_data", "build_client_data", "hold_out", "raw_dataset", "partition_indices"]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedcore.errors import EXIT_OK, ConfigError, FedcoreError
+from fedcore.kernel.errors import EXIT_OK, ConfigError, FedcoreError
 
 __all__ = ["label_histograms", "label_entropy", "describe", "heat_map", "main"]
 
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
     args = p.parse_intermixed_args(argv)
     try:
-        from fedcore.config import load_config
+        from fedcore.kernel.config import load_config
         from fedcore.scenarios.data import build_federated_data
         cfg = load_config(args.cfg, args.overrides)
         if cfg["train.loss"] == "mse":

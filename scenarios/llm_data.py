@@ -24,9 +24,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fedcore.config import declare, positive, validator
-from fedcore.errors import ConfigError
-from fedcore.registry import datasets, partitioners
+from fedcore.kernel.config import declare, positive, validator
+from fedcore.kernel.errors import ConfigError
+from fedcore.kernel.registry import datasets, partitioners
 from fedcore.scenarios.data import RawDataset, hold_out
 from fedcore.scenarios.partition import dirichlet
 

@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from fedcore.config import declare, non_negative, positive, validator
-from fedcore.errors import ConfigError
-from fedcore.registry import models
+from fedcore.kernel.config import declare, non_negative, positive, validator
+from fedcore.kernel.errors import ConfigError
+from fedcore.kernel.registry import models
 
 __all__ = ["CausalLM", "causal_lm", "import_llm", "lora_pairs", "first_line", "ARCH_TARGETS"]
 

@@ -14,9 +14,9 @@ import math
 import torch
 from torch import nn
 
-from fedcore.config import declare, positive, validator
-from fedcore.errors import ConfigError
-from fedcore.registry import components, models
+from fedcore.kernel.config import declare, positive, validator
+from fedcore.kernel.errors import ConfigError
+from fedcore.kernel.registry import components, models
 
 __all__ = ["build_model", "logreg", "mlp", "LeNet5", "ConvNet2", "ResNet18", "CharLSTM",
            "count_parameters"]

@@ -14,8 +14,8 @@ import math
 import torch
 from torch import nn
 
-from fedcore.config import declare, positive
-from fedcore.registry import models
+from fedcore.kernel.config import declare, positive
+from fedcore.kernel.registry import models
 
 __all__ = ["MoonNet", "moon_mlp", "moon_cnn"]
 
@@ -66,7 +66,7 @@ moon_mlp.moon_ready = True
 def moon_cnn(cfg, input_shape, num_classes: int) -> nn.Module:
     """The reference's simple CNN encoder (conv 6@5x5, pool, conv 16@5x5, pool, fc 120, fc 84)."""
     if len(input_shape) != 3:
-        from fedcore.errors import ConfigError
+        from fedcore.kernel.errors import ConfigError
         raise ConfigError(f"model.type: moon_cnn needs image inputs (C, H, W), the data has shape "
                           f"{tuple(input_shape)}; use moon_mlp")
     conv = nn.Sequential(nn.Conv2d(input_shape[0], 6, 5), nn.ReLU(), nn.MaxPool2d(2),

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedcore.config import declare, non_negative, positive
-from fedcore.errors import ConfigError
-from fedcore.registry import partitioners
+from fedcore.kernel.config import declare, non_negative, positive
+from fedcore.kernel.errors import ConfigError
+from fedcore.kernel.registry import partitioners
 from fedcore.scenarios.data import RawDataset
 
 __all__ = ["iid", "dirichlet", "natural", "shards", "quantity", "allocate_sizes"]

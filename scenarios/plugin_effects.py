@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from fedcore.config import load_config
-from fedcore.course import Course
+from fedcore.kernel.config import load_config
+from fedcore.runtime.course import Course
 from fedcore.handlers.attack import backdoor_success
 
 HERE = Path(__file__).resolve().parent

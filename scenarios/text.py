@@ -16,9 +16,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedcore.config import declare, positive
-from fedcore.errors import ConfigError
-from fedcore.registry import datasets, models
+from fedcore.kernel.config import declare, positive
+from fedcore.kernel.errors import ConfigError
+from fedcore.kernel.registry import datasets, models
 from fedcore.scenarios.data import RawDataset
 
 __all__ = ["char_windows", "python_text", "CharLSTM", "char_lstm_tiny", "CHARACTER_DATASETS"]

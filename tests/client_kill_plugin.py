@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 
 from fedcore.algorithms.scaffold import ScaffoldAggregator, ScaffoldTrainer, update_layout
-from fedcore.config import declare
-from fedcore.contract import Algorithm
+from fedcore.kernel.config import declare
+from fedcore.kernel.contract import Algorithm
 from fedcore.handlers.training import train_and_reply
-from fedcore.registry import algorithms, behaviours
+from fedcore.kernel.registry import algorithms, behaviours
 
 declare("kill_test.folder", str, None, "tests: folder of the go and sent_* files")
 declare("kill_test.hold_clients", list, [], "tests: clients that wait for <folder>/go")

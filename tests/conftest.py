@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedcore.config import load_config
+from fedcore.kernel.config import load_config
 
 
 # optional extras (setup.cfg) -> the modules a test of them imports, itself or in its processes

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from fedcore.config import declare
-from fedcore.registry import behaviours
+from fedcore.kernel.config import declare
+from fedcore.kernel.registry import behaviours
 
 declare("dp_test.spy", bool, False, "tests: the server saves every update it receives")
 

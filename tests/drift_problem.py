@@ -13,10 +13,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedcore import registry
-from fedcore.contract import ReceivedUpdate
+from fedcore.kernel import registry
+from fedcore.kernel.contract import ReceivedUpdate
 from fedcore.scenarios.data import ClientData, Split
-from fedcore.state import MemoryStateStore
+from fedcore.kernel.state import MemoryStateStore
 from tests.conftest import small_cfg
 
 THETA0 = np.array([0.3, -0.2, 0.1])          # [w1, w2, b]

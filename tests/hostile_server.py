@@ -58,10 +58,10 @@ class HostileServer(GrpcServerComm):
 
 def main(cfg_path: str, mode: str, port_file: str) -> None:
     import fedcore
-    from fedcore.deploy_config import message_bound
+    from fedcore.deployment.deploy_config import message_bound
     from fedcore.scenarios.data import build_federated_data
     from fedcore.scenarios.models import build_model
-    from fedcore.scheduler import WallClockScheduler
+    from fedcore.kernel.scheduler import WallClockScheduler
 
     cfg = fedcore.configure(cfg_path, federate__mode="distributed", distribute__role="server",
                             distribute__server_port=0)

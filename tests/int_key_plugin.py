@@ -3,8 +3,8 @@
 Loaded through `plugins: [tests.int_key_plugin]`, so the processes executor's workers, which
 build the course from its config, know the algorithm too.
 """
-from fedcore.contract import Aggregator, Algorithm, Trainer
-from fedcore.registry import algorithms
+from fedcore.kernel.contract import Aggregator, Algorithm, Trainer
+from fedcore.kernel.registry import algorithms
 
 
 class IntKeyState(Trainer):

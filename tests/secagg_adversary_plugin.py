@@ -29,11 +29,11 @@ import os
 import numpy as np
 import torch
 
-from fedcore.config import declare
+from fedcore.kernel.config import declare
 from fedcore.handlers import secagg_client, secure_aggregation as secagg
 from fedcore.handlers.secagg_blame import SecaggServer
-from fedcore.registry import behaviours
-from fedcore.shamir import random_secret
+from fedcore.kernel.registry import behaviours
+from fedcore.kernel.shamir import random_secret
 
 SERVERS = ("pairs_server", "split_server", "padded_server", "overlap_server")
 CLIENTS = ("garbage_shares", "one_bad_share", "false_weight", "replay", "replay_keys", "withhold",
@@ -153,7 +153,7 @@ def _client_stage(kind):
         return "receiving_secagg_neighbour_keys", bad
     if kind == "false_reveal":
         def off_by_one(client, content, round_):
-            from fedcore.shamir import PRIME, share_from_bytes, share_to_bytes
+            from fedcore.kernel.shamir import PRIME, share_from_bytes, share_to_bytes
             bad = [share_to_bytes((share_from_bytes(b) + 1) % PRIME) for b in content["seed_shares"]]
             return {**content, "seed_shares": bad}
         return "receiving_secagg_unmask_request", _rewriting("secagg_unmask_shares", off_by_one)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 import signal
 
-from fedcore.config import declare
-from fedcore.registry import behaviours
+from fedcore.kernel.config import declare
+from fedcore.kernel.registry import behaviours
 
 declare("secagg_test.kill_client", int, 0, "tests: the client that kills itself after sharing (0: none)")
 declare("secagg_test.kill_round", int, 1, "tests: the round in which it does")

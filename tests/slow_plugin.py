@@ -35,10 +35,10 @@ import time
 import torch
 
 from fedcore.algorithms.fedavg import FedAvgAggregator, FedAvgTrainer
-from fedcore.config import declare
-from fedcore.contract import Algorithm
-from fedcore.hooks import Wrapper
-from fedcore.registry import algorithms, behaviours
+from fedcore.kernel.config import declare
+from fedcore.kernel.contract import Algorithm
+from fedcore.kernel.hooks import Wrapper
+from fedcore.kernel.registry import algorithms, behaviours
 
 declare("slow_test.pause", float, 0.3, "tests: seconds a client sleeps before each local training")
 declare("slow_test.hang_clients", list, None, "tests: clients whose training never returns (their "

@@ -8,14 +8,14 @@ import sys
 import pytest
 import torch
 
-from fedcore.admission import AdmissionState, Snapshot, admit_updates, finite_state, medians_of_others
-from fedcore.quiet import QuietLog
-from fedcore.contract import ReceivedUpdate
-from fedcore.course import Course
-from fedcore.errors import EXIT_DIVERGED, CourseDiverged
-from fedcore.monitor import Monitor, strict_json
+from fedcore.runtime.admission import AdmissionState, Snapshot, admit_updates, finite_state, medians_of_others
+from fedcore.runtime.quiet import QuietLog
+from fedcore.kernel.contract import ReceivedUpdate
+from fedcore.runtime.course import Course
+from fedcore.kernel.errors import EXIT_DIVERGED, CourseDiverged
+from fedcore.runtime.monitor import Monitor, strict_json
 from tests.conftest import small_cfg
-from fedcore.server_state import Outcome, StateHolder, WorkerStates
+from fedcore.kernel.server_state import Outcome, StateHolder, WorkerStates
 from tests.deploy_helpers import ROOT, _env, write_cfg
 
 
@@ -102,7 +102,7 @@ def test_an_update_standing_for_several_clients_is_bounded_by_their_declarations
 
 
 def test_snapshot_puts_back_the_server_optimizers_moments():
-    from fedcore.server_optimizer import ServerOptimizer
+    from fedcore.runtime.server_optimizer import ServerOptimizer
     agg = _Aggregator({"w": torch.tensor([1.0, 2.0])})
     agg.server_optimizer = opt = ServerOptimizer("adam", 0.1)
     opt.updates({"w": torch.tensor([0.5, -0.5])})
@@ -166,7 +166,7 @@ def test_quiet_log_counts_everything_and_logs_each_kind_now_and_then(caplog):
 
 
 def test_in_deployment_a_rejected_round_runs_again_until_max_rejected_rounds():
-    from fedcore.admission import reject_round
+    from fedcore.runtime.admission import reject_round
     server = _Server(_Course(admission__max_rejected_rounds=3), {"w": torch.zeros(2)})
     assert reject_round(server, "the aggregated model has non-finite values") is True
     assert reject_round(server, "the aggregated model has non-finite values") is True
@@ -180,8 +180,8 @@ def test_a_deployed_client_skips_a_non_finite_model_and_never_sends_a_non_finite
     from fedcore.comm.client_inbound import ClientStream
     from fedcore.comm.grpc_client import GrpcClientComm
     from fedcore.comm.stream import parse_frame
-    from fedcore.message import Message
-    from fedcore.serialization import encode_envelope
+    from fedcore.kernel.message import Message
+    from fedcore.wire.serialization import encode_envelope
 
     class _Sched:
         calls = []
@@ -205,7 +205,7 @@ def test_a_deployed_client_skips_a_non_finite_model_and_never_sends_a_non_finite
 
 def test_metrics_gate_takes_one_finite_answer_per_evaluation_asked():
     from fedcore.comm.metrics_gate import MetricsGate
-    from fedcore.message import Message
+    from fedcore.kernel.message import Message
     refused = []
     gate = MetricsGate(lambda kind, line: refused.append(kind))
     gate.sent(Message("eval_request", 0, (1, 2), 4, 0.0, {}))
@@ -255,7 +255,7 @@ def test_a_returning_clients_update_above_the_bound_is_scaled_to_it_not_refused(
 
 
 def test_a_client_that_missed_m_rounds_is_returning_when_it_comes_back_and_m_rounds_more():
-    from fedcore.admission import Returning
+    from fedcore.runtime.admission import Returning
     r = Returning(first_round=1)
 
     def sent(rnd, *ids):
@@ -284,7 +284,7 @@ def test_a_client_that_missed_m_rounds_is_returning_when_it_comes_back_and_m_rou
 
 
 def test_scaled_update_moves_the_model_toward_the_global_one_and_scales_other_tensors():
-    from fedcore.admission import scaled_update
+    from fedcore.runtime.admission import scaled_update
     u = ReceivedUpdate(2, {"model": {"w": torch.tensor([3.0, 5.0]), "steps": torch.tensor(4)},
                            "control": {"c": torch.tensor([2.0, -2.0])}, "num_samples": 7}, 5, 1)
     out = scaled_update(u, {"w": torch.tensor([1.0, 1.0], dtype=torch.float64)}, 0.25)

@@ -6,8 +6,8 @@ import torch
 
 import fedcore
 from fedcore.api import RunResult
-from fedcore.errors import ConfigError
-from fedcore.monitor import Callback
+from fedcore.kernel.errors import ConfigError
+from fedcore.runtime.monitor import Callback
 
 SMALL = {"seed": 0, "verbose": False,
          "federate": {"client_num": 6, "total_round_num": 3},

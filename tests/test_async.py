@@ -3,10 +3,10 @@
 simulation; plus staleness rules, the course choice and the summary's fairness picture."""
 import pytest
 
-from fedcore.course import Course
-from fedcore.errors import ConfigError
+from fedcore.runtime.course import Course
+from fedcore.kernel.errors import ConfigError
 from fedcore.handlers.asyn import resolve_strategy
-from fedcore.timing import DeviceProfile
+from fedcore.runtime.timing import DeviceProfile
 from tests.conftest import small_cfg
 
 E2E = {1: 5.0, 2: 8.0, 3: 12.0}
@@ -119,7 +119,7 @@ def test_a_silent_client_is_presumed_lost_after_the_reply_timeout():
 
 
 def test_without_a_timeout_a_silent_client_stalls_the_goal():
-    from fedcore.course import CourseStalled
+    from fedcore.runtime.course import CourseStalled
     with pytest.raises(CourseStalled):
         timeline(rounds=1, dead=(3,), asyn__use=True, asyn__min_received_num=3,
                  asyn__reply_timeout=0.0)
@@ -127,7 +127,7 @@ def test_without_a_timeout_a_silent_client_stalls_the_goal():
 
 # ---------------------------------------------------------------- configuration
 def test_the_resolved_config_reloads_to_the_same_course(tmp_path):
-    from fedcore.config import load_config
+    from fedcore.kernel.config import load_config
     cfg = small_cfg(asyn__use=True, asyn__min_received_num=2)
     cfg.dump(tmp_path / "config.yaml")
     again = load_config(tmp_path / "config.yaml")

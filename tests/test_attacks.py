@@ -6,8 +6,8 @@ import torch
 
 from fedcore.algorithms.attacks import (add_trigger, drift_update, fixed_direction, flip_labels,
                                         gaussian_update, scale_update, sign_flip)
-from fedcore.course import Course
-from fedcore.errors import ConfigError
+from fedcore.runtime.course import Course
+from fedcore.kernel.errors import ConfigError
 from tests.conftest import small_cfg
 
 

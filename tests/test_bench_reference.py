@@ -63,7 +63,7 @@ def test_lenet5_vectorized_stays_within_1e5_of_sequential_at_a_small_size():
     seq = run_fedcore(cfg("sequential"), data)
     vec = run_fedcore(cfg("vectorized"), data, before_run=courses.append)
     assert courses[0].trainer.batched_fits > 0 and courses[0].trainer.sequential_fits == 0
-    from fedcore.client_conv import ClientConv2d   # on CPU, each client's own dense convolution
+    from fedcore.execution.client_conv import ClientConv2d   # on CPU, each client's own dense convolution
     assert any(isinstance(m, ClientConv2d) for m in courses[0].trainer.engine.model.modules())
     assert max_abs_diff(seq.final_state, run_plain(cfg("sequential"), data).final_state) == 0.0
     assert max_abs_diff(seq.final_state, vec.final_state) < 1e-5

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedcore.errors import ConfigError
+from fedcore.kernel.errors import ConfigError
 from fedcore.scenarios.data import build_federated_data
 from fedcore.scenarios.datasets import softmax_synthetic
 from tests.conftest import small_cfg

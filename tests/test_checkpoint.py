@@ -4,8 +4,8 @@ import json
 import pytest
 import torch
 
-from fedcore.course import Course
-from fedcore.errors import ConfigError
+from fedcore.runtime.course import Course
+from fedcore.kernel.errors import ConfigError
 from tests.conftest import small_cfg
 
 TRAINING_FIELDS = ("round", "virtual_time", "num_updates", "bytes_up", "bytes_down", "test_acc",
@@ -132,7 +132,7 @@ def test_a_snapshot_carries_the_records_as_json_lines_each_encoded_once(tmp_path
     # thousands of objects for torch's pickler), each encoded once, and come back exactly
     # (NaN included); a snapshot written with a list of records still loads.
     from types import SimpleNamespace
-    from fedcore.checkpoint import Checkpointer, _records_of
+    from fedcore.runtime.checkpoint import Checkpointer, _records_of
     course = SimpleNamespace(cfg={"checkpoint.every": 0, "checkpoint.path": None, "checkpoint.keep": None},
                              wall_clock=False, outdir=None)
     cp = Checkpointer(course)

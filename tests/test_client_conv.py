@@ -5,7 +5,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
-from fedcore.client_conv import ClientConv2d, with_client_convs
+from fedcore.execution.client_conv import ClientConv2d, with_client_convs
 
 
 def _net(conv: nn.Conv2d) -> nn.Module:

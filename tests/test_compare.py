@@ -1,7 +1,7 @@
 """The comparison CLI on a two-member family small enough for a unit test."""
 import pytest
 
-from fedcore.errors import ConfigError
+from fedcore.kernel.errors import ConfigError
 from fedcore.scenarios import compare
 
 BASE = """seed: 0
@@ -45,7 +45,7 @@ def test_members_must_share_the_setting(tmp_path):
 def test_the_shipped_family_is_one_setting():
     files = compare.family_files("async_vs_sync")
     assert len(files) == 6
-    from fedcore.config import load_config
+    from fedcore.kernel.config import load_config
     cfgs = [load_config(f) for f in files]
     labels = [compare.strategy_label(c) for c in cfgs]
     assert labels == ["Sync-Vanilla", "Sync-OS", "Async-Goal-Aggr-Unif", "Async-Goal-Aggr-Group",

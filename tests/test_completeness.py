@@ -6,10 +6,10 @@ import sys
 import networkx as nx
 import pytest
 
-from fedcore.completeness import FINISH, START, check_course
-from fedcore.course import Course
-from fedcore.errors import IncompleteCourseError
-from fedcore.worker import HandlerTable
+from fedcore.kernel.completeness import FINISH, START, check_course
+from fedcore.runtime.course import Course
+from fedcore.kernel.errors import IncompleteCourseError
+from fedcore.kernel.worker import HandlerTable
 from tests.conftest import small_cfg
 
 
@@ -57,7 +57,7 @@ def test_client_to_client_edges_are_distinct():
 def test_cli_check_exits_3_for_an_incomplete_course(tmp_path):
     plugin = tmp_path / "broken_course.py"
     plugin.write_text(
-        "from fedcore.registry import courses\n"
+        "from fedcore.kernel.registry import courses\n"
         "from fedcore.handlers import sync\n"
         "@courses.register('no_aggregation')\n"
         "def install(course):\n"

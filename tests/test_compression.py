@@ -9,8 +9,8 @@ import torch
 from fedcore.algorithms.compression import (decode_update, densify, dequantize, encode_update, pack4,
                                             quantize, rounding_generator, top_k, unpack4)
 from fedcore.comm.validation import check_content
-from fedcore.course import Course
-from fedcore.errors import ConfigError
+from fedcore.runtime.course import Course
+from fedcore.kernel.errors import ConfigError
 from tests.conftest import small_cfg
 
 
@@ -150,7 +150,7 @@ def test_seeded_rounding_streams_differ_per_client_and_round():
 
 
 def test_the_server_drops_an_update_whose_indices_it_cannot_decode(tmp_path):
-    from fedcore.message import Message
+    from fedcore.kernel.message import Message
     course = Course(small_cfg(tmp_path, compress__type="topk", compress__topk_fraction=0.5))
     course.build()
     server = course.server

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from fedcore.config import SCHEMA, load_config, parse_override
-from fedcore.errors import ConfigError
+from fedcore.kernel.config import SCHEMA, load_config, parse_override
+from fedcore.kernel.errors import ConfigError
 
 
 def _write(tmp_path, text):
@@ -92,8 +92,8 @@ def test_config_reference_in_docs_is_current():
 
 def test_share_params_patterns_that_match_nothing_are_refused():
     import pytest
-    from fedcore.course import Course
-    from fedcore.errors import ConfigError
+    from fedcore.runtime.course import Course
+    from fedcore.kernel.errors import ConfigError
     from tests.conftest import small_cfg
     with pytest.raises(ConfigError, match="federate.share_params: pattern 'fc.weigth' matches no entry"):
         Course(small_cfg(federate__share_params=["fc.weigth"])).build()
@@ -108,15 +108,15 @@ def test_share_params_patterns_that_match_nothing_are_refused():
     (dict(model__lstm__hidden=0), "model.lstm.hidden: must be > 0"),
 ])
 def test_sizes_that_torch_would_reject_deep_inside_are_config_errors(overrides, match):
-    from fedcore.errors import ConfigError
+    from fedcore.kernel.errors import ConfigError
     from tests.conftest import small_cfg
     with pytest.raises(ConfigError, match=match):
         small_cfg(**overrides)
 
 
 def test_an_unusable_state_path_is_a_config_error(tmp_path):
-    from fedcore.course import Course
-    from fedcore.errors import ConfigError
+    from fedcore.runtime.course import Course
+    from fedcore.kernel.errors import ConfigError
     from tests.conftest import small_cfg
     blocker = tmp_path / "file"
     blocker.write_text("")
@@ -125,8 +125,8 @@ def test_an_unusable_state_path_is_a_config_error(tmp_path):
 
 
 def test_malformed_yaml_is_one_line_with_its_place(tmp_path):
-    from fedcore.config import load_config
-    from fedcore.errors import ConfigError
+    from fedcore.kernel.config import load_config
+    from fedcore.kernel.errors import ConfigError
     p = _write(tmp_path, "federate: {client_num: 4\n")
     with pytest.raises(ConfigError) as info:
         load_config(p)

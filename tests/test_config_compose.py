@@ -2,8 +2,8 @@
 import pytest
 import yaml
 
-from fedcore.config import load_config
-from fedcore.errors import ConfigError
+from fedcore.kernel.config import load_config
+from fedcore.kernel.errors import ConfigError
 from fedcore.run import main
 
 

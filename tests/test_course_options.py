@@ -3,7 +3,7 @@ import json
 
 import torch
 
-from fedcore.course import Course
+from fedcore.runtime.course import Course
 from tests.conftest import small_cfg
 
 

@@ -4,7 +4,7 @@ the vectorized engine's CUDA graphs give the eager descent's numbers."""
 import pytest
 import torch
 
-from fedcore.course import Course
+from fedcore.runtime.course import Course
 from tests.conftest import small_cfg
 from tests.test_random_layers import MODELS, _diff, _images, _run
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedcore.errors import ConfigError
+from fedcore.kernel.errors import ConfigError
 from fedcore.run import main
 from fedcore.scenarios.data import build_federated_data, raw_dataset
 from fedcore.scenarios.datasets import files, idx

@@ -7,9 +7,9 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
-import fedcore.vectorized as vectorized
-from fedcore.course import Course
-from fedcore.dense_step import DenseStep
+import fedcore.execution.vectorized as vectorized
+from fedcore.runtime.course import Course
+from fedcore.execution.dense_step import DenseStep
 from tests.conftest import small_cfg
 
 
@@ -106,7 +106,7 @@ def test_a_course_ends_with_the_same_model_with_or_without_the_dense_step(model,
 
 def _force_check(monkeypatch, **changes):
     """Reset the once-per-process choice of operations, with `changes` to the module first."""
-    import fedcore.dense_step as dense_step
+    import fedcore.execution.dense_step as dense_step
     monkeypatch.setattr(dense_step, "_chosen", None)
     for name, value in changes.items():
         monkeypatch.setattr(dense_step, name, value)
@@ -120,7 +120,7 @@ def test_private_ops_that_fail_their_check_give_way_to_public_ones_with_the_same
         monkeypatch.delattr(torch, "_log_softmax_backward_data")
         dense_step = _force_check(monkeypatch)
     else:                     # a private kernel whose meaning changed: ReLU's gradient passes all
-        import fedcore.dense_step as ds
+        import fedcore.execution.dense_step as ds
         dense_step = _force_check(monkeypatch, PRIVATE=(ds._private_log_softmax, lambda g, out: g))
     make, shape, classes = MODELS["deep"]
     torch.manual_seed(3)
@@ -142,7 +142,7 @@ def test_private_ops_that_fail_their_check_give_way_to_public_ones_with_the_same
 
 def test_the_public_operations_give_vmaps_numbers_bit_for_bit(monkeypatch):
     """What the fallback would compute, on every layer stack, dtype and form of the grid above."""
-    import fedcore.dense_step as dense_step
+    import fedcore.execution.dense_step as dense_step
     monkeypatch.setattr(dense_step, "_chosen", dense_step.PUBLIC)
     for name in sorted(MODELS):
         for clients, batch in [(2, 1), (30, 10)]:

@@ -18,7 +18,7 @@ import json
 import pytest
 import torch
 
-from fedcore.course import Course
+from fedcore.runtime.course import Course
 from tests.conftest import small_cfg
 from tests.deploy_helpers import server_port, text, wait_exit, wait_for, write_cfg
 

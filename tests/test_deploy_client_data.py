@@ -1,9 +1,9 @@
 """A client process holds only its own data: partition K as the simulation builds it, or its own root."""
 import torch
 
-from fedcore.distributed import ClientCourse, own_data_config
+from fedcore.deployment.distributed import ClientCourse, own_data_config
 from fedcore.scenarios.data import build_federated_data
-from fedcore.scheduler import WallClockScheduler
+from fedcore.kernel.scheduler import WallClockScheduler
 from tests.conftest import small_cfg
 
 

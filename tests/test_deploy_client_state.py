@@ -1,4 +1,4 @@
-"""A deployed client keeps its per-course state on its own disk (fedcore/client_state.py):
+"""A deployed client keeps its per-course state on its own disk (fedcore/comm/client_state.py):
 written atomically after each round it trains, its last two kept, loaded when it restarts,
 and put back in step with the round the server asks for. Files that are damaged, of another
 course or of another client are refused in one line; a SCAFFOLD client SIGKILLed between two
@@ -12,9 +12,9 @@ import time
 import pytest
 import torch
 
-from fedcore.client_state import FRESH, ClientStateDir, DurableClientState
-from fedcore.course import Course
-from fedcore.state import MemoryStateStore
+from fedcore.comm.client_state import FRESH, ClientStateDir, DurableClientState
+from fedcore.runtime.course import Course
+from fedcore.kernel.state import MemoryStateStore
 import tests.client_kill_plugin  # noqa: F401  (scaffold_held, for the fingerprint of its state)
 from tests.conftest import small_cfg
 from tests.deploy_helpers import serve_course, text, wait_exit, wait_for, write_cfg

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from fedcore.course import Course
+from fedcore.runtime.course import Course
 from tests.conftest import small_cfg
 from tests.deploy_helpers import text, wait_exit, write_cfg
 

@@ -1,7 +1,7 @@
 """distribute.* keys: secure defaults and conflicting settings refused with one line."""
 import pytest
 
-from fedcore.errors import ConfigError
+from fedcore.kernel.errors import ConfigError
 from tests.conftest import small_cfg
 
 
@@ -47,10 +47,10 @@ def test_a_role_alone_makes_the_run_distributed_and_is_checked(tmp_path, monkeyp
     with pytest.raises(ConfigError, match="distribute.insecure: true"):
         small_cfg(None, distribute__role="server", distribute__token="t")
     assert small_cfg(None)["distribute.role"] is None  # standalone runs need none of this
-    import fedcore.distributed
+    import fedcore.deployment.distributed
     from fedcore.run import main
     seen = []
-    monkeypatch.setattr(fedcore.distributed, "run_distributed",
+    monkeypatch.setattr(fedcore.deployment.distributed, "run_distributed",
                         lambda cfg, out, check_only, command=None: seen.append(cfg) or 0)
     cfg = tmp_path / "c.yaml"
     cfg.write_text("federate: {client_num: 2}\n")
@@ -59,7 +59,7 @@ def test_a_role_alone_makes_the_run_distributed_and_is_checked(tmp_path, monkeyp
 
 
 def test_distributed_mode_needs_a_role(tmp_path):
-    from fedcore.distributed import run_distributed
+    from fedcore.deployment.distributed import run_distributed
     with pytest.raises(ConfigError, match="distribute.role"):
         run_distributed(_cfg(), tmp_path)
 

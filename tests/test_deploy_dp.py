@@ -18,7 +18,7 @@ import torch
 from fedcore.algorithms.combine import flatten, float_names
 from fedcore.algorithms.dp import gaussian_noise
 from fedcore.algorithms.dp_noise import noise_generator
-from fedcore.course import Course
+from fedcore.runtime.course import Course
 from tests.conftest import small_cfg
 from tests.deploy_helpers import text, wait_exit, write_cfg
 

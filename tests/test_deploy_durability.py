@@ -3,7 +3,7 @@
 Real processes on loopback. The clients are never restarted: they reconnect through their
 retry loop, are welcomed by the new incarnation and join again. The uninterrupted course
 is the simulation of the same config (a deployed course equals its simulation to 1e-6,
-tests/test_deploy_course.py). The moments are test pauses of the server (fedcore.snapshot's
+tests/test_deploy_course.py). The moments are test pauses of the server (fedcore.runtime.snapshot's
 around the snapshot write, tests.slow_plugin's in the aggregation and between the first
 client's models and the others'), except while updates arrive: then clients 1 and 2 reply
 at once and client 3 takes 5 s to train that round (tests.slow_plugin).
@@ -17,8 +17,8 @@ import time
 import pytest
 import torch
 
-from fedcore.config import load_config
-from fedcore.course import Course
+from fedcore.kernel.config import load_config
+from fedcore.runtime.course import Course
 from tests.deploy_helpers import text, wait_exit, wait_for, write_cfg
 
 pytestmark = pytest.mark.slow
@@ -32,7 +32,7 @@ COURSE = {
     "distribute.heartbeat_interval": 0.2, "distribute.heartbeat_timeout": 20.0,
     "distribute.retry_timeout": 300.0, "distribute.backoff_initial": 0.1, "distribute.backoff_max": 0.5,
 }
-PAUSE = "FEDCORE_TEST_PAUSE_IN_SNAPSHOT"   # fedcore.snapshot's test hook
+PAUSE = "FEDCORE_TEST_PAUSE_IN_SNAPSHOT"   # fedcore.runtime.snapshot's test hook
 SERVER_PAUSE = "FEDCORE_TEST_PAUSE_SERVER"  # tests.slow_plugin's
 UPDATE_LOG = "FEDCORE_TEST_UPDATE_LOG"      # tests.slow_plugin's
 
@@ -251,7 +251,7 @@ def test_a_hung_trainer_holds_back_no_record_and_is_named_dropped(tmp_path, proc
 
 
 def test_a_late_evaluation_is_its_own_line_and_no_round_is_written_twice(tmp_path):
-    from fedcore.monitor import Monitor
+    from fedcore.runtime.monitor import Monitor
     m = Monitor(tmp_path)
     m.hold_one_round = True
     m.record_round(1, 1.0, {"test_acc": 0.5}, expected_client_metrics=2)
@@ -269,7 +269,7 @@ def test_a_late_evaluation_is_its_own_line_and_no_round_is_written_twice(tmp_pat
 def test_a_record_waits_its_hold_after_the_next_round_and_is_closed_by_the_watch(tmp_path):
     # Rounds may end faster than evaluations come back: a record whose next round has ended
     # still waits hold_seconds from its opening; the periodic close_overdue writes it then.
-    from fedcore.monitor import Monitor
+    from fedcore.runtime.monitor import Monitor
     m = Monitor(tmp_path)
     m.hold_one_round = True
     hold = [3600.0]
@@ -297,7 +297,7 @@ def test_a_finished_server_awaits_a_departure_its_event_loop_saw_until_it_handle
     # departures: the server must not stop then (it did, and wrote the last record without
     # its evaluations); it stops once it has handled both departures.
     from types import SimpleNamespace
-    from fedcore.distributed import ServerCourse
+    from fedcore.deployment.distributed import ServerCourse
     stops, triggered = [], []
     course = ServerCourse.__new__(ServerCourse)
     course.cfg = {"distribute.heartbeat_timeout": 2.0}
@@ -388,7 +388,7 @@ def test_fedbuff_server_killed_resumes_and_finishes_counting_no_update_twice(tmp
 
 def _joining(round_, started, contributed):
     from types import SimpleNamespace
-    from fedcore.monitor import Monitor
+    from fedcore.runtime.monitor import Monitor
     course = SimpleNamespace(checkpointer=SimpleNamespace(contributed=contributed), monitor=Monitor(None))
     return SimpleNamespace(course=course, round=round_, started=started)
 
@@ -402,8 +402,8 @@ def _joining(round_, started, contributed):
 ])
 def test_a_join_is_checked_against_the_round_its_state_should_be_of(state_round, mismatch, caplog):
     from fedcore.comm.validation import check_join_in
-    from fedcore.deployed_resume import check_state_round
-    from fedcore.message import Message
+    from fedcore.deployment.deployed_resume import check_state_round
+    from fedcore.kernel.message import Message
     # a server resumed from the snapshot of round 3 (round 4 not started), client 5's update of
     # round 2 the last it aggregated
     server = _joining(4, False, {5: 2})
@@ -419,8 +419,8 @@ def test_a_join_is_checked_against_the_round_its_state_should_be_of(state_round,
 
 def test_a_join_declaring_no_state_round_or_a_malformed_one():
     from fedcore.comm.validation import check_join_in
-    from fedcore.deployed_resume import check_state_round
-    from fedcore.message import Message
+    from fedcore.deployment.deployed_resume import check_state_round
+    from fedcore.kernel.message import Message
     server = _joining(4, False, {5: 2})
     check_state_round(server, Message("join_in", 5, (0,), 0, 0.0, {"client_id": 5}))
     assert "state_mismatch" not in server.course.monitor.extra_summary   # keeps no state on disk
@@ -430,7 +430,7 @@ def test_a_join_declaring_no_state_round_or_a_malformed_one():
 
 def test_latest_with_no_snapshot_yet_starts_a_deployed_course_from_round_1(tmp_path, caplog):
     # what a restarted server gets when it died before its first snapshot
-    from fedcore.distributed import ServerCourse
+    from fedcore.deployment.distributed import ServerCourse
     cfg = load_config([str(write_cfg(tmp_path / "course.yaml", COURSE))],
                       ["distribute.role=server", "resume_from=latest", f"outdir={tmp_path / 'out'}"])
     with caplog.at_level(logging.WARNING, logger="fedcore.deploy"):

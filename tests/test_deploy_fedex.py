@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from fedcore.algorithms.fedex import draw_arm
-from fedcore.course import Course
+from fedcore.runtime.course import Course
 from tests.conftest import small_cfg
 from tests.deploy_helpers import assert_same_final_model, launch_course, write_cfg
 

@@ -16,7 +16,7 @@ import torch
 
 from fedcore.comm.chunking import chunk_frames
 from fedcore.comm.stream import MD_CLIENT_ID, MD_SESSION, MD_TOKEN, METHOD, heartbeat_frame
-from fedcore.serialization import encode_envelope
+from fedcore.wire.serialization import encode_envelope
 from fedcore.wire import fedcore_pb2 as pb
 from tests.deploy_helpers import server_port, text, wait_exit, write_cfg
 

@@ -3,12 +3,12 @@ import logging
 
 import torch
 
-from fedcore.deployed_resume import LISTED
+from fedcore.deployment.deployed_resume import LISTED
 from fedcore.handlers import deployment
-from fedcore.message import SERVER_ID
-from fedcore.monitor import Monitor
-from fedcore.scheduler import Scheduler
-from fedcore.worker import HandlerTable, Server
+from fedcore.kernel.message import SERVER_ID
+from fedcore.runtime.monitor import Monitor
+from fedcore.kernel.scheduler import Scheduler
+from fedcore.kernel.worker import HandlerTable, Server
 from tests.conftest import small_cfg
 
 
@@ -115,7 +115,7 @@ def test_min_clients_start_after_the_join_timeout():
 
 def _async_course(tmp_path):
     """A built async course (2 of 3 clients in flight) with the deployment's handlers added."""
-    from fedcore.course import Course
+    from fedcore.runtime.course import Course
     course = Course(small_cfg(tmp_path, federate__client_num=3, federate__sample_client_num=2,
                               asyn__use=True, asyn__min_received_num=1,
                               asyn__broadcast_manner="after_receiving")).build()

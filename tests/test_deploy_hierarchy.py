@@ -12,8 +12,8 @@ import json
 import pytest
 import torch
 
-from fedcore.course import Course
-from fedcore.edge_process import address_file
+from fedcore.runtime.course import Course
+from fedcore.deployment.edge_process import address_file
 from tests.conftest import small_cfg
 from tests.deploy_helpers import server_port, text, wait_exit, wait_for, write_cfg
 
@@ -143,7 +143,7 @@ def test_launch_starts_the_edges(tmp_path, procs):
 def test_launch_tokens_give_each_tier_only_its_own(tmp_path):
     """The launcher's tokens for a tree: the cloud accepts the edges' tokens only, each edge its
     own clients' only, and each edge alone holds the token the cloud accepts for it."""
-    from fedcore.launch_tree import CLOUD_TOKEN_ENV, LaunchTree
+    from fedcore.deployment.launch_tree import CLOUD_TOKEN_ENV, LaunchTree
     import yaml
     tree = LaunchTree(small_cfg(None, **{k.replace(".", "__"): v for k, v in COURSE.items()}), 4)
     clients = {k: f"client-token-{k}" for k in (1, 2, 3, 4)}

@@ -10,8 +10,8 @@ import torch
 
 from fedcore.comm.grpc_client import GrpcClientComm
 from fedcore.comm.grpc_server import GrpcServerComm
-from fedcore.message import Message
-from fedcore.scheduler import ImmediateScheduler
+from fedcore.kernel.message import Message
+from fedcore.kernel.scheduler import ImmediateScheduler
 from tests.conftest import small_cfg
 
 MB100 = 25_000_000  # float32 elements

@@ -9,7 +9,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from fedcore.course import Course  # noqa: E402
+from fedcore.runtime.course import Course  # noqa: E402
 from tests.deploy_helpers import text, wait_exit, write_cfg  # noqa: E402
 from tests.test_llm import HIDDEN, RANK, TINY_LM, lm_cfg  # noqa: E402
 

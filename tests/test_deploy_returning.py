@@ -2,7 +2,7 @@
 course late, or is stopped (SIGSTOP) just after joining, for longer than the heartbeat timeout,
 and resumed. The model moved on without its data, so its honest updates are larger than the
 others' for a while; 10 x the median of the others alone refused them. Admission scales a
-returning client's update to the bound instead (fedcore/admission.py `Returning`): it is
+returning client's update to the bound instead (fedcore/runtime/admission.py `Returning`): it is
 aggregated, nothing is refused."""
 import json
 import signal

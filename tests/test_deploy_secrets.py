@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fedcore.distributed import ServerCourse
+from fedcore.deployment.distributed import ServerCourse
 from fedcore.launch import write_private
 from tests.conftest import small_cfg
 from tests.deploy_helpers import ROOT, _env, write_cfg
@@ -83,7 +83,7 @@ def test_tokens_file_is_private_and_secrets_are_redacted_from_config_yaml(tmp_pa
 
 def test_a_client_reads_its_token_from_a_file_or_the_environment(tmp_path, monkeypatch):
     from fedcore.comm.stream import read_token, read_tokens
-    from fedcore.errors import ConfigError
+    from fedcore.kernel.errors import ConfigError
     f = tmp_path / "token"
     f.write_text("from-file\n")
     assert read_token({"token": None, "token_file": str(f)}) == "from-file"

@@ -10,7 +10,7 @@ from tests.conftest import need_extra
 need_extra("secagg")
 
 from fedcore.algorithms.secagg_identity import write_roster
-from fedcore.course import Course
+from fedcore.runtime.course import Course
 from tests.conftest import small_cfg
 from tests.deploy_helpers import server_port, text, wait_exit, write_cfg
 

@@ -5,13 +5,13 @@ one, and compare it with the CPU."""
 import pytest
 import torch
 
-from fedcore.config import load_config
-from fedcore.course import Course
-from fedcore.device import DeviceStateStore, place_data, resolve_device, to_cpu, to_device
-from fedcore.errors import ConfigError
+from fedcore.kernel.config import load_config
+from fedcore.runtime.course import Course
+from fedcore.runtime.device import DeviceStateStore, place_data, resolve_device, to_cpu, to_device
+from fedcore.kernel.errors import ConfigError
 from fedcore.run import main
 from fedcore.scenarios.data import ClientData, FederatedData, Split
-from fedcore.state import MemoryStateStore
+from fedcore.kernel.state import MemoryStateStore
 from tests.conftest import small_cfg
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(),

@@ -10,8 +10,8 @@ from tests.conftest import need_extra
 
 need_extra("data")
 
-from fedcore.config import load_config
-from fedcore.course import Course
+from fedcore.kernel.config import load_config
+from fedcore.runtime.course import Course
 from fedcore.scenarios.models import build_model
 
 SCENARIO = Path(__file__).resolve().parents[1] / "scenarios" / "digits_dirichlet.yaml"

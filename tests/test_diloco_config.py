@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from fedcore.algorithms import diloco
-from fedcore.errors import ConfigError
+from fedcore.kernel.errors import ConfigError
 from fedcore.run import main
 from tests.conftest import small_cfg
 

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedcore.config import load_config
-from fedcore.course import Course
-from fedcore.serialization import encode_envelope
+from fedcore.kernel.config import load_config
+from fedcore.runtime.course import Course
+from fedcore.wire.serialization import encode_envelope
 from tests.conftest import small_cfg
 
 pytestmark = pytest.mark.slow

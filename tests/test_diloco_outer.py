@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from fedcore.contract import ReceivedUpdate
+from fedcore.kernel.contract import ReceivedUpdate
 from fedcore.algorithms.diloco import DiLoCoAggregator
 from fedcore.algorithms.fedavg import FedAvgAggregator
 from tests.conftest import small_cfg

@@ -9,9 +9,9 @@ from fedcore.algorithms.combine import flatten, float_names
 from fedcore.algorithms.dp import central_dp_rule, clip_delta, gaussian_noise, privatize
 from fedcore.algorithms.dp_accountant import DEFAULT_ORDERS, dp_epsilon
 from fedcore.algorithms.dp_noise import noise_generator
-from fedcore.course import Course
-from fedcore.errors import ConfigError
-from fedcore.sampling import PoissonSampler
+from fedcore.runtime.course import Course
+from fedcore.kernel.errors import ConfigError
+from fedcore.runtime.sampling import PoissonSampler
 from tests.conftest import small_cfg
 
 

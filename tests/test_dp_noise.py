@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from fedcore.algorithms.dp_noise import os_standard_normal, resolved_noise_source
-from fedcore.course import Course
-from fedcore.errors import ConfigError
+from fedcore.runtime.course import Course
+from fedcore.kernel.errors import ConfigError
 from tests.conftest import small_cfg
 from tests.deploy_helpers import ROOT, _env, write_cfg
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedcore.course import Course
+from fedcore.runtime.course import Course
 from tests.conftest import small_cfg
 
 K, LR, N = 3, 0.05, 4

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from fedcore.config import load_config
-from fedcore.course import Course
+from fedcore.kernel.config import load_config
+from fedcore.runtime.course import Course
 from fedcore.scenarios import compare_algorithms
 
 SCENARIOS = Path(compare_algorithms.__file__).resolve().parent

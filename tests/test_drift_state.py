@@ -7,7 +7,7 @@ same received content; the disk store must give the same numbers as memory.
 import pytest
 import torch
 
-from fedcore.state import DiskStateStore, MemoryStateStore
+from fedcore.kernel.state import DiskStateStore, MemoryStateStore
 from tests import drift_problem as P
 from tests.test_moon import _cfg as moon_cfg, _data as moon_data, _model as moon_model
 
@@ -85,7 +85,7 @@ def _flatten(tree, prefix=""):
     ("moon", dict(model__type="moon_mlp", model__hidden=[16], model__moon__proj_dim=8)),
 ])
 def test_disk_store_course_equals_memory_store(name, extra, tmp_path):
-    from fedcore.course import Course
+    from fedcore.runtime.course import Course
     from tests.conftest import small_cfg
     common = dict(algorithm__name=name, federate__sample_client_num=3, federate__total_round_num=3, **extra)
     Course(small_cfg(tmp_path / "mem", **common)).run()

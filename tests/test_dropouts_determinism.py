@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from fedcore.course import Course, CourseStalled
+from fedcore.runtime.course import Course, CourseStalled
 from tests.conftest import small_cfg
 
 SPEEDS = {"dist": "lognormal", "median": 50, "sigma": 0.7}

@@ -7,14 +7,14 @@ import logging
 import pytest
 import torch
 
-from fedcore.contract import Trainer
-from fedcore.batching import BatchingTrainer
-from fedcore.course import Course
-from fedcore.errors import ConfigError
-from fedcore.message import Message
-from fedcore.registry import algorithms
-from fedcore.contract import Aggregator, Algorithm
-from fedcore.vector_term import VectorTerm
+from fedcore.kernel.contract import Trainer
+from fedcore.execution.batching import BatchingTrainer
+from fedcore.runtime.course import Course
+from fedcore.kernel.errors import ConfigError
+from fedcore.kernel.message import Message
+from fedcore.kernel.registry import algorithms
+from fedcore.kernel.contract import Aggregator, Algorithm
+from fedcore.kernel.vector_term import VectorTerm
 from tests.conftest import small_cfg
 
 TRACE_KEYS = ("round", "virtual_time", "bytes_up", "bytes_down", "num_updates")
@@ -151,7 +151,7 @@ def test_a_trainer_defining_anything_of_its_own_is_not_vectorised(caplog):
 
 
 def test_vectorized_gathers_per_client_when_data_are_too_big_to_stack(monkeypatch):
-    import fedcore.vectorized as vectorized
+    import fedcore.execution.vectorized as vectorized
     monkeypatch.setattr(vectorized, "_STACK_BYTES", 0)
     case = CASES["epochs_momentum_groups"]
     _, seq, _ = _run("sequential", **case)
@@ -229,8 +229,8 @@ def test_measured_time_runs_sequentially_with_a_reason(caplog):
 @pytest.mark.parametrize("n, bs, epoch, offset", [(10, 10, 0, 0), (10, 10, 3, 10), (7, 3, 1, 6),
                                                   (7, 3, 2, 7), (5, 8, 0, 0)])
 def test_the_vectorized_stream_gives_the_batch_streams_batches(n, bs, epoch, offset):
-    from fedcore.contract import BatchStream
-    from fedcore.vectorized import _draw
+    from fedcore.kernel.contract import BatchStream
+    from fedcore.execution.vectorized import _draw
     for steps in range(7):
         a = BatchStream(n, bs, 4, 9, epoch, offset)
         idx, sizes, end = _draw(n, bs, 4, 9, epoch, offset, steps, torch.Generator())
@@ -242,9 +242,9 @@ def test_the_vectorized_stream_gives_the_batch_streams_batches(n, bs, epoch, off
 
 def test_vectorized_results_carry_their_exact_encoded_size():
     # the engine computes one size per sample count; each must be the content's real size
-    from fedcore.contract import FitResult
+    from fedcore.kernel.contract import FitResult
     from fedcore.scenarios.data import ClientData, Split
-    from fedcore.serialization import encoded_size
+    from fedcore.wire.serialization import encoded_size
     course = Course(small_cfg(None, executor="vectorized", torch_threads=1, train__local_steps=1,
                               train__batch_size=2)).build()
     front = course.trainer
@@ -312,7 +312,7 @@ def test_a_trainer_without_a_vectorised_form_runs_sequentially(caplog):
 def test_the_vectorized_executor_imports_no_algorithm():
     import subprocess
     import sys
-    code = ("import sys, fedcore.vectorized, fedcore.batching; "
+    code = ("import sys, fedcore.execution.vectorized, fedcore.execution.batching; "
             "print(sorted(m for m in sys.modules if m.startswith('fedcore.algorithms')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

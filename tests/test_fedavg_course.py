@@ -7,10 +7,10 @@ import warnings
 import torch
 from torch import nn
 
-from fedcore.contract import ReceivedUpdate, weighted_mean
+from fedcore.kernel.contract import ReceivedUpdate, weighted_mean
 from fedcore.algorithms.fedavg import FedAvgAggregator
-from fedcore.course import Course
-from fedcore.message import Message
+from fedcore.runtime.course import Course
+from fedcore.kernel.message import Message
 from tests.conftest import small_cfg
 
 
@@ -40,7 +40,7 @@ def test_integer_buffers_are_averaged_and_rounded_back():
 
 
 def test_weighted_mean_of_rows_of_one_tensor_equals_that_of_separate_tensors(monkeypatch):
-    import fedcore.model_ops as base
+    import fedcore.kernel.model_ops as base
     stacked = torch.tensor([[[1.0, 2.0]], [[3.0, -2.0]], [[5.0, 0.5]]])   # three 1x2 updates
     rows, copies, w = list(stacked.unbind(0)), [t.clone() for t in stacked], [1.0, 3.0, 4.0]
     # (1*[1,2] + 3*[3,-2] + 4*[5,0.5]) / 8 = [30/8, -2/8]
@@ -85,7 +85,7 @@ def test_bytes_equal_serialized_sizes_of_every_message(tmp_path):
         original(msg)
     course.comm.send = spy
     course.run()
-    from fedcore.serialization import encode_envelope
+    from fedcore.wire.serialization import encode_envelope
     up = sum(len(encode_envelope(m.msg_type, m.sender, [r], m.round, m.timestamp, m.content))
              for m, r in sent if r == 0)
     down = sum(len(encode_envelope(m.msg_type, m.sender, [r], m.round, m.timestamp, m.content))
@@ -162,7 +162,7 @@ def test_init_from_loads_the_initial_model(tmp_path):
 def test_the_run_tunes_the_garbage_collector_and_puts_it_back():
     """While a course runs, what it built is frozen and young objects are collected in larger
     batches; afterwards the process's own settings are back (it may be a user's notebook)."""
-    from fedcore.monitor import Callback
+    from fedcore.runtime.monitor import Callback
 
     seen = {}
 

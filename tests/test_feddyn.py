@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from fedcore.course import Course
-from fedcore.errors import ConfigError
+from fedcore.runtime.course import Course
+from fedcore.kernel.errors import ConfigError
 from tests import drift_problem as P
 from tests.conftest import small_cfg
 
@@ -56,7 +56,7 @@ def test_feddyn_course_runs(tmp_path):
 
 def test_feddyn_under_asynchronous_aggregation_is_refused_at_config_time():
     import pytest
-    from fedcore.errors import ConfigError
+    from fedcore.kernel.errors import ConfigError
     from tests.conftest import small_cfg
     with pytest.raises(ConfigError, match="asyn.use: algorithm feddyn is synchronous"):
         small_cfg(algorithm__name="feddyn", asyn__use=True, asyn__min_received_num=2)

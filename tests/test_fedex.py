@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from fedcore.algorithms.fedex import ExpGradPolicy, draw_arm
-from fedcore.course import Course
-from fedcore.errors import ConfigError
+from fedcore.runtime.course import Course
+from fedcore.kernel.errors import ConfigError
 from tests.conftest import small_cfg
 
 

@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedcore.course import Course
-from fedcore.errors import ConfigError
+from fedcore.runtime.course import Course
+from fedcore.kernel.errors import ConfigError
 from tests import drift_problem as P
 from tests.conftest import small_cfg
 

@@ -11,11 +11,11 @@ from torch import nn
 
 from fedcore.algorithms.fedprox import straggler_steps
 from fedcore.algorithms.fednova import FedNovaAggregator, norm_factor
-from fedcore.batching import BatchingTrainer
+from fedcore.execution.batching import BatchingTrainer
 from fedcore.comm.validation import check_updates
-from fedcore.contract import ReceivedUpdate
-from fedcore.course import Course
-from fedcore.errors import ConfigError
+from fedcore.kernel.contract import ReceivedUpdate
+from fedcore.runtime.course import Course
+from fedcore.kernel.errors import ConfigError
 from tests.conftest import small_cfg
 
 D = torch.float64

@@ -2,7 +2,7 @@
 import numpy as np
 import torch
 
-from fedcore.course import Course
+from fedcore.runtime.course import Course
 from fedcore.algorithms.fedprox import straggler_steps
 from tests import drift_problem as P
 from tests.conftest import small_cfg

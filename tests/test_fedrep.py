@@ -5,8 +5,8 @@ import torch
 from torch import nn
 
 from fedcore.algorithms.fedrep import head_entries
-from fedcore.course import Course
-from fedcore.errors import ConfigError
+from fedcore.runtime.course import Course
+from fedcore.kernel.errors import ConfigError
 from tests import drift_problem as P
 from tests.conftest import small_cfg
 

@@ -13,7 +13,7 @@ from fedcore.comm.chunking import (FIRST_CHUNK, Reassembler, SharedContent, chun
                                    first_chunk_size)
 from fedcore.comm.grpc_server import GrpcServerComm
 from fedcore.comm.stream import MD_CLIENT_ID, MD_SESSION, MD_TOKEN, METHOD, grpc_options, parse_frame
-from fedcore.message import Message
+from fedcore.kernel.message import Message
 from fedcore.wire import fedcore_pb2 as pb
 from fedcore.wire.codec import decode_envelope, encode_value, from_value
 from tests.conftest import small_cfg
@@ -240,7 +240,7 @@ def test_hundreds_of_streams_share_one_thread_and_one_encoded_broadcast():
 
 def test_events_handed_over_together_run_in_order_until_one_stops_the_scheduler():
     from fedcore.comm.handover import Batch as _Batch
-    from fedcore.scheduler import Scheduler
+    from fedcore.kernel.scheduler import Scheduler
     scheduler, ran = Scheduler(), []
     events = [lambda: ran.append(1), lambda: (ran.append(2), scheduler.stop()), lambda: ran.append(3)]
     _Batch(events, scheduler)()

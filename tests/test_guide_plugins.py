@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedcore.config import load_config
-from fedcore.course import Course
+from fedcore.kernel.config import load_config
+from fedcore.runtime.course import Course
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 

@@ -6,11 +6,11 @@ import json
 import pytest
 import torch
 
-from fedcore.admission import AdmissionState
-from fedcore.course import Course
-from fedcore.errors import ConfigError, IncompleteCourseError
+from fedcore.runtime.admission import AdmissionState
+from fedcore.runtime.course import Course
+from fedcore.kernel.errors import ConfigError, IncompleteCourseError
 from fedcore.scenarios.data import ClientData, FederatedData, Split
-from fedcore.topology import Topology, assign, check
+from fedcore.runtime.topology import Topology, assign, check
 from tests.conftest import small_cfg
 
 
@@ -243,7 +243,7 @@ def test_the_scenario_from_the_command_line_writes_tiers(tmp_path):
 
 def test_by_profile_assignment_sorts_by_the_field():
     """Latency profiles from a trace-like constant per client: clients sorted by latency, cut."""
-    from fedcore.timing import DeviceProfile, TimeModel
+    from fedcore.runtime.timing import DeviceProfile, TimeModel
     latency = {1: 0.3, 2: 0.1, 3: 0.4, 4: 0.2}
     timing = TimeModel({c: DeviceProfile(latency=v) for c, v in latency.items()})
     cfg = small_cfg(federate__client_num=4, topology__edges=2, topology__assign="by_profile",
@@ -254,7 +254,7 @@ def test_by_profile_assignment_sorts_by_the_field():
 def test_an_edge_refuses_an_update_claiming_more_than_its_client_declared(tmp_path, monkeypatch):
     """The admission layer runs at the edge: client 2 claiming 10x its declared samples is
     refused there, and counted in the summary, while the course goes on."""
-    from fedcore import contract
+    from fedcore.kernel import contract
     fit = contract.Trainer.fit
 
     def inflating(self, client_id, data, received, round_):
@@ -407,7 +407,7 @@ def test_an_edge_ignores_a_join_from_another_edges_client(tmp_path):
     """Deployed with one shared token, any client could dial any edge: an edge counts only its
     own clients' joins (the rest is noted in the summary's admission counts), and the cloud only
     edges'."""
-    from fedcore.message import Message
+    from fedcore.kernel.message import Message
     course = Course(small_cfg(tmp_path, eval__clients=False, topology__edges=2)).build()
     edge = course.edges[7]                       # clients 1-3; client 4 is edge 8's
     edge.deliver(Message("join_in", 4, (7,), 0, 0.0, {"client_id": 4, "num_samples": 10**6}))

@@ -5,8 +5,8 @@ import pathlib
 
 import pytest
 
-from fedcore.contract import Aggregator, Trainer
-from fedcore.hooks import METHODS, Wrappable, Wrapper, around_result, refusal, wrappers
+from fedcore.kernel.contract import Aggregator, Trainer
+from fedcore.kernel.hooks import METHODS, Wrappable, Wrapper, around_result, refusal, wrappers
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -166,10 +166,10 @@ def test_a_deployed_process_refuses_a_behaviour_that_declares_it_cannot_deploy(t
                                                                               role):
     # A behaviour whose wrapper needs clients and server in one process stops the deployed
     # process at build, in one line naming it; the same wrapper declared deployable passes.
-    from fedcore.course import Course
-    from fedcore.distributed import ClientCourse, ServerCourse
-    from fedcore.errors import ConfigError
-    from fedcore.scheduler import WallClockScheduler
+    from fedcore.runtime.course import Course
+    from fedcore.deployment.distributed import ClientCourse, ServerCourse
+    from fedcore.kernel.errors import ConfigError
+    from fedcore.kernel.scheduler import WallClockScheduler
     from tests.conftest import small_cfg
     deployable = [False]
     installed = Course.install_handlers

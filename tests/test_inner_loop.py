@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 
-from fedcore.contract import BatchStream
+from fedcore.kernel.contract import BatchStream
 from fedcore.algorithms.fedavg import FedAvgTrainer
-from fedcore.course import Course
-from fedcore.errors import ConfigError
+from fedcore.runtime.course import Course
+from fedcore.kernel.errors import ConfigError
 from tests.conftest import small_cfg
 
 # small_cfg: 30 samples per client, 80% train -> 24 training samples; batch 10 -> 3 batches/epoch

@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
-from fedcore.course import Course
-from fedcore.errors import ConfigError
-from fedcore.monitor import Callback
+from fedcore.runtime.course import Course
+from fedcore.kernel.errors import ConfigError
+from fedcore.runtime.monitor import Callback
 from tests.conftest import small_cfg
 from tests.deploy_helpers import ROOT, _env, wait_for
 
@@ -77,7 +77,7 @@ def test_sigint_to_the_cli_exits_130_with_outputs(tmp_path):
 
 
 def test_a_callback_can_stop_the_course_and_keep_its_outputs(tmp_path):
-    from fedcore.monitor import StopRun
+    from fedcore.runtime.monitor import StopRun
 
     class Prune(Callback):
         def on_record(self, record):

@@ -3,7 +3,7 @@ is the live schema, and the command line's fast path imports neither plug-ins no
 import subprocess
 import sys
 
-from fedcore import key_index
+from fedcore.kernel import key_index
 
 
 def _python(*args):
@@ -12,7 +12,7 @@ def _python(*args):
 
 def test_the_packaged_index_is_the_live_schema():
     # in a fresh process: tests register plug-ins of their own in this one
-    r = _python("-m", "fedcore.key_index", "--check")
+    r = _python("-m", "fedcore.kernel.key_index", "--check")
     assert r.returncode == 0, r.stderr
 
 

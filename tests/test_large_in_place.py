@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fedcore.comm.chunking import Reassembler
-from fedcore.serialization import encode_envelope
+from fedcore.wire.serialization import encode_envelope
 from fedcore.wire import fedcore_pb2 as pb
 from fedcore.wire.codec import WireError, from_value, uvarint
 from fedcore.wire.large import IN_PLACE_BYTES, PROTOBUF_LIMIT, decode_large

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from fedcore.launch_guard import _alive
+from fedcore.deployment.launch_guard import _alive
 from tests.deploy_helpers import ROOT, text, wait_exit, wait_for, write_cfg
 from tests.test_deploy_secrets import _children
 
-GUARD = [sys.executable, "-I", str(ROOT / "fedcore" / "launch_guard.py")]
+GUARD = [sys.executable, "-I", str(ROOT / "fedcore" / "deployment" / "launch_guard.py")]
 
 
 def _cmdline(pid: int) -> str:
@@ -97,7 +97,7 @@ def test_the_guardian_leaves_processes_alone_after_done(tmp_path):
 
 
 def test_a_server_refuses_an_outdir_holding_another_runs_records(procs, tmp_path):
-    from fedcore.course import Course
+    from fedcore.runtime.course import Course
     from tests.conftest import small_cfg
     out = tmp_path / "out"
     Course(small_cfg(out)).run()
@@ -115,8 +115,8 @@ def test_a_server_refuses_an_outdir_holding_another_runs_records(procs, tmp_path
 
 
 def test_outdir_overwrite_lets_a_server_replace_the_records(tmp_path):
-    from fedcore.distributed import ServerCourse
-    from fedcore.errors import ConfigError
+    from fedcore.deployment.distributed import ServerCourse
+    from fedcore.kernel.errors import ConfigError
     from tests.conftest import small_cfg
     (tmp_path / "metrics.jsonl").write_text('{"round": 1}\n')
     keys = dict(federate__mode="distributed", distribute__role="server", distribute__insecure=True)

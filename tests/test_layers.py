@@ -88,8 +88,8 @@ def test_the_graph_sees_a_cycle_closed_inside_a_function(tmp_path):
 
 def test_no_import_cycle_inside_fedcore():
     graph = import_graph(package_dirs())
-    assert len(graph) > 100 and "fedcore.course" in graph and "fedcore.handlers.sync" in graph
-    assert ("fedcore.course", "fedcore.registry") in graph.edges
+    assert len(graph) > 100 and "fedcore.runtime.course" in graph and "fedcore.handlers.sync" in graph
+    assert ("fedcore.runtime.course", "fedcore.kernel.registry") in graph.edges
     found = cycles(graph)
     assert found == [], "import cycles: " + "; ".join(
         " -> ".join(edge[0] for edge in nx.find_cycle(graph.subgraph(c))) for c in found)
@@ -109,3 +109,24 @@ def test_the_import_linter_contracts_hold():
     assert run.returncode == 0, run.stdout + run.stderr
     kept = re.search(r"Contracts: (\d+) kept, 0 broken", run.stdout)
     assert kept and int(kept.group(1)) >= 3, run.stdout   # setup.cfg's contracts were all read
+
+
+def test_the_old_flat_module_names_import_the_moved_modules():
+    """Code written against the flat layout gets the same module objects, and `python -m` with
+    an old name runs the moved module."""
+    import importlib
+    import subprocess
+    import sys
+
+    import fedcore
+    import fedcore.course
+    from fedcore.runtime import course
+    assert fedcore.course is course and course.__name__ == "fedcore.runtime.course"
+    from fedcore import vectorized
+    assert vectorized is importlib.import_module("fedcore.execution.vectorized")
+    assert importlib.import_module("fedcore.registry") is importlib.import_module("fedcore.kernel.registry")
+    for old, new in fedcore._MOVED.items():   # every one of them
+        assert importlib.import_module(f"fedcore.{old}") is importlib.import_module(f"fedcore.{new}")
+    done = subprocess.run([sys.executable, "-m", "fedcore.key_index", "--check"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

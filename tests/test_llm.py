@@ -9,8 +9,8 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from fedcore.course import Course  # noqa: E402
-from fedcore.errors import ConfigError  # noqa: E402
+from fedcore.runtime.course import Course  # noqa: E402
+from fedcore.kernel.errors import ConfigError  # noqa: E402
 from fedcore.scenarios.data import build_federated_data  # noqa: E402
 from fedcore.scenarios.llm_data import ByteTokenizer, token_windows  # noqa: E402
 from tests.conftest import small_cfg  # noqa: E402
@@ -109,7 +109,7 @@ def test_lora_course_trains_and_exchanges_only_the_adapters(tmp_path):
     base = {n: p.detach().clone() for n, p in course.trainer.model.named_parameters() if not p.requires_grad}
     summary = course.run()
     import transformers
-    from fedcore.serialization import encoded_size
+    from fedcore.wire.serialization import encoded_size
     # rank r on c_attn (in h, out 3h): A is r x h, B is 3h x r
     adapter = RANK * HIDDEN + 3 * HIDDEN * RANK
     final = torch.load(tmp_path / "final_model.pt", weights_only=True)

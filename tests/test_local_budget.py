@@ -7,9 +7,9 @@ import torch
 
 from fedcore.algorithms.fednova import norm_factor
 from fedcore.algorithms.local_budget import budget_steps
-from fedcore.batching import BatchingTrainer
-from fedcore.course import Course
-from fedcore.errors import ConfigError
+from fedcore.execution.batching import BatchingTrainer
+from fedcore.runtime.course import Course
+from fedcore.kernel.errors import ConfigError
 from tests.conftest import small_cfg
 
 SLOW_AND_FAST = {"type": "lognormal", "median": 100, "sigma": 0.7}

@@ -6,8 +6,8 @@ import struct
 
 import pytest
 
-from fedcore.course import Course
-from fedcore.errors import ConfigError
+from fedcore.runtime.course import Course
+from fedcore.kernel.errors import ConfigError
 from tests.conftest import need_extra, small_cfg
 from tests.deploy_helpers import wait_for
 

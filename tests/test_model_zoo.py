@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from fedcore.errors import ConfigError
+from fedcore.kernel.errors import ConfigError
 from fedcore.scenarios.models import build_model, count_parameters
 from tests.conftest import small_cfg
 

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from fedcore.course import Course
-from fedcore.errors import ConfigError
+from fedcore.runtime.course import Course
+from fedcore.kernel.errors import ConfigError
 from fedcore.scenarios.moon_models import moon_cnn, moon_mlp
 from fedcore.scenarios.data import ClientData, Split
 from tests import drift_problem as P

@@ -5,11 +5,11 @@ import numpy as np
 import pytest
 import torch
 
-from fedcore.batch_order import NumpyBatchStream
-from fedcore.contract import BatchStream
-from fedcore.course import Course
-from fedcore.errors import ConfigError
-from fedcore.numpy_trainer import NumpyLogRegTrainer
+from fedcore.kernel.batch_order import NumpyBatchStream
+from fedcore.kernel.contract import BatchStream
+from fedcore.runtime.course import Course
+from fedcore.kernel.errors import ConfigError
+from fedcore.execution.numpy_trainer import NumpyLogRegTrainer
 from tests.conftest import small_cfg
 from tests.deploy_helpers import server_port, text, wait_exit, write_cfg
 

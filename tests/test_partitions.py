@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedcore.errors import ConfigError
+from fedcore.kernel.errors import ConfigError
 from fedcore.scenarios.data import RawDataset, partition_indices
 from fedcore.scenarios.describe import label_entropy
 from fedcore.scenarios.partition import allocate_sizes

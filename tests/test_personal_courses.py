@@ -7,8 +7,8 @@ import logging
 import pytest
 import torch
 
-from fedcore.batching import BatchingTrainer
-from fedcore.course import Course
+from fedcore.execution.batching import BatchingTrainer
+from fedcore.runtime.course import Course
 from tests.conftest import small_cfg
 
 CASES = {"fedrep": dict(algorithm__fedrep__head_steps=2),

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from fedcore.algorithms.personalization import batchnorm_entries
-from fedcore.contract import BatchStream, evaluate_model
-from fedcore.course import Course
-from fedcore.errors import ConfigError
-from fedcore.message import SERVER_ID, Message
+from fedcore.kernel.contract import BatchStream, evaluate_model
+from fedcore.runtime.course import Course
+from fedcore.kernel.errors import ConfigError
+from fedcore.kernel.message import SERVER_ID, Message
 from tests.conftest import small_cfg
 
 SKEWED = dict(federate__client_num=8, federate__total_round_num=4,

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from fedcore.algorithms.pfedme import PERSONAL
-from fedcore.course import Course
-from fedcore.errors import ConfigError
+from fedcore.runtime.course import Course
+from fedcore.kernel.errors import ConfigError
 from tests import drift_problem as P
 from tests.conftest import small_cfg
 

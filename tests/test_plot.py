@@ -13,7 +13,7 @@ from tests.conftest import small_cfg
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from fedcore.course import Course
+    from fedcore.runtime.course import Course
     root = tmp_path_factory.mktemp("runs")
     dirs = []
     for name, lr in (("slow", 0.02), ("fast", 0.3), ("faster", 0.6)):

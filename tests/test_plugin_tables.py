@@ -1,7 +1,7 @@
 """The plug-ins leave the default handlers untouched: the tables show only additions."""
 import pytest
 
-from fedcore.course import Course
+from fedcore.runtime.course import Course
 from tests.conftest import small_cfg
 
 
@@ -32,7 +32,7 @@ def test_all_plugins_together_only_add_handlers(tmp_path):
 
 
 def test_behaviours_install_once_whether_named_or_switched_on():
-    from fedcore import registry
+    from fedcore.kernel import registry
     cfg = small_cfg(None, extensions=["robust_aggregation"], aggregator__robust_rule="median",
                     privacy__dp__mode="local")
     assert registry.selected_behaviours(cfg) == ["robust_aggregation", "differential_privacy"]
@@ -42,7 +42,7 @@ def test_behaviours_install_once_whether_named_or_switched_on():
 def test_plugin_scenarios_load_and_are_complete(tmp_path):
     from pathlib import Path
 
-    from fedcore.config import load_config
+    from fedcore.kernel.config import load_config
     root = Path(__file__).resolve().parents[1] / "scenarios"
     for name in ("robust_signflip", "robust_drift", "backdoor_normbound", "dp_fraction", "personalization_dirichlet"):
         cfg = load_config(root / f"{name}.yaml", [f"outdir={tmp_path / name}", "verbose=false"])
@@ -52,7 +52,7 @@ def test_plugin_scenarios_load_and_are_complete(tmp_path):
 
 @pytest.mark.parametrize("name", ["differential_privacy", "attack", "personalization"])
 def test_an_extension_its_own_keys_switch_off_is_refused(name):
-    from fedcore.errors import ConfigError
+    from fedcore.kernel.errors import ConfigError
     with pytest.raises(ConfigError, match=f"extensions: '{name}' is switched on by its own config keys"):
         Course(small_cfg(None, extensions=[name])).build()
 

@@ -13,7 +13,7 @@ import torch
 _SCRIPT = """
 import os, sys
 os.register_at_fork(after_in_child=lambda: os._exit(17))
-from fedcore.course import Course
+from fedcore.runtime.course import Course
 from tests.conftest import small_cfg
 
 def run(executor):
@@ -70,8 +70,8 @@ class _OnAccess(dict):
 def test_clients_made_on_access_go_to_the_workers_with_their_jobs():
     import dataclasses
 
-    from fedcore import registry
-    from fedcore.course import Course
+    from fedcore.kernel import registry
+    from fedcore.runtime.course import Course
     from tests.conftest import small_cfg
 
     def run(executor):

@@ -3,10 +3,10 @@ import io
 
 import pytest
 
-from fedcore.config import load_config
-from fedcore.course import Course
-from fedcore.errors import ConfigError
-from fedcore.progress import Progress, make_progress
+from fedcore.kernel.config import load_config
+from fedcore.runtime.course import Course
+from fedcore.kernel.errors import ConfigError
+from fedcore.runtime.progress import Progress, make_progress
 from tests.conftest import small_cfg
 
 

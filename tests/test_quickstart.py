@@ -3,8 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from fedcore.config import load_config
-from fedcore.course import Course
+from fedcore.kernel.config import load_config
+from fedcore.runtime.course import Course
 
 SCENARIO = Path(__file__).resolve().parent.parent / "scenarios" / "quickstart.yaml"
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from fedcore.batch_order import client_randomness, round_seed
-from fedcore.course import Course
-from fedcore.random_layers import random_layer_reason
+from fedcore.kernel.batch_order import client_randomness, round_seed
+from fedcore.runtime.course import Course
+from fedcore.execution.random_layers import random_layer_reason
 from fedcore.scenarios.data import ClientData, FederatedData, Split
 from tests.conftest import small_cfg
 

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from fedcore.course import Course
+from fedcore.runtime.course import Course
 from tests.conftest import small_cfg
 
 ray = pytest.importorskip("ray", reason="Ray is the optional extra 'ray' (pip install '.[ray]')")
@@ -76,7 +76,7 @@ def two_node_cluster():
 # already in another Ray session (this one's tests may have been) can confuse Ray's ids.
 DRIVER = """
 import json, sys, torch
-from fedcore.course import Course
+from fedcore.runtime.course import Course
 from tests.conftest import small_cfg
 course = Course(small_cfg(None, **json.loads(sys.argv[1]))).build()
 course.run()

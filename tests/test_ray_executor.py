@@ -8,13 +8,13 @@ import sys
 import pytest
 import torch
 
-from fedcore.course import Course
-from fedcore.procpool import usable_cores
+from fedcore.runtime.course import Course
+from fedcore.execution.procpool import usable_cores
 from fedcore.run import main
 from tests.conftest import small_cfg
 
 ray = pytest.importorskip("ray", reason="Ray is the optional extra 'ray' (pip install '.[ray]')")
-from fedcore.ray_executor import _IDLE  # noqa: E402
+from fedcore.execution.ray_executor import _IDLE  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

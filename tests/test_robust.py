@@ -2,14 +2,14 @@
 import pytest
 import torch
 
-from fedcore import registry
-from fedcore.contract import Algorithm, ReceivedUpdate
+from fedcore.kernel import registry
+from fedcore.kernel.contract import Algorithm, ReceivedUpdate
 from fedcore.algorithms.fedavg import FedAvgAggregator, FedAvgTrainer
 from fedcore.algorithms.robust import (centered_clip, clip_to_norm, coordinate_median, krum_scores,
                                        krum_select, make_rule, trimmed_mean)
 from fedcore.algorithms.combine import replace_combination
-from fedcore.course import Course
-from fedcore.errors import ConfigError
+from fedcore.runtime.course import Course
+from fedcore.kernel.errors import ConfigError
 from tests.conftest import small_cfg
 
 T = lambda rows: torch.tensor(rows, dtype=torch.float64)  # noqa: E731

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedcore.course import Course
-from fedcore.errors import ConfigError
+from fedcore.runtime.course import Course
+from fedcore.kernel.errors import ConfigError
 from tests import drift_problem as P
 from tests.conftest import small_cfg
 
@@ -90,7 +90,7 @@ def test_scaffold_moves_twice_the_model_each_way(tmp_path):
 
 
 def test_async_refused_unless_allowed():
-    from fedcore.config import SCHEMA, declare
+    from fedcore.kernel.config import SCHEMA, declare
     added = "asyn.use" not in SCHEMA
     if added:
         declare("asyn.use", bool, False, "asynchronous training on/off")
@@ -112,7 +112,7 @@ def test_non_sgd_optimizer_warns(caplog):
 
 def test_control_variate_divides_by_the_step_sizes_taken_under_an_lr_schedule():
     # One local step at warmup LR eta/4 from c = c_i = 0: c_i+ = (x - y)/eta_0 is the gradient at x.
-    from fedcore.course import Course
+    from fedcore.runtime.course import Course
     from tests.conftest import small_cfg
     cfg = small_cfg(None, algorithm__name="scaffold", model__dtype="float64", train__local_steps=1,
                     train__batch_size=1000, train__scheduler__type="cosine",

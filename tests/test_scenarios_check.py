@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from fedcore.config import load_config
-from fedcore.course import Course
+from fedcore.kernel.config import load_config
+from fedcore.runtime.course import Course
 
 # language-model scenarios need the [llm] extra
 _NO_LLM = pytest.mark.skipif(not all(importlib.util.find_spec(m) for m in ("transformers", "peft")),

@@ -1,7 +1,7 @@
 """The event queue: time order, priorities, deterministic ties, stop, handler errors."""
 import pytest
 
-from fedcore.scheduler import PRIORITY_MESSAGE, PRIORITY_TIMER, Scheduler
+from fedcore.kernel.scheduler import PRIORITY_MESSAGE, PRIORITY_TIMER, Scheduler
 
 
 def test_events_run_in_time_order_and_clock_jumps():
@@ -50,8 +50,8 @@ def test_stop_drops_the_rest_and_until_pauses():
 
 
 def test_handler_exception_names_event_worker_and_round(tmp_path):
-    from fedcore.course import Course
-    from fedcore.scheduler import HandlerError
+    from fedcore.runtime.course import Course
+    from fedcore.kernel.scheduler import HandlerError
     from tests.conftest import small_cfg
 
     course = Course(small_cfg(tmp_path)).build()

@@ -11,9 +11,9 @@ from tests.conftest import need_extra
 
 need_extra("secagg")
 
-from fedcore.course import Course
-from fedcore.errors import NothingAggregated
-from fedcore.message import SERVER_ID
+from fedcore.runtime.course import Course
+from fedcore.kernel.errors import NothingAggregated
+from fedcore.kernel.message import SERVER_ID
 from tests.conftest import small_cfg
 
 SECURE = {"secure_aggregation__enabled": True, "model__dtype": "float64", "eval__clients": False,

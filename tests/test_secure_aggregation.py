@@ -16,11 +16,11 @@ need_extra("secagg")
 from fedcore.algorithms.secagg_crypto import (field_add, new_private_key, prg_field, public_bytes,
                                               quantize)
 from fedcore.algorithms.secagg_settings import MERSENNE_61, neighbour_graph
-from fedcore.course import Course
-from fedcore.errors import ConfigError, NothingAggregated
+from fedcore.runtime.course import Course
+from fedcore.kernel.errors import ConfigError, NothingAggregated
 from fedcore.handlers import secagg_client
-from fedcore.message import SERVER_ID, Message
-from fedcore.shamir import combine, split
+from fedcore.kernel.message import SERVER_ID, Message
+from fedcore.kernel.shamir import combine, split
 from tests.conftest import small_cfg
 
 SECURE = {"secure_aggregation__enabled": True, "model__dtype": "float64", "eval__clients": False}
@@ -364,7 +364,7 @@ def test_a_deployed_server_refuses_malformed_protocol_messages():
 
 
 def test_a_field_too_small_for_the_sum_stops_the_course_with_the_fix():
-    from fedcore.scheduler import HandlerError
+    from fedcore.kernel.scheduler import HandlerError
     course = Course(small_cfg(None, secure_aggregation__modulus=1_000_003, **SECURE))
     with pytest.raises(HandlerError, match="may overflow the field; lower secure_aggregation.bits"):
         course.run()
@@ -372,7 +372,7 @@ def test_a_field_too_small_for_the_sum_stops_the_course_with_the_fix():
 
 # ---------------------------------------------------------------- verifiable shares and identities
 def test_feldman_commitments_live_in_a_prime_order_group_and_catch_a_bad_share():
-    from fedcore.shamir import GENERATOR, GROUP_P, PRIME, commit, g_pow, random_secret, verify_share
+    from fedcore.kernel.shamir import GENERATOR, GROUP_P, PRIME, commit, g_pow, random_secret, verify_share
     isprime = pytest.importorskip("sympy").isprime     # an independent primality test (torch needs sympy)
     assert PRIME.bit_length() == 256 and GROUP_P.bit_length() == 2048
     assert isprime(PRIME) and isprime(GROUP_P) and (GROUP_P - 1) % PRIME == 0

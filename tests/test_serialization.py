@@ -5,8 +5,8 @@ import random
 import pytest
 import torch
 
-from fedcore.message import Message
-from fedcore.serialization import (WireError, decode_envelope, encode_envelope, encode_value, encoded_size,
+from fedcore.kernel.message import Message
+from fedcore.wire.serialization import (WireError, decode_envelope, encode_envelope, encode_value, encoded_size,
                                    envelope_size, from_value)
 from tests.wire_reference import to_value
 

@@ -3,8 +3,8 @@ client's samples."""
 import pytest
 import torch
 
-from fedcore.distributed import ServerCourse
-from fedcore.registry import datasets
+from fedcore.deployment.distributed import ServerCourse
+from fedcore.kernel.registry import datasets
 from fedcore.scenarios.data import RawDataset, build_federated_data, build_server_data
 from tests.conftest import small_cfg
 

@@ -12,11 +12,11 @@ from torch import nn
 from fedcore.algorithms.combine import replace_combination
 from fedcore.algorithms.fedavg import FedAvgAggregator
 from fedcore.algorithms.robust import coordinate_median
-from fedcore.batching import BatchingTrainer
-from fedcore.contract import ReceivedUpdate
-from fedcore.course import Course
-from fedcore.errors import ConfigError
-from fedcore.server_optimizer import ServerOptimizer, install
+from fedcore.execution.batching import BatchingTrainer
+from fedcore.kernel.contract import ReceivedUpdate
+from fedcore.runtime.course import Course
+from fedcore.kernel.errors import ConfigError
+from fedcore.runtime.server_optimizer import ServerOptimizer, install
 from tests.conftest import small_cfg
 
 D = torch.float64

@@ -1,7 +1,7 @@
 """The smallest end-to-end course: it runs, finishes and writes every output file."""
 import json
 
-from fedcore.course import Course
+from fedcore.runtime.course import Course
 from tests.conftest import small_cfg
 
 

@@ -5,8 +5,8 @@ import logging
 import pytest
 import torch
 
-from fedcore.course import Course
-from fedcore.errors import ConfigError
+from fedcore.runtime.course import Course
+from fedcore.kernel.errors import ConfigError
 from tests.conftest import small_cfg
 
 COMMON = dict(federate__total_round_num=4, algorithm__name="scaffold", eval__clients=False)
@@ -89,7 +89,7 @@ def test_an_interrupt_during_the_write_lands_after_it(tmp_path):
     import time
 
     import torch
-    from fedcore.snapshot import write_snapshot
+    from fedcore.runtime.snapshot import write_snapshot
 
     state = {"w": torch.arange(30_000_000, dtype=torch.float32)}   # 120 MB: a write that takes a while
 

@@ -1,9 +1,9 @@
 """Speed-aware samplers: responsiveness favours fast devices; group takes speed groups in turn."""
 from collections import Counter
 
-from fedcore.course import Course
-from fedcore.speed_sampling import GroupSampler, ResponsivenessSampler
-from fedcore.timing import DeviceProfile, TimeModel
+from fedcore.runtime.course import Course
+from fedcore.runtime.speed_sampling import GroupSampler, ResponsivenessSampler
+from fedcore.runtime.timing import DeviceProfile, TimeModel
 from tests.conftest import small_cfg
 
 IDS = [1, 2, 3, 4, 5, 6]

@@ -2,12 +2,12 @@
 import pytest
 import torch
 
-from fedcore.contract import Aggregator, ReceivedUpdate
+from fedcore.kernel.contract import Aggregator, ReceivedUpdate
 from fedcore.algorithms.fedasync import FedAsyncAggregator
 from fedcore.algorithms.fedbuff import FedBuffAggregator, FedBuffTrainer
 from fedcore.algorithms.staleness import discount_function, hinge, polynomial
-from fedcore.course import Course
-from fedcore.state import make_state_store
+from fedcore.runtime.course import Course
+from fedcore.kernel.state import make_state_store
 from tests.conftest import small_cfg
 
 

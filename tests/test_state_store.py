@@ -3,8 +3,8 @@ import json
 
 import torch
 
-from fedcore.course import Course
-from fedcore.state import DiskStateStore, MemoryStateStore
+from fedcore.runtime.course import Course
+from fedcore.kernel.state import DiskStateStore, MemoryStateStore
 from tests.conftest import small_cfg
 
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from fedcore.algorithms.streaming import FoldingBuffer, RunningMean
-from fedcore.contract import weighted_mean
-from fedcore.course import Course
-from fedcore.errors import ConfigError
+from fedcore.kernel.contract import weighted_mean
+from fedcore.runtime.course import Course
+from fedcore.kernel.errors import ConfigError
 from tests.conftest import small_cfg
 from tests.deploy_helpers import text, wait_exit, wait_for, write_cfg
 

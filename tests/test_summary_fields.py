@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from fedcore.monitor import Monitor
+from fedcore.runtime.monitor import Monitor
 
 
 def test_a_field_belongs_to_the_behaviour_that_wrote_it_first(tmp_path):

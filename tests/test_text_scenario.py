@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from fedcore.course import Course
-from fedcore.errors import ConfigError
+from fedcore.runtime.course import Course
+from fedcore.kernel.errors import ConfigError
 from fedcore.scenarios.text import char_windows, python_text
 from tests.conftest import small_cfg
 

@@ -5,9 +5,9 @@ import json
 import numpy as np
 import pytest
 
-from fedcore.course import Course
-from fedcore.errors import ConfigError
-from fedcore.timing import DeviceProfile, TimeModel, expected_work, profile_builders
+from fedcore.runtime.course import Course
+from fedcore.kernel.errors import ConfigError
+from fedcore.runtime.timing import DeviceProfile, TimeModel, expected_work, profile_builders
 from tests.conftest import small_cfg
 
 IDS = list(range(1, 41))

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from fedcore.form_boundary import FormBoundary, at_boundary
-from fedcore.serialization import encoded_size
-from fedcore.tensor_forms import convert, first_nonfinite
+from fedcore.execution.form_boundary import FormBoundary, at_boundary
+from fedcore.wire.serialization import encoded_size
+from fedcore.wire.tensor_forms import convert, first_nonfinite
 from fedcore.wire import fedcore_pb2 as pb
 from fedcore.wire.codec import WireError, encode_value, from_value
 
@@ -36,9 +36,9 @@ BLOCKED = textwrap.dedent("""
     from fedcore.comm.grpc_client import GrpcClientComm, backoff_delay
     from fedcore.comm.chunking import Reassembler, chunk_frames, envelope_parts
     from fedcore.comm.stream import channel_credentials, Outbox, parse_frame
-    from fedcore.scheduler import WallClockScheduler
-    from fedcore.worker import Client
-    from fedcore.message import Message
+    from fedcore.kernel.scheduler import WallClockScheduler
+    from fedcore.kernel.worker import Client
+    from fedcore.kernel.message import Message
     from fedcore.wire import fedcore_pb2 as pb
     from fedcore.wire.codec import decode_envelope, encode_value, from_value
 
@@ -124,7 +124,7 @@ class _NumpyEcho:
     store = "the trainer's store"
 
     def fit(self, client_id, data, received, round_):
-        from fedcore.contract import FitResult
+        from fedcore.kernel.contract import FitResult
         assert isinstance(data.train.x, np.ndarray) and isinstance(received["model"]["w"], np.ndarray)
         w = received["model"]["w"] + data.train.x.mean()
         return FitResult({"model": {"w": w}, "num_samples": len(data.train.y)}, 1.0)
@@ -179,7 +179,7 @@ def test_torchless_client_over_tls_with_tokens_and_a_server_restart(tmp_path, pr
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
 def test_the_torch_forms_finiteness_check_sees_nan_and_inf_in_every_float_dtype(dtype):
-    from fedcore.tensor_forms import get_form
+    from fedcore.wire.tensor_forms import get_form
     torch_form = get_form("torch")
     t = torch.randn(5, 3).to(dtype)
     assert torch_form.all_finite(t) and torch_form.all_finite(t.t())

@@ -12,7 +12,7 @@ import json
 import pytest
 import yaml
 
-from fedcore.config import load_config
+from fedcore.kernel.config import load_config
 from fedcore.tune import tune
 from fedcore.tune.runner import read_run
 

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from fedcore.errors import ConfigError
+from fedcore.kernel.errors import ConfigError
 from fedcore.tune.__main__ import main as tune_main
 from fedcore.tune.space import load_space
 

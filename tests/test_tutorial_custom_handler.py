@@ -8,7 +8,7 @@ from pathlib import Path
 import networkx as nx
 import torch
 
-from fedcore.course import Course
+from fedcore.runtime.course import Course
 from tests.conftest import small_cfg
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"

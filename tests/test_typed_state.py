@@ -1,4 +1,4 @@
-"""Typed server state (fedcore/server_state.py): one accessor, saved by snapshots generically."""
+"""Typed server state (fedcore/kernel/server_state.py): one accessor, saved by snapshots generically."""
 import dataclasses
 import json
 import re
@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedcore.admission import AdmissionState, Returning
-from fedcore.course import Course
-from fedcore.errors import ConfigError
-from fedcore.server_state import (StateError, WorkerStates, decode, registered_states, transient,
+from fedcore.runtime.admission import AdmissionState, Returning
+from fedcore.runtime.course import Course
+from fedcore.kernel.errors import ConfigError
+from fedcore.kernel.server_state import (StateError, WorkerStates, decode, registered_states, transient,
                                   worker_state)
 from tests.conftest import small_cfg
 
@@ -149,7 +149,7 @@ def test_a_corrupted_state_entry_is_refused_in_one_line(full_course, tmp_path, c
 def test_a_deployed_server_resumes_admissions_state_from_a_simulations_snapshot(full_course, tmp_path):
     """The deployed server restores the same states from the same file (its networking is not
     started: building the server course is enough)."""
-    from fedcore.distributed import ServerCourse
+    from fedcore.deployment.distributed import ServerCourse
     full, _ = full_course
     snapshot = full / "checkpoints" / "round_3.pt"
     cfg = small_cfg(None, resume_from=str(snapshot), distribute__role="server",

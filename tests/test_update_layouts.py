@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from fedcore.comm.validation import CHECKS, check_content
-from fedcore.contract import Aggregator, Algorithm, Trainer
-from fedcore.course import Course
-from fedcore.errors import ConfigError
-from fedcore.registry import algorithms
+from fedcore.kernel.contract import Aggregator, Algorithm, Trainer
+from fedcore.runtime.course import Course
+from fedcore.kernel.errors import ConfigError
+from fedcore.kernel.registry import algorithms
 from tests.conftest import small_cfg
 
 CANDIDATES = [{"train.optimizer.lr": 0.05}, {"train.optimizer.lr": 0.1}]

@@ -7,7 +7,7 @@ import torch
 
 from fedcore.comm.chunking import Reassembler, chunk_frames, envelope_parts
 from fedcore.comm.grpc_client import backoff_delay
-from fedcore.serialization import WireError, encode_envelope, envelope_size
+from fedcore.wire.serialization import WireError, encode_envelope, envelope_size
 from tests.wire_reference import reference_envelope, to_value
 from fedcore.wire import fedcore_pb2 as pb
 

@@ -3,7 +3,7 @@ on any envelope it must give what protobuf gives, and refuse what protobuf refus
 import pytest
 import torch
 
-from fedcore.serialization import encode_envelope
+from fedcore.wire.serialization import encode_envelope
 from fedcore.wire.codec import WireError, decode_envelope, from_value
 from fedcore.wire.large import decode_large
 

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from fedcore.message import Message
-from fedcore.serialization import encoded_size
+from fedcore.kernel.message import Message
+from fedcore.wire.serialization import encoded_size
 from tests.wire_reference import reference_envelope, to_value
 
 CONTENTS = [
@@ -49,5 +49,5 @@ def test_messages_of_one_layout_share_sizes_that_stay_exact():
                                                  [[{"a": []}], ()], {"k": b""}],
                          ids=range(len(CONTENTS) + 10))
 def test_direct_encoding_is_protobufs_encoding(content):
-    from fedcore.serialization import encode_value
+    from fedcore.wire.serialization import encode_value
     assert encode_value(content) == to_value(content).SerializeToString()

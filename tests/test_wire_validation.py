@@ -56,7 +56,7 @@ def test_join_in_and_metrics_shapes():
 
 def _served(tmp_path, algorithm, **kw):
     """A built simulation's server: the layouts read its aggregator and config."""
-    from fedcore.course import Course
+    from fedcore.runtime.course import Course
     from tests.conftest import small_cfg
     return Course(small_cfg(tmp_path, algorithm__name=algorithm, **kw)).build().server
 

@@ -56,7 +56,7 @@ def test_a_forked_run_sees_the_pythonpath_its_test_gives_it(tmp_path, procs: Pro
     mods = tmp_path / "mods"
     mods.mkdir()
     (mods / "zygote_probe_plugin.py").write_text(
-        "from fedcore.config import declare\n"
+        "from fedcore.kernel.config import declare\n"
         "declare('zygote_probe.size', int, 7, 'a key only this plug-in declares')\n")
     env = {"PYTHONPATH": os.pathsep.join([str(mods), os.environ.get("PYTHONPATH", "")])}
     p = procs.start("probe", ["-m", "fedcore.run", "--help-key", "zygote_probe.size",

@@ -18,8 +18,8 @@ sys.meta_path.insert(0, _Blocker())
 import time  # noqa: E402
 
 from fedcore.comm.grpc_client import GrpcClientComm  # noqa: E402
-from fedcore.errors import FedcoreError  # noqa: E402
-from fedcore.scheduler import WallClockScheduler  # noqa: E402
+from fedcore.kernel.errors import FedcoreError  # noqa: E402
+from fedcore.kernel.scheduler import WallClockScheduler  # noqa: E402
 
 
 class Cfg(dict):

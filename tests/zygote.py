@@ -31,7 +31,7 @@ MODULE = "fedcore.run"
 def _preload() -> None:
     """What every child would import first, imported once here for all of them."""
     import importlib
-    for name in ("grpc", "numpy", "torch", "yaml", "fedcore.distributed", MODULE):
+    for name in ("grpc", "numpy", "torch", "yaml", "fedcore.deployment.distributed", MODULE):
         importlib.import_module(name)
 
 

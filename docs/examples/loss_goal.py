@@ -5,12 +5,12 @@ code: a new message type (`progress`, client -> server) and a new condition
 event (`loss_goal_reached`, on the server), installed as an extension. The
 tutorial docs/tutorial_custom_handler.md is this file, step by step.
 """
-from fedcore.config import declare
+from fedcore.kernel.config import declare
 from fedcore.handlers.rounds import finish_course
-from fedcore.message import SERVER_ID
-from fedcore.registry import behaviours
-from fedcore.schema import clients_per_round
-from fedcore.worker import Stopwatch
+from fedcore.kernel.message import SERVER_ID
+from fedcore.kernel.registry import behaviours
+from fedcore.kernel.schema import clients_per_round
+from fedcore.kernel.worker import Stopwatch
 
 declare("loss_goal.threshold", float, 0.5,
         "finish once a round's mean reported training loss is below this")

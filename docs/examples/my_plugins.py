@@ -14,9 +14,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedcore.config import declare, positive
-from fedcore.contract import Aggregator, Algorithm, Trainer
-from fedcore.registry import algorithms, datasets, models, partitioners
+from fedcore.kernel.config import declare, positive
+from fedcore.kernel.contract import Aggregator, Algorithm, Trainer
+from fedcore.kernel.registry import algorithms, datasets, models, partitioners
 from fedcore.scenarios.data import RawDataset
 
 declare("data.rings.samples", int, 600, "rings: number of samples", check=positive)

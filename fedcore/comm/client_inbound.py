@@ -12,8 +12,8 @@ import time
 from fedcore.comm.chunking import Reassembler
 from fedcore.comm.handover import Delivery
 from fedcore.comm.stream import REFUSED_NOTICE
-from fedcore.message import Message
-from fedcore.tensor_forms import first_nonfinite
+from fedcore.kernel.message import Message
+from fedcore.wire.tensor_forms import first_nonfinite
 from fedcore.wire import fedcore_pb2 as pb
 from fedcore.wire.census import check_values
 from fedcore.wire.codec import WireError, decode_envelope, from_value
@@ -64,7 +64,7 @@ class ClientInbound:
             env = decode_envelope(data, consume=True)   # large tensors view the received bytes
             content = from_value(env.content, self.tensor_form)
             if self.device is not None:
-                from fedcore.device import to_device
+                from fedcore.runtime.device import to_device
                 content = to_device(content, self.device)
             msg = Message(env.msg_type, env.sender, tuple(env.receivers), env.round, env.timestamp,
                           content)

@@ -21,7 +21,7 @@ going is given up on after `distribute.retry_timeout`, as an absent one.
 
 This module needs numpy, grpcio and protobuf, not torch: received tensors are
 decoded into `tensor_form` (the form its trainer works in, see
-`fedcore.tensor_forms`), and tensors of any registered form are sent.
+`fedcore.wire.tensor_forms`), and tensors of any registered form are sent.
 """
 from __future__ import annotations
 
@@ -41,10 +41,10 @@ from fedcore.comm.handover import Delivery, Raise
 from fedcore.comm.stream import (METHOD, MD_CLIENT_ID, MD_COURSE, MD_REFUSED, MD_SESSION, MD_TOKEN, Outbox,
                                  allowed_silence, bye_frame, channel_credentials, grpc_options,
                                  heartbeat_frame, parse_frame, read_token)
-from fedcore.errors import EXIT_SERVER_GONE, ConfigError, FedcoreError
-from fedcore.message import SERVER_ID, Message
-from fedcore.quiet import QuietLog
-from fedcore.tensor_forms import first_nonfinite, get_form
+from fedcore.kernel.errors import EXIT_SERVER_GONE, ConfigError, FedcoreError
+from fedcore.kernel.message import SERVER_ID, Message
+from fedcore.runtime.quiet import QuietLog
+from fedcore.wire.tensor_forms import first_nonfinite, get_form
 from fedcore.wire import fedcore_pb2 as pb
 from fedcore.wire.census import values_bound
 from fedcore.wire.codec import WireError, encode_value
@@ -145,12 +145,12 @@ class GrpcClientComm(ClientInbound):
 
     def attach(self, worker) -> None:
         """Deliver to `worker` from now on (what came before too). A course's client keeps its
-        state on its disk from here (`fedcore.client_state`): last, so that its wrapper of the
+        state on its disk from here (`fedcore.comm.client_state`): last, so that its wrapper of the
         trainer sees every behaviour's."""
         self.worker = worker
         course = getattr(worker, "course", None)
         if getattr(course, "trainer", None) is not None:
-            from fedcore.client_state import keep_client_state
+            from fedcore.comm.client_state import keep_client_state
             self.durable_state = keep_client_state(course, self.cfg)
         early, self._early = self._early, []
         for msg in early:

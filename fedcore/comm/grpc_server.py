@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import grpc
 
-from fedcore.quiet import QuietLog
+from fedcore.runtime.quiet import QuietLog
 from fedcore.comm.allocator import release_large_blocks
 from fedcore.comm.async_outbox import wake_all
 from fedcore.comm.connections import ConnectionGuard, address_cap, connection_cap
@@ -44,10 +44,10 @@ from fedcore.comm.stream import (REFUSED, allowed_silence, grpc_options, heartbe
                                  read_tokens, server_credentials)
 from fedcore.comm.metrics_gate import MetricsGate
 from fedcore.comm.turns import TURN_BYTES, Turns
-from fedcore.errors import ConfigError
-from fedcore.message import SERVER_ID, Message
-from fedcore.device import CPU
-from fedcore.serialization import encode_value
+from fedcore.kernel.errors import ConfigError
+from fedcore.kernel.message import SERVER_ID, Message
+from fedcore.runtime.device import CPU
+from fedcore.wire.serialization import encode_value
 from fedcore.wire import fedcore_pb2 as pb
 from fedcore.wire.census import values_bound
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import logging
 
-from fedcore.scheduler import HandlerError
-from fedcore.message import SERVER_ID, Message
+from fedcore.kernel.scheduler import HandlerError
+from fedcore.kernel.message import SERVER_ID, Message
 
 __all__ = ["Arrival", "Batch", "NewSession", "Lost", "Delivery", "Raise"]
 

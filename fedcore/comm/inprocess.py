@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-from fedcore.message import SERVER_ID, Message
-from fedcore.scheduler import PRIORITY_MESSAGE, Scheduler
-from fedcore.timing import TimeModel
+from fedcore.kernel.message import SERVER_ID, Message
+from fedcore.kernel.scheduler import PRIORITY_MESSAGE, Scheduler
+from fedcore.runtime.timing import TimeModel
 
 __all__ = ["InProcessComm"]
 

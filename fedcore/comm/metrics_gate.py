@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Callable
 
 from fedcore.comm.validation import first_nonfinite
-from fedcore.message import SERVER_ID, Message
+from fedcore.kernel.message import SERVER_ID, Message
 
 __all__ = ["MetricsGate"]
 

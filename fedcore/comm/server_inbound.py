@@ -18,9 +18,9 @@ from fedcore.comm.sessions import Session
 from fedcore.comm.stream import parse_frame
 from fedcore.comm.turns import TURN_BYTES
 from fedcore.comm.validation import check_content
-from fedcore.device import to_device
-from fedcore.message import SERVER_ID, Message
-from fedcore.serialization import WireError, decode_envelope, from_value
+from fedcore.runtime.device import to_device
+from fedcore.kernel.message import SERVER_ID, Message
+from fedcore.wire.serialization import WireError, decode_envelope, from_value
 from fedcore.wire import fedcore_pb2 as pb
 from fedcore.wire.census import check_values
 

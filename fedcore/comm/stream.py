@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 import grpc
 
 from fedcore.comm.chunking import FIRST_CHUNK, FRAME_OVERHEAD, chunk_frames
-from fedcore.errors import ConfigError
+from fedcore.kernel.errors import ConfigError
 from fedcore.wire.codec import WireError
 from fedcore.wire import fedcore_pb2 as pb
 

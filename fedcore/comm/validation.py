@@ -6,7 +6,7 @@ a hostile or broken peer cannot make a handler raise (which would stop the
 course): an update must carry exactly what its course declares, by default
 the global model's shared entries with their shapes and dtypes, finite values
 and a sample count. The declaration is the course's: its algorithm's
-`update_layout` (`fedcore.contract.Algorithm`), changed by each of its
+`update_layout` (`fedcore.kernel.contract.Algorithm`), changed by each of its
 behaviours that declares one (`install.update_layout`: compression's encoded
 maps, FedEx's feedback); a behaviour that adds message types declares their
 checks (`install.message_checks`: secure aggregation's protocol messages).
@@ -18,8 +18,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from fedcore import registry
-from fedcore.tensor_forms import first_nonfinite, get_form
+from fedcore.kernel import registry
+from fedcore.wire.tensor_forms import first_nonfinite, get_form
 
 __all__ = ["CHECKS", "check_content", "check_join_in", "check_updates", "check_metrics", "model_layout",
            "update_layout", "first_nonfinite", "MAX_METRICS", "MAX_METRIC_NAME"]
@@ -77,7 +77,7 @@ _TORCH = get_form("torch")
 
 
 def update_layout(server) -> dict[str, Any]:
-    """What an update must carry in `server`'s course (`fedcore.contract.UpdateLayout`): its
+    """What an update must carry in `server`'s course (`fedcore.kernel.contract.UpdateLayout`): its
     algorithm's declared layout, as each of its behaviours declares a change to it."""
     course = _course(server)
     if course is None:          # a bare server object: no course, no declarations

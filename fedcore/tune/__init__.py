@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedcore.errors import ConfigError
+from fedcore.kernel.errors import ConfigError
 from fedcore.tune.progress import StudyProgress
 from fedcore.tune.space import Param, SearchSpace, load_space
 from fedcore.tune.study import Objective, Study

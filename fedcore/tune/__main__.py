@@ -10,7 +10,7 @@ import argparse
 import logging
 import sys
 
-from fedcore.errors import EXIT_CONFIG, EXIT_OK, exit_code_of
+from fedcore.kernel.errors import EXIT_CONFIG, EXIT_OK, exit_code_of
 
 __all__ = ["main"]
 

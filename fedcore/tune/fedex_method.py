@@ -14,8 +14,8 @@ import json
 
 import numpy as np
 
-from fedcore import registry
-from fedcore.errors import ConfigError
+from fedcore.kernel import registry
+from fedcore.kernel.errors import ConfigError
 from fedcore.tune.study import Study
 
 __all__ = ["fedex_search", "DEFAULT_ARMS"]

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from fedcore.errors import ConfigError
+from fedcore.kernel.errors import ConfigError
 from fedcore.tune.study import Study
 
 __all__ = ["METHODS", "rung_budgets", "random_search", "grid_search", "successive_halving", "hyperband", "tpe"]

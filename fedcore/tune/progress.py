@@ -13,7 +13,7 @@ import sys
 import time
 from typing import TextIO
 
-from fedcore.progress import duration_text
+from fedcore.runtime.progress import duration_text
 
 __all__ = ["StudyProgress"]
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from fedcore.errors import EXIT_DIVERGED, ConfigError, CourseDiverged
+from fedcore.kernel.errors import EXIT_DIVERGED, ConfigError, CourseDiverged
 
 __all__ = ["CourseRun", "Job", "run_jobs", "read_run"]
 

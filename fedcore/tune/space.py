@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from fedcore.config import SCHEMA, load_builtin_plugins, nearest_key, read_yaml_file
-from fedcore.errors import ConfigError
+from fedcore.kernel.config import SCHEMA, load_builtin_plugins, nearest_key, read_yaml_file
+from fedcore.kernel.errors import ConfigError
 
 __all__ = ["Param", "SearchSpace", "load_space"]
 
@@ -177,7 +177,7 @@ def _param(key: str, spec: Any, where: str) -> Param:
 
 def _check_value(declared, key: str, value: Any, where: str) -> None:
     """The key's own type and checks, so a trial never fails on a value the space allows."""
-    from fedcore.config import _coerce
+    from fedcore.kernel.config import _coerce
     try:
         _coerce(declared, value)
     except ConfigError as exc:

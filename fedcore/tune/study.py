@@ -17,8 +17,8 @@ from typing import Any
 
 import yaml
 
-from fedcore.config import Config, composed_keys
-from fedcore.errors import ConfigError
+from fedcore.kernel.config import Config, composed_keys
+from fedcore.kernel.errors import ConfigError
 from fedcore.tune.progress import StudyProgress
 from fedcore.tune.runner import CourseRun, Job, run_jobs
 from fedcore.tune.space import SearchSpace
@@ -114,7 +114,7 @@ class Study:
     # ------------------------------------------------------------ configs
     def _check_base(self) -> None:
         """Load the base with the space's first grid point: a bad base fails here, once."""
-        from fedcore.config import load_config
+        from fedcore.kernel.config import load_config
         params = {p.key: p.grid_values()[0] for p in self.space.params}
         cfg = load_config(self.base, Job(self.base, {**params, **self._fixed()}, self.outdir).argv())
         self.cap_rounds = cfg["federate.total_round_num"]

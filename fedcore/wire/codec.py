@@ -1,7 +1,7 @@
 """Message content <-> protobuf bytes, without pickle and without any ML framework.
 
 Content is a tree of an explicit set of types: None, bool, int, float, str,
-bytes, tensors (of any registered form, see `fedcore.tensor_forms`), and
+bytes, tensors (of any registered form, see `fedcore.wire.tensor_forms`), and
 lists/tuples and str-keyed dicts of those. Anything else is refused on the way
 out; anything malformed is refused on the way in. Tensors are decoded into the
 form the receiver asks for. Imports numpy and protobuf only.
@@ -12,7 +12,7 @@ import math
 import struct
 from typing import Any
 
-from fedcore.tensor_forms import WIRE_DTYPES, get_form, wire_parts
+from fedcore.wire.tensor_forms import WIRE_DTYPES, get_form, wire_parts
 from fedcore.wire import fedcore_pb2 as pb
 from fedcore.wire.errors import MAX_DEPTH, WireError
 

@@ -23,7 +23,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
-from fedcore.tensor_forms import WIRE_DTYPES, get_form
+from fedcore.wire.tensor_forms import WIRE_DTYPES, get_form
 from fedcore.wire.census import _varint
 from fedcore.wire.errors import MAX_DEPTH, WireError
 

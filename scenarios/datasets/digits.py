@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedcore.errors import ConfigError
-from fedcore.registry import datasets
+from fedcore.kernel.errors import ConfigError
+from fedcore.kernel.registry import datasets
 from fedcore.scenarios.data import RawDataset, hold_out
 
 __all__ = ["digits"]

@@ -15,8 +15,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from fedcore.config import declare
-from fedcore.errors import ConfigError
+from fedcore.kernel.config import declare
+from fedcore.kernel.errors import ConfigError
 
 __all__ = ["Remote", "data_root", "find_file", "missing", "md5sum", "verify", "download",
            "ensure", "open_maybe_gzip"]

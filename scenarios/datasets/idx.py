@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fedcore.config import declare
-from fedcore.errors import ConfigError
-from fedcore.registry import datasets
+from fedcore.kernel.config import declare
+from fedcore.kernel.errors import ConfigError
+from fedcore.kernel.registry import datasets
 from fedcore.scenarios.data import RawDataset, Split
 from fedcore.scenarios.datasets.files import (Remote, data_root, ensure, find_file, missing,
                                               open_maybe_gzip, verify)

@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fedcore.errors import ConfigError
-from fedcore.registry import datasets
+from fedcore.kernel.errors import ConfigError
+from fedcore.kernel.registry import datasets
 from fedcore.scenarios.data import RawDataset, Split, hold_out
 from fedcore.scenarios.datasets.files import data_root
 

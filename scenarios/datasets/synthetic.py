@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedcore.config import declare, positive
-from fedcore.registry import datasets
+from fedcore.kernel.config import declare, positive
+from fedcore.kernel.registry import datasets
 from fedcore.scenarios.data import RawDataset
 
 __all__ = ["synthetic", "softmax_synthetic"]

@@ -1,0 +1,283 @@
+"""A pool of worker processes for compute-heavy clients (`executor: processes`).
+
+The workers start when the first batch comes, from a fresh interpreter
+(`forkserver`, or `spawn` where there is none), never forked from the course's
+process: they inherit no autograd or CUDA threads and the pool works on every
+platform. Each receives what it needs explicitly - the course's config, as
+Ray's actors do - and builds the same trainer and clients' data from it (data
+handed to the course, not made from its config, are sent once as tensors; a client's
+data that a mapping makes on access go with each of its jobs). Per batch, the parent sends each worker the
+received content, the round and its share of (client id, client state) jobs;
+each worker runs the real trainer's `fit` for them and replies with each
+client's content, work, metrics and new state. Config, requests and replies
+travel as bytes over pipes (YAML, `fedcore.wire.serialization`), never as pickles.
+A worker trains with one torch thread, ignores Ctrl-C (the course handles it
+and closes the pool), the pool has one worker per usable core, and the parent
+saves the states, so results are those of the sequential executor.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import signal
+from typing import Any
+
+import torch
+import yaml
+
+from fedcore.kernel import registry
+from fedcore.kernel.contract import FitResult
+from fedcore.execution.batching import Engine
+from fedcore.wire.serialization import WireError, encode_value, from_value
+from fedcore.kernel.state import MemoryStateStore
+from fedcore.wire import fedcore_pb2 as pb
+
+try:
+    import resource
+except ImportError:   # not on Windows: the workers' memory goes unreported
+    resource = None
+
+__all__ = ["ProcessEngine", "build_worker_course", "fit_share", "usable_cores", "worker_values"]
+
+log = logging.getLogger("fedcore.executor")
+
+
+# a fresh interpreter for every worker: fork would copy the course's autograd/CUDA threads' state
+_START_METHOD = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+
+# what the fork server imports once for all the workers it forks (a course's plug-ins, and
+# torch._dynamo, which torch.optim imports at its first optimizer): each worker starts warm
+_PRELOAD = ["fedcore.execution.procpool", "fedcore.runtime.course", "fedcore.algorithms", "fedcore.handlers",
+            "fedcore.scenarios", "fedcore.deployment.distributed", "torch._dynamo"]
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _encode(obj: Any) -> bytes:
+    return encode_value(obj)
+
+
+def _decode(data: bytes) -> Any:
+    v = pb.Value()
+    v.ParseFromString(data)
+    return from_value(v)
+
+
+def fit_share(trainer, store, clients, req: dict, data=None) -> list[dict]:
+    """What a worker does with its share of a batch: each job's client state goes into the
+    worker's own store, the real trainer fits it, and the result and new state come back.
+    A job that carries its client's data (`_data_of`) is trained on them; `data` is the
+    worker's course's FederatedData, whose shape they take."""
+    out = []
+    for job in req["jobs"]:
+        cid = job["cid"]
+        store.save(cid, job["state"])
+        own = clients[cid].data if "data" not in job else _client_of(cid, job["data"], data)
+        res = trainer.fit(cid, own, req["received"], req["round"])
+        out.append({"content": res.content, "work": float(res.work),
+                    "metrics": dict(res.metrics), "state": store.load(cid)})
+        store.save(cid, {})
+    return out
+
+
+def worker_values(cfg) -> str:
+    """The config as a worker builds its course from it: trained one client at a time, no
+    outputs, no resuming. Keys left at their default are not sent: a worker knows the
+    defaults, and need not know keys that plug-ins imported here declared and this course
+    does not use."""
+    from fedcore.kernel.config import SCHEMA
+    values = {k: cfg[k] for k in SCHEMA if k in cfg and cfg[k] != SCHEMA[k].default}
+    values.update({"executor": "sequential", "outdir": None, "resume_from": None})
+    return yaml.safe_dump(values)
+
+
+def build_worker_course(values_yaml: str, threads: int, data=None):
+    """The course a worker (a process of the pool, or a Ray actor) builds from `worker_values`:
+    its trainer and clients' data are the course's own, made here (or `data`, as handed to
+    the course)."""
+    from fedcore.kernel.config import load_config
+    from fedcore.runtime.course import Course
+    torch.set_num_threads(threads)
+    return Course(load_config(None, extra=yaml.safe_load(values_yaml))).build(data)
+
+
+def _made_on_access(data) -> bool:
+    """Clients whose data a mapping makes when asked (it cannot list them): sent with the jobs."""
+    return len(data.clients.keys()) != len(data.clients)
+
+
+def _data_of(client) -> list:
+    """A client's splits as tensors: [[x, y] of train, of val, of test]."""
+    return [[s.x, s.y] for s in (client.train, client.val, client.test)]
+
+
+def _encode_data(data) -> bytes:
+    """A course's FederatedData as `fedcore.wire.serialization` bytes (its splits are tensors); with
+    clients made on access, none (their data go with each job)."""
+    clients = [] if _made_on_access(data) else [[cid, *_data_of(c)] for cid, c in data.clients.items()]
+    return _encode({"clients": clients, "on_access": _made_on_access(data),
+                    "test": [data.server_test.x, data.server_test.y],
+                    "shape": list(data.input_shape), "num_classes": int(data.num_classes)})
+
+
+class _SentWithJobs(dict):
+    """A worker's clients whose data come with each job: empty until then."""
+
+    def __init__(self, empty):
+        super().__init__()
+        self.empty = empty
+
+    def __missing__(self, cid: int):
+        return self.empty
+
+
+def _decode_data(raw: bytes):
+    d = _decode(raw)
+    build = registry.components.get("federated_data_from_splits")
+    data = build({cid: (tr, va, te) for cid, tr, va, te in d["clients"]}, d["test"], d["shape"],
+                 d["num_classes"])
+    if d["on_access"]:
+        x, y = d["test"]
+        empty = (x[:0], y[:0])
+        data.clients = _SentWithJobs(build({0: (empty, empty, empty)}, empty, d["shape"],
+                                           d["num_classes"]).clients[0])
+    return data
+
+
+def _client_of(cid: int, splits: list, data):
+    """Client `cid`'s data as a job carried them."""
+    return registry.components.get("federated_data_from_splits")(
+        {cid: splits}, splits[2], data.input_shape, data.num_classes).clients[cid]
+
+
+def _serve(conn) -> None:
+    """A worker's loop: build the course from the config it is sent, then fit the jobs it is
+    sent with its own trainer."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the course's to handle
+    try:
+        values = conn.recv_bytes().decode()
+        raw = conn.recv_bytes()
+        course = build_worker_course(values, 1, _decode_data(raw) if raw else None)
+        torch.set_num_threads(1)
+        trainer, clients = course.trainer, course.clients
+        store = MemoryStateStore()
+        trainer.store = store          # this process's only: states go back to the parent
+        conn.send_bytes(_encode({"ready": True}))
+    except (EOFError, OSError):
+        return
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which falls back
+        conn.send_bytes(_encode({"error": f"building the course: {type(exc).__name__}: {exc}"}))
+        return
+    while True:
+        try:
+            data = conn.recv_bytes()
+        except (EOFError, OSError):
+            return
+        try:
+            req = _decode(data)
+            if req.get("stop"):
+                return
+            req.update(_decode(conn.recv_bytes()))
+            reply = _encode({"results": fit_share(trainer, store, clients, req, course.data),
+                             "peak_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+                             if resource is not None else 0})
+        except Exception as exc:  # noqa: BLE001 - reported to the parent, which falls back
+            reply = _encode({"error": f"{type(exc).__name__}: {exc}"})
+        conn.send_bytes(reply)
+
+
+@registry.engines.register("processes")
+class ProcessEngine(Engine):
+    name = "processes"
+    runs_wrappers = True   # a worker runs the trainer's whole fit, behaviours' wrappers included
+
+    def __init__(self, course, workers: int | None = None):
+        self.course = course
+        self.size = workers or usable_cores()
+        self._procs: list = []
+        self._conns: list = []
+        self._with_jobs = False   # clients' data go with each job (made on access)
+        self._peak_kb = 0         # the largest peak resident memory a worker reported
+
+    @staticmethod
+    def unsupported(trainer, cfg) -> str | None:
+        if cfg["train.preserve_optimizer_state"]:
+            return "train.preserve_optimizer_state: optimizer states do not serialize"
+        if getattr(trainer, "device", None) is not None and trainer.device.type != "cpu":
+            return f"device {trainer.device}: the pool's workers train on the CPU (use executor ray)"
+        return None
+
+    def _start(self, trainer) -> None:
+        ctx = mp.get_context(_START_METHOD)
+        if _START_METHOD == "forkserver":
+            ctx.set_forkserver_preload(_PRELOAD)
+        config = worker_values(self.course.cfg).encode()
+        # data handed to the course (not made from its config) go to the workers as tensors
+        handed = not getattr(self.course, "data_from_config", True)
+        data = _encode_data(self.course.data) if handed else b""
+        self._with_jobs = handed and _made_on_access(self.course.data)
+        for _ in range(self.size):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_serve, args=(child,), daemon=True)
+            p.start()
+            child.close()
+            parent.send_bytes(config)
+            parent.send_bytes(data)
+            self._procs.append(p)
+            self._conns.append(parent)
+        for conn in self._conns:     # every worker has built its course, or says why not
+            reply = _decode(conn.recv_bytes())
+            if "error" in reply:
+                raise WireError(f"a worker process failed: {reply['error']}")
+        log.info("executor processes: %d worker processes", self.size)
+
+    def fit_many(self, trainer, jobs, received, round_):
+        if not self._procs:
+            self._start(trainer)
+        shares = [jobs[i::self.size] for i in range(self.size)]
+        head = _encode({"received": received, "round": round_})   # encoded once for all workers
+        busy = []
+        for conn, share in zip(self._conns, shares):
+            if share:
+                conn.send_bytes(head)
+                conn.send_bytes(_encode({"jobs": [
+                    {"cid": cid, "state": state, **({"data": _data_of(data)} if self._with_jobs else {})}
+                    for cid, data, state in share]}))
+                busy.append((conn, share))
+        answers: dict[int, tuple[FitResult, dict]] = {}
+        errors = []
+        for conn, share in busy:
+            reply = _decode(conn.recv_bytes())
+            if "error" in reply:
+                errors.append(reply["error"])
+                continue
+            self._peak_kb = max(self._peak_kb, reply.get("peak_kb", 0))
+            for (cid, _, _), r in zip(share, reply["results"]):
+                answers[cid] = (FitResult(r["content"], r["work"], r["metrics"]), r["state"])
+        if errors:
+            raise WireError(f"a worker process failed: {errors[0]}")
+        return [answers.get(cid) for cid, _, _ in jobs]
+
+    def summary(self) -> dict:
+        """The workers' largest peak resident memory (a fork server's workers are not this
+        process's children, so its own accounting of children does not see them)."""
+        return {"worker_peak_rss_mb": round(self._peak_kb / 1024, 1)} if self._peak_kb else {}
+
+    def close(self) -> None:
+        for conn in self._conns:
+            try:
+                conn.send_bytes(_encode({"stop": True}))
+                conn.close()
+            except OSError:
+                pass
+        for p in self._procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.terminate()
+        self._procs, self._conns = [], []

@@ -1,0 +1,333 @@
+"""A course: the workers, their handlers and plug-ins, assembled from a config and run.
+
+`Course.build()` makes the data, one global model and one shared client
+model, the algorithm's trainer and aggregator, the time model, the workers and
+their handler tables. `Course.run()` writes the run's header files, refuses an
+incomplete course, raises `start` on every worker and processes events until
+the queue is empty.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fedcore.kernel import registry
+from fedcore.runtime.checkpoint import Checkpointer, load_tensor_file, resume, stop_at_round_end
+from fedcore.comm.inprocess import InProcessComm
+from fedcore.kernel.completeness import CheckResult, require_complete
+from fedcore.runtime.device import DeviceStateStore, apply_determinism, place_data, resolve_device
+from fedcore.kernel.errors import ConfigError, CourseDiverged, FedcoreError, NothingAggregated
+from fedcore.execution.executor import close_executor, install_executor
+from fedcore.execution.form_boundary import make_trainer
+from fedcore.runtime.loggers import make_loggers
+from fedcore.runtime.monitor import Callback, Monitor, StopRun
+from fedcore.runtime.progress import make_progress
+from fedcore.execution.random_layers import draw_on_client_stream
+from fedcore.kernel.scheduler import PRIORITY_TIMER, Scheduler, WallClockScheduler
+from fedcore.runtime.server_optimizer import install as install_server_optimizer
+from fedcore.kernel.state import make_state_store
+from fedcore.runtime.timing import TimeModel
+from fedcore.kernel.worker import Client, HandlerTable, Server
+
+__all__ = ["Course", "CourseStalled", "load_initial_model", "raise_if_diverged"]
+
+
+class CourseStalled(FedcoreError):
+    """The event queue ran dry before the course finished."""
+
+
+def load_initial_model(model: torch.nn.Module, path: str) -> None:
+    """Load `model.init_from` (a torch.save'd state_dict) into `model`."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"model.init_from: file '{p}' does not exist")
+    state = load_tensor_file(p, "model.init_from", "a loadable state_dict")
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()[0]
+        raise ConfigError(f"model.init_from: '{p}' does not fit model.type "
+                          f"({first})") from None
+
+
+def check_share_params(model: torch.nn.Module, cfg) -> None:
+    """Each `federate.share_params` pattern must name some entry: a typo would otherwise keep
+    the whole model local and the course would train nothing together, silently."""
+    import fnmatch
+    patterns = cfg["federate.share_params"] or []
+    names = list(model.state_dict())
+    for p in patterns:
+        if not isinstance(p, str) or not any(fnmatch.fnmatchcase(n, p) for n in names):
+            shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
+            raise ConfigError(f"federate.share_params: pattern {p!r} matches no entry of model.type "
+                              f"{cfg['model.type']} ({shown})")
+
+
+class Course:
+    """One federated course in simulation (virtual time, one process)."""
+
+    def __init__(self, cfg, outdir: str | Path | None = None, progress: bool | int = False,
+                 callbacks: list[Callback] | tuple = ()):
+        """`progress` is a `verbose` level (False: none); `callbacks` are extra side outputs
+        that see every record and the summary, after the progress display and `loggers`."""
+        self.cfg = cfg
+        outdir = outdir if outdir is not None else cfg["outdir"]
+        self.outdir = Path(outdir) if outdir is not None else None
+        self.log = logging.getLogger("fedcore.course")
+        self.scheduler = Scheduler()
+        total = cfg["federate.total_round_num"]
+        shown = make_progress(progress, total, cfg["progress.interval"],
+                              wall_clock=cfg["federate.mode"] == "distributed")
+        side_outputs = ([shown] if shown else []) + make_loggers(cfg, self.outdir) + list(callbacks)
+        self.monitor = Monitor(self.outdir, cfg["eval.target_acc"], total_rounds=total,
+                               callbacks=side_outputs)
+        self.server_table = HandlerTable("server")
+        self.client_table = HandlerTable("client")
+        self.extra_tables: list[HandlerTable] = []  # roles that plug-ins add (e.g. attackers)
+        self.tier_graph = None   # the workers' tree, where edge aggregators make one (handlers/edge)
+        self.num_clients = cfg["federate.client_num"]
+        self.client_ids = list(range(1, self.num_clients + 1))
+        self.built = False
+
+    # ------------------------------------------------------------ assembly
+    def build(self, data: Any = None) -> "Course":
+        cfg = self.cfg
+        self.data = data if data is not None else registry.components.get("federated_data")(cfg)
+        self.data_from_config = data is None     # what a remote executor can rebuild on its own
+        model = self.make_model()
+        try:
+            self.store = make_state_store(cfg["state.store"], cfg["state.path"])
+        except OSError as exc:
+            raise ConfigError(f"state.path: cannot use '{cfg['state.path']}' for the disk state store "
+                              f"({exc.strerror or exc}); choose a writable folder") from None
+        self.trainer = make_trainer(self.algorithm, model, cfg, self.trainer_store())
+        self.timing = TimeModel.from_config(cfg, self.client_ids)
+        self.comm = InProcessComm(self.scheduler, self.timing, self.monitor.count_bytes)
+        if self.timing.has_dropouts:
+            self.comm.filters.append(self.timing.keep)  # dropped-out clients never reply
+        self.make_server(model, self.client_ids)
+        self.comm.attach(self.server)
+        self.clients: dict[int, Client] = {}
+        for cid in self.client_ids:
+            client = Client(cid, self.client_table, self, self.data.clients[cid])
+            client.finished = False
+            self.clients[cid] = client
+            self.comm.attach(client)
+        self.install_handlers()
+        install_executor(self)
+        self.resumed_at = resume(self, cfg["resume_from"]) if cfg["resume_from"] else None
+        self.built = True
+        return self
+
+    # The pieces below are shared with the deployment's server and client courses.
+    @property
+    def algorithm(self):
+        return registry.algorithms.get(self.cfg["algorithm.name"])
+
+    def make_model(self) -> torch.nn.Module:
+        """The initial global model: built for the data's shapes, or loaded from model.init_from,
+        on the course's device (where the data go too, when they fit)."""
+        build_model = registry.components.get("model")
+        model = build_model(self.cfg, self.data.input_shape, self.data.num_classes)
+        if self.cfg["model.init_from"]:
+            load_initial_model(model, self.cfg["model.init_from"])
+        check_share_params(model, self.cfg)
+        self.device = resolve_device(self.cfg["device"])
+        apply_determinism(self.cfg)
+        if self.device.type != "cpu":
+            self.data = place_data(self.data, self.device, self.cfg["device_data_bytes"])
+            draw_on_client_stream(model.to(self.device))   # dropout masks: the CPU's numbers
+        return model
+
+    def trainer_store(self):
+        """The state store as the trainer sees it: states on the device, kept on the CPU."""
+        if self.device.type == "cpu":
+            return self.store
+        return DeviceStateStore(self.store, self.device)
+
+    def make_server(self, model: torch.nn.Module, sampled_from: list[int]) -> Server:
+        """The server worker with its aggregator, sampler and round state."""
+        cfg = self.cfg
+        server = self.server = Server(self.server_table, self)
+        server.model = model
+        server.aggregator = self.algorithm.aggregator(model, cfg, self.num_clients)
+        server.sampler = registry.samplers.get(cfg["federate.sampler"])(sampled_from, cfg["seed"], self.timing)
+        if hasattr(server.sampler, "configure"):
+            server.sampler.configure(self)  # samplers that read the config or the devices
+        server.joined, server.started, server.finished = set(), False, False
+        server.round, server.selected, server.buffer = 1, set(), []
+        server.best_acc, server.evals_since_best = None, 0
+        self.checkpointer = Checkpointer(self)
+        install_server_optimizer(server, self.checkpointer)
+        return server
+
+    def install_handlers(self) -> None:
+        """The course's handler set, then the behaviours the config selects."""
+        registry.courses.get(self.cfg["course"])(self)
+        self.behaviours = registry.selected_behaviours(self.cfg)
+        for name in self.behaviours:
+            registry.behaviours.get(name)(self)
+
+    @property
+    def tables(self) -> list[HandlerTable]:
+        return [self.server_table, self.client_table, *self.extra_tables]
+
+    # ------------------------------------------------------------ outputs
+    def write_header(self) -> None:
+        """config.yaml and handlers.txt, written before anything runs."""
+        if self.outdir is None:
+            return
+        self._refuse_another_runs_records()
+        self._make_outdir()
+        self.cfg.dump(self.outdir / "config.yaml")
+        self.cfg.dump_sources(self.outdir / "config_sources.yaml")
+        sections = [t.describe() for t in self.tables]
+        if getattr(self, "behaviours", None):
+            sections.append("[behaviours]\n" + "\n".join(f"  {b}" for b in self.behaviours))
+        (self.outdir / "handlers.txt").write_text("\n\n".join(sections) + "\n")
+
+    def _refuse_another_runs_records(self) -> None:
+        """A deployed server started again with the same command must not wipe the records of
+        the run it replaces (simulations rerun into their outdir as before)."""
+        metrics = self.outdir / "metrics.jsonl"
+        if (self.wall_clock and not self.cfg["outdir_overwrite"] and not self.cfg["resume_from"]
+                and metrics.is_file() and metrics.stat().st_size > 0):
+            raise ConfigError(f"outdir: '{self.outdir}' holds another run's records (metrics.jsonl); "
+                              "choose a new outdir, or set outdir_overwrite=true to replace them")
+
+    def _make_outdir(self) -> None:
+        try:
+            self.outdir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"outdir: cannot create '{self.outdir}' ({exc.strerror or exc}); "
+                              "choose a writable folder") from None
+
+    def check(self) -> CheckResult:
+        """The completeness check; raises IncompleteCourseError (exit 3) when it fails."""
+        graphml = self.outdir / "message_flow.graphml" if self.outdir is not None else None
+        if graphml is not None:
+            self._make_outdir()
+        return require_complete(self.tables, graphml, self.tier_graph)
+
+    # ------------------------------------------------------------ running
+    def run(self) -> dict[str, Any]:
+        """Run the course to its finish; returns the summary."""
+        if not self.built:
+            self.build()
+        self.write_header()
+        self.check()
+        if self.resumed_at is not None:
+            pending = self.monitor.open_records().get(self.server.round)
+            info = {"round": self.server.round, "pending_eval": bool(pending and pending["expected"])}
+            self.scheduler.schedule(self.resumed_at, PRIORITY_TIMER, StartEvent(self.server, "resume", info))
+        else:
+            for w in [self.server] + [self.clients[c] for c in self.client_ids]:
+                self.scheduler.schedule(0.0, PRIORITY_TIMER, StartEvent(w, "start"))
+        self.monitor.start()
+        try:
+            with collector_for_run(), stop_at_round_end(self):
+                self.scheduler.run()
+        except (KeyboardInterrupt, StopRun) as stop:
+            # Ctrl-C or a callback: keep what the run has so far, as a deployed server does; the
+            # global model is the last aggregated one (aggregators replace it whole, never in part).
+            self.monitor.add_summary("stop", {"stopped_by": getattr(stop, "reason", "interrupted")})
+            summary = self.monitor.finalize(self.server.now, self.server.aggregator.global_state)
+            if isinstance(stop, KeyboardInterrupt):
+                raise
+            return summary
+        finally:
+            close_executor(self)
+            self.store.close()
+        if not self.server.finished:
+            raise CourseStalled(
+                f"course stalled in round {self.server.round}: no event left before finish "
+                f"(waiting for {len(self.server.selected)} update(s)); a sync course needs every "
+                "sampled client to reply: use over-selection, time_up or an async strategy")
+        summary = self.monitor.finalize(self.finish_time, self.server.aggregator.global_state)
+        raise_if_diverged(self.server)
+        return summary
+
+    def check_or_run(self, check_only: bool) -> int:
+        """What `python -m fedcore.run` does with a built course: `--check`, or run it; one line out."""
+        if check_only:
+            self.write_header()
+            result = self.check()
+            where = (f"; graph in {self.outdir / 'message_flow.graphml'}" if self.outdir
+                     else "; set outdir=DIR to also write the graph and handler tables")
+            print(f"complete: a path leads from start to finish ({result.graph.number_of_nodes()} "
+                  f"nodes, {result.graph.number_of_edges()} edges){where}")
+            return 0
+        summary = self.run()
+        acc = summary.get("final_test_acc")
+        acc_s = f", final test_acc {acc:.4f}" if acc is not None else ""
+        virtual = "" if self.wall_clock else f"{summary['virtual_time']:.1f}s virtual, "
+        print(f"finished {summary['rounds']} rounds in {virtual}{summary['wall_time']:.1f}s wall{acc_s}; "
+              f"outputs in {self.outdir}")
+        return 0
+
+    @property
+    def wall_clock(self) -> bool:
+        """True where time is real seconds (deployment), False in virtual-time simulation."""
+        return isinstance(self.scheduler, WallClockScheduler)
+
+    @property
+    def finish_time(self) -> float:
+        return self.server.now
+
+
+@contextlib.contextmanager
+def collector_for_run():
+    """The garbage collector's settings while a course runs, undone afterwards (the course may
+    run inside a user's own process).
+
+    The objects that exist when it starts (its data, clients, model, and everything imported)
+    are frozen: they live to the end, and a course allocates enough per round that a full
+    collection would otherwise walk them all every few hundred rounds (about 0.15 s each for
+    W1's 1,000 clients); they are still freed by reference counting. And young objects are
+    collected in larger batches: a round makes and drops thousands of short-lived objects, and
+    at the default threshold a young collection ran about once a round, in the middle of it,
+    walking objects that were about to be freed anyway. Where the process has already frozen
+    objects of its own, its freeze is left alone."""
+    frozen = not gc.get_freeze_count()
+    if frozen:
+        gc.freeze()
+    thresholds = gc.get_threshold()
+    gc.set_threshold(_YOUNG_OBJECTS, *thresholds[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*thresholds)
+        if frozen:
+            gc.unfreeze()
+
+
+_YOUNG_OBJECTS = 100_000   # net new container objects between young collections (Python: 700)
+
+
+def raise_if_diverged(server) -> None:
+    """After the outputs are written: a course stopped by divergence, or a secure course that
+    aggregated no round, exits with its own code."""
+    from fedcore.kernel.server_state import Outcome
+    outcome = server.state(Outcome)
+    if outcome.diverged:
+        raise CourseDiverged(outcome.diverged)
+    if outcome.unaggregated:
+        raise NothingAggregated(outcome.unaggregated)
+
+
+class StartEvent:
+    """A scheduled `start`/`resume` event; skipped where the worker has no handler for it."""
+
+    __slots__ = ("worker", "event", "payload")
+
+    def __init__(self, worker, event: str, payload: Any = None):
+        self.worker, self.event, self.payload = worker, event, payload
+
+    def __call__(self) -> None:
+        if self.worker.handlers.get(self.event) is not None:
+            self.worker.trigger(self.event, self.payload)
