@@ -3,6 +3,7 @@ first chunks sized to the slowest link, and the asyncio outbox's ownership and d
 import asyncio
 import hashlib
 import threading
+import weakref
 from pathlib import Path
 
 import grpc
@@ -133,6 +134,41 @@ def test_an_idle_stream_sends_heartbeats_and_ends_when_no_longer_alive(loop):
     token = _run(loop, _claim(box))
     assert _run(loop, _drain(box, token, 2, interval=0.05)()) == [b"heartbeat", b"heartbeat"]
     assert _run(loop, _drain(box, token, 5, alive=lambda: False)()) == []
+
+
+class _Bytes(bytearray):
+    """Bytes a weak reference can watch."""
+
+
+def test_a_sent_message_is_let_go_while_the_stream_waits_for_more(loop):
+    """Neither outbox keeps what it sent alive while its stream idles: a broadcast model
+    would otherwise stay in the server's memory, once per idle stream, until the next message."""
+    from fedcore.comm.stream import Outbox
+    box = AsyncOutbox(1000, 400, iter(range(1, 100)), loop)
+    token = _run(loop, _claim(box))
+    body = _Bytes(b"a" * 900)
+    watch = weakref.ref(body)
+    box.put_message((body,))
+    del body
+
+    async def two_frames_then_idle():
+        gen = box.frames(token, lambda: True, 0.05, lambda: b"heartbeat")
+        got = [await gen.__anext__() for _ in range(3)]   # the message's two frames, a heartbeat
+        alive = watch() is not None                        # asked while the stream idles
+        await gen.aclose()
+        return got, alive
+    got, alive = _run(loop, two_frames_then_idle())
+    assert got[2] == b"heartbeat" and len(box) == 0 and not alive
+
+    sync_box = Outbox(1000, first_size=400)
+    body = _Bytes(b"b" * 900)
+    watch = weakref.ref(body)
+    sync_box.put_message((body,))
+    del body
+    frames = sync_box.frames(sync_box.claim(), lambda: True, 0.05, lambda: b"heartbeat")
+    assert [next(frames) for _ in range(3)][2] == b"heartbeat"
+    assert watch() is None and len(sync_box) == 0
+    frames.close()
 
 
 # ---------------------------------------------------------------- many streams, no threads
