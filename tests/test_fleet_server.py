@@ -67,6 +67,29 @@ def test_a_message_within_the_first_chunk_travels_in_one_frame_and_reassembles()
     assert bytes(reasm.feed(parse_frame(frames[0], 3 * MB).chunk)) == b"".join(parts)
 
 
+def test_a_broadcast_models_tensors_are_sent_from_where_they_lie():
+    """Content given as pieces: a tensor of 1 MiB or more is a view of the tensor (a broadcast
+    model costs no copy), the small pieces around it are joined, and the envelope is byte for
+    byte the one encoded whole, under the SHA-256 of those bytes."""
+    import torch
+    from fedcore.comm.chunking import SHARED_PIECE
+    from fedcore.wire.codec import encode_value_parts
+    big = torch.arange(SHARED_PIECE // 4 + 3, dtype=torch.float32)
+    content = {"model": {"w": big, "b": torch.ones(5)}, "num_samples": 7}
+    header = pb.Envelope(msg_type="models", sender=0, receivers=[5], round=2)
+    parts, sha = SharedContent(encode_value_parts(content)).envelope(header)
+    joined = b"".join(parts)
+    whole, whole_sha = SharedContent(encode_value(content)).envelope(header)
+    assert joined == b"".join(whole) and sha == whole_sha
+    assert sha == hashlib.sha256(joined).digest()
+    views = [p for p in parts if isinstance(p, memoryview)]
+    assert len(views) == 1 and views[0].nbytes == big.numel() * 4
+    assert torch.frombuffer(views[0], dtype=torch.uint8).data_ptr() == big.data_ptr()   # no copy
+    assert len(parts) == 5        # field, the pieces before the tensor's bytes, its bytes, the rest, header
+    decoded = from_value(decode_envelope(joined).content)
+    assert torch.equal(decoded["model"]["w"], big) and decoded["num_samples"] == 7
+
+
 # ---------------------------------------------------------------- the asyncio outbox
 
 def _drain(box, token, n, interval=5.0, alive=lambda: True):
