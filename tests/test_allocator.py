@@ -38,3 +38,42 @@ def test_trim_gives_freed_heap_pages_back():
     before, after = map(int, out.stdout.split())
     freed = 100 * 512 * 1024          # the freed blocks, 50 MiB, held until the trim
     assert before - after > 0.9 * freed, (before, after)
+
+
+# Eight threads each allocate and keep a block: glibc gives each a heap of its own unless the
+# number of heaps is capped; malloc_info lists the heaps (one <heap nr=...> each).
+THREADS = """
+import ctypes, ctypes.util, sys, tempfile, threading
+from fedcore.comm.allocator import ARENAS, release_large_blocks
+if sys.argv[1] == "capped":
+    assert release_large_blocks()
+libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.fopen.restype = ctypes.c_void_p
+libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
+libc.fclose.argtypes = [ctypes.c_void_p]
+kept, gate = [], threading.Barrier(8)
+def work():
+    gate.wait()                      # all eight at once: none finds a heap free
+    kept.append(libc.malloc(4096))
+threads = [threading.Thread(target=work) for _ in range(8)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+path = tempfile.mktemp()
+f = libc.fopen(path.encode(), b"w")
+libc.malloc_info(0, f)
+libc.fclose(f)
+print(open(path).read().count("<heap nr="), ARENAS)
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the heaps are glibc's")
+def test_the_server_keeps_glibcs_heaps_to_a_few_whatever_its_threads():
+    counts = {}
+    for mode in ("default", "capped"):
+        out = subprocess.run([sys.executable, "-c", THREADS, mode], capture_output=True, text=True,
+                             cwd=ROOT, env={k: v for k, v in _env().items() if k != "MALLOC_ARENA_MAX"},
+                             timeout=60)
+        assert out.returncode == 0, out.stderr[-2000:]
+        counts[mode], arenas = map(int, out.stdout.split())
+    assert counts["capped"] <= arenas < counts["default"], counts
