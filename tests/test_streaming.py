@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from fedcore.admission import finite_state
-from fedcore.algorithms.streaming import FoldingBuffer, RunningMean
+from fedcore.algorithms.streaming import FoldingBuffer, RunningMean, round_buffer
 from fedcore.contract import evaluate_model, weighted_mean
 from fedcore.course import Course
 from fedcore.errors import ConfigError, CourseDiverged
+from fedcore.handlers.sync import collect_update
+from fedcore.message import SERVER_ID, Message
 from tests.conftest import small_cfg
 from tests.deploy_helpers import text, wait_exit, wait_for, write_cfg
 
@@ -95,9 +97,33 @@ def test_rules_that_need_every_update_keep_the_list(tmp_path):
     assert isinstance(small.server.buffer, list)
 
 
+def _update_message(course, sender, owned, value):
+    model = {k: torch.full_like(v, value) for k, v in course.server.aggregator.global_state.items()}
+    return model, Message("updates", sender, (SERVER_ID,), 1, 0.0, {"model": model, "num_samples": 10},
+                          owned=owned)
+
+
+def test_a_folded_update_received_over_the_wire_is_let_go_before_the_round_aggregates(tmp_path):
+    """The last update's handler runs the aggregation: a deployed server's own decoded copy
+    (`owned`) gives its model up once folded; a simulation's, shared with its sender, is kept."""
+    course = Course(small_cfg(tmp_path, aggregator__streaming="on")).build()
+    server = course.server
+    server.round, server.selected = 1, {1, 2, 3}
+    server.buffer = round_buffer(server)
+    model1, wire = _update_message(course, 1, True, 2.0)
+    model2, shared = _update_message(course, 2, False, 4.0)
+    collect_update(server, wire)
+    collect_update(server, shared)
+    assert "model" not in wire.content and wire.content["num_samples"] == 10
+    assert shared.content["model"] is model2
+    assert server.selected == {3}                       # no aggregation yet
+    for name, acc in server.buffer.running.sum.items():   # both folded, weight 10 each
+        assert torch.equal(acc, 10 * model1[name].double() + 10 * model2[name].double()), name
+
+
 def test_a_folding_round_that_diverges_keeps_the_last_finite_model(tmp_path):
-    """A folding round's non-finite aggregate is not adopted: the previous model is put back
-    (the simulation then stops as diverged with a finite model)."""
+    """A folding round's snapshot holds the previous global tensors, not a copy: a non-finite
+    aggregate puts them back (the simulation then stops as diverged with a finite model)."""
     course = Course(small_cfg(tmp_path, aggregator__streaming="on", model__type="mlp",
                               train__optimizer__lr=1000.0, federate__total_round_num=8))
     with pytest.raises(CourseDiverged):

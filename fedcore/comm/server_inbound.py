@@ -151,4 +151,4 @@ class Inbound:
         problem = check_content(env.msg_type, content, self.server)
         if problem:
             raise WireError(problem)
-        return Message(env.msg_type, env.sender, (SERVER_ID,), env.round, env.timestamp, content)
+        return Message(env.msg_type, env.sender, (SERVER_ID,), env.round, env.timestamp, content, owned=True)
