@@ -253,7 +253,8 @@ def _install_server(course) -> None:
                                logging.WARNING)
                 return
             msg = Message(msg.msg_type, msg.sender, msg.receivers, msg.round, msg.timestamp,
-                          {"model": model, "num_samples": content["num_samples"]}, msg.content_size)
+                          {"model": model, "num_samples": content["num_samples"]}, msg.content_size,
+                          owned=True)   # a content built here, for the server alone
         collect(server, msg)
     decompress_then.__qualname__ = f"decompress_then.{registration.name}"
     # a wrapper, not a replacement: the collecting handler still runs (no "replaced" warning)

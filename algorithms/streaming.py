@@ -15,7 +15,12 @@ secure sum does), whose weighted mean is itself.
 The float64 sum makes the result the exact mean up to float64 rounding, whatever the
 order updates arrive in, then rounded once to the model's dtype; the list-based path
 sums in the model's dtype, so the two agree to that dtype's rounding (float32: ~1e-7
-relative). Rules that need every update at once keep the list: robust rules and central
+relative). A sum in the model's own dtype would save a model, but its result would depend
+on the arrival order (deployment against simulation); a compensated float32 sum needs a
+second float32 tensor, as much as the float64 one. An update is folded once whole: its
+checks (finite values, its weight, the message's SHA-256 at its end) come before it may
+touch the sum, and a float64 addition cannot be taken back exactly, so folding chunk by
+chunk from the wire would need a scratch copy of the update, the model it would save. Rules that need every update at once keep the list: robust rules and central
 DP (their combination replaces the mean, `combine.replace_combination`), admission's
 influence check (a median over the round, where `admission.norm_ratio` is set), FedEx, and aggregators with a rule of their own
 (SCAFFOLD, FedNova, FedDyn, FedBuff, pFedMe, asynchronous courses). Those hold k

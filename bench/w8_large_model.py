@@ -18,10 +18,10 @@ footprint, measured first with a 1 MB model) and the wall time of its last round
 (the wall time between the last two round records). The last line is
 `server_peak_rss_over_model=<the largest deployed server's ratio>`. Sizes that do not
 fit the machine's memory are left out with a line saying so (estimate from the ratios
-measured at 100 MB: a deployed client ~5x the model, the server ~10x (7x above its
-footprint; 13x before received tensors became views of the received bytes and freed
-buffers left the process, docs/compression.md), a simulation ~(clients + 12)x, plus
-~0.4 GB per process).
+measured at 100 MB: a deployed client ~5x the model, the server ~7.4x (4.5x above its
+footprint: the global model, the float64 running sum and the update being folded; it was
+10x, 7x above, before the server stopped keeping its own copies, docs/compression.md), a
+simulation ~(clients + 12)x, plus ~0.4 GB per process).
 """
 from __future__ import annotations
 
@@ -121,7 +121,7 @@ def run_deploy(cfg: Path, out: Path, clients: int) -> tuple[int, float]:
 
 def fits(mode: str, size: int, clients: int, available: int) -> bool:
     """Whether a run should fit in `available` bytes, from the ratios measured at 100 MB."""
-    need = ((10 + 5 * clients) * size + (clients + 1) * BASE_PROCESS if mode == "deploy"
+    need = ((5 + 5 * clients) * size + (clients + 1) * BASE_PROCESS if mode == "deploy"
             else (clients + 12) * size + BASE_PROCESS)
     return need < 0.8 * available
 

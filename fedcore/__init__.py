@@ -27,7 +27,7 @@ def configure(cfg_or_path=None, /, **overrides):
 
 # ---------------------------------------------------------------- the old module names
 # The modules live in role subpackages (kernel, execution, runtime, deployment, comm, wire).
-# Code written against the flat layout (`import fedcore.course`, `python -m fedcore.key_index`)
+# Code written against the flat layout (`import fedcore.runtime.course`, `python -m fedcore.kernel.key_index`)
 # gets the same module object under its old name, not a copy.
 _MOVED = {
     "admission": "runtime.admission",

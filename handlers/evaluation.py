@@ -8,7 +8,7 @@ from fedcore.kernel.contract import evaluate_model
 from fedcore.kernel.errors import ConfigError
 from fedcore.kernel.message import SERVER_ID
 
-__all__ = ["evaluate_global", "request_client_evaluation", "evaluate_and_reply", "collect_metrics",
+__all__ = ["evaluate_global", "load_global", "request_client_evaluation", "evaluate_and_reply", "collect_metrics",
            "install"]
 
 declare("eval.val", bool, False, "also evaluate the global model on the union of the clients' "
@@ -27,7 +27,7 @@ def evaluate_global(server) -> dict[str, float]:
     """Test loss and accuracy of the current global model on the server's held-out set."""
     course = server.course
     test = course.data.server_test
-    server.model.load_state_dict(server.aggregator.global_state, strict=False)
+    load_global(server)
     result = evaluate_model(server.model, test.x, test.y, course.cfg["train.loss"],
                             course.cfg["eval.batch_size"])
     metrics = {f"test_{k}": v for k, v in result.items() if k != "n"}
@@ -37,6 +37,15 @@ def evaluate_global(server) -> dict[str, float]:
                                 course.cfg["eval.batch_size"])
         metrics.update({f"val_{k}": v for k, v in result.items() if k != "n"})
     return metrics
+
+
+def load_global(server) -> None:
+    """Put the global model into the server's module. A deployed server's module is its own (no
+    trainer there): it is made to view the global model's tensors instead of holding a copy, one
+    model less in the server's memory (aggregators replace the global tensors, never write them).
+    A simulation's module is also the trainer's, which trains in it: that one gets a copy."""
+    own = server.course.trainer is None
+    server.model.load_state_dict(server.aggregator.global_state, strict=False, assign=own)
 
 
 def _validation_split(course) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,6 +79,8 @@ def collect_metrics(server, msg) -> None:
 
 
 def install(course) -> None:
+    if course.server is not None and course.trainer is None:
+        load_global(course.server)   # the module's own initial copy is let go before any round
     course.monitor.separate_types.update({"eval_request", "metrics"})
     course.client_table.register("receiving_eval_request", evaluate_and_reply, sends=("metrics",))
     course.server_table.register("receiving_metrics", collect_metrics)

@@ -38,7 +38,8 @@ def aggregate(server, updates: list[ReceivedUpdate], extra: dict | None = None) 
     The admission layer refuses updates first, and a non-finite aggregate is not adopted:
     the round is rejected with the previous model kept (and run again, in deployment)."""
     course = server.course
-    if isinstance(updates, FoldingBuffer):   # admitted and folded one by one as they arrived
+    folded = isinstance(updates, FoldingBuffer)
+    if folded:   # admitted and folded one by one as they arrived
         received, admitted = updates.received, updates.admitted
         combined = [updates.combined()] if admitted else []
     else:
@@ -48,7 +49,8 @@ def aggregate(server, updates: list[ReceivedUpdate], extra: dict | None = None) 
         course.updates_refused(received, admitted)
     if received and not admitted:
         return _rejected(server, "every update of the round was refused")
-    snapshot = admission.Snapshot(server.aggregator)
+    # a folding round's aggregator replaces the global tensors (streaming.folds): no copy of them
+    snapshot = admission.Snapshot(server.aggregator, copy=not folded)
     fields = {"num_updates": len(admitted)}
     # a round with nothing to aggregate (a skipped secure round) keeps the model, unless the
     # aggregator releases something each round (central DP's noise, whoever took part)
@@ -57,6 +59,7 @@ def aggregate(server, updates: list[ReceivedUpdate], extra: dict | None = None) 
         if not admission.finite_state(server.aggregator.global_state):
             snapshot.restore()
             return _rejected(server, "the aggregated model has non-finite values")
+    snapshot = combined = None   # the previous model and the round's mean are let go before evaluating
     server.state(admission.AdmissionState).rejected_in_a_row = 0
     fields.update(extra or {})
     expected = 0

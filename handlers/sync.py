@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 
 from fedcore.runtime import admission
-from fedcore.algorithms.streaming import round_buffer
+from fedcore.algorithms.streaming import FoldingBuffer, round_buffer
 from fedcore.kernel.contract import ReceivedUpdate
 from fedcore.handlers import evaluation, join, rounds, training
 from fedcore.kernel.registry import components, courses
@@ -32,6 +32,9 @@ def collect_update(server, msg) -> None:
         return
     server.selected.discard(msg.sender)
     server.buffer.append(ReceivedUpdate(msg.sender, msg.content, msg.round, 0))
+    if msg.owned and isinstance(server.buffer, FoldingBuffer):
+        # folded: the received copy is let go now, not after the aggregation this may trigger
+        msg.content.pop("model", None)
     if not server.selected:
         server.trigger("all_received")
 

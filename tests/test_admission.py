@@ -88,6 +88,23 @@ def test_snapshot_restores_the_previous_model_and_finiteness_is_checked():
     assert torch.equal(agg.global_state["w"], torch.tensor([1.0, 2.0])) and finite_state(agg.global_state)
 
 
+def test_a_snapshot_without_a_copy_puts_back_the_same_tensors_and_names_an_in_place_writer():
+    """A folding round's snapshot keeps the global tensors themselves (no second model): an
+    aggregator that replaces them gets them back; one that wrote them in place is named."""
+    w, steps = torch.tensor([1.0, 2.0]), torch.tensor(3)
+    agg = _Aggregator({"w": w, "steps": steps})
+    snap = Snapshot(agg, copy=False)
+    assert snap.global_state["w"] is w                       # no copy was made
+    agg.global_state = {"w": torch.tensor([float("nan"), 0.0]), "steps": torch.tensor(4)}   # replaced
+    snap.restore()
+    assert agg.global_state["w"] is w and torch.equal(w, torch.tensor([1.0, 2.0]))
+    assert agg.global_state["steps"] is steps and int(steps) == 3
+    snap = Snapshot(agg, copy=False)
+    agg.global_state["w"].fill_(float("nan"))                # written in place: nothing to put back
+    with pytest.raises(RuntimeError, match="_Aggregator.aggregate wrote the global model's tensors in place"):
+        snap.restore()
+
+
 def test_an_update_standing_for_several_clients_is_bounded_by_their_declarations_together():
     """Secure aggregation hands the server one update for all its contributors: their declared
     counts (and the cap) add up; a larger claim is still refused."""

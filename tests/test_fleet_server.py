@@ -3,6 +3,7 @@ first chunks sized to the slowest link, and the asyncio outbox's ownership and d
 import asyncio
 import hashlib
 import threading
+import weakref
 from pathlib import Path
 
 import grpc
@@ -64,6 +65,29 @@ def test_a_message_within_the_first_chunk_travels_in_one_frame_and_reassembles()
     assert len(list(chunk_frames(parts, 9, 2 * MB, FIRST_CHUNK))) == 2
     reasm = Reassembler(10 * MB, 2 * MB)
     assert bytes(reasm.feed(parse_frame(frames[0], 3 * MB).chunk)) == b"".join(parts)
+
+
+def test_a_broadcast_models_tensors_are_sent_from_where_they_lie():
+    """Content given as pieces: a tensor of 1 MiB or more is a view of the tensor (a broadcast
+    model costs no copy), the small pieces around it are joined, and the envelope is byte for
+    byte the one encoded whole, under the SHA-256 of those bytes."""
+    import torch
+    from fedcore.comm.chunking import SHARED_PIECE
+    from fedcore.wire.codec import encode_value_parts
+    big = torch.arange(SHARED_PIECE // 4 + 3, dtype=torch.float32)
+    content = {"model": {"w": big, "b": torch.ones(5)}, "num_samples": 7}
+    header = pb.Envelope(msg_type="models", sender=0, receivers=[5], round=2)
+    parts, sha = SharedContent(encode_value_parts(content)).envelope(header)
+    joined = b"".join(parts)
+    whole, whole_sha = SharedContent(encode_value(content)).envelope(header)
+    assert joined == b"".join(whole) and sha == whole_sha
+    assert sha == hashlib.sha256(joined).digest()
+    views = [p for p in parts if isinstance(p, memoryview)]
+    assert len(views) == 1 and views[0].nbytes == big.numel() * 4
+    assert torch.frombuffer(views[0], dtype=torch.uint8).data_ptr() == big.data_ptr()   # no copy
+    assert len(parts) == 5        # field, the pieces before the tensor's bytes, its bytes, the rest, header
+    decoded = from_value(decode_envelope(joined).content)
+    assert torch.equal(decoded["model"]["w"], big) and decoded["num_samples"] == 7
 
 
 # ---------------------------------------------------------------- the asyncio outbox
@@ -133,6 +157,41 @@ def test_an_idle_stream_sends_heartbeats_and_ends_when_no_longer_alive(loop):
     token = _run(loop, _claim(box))
     assert _run(loop, _drain(box, token, 2, interval=0.05)()) == [b"heartbeat", b"heartbeat"]
     assert _run(loop, _drain(box, token, 5, alive=lambda: False)()) == []
+
+
+class _Bytes(bytearray):
+    """Bytes a weak reference can watch."""
+
+
+def test_a_sent_message_is_let_go_while_the_stream_waits_for_more(loop):
+    """Neither outbox keeps what it sent alive while its stream idles: a broadcast model
+    would otherwise stay in the server's memory, once per idle stream, until the next message."""
+    from fedcore.comm.stream import Outbox
+    box = AsyncOutbox(1000, 400, iter(range(1, 100)), loop)
+    token = _run(loop, _claim(box))
+    body = _Bytes(b"a" * 900)
+    watch = weakref.ref(body)
+    box.put_message((body,))
+    del body
+
+    async def two_frames_then_idle():
+        gen = box.frames(token, lambda: True, 0.05, lambda: b"heartbeat")
+        got = [await gen.__anext__() for _ in range(3)]   # the message's two frames, a heartbeat
+        alive = watch() is not None                        # asked while the stream idles
+        await gen.aclose()
+        return got, alive
+    got, alive = _run(loop, two_frames_then_idle())
+    assert got[2] == b"heartbeat" and len(box) == 0 and not alive
+
+    sync_box = Outbox(1000, first_size=400)
+    body = _Bytes(b"b" * 900)
+    watch = weakref.ref(body)
+    sync_box.put_message((body,))
+    del body
+    frames = sync_box.frames(sync_box.claim(), lambda: True, 0.05, lambda: b"heartbeat")
+    assert [next(frames) for _ in range(3)][2] == b"heartbeat"
+    assert watch() is None and len(sync_box) == 0
+    frames.close()
 
 
 # ---------------------------------------------------------------- many streams, no threads

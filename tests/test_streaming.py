@@ -1,16 +1,20 @@
 """Streaming aggregation: the running sum equals the list-based mean, courses that fold equal
 those that do not, rules that need every update keep the list, and a deployed server's
 memory does not grow with the number of clients."""
+import copy
 import json
 import random
 
 import pytest
 import torch
 
-from fedcore.algorithms.streaming import FoldingBuffer, RunningMean
-from fedcore.kernel.contract import weighted_mean
+from fedcore.runtime.admission import finite_state
+from fedcore.algorithms.streaming import FoldingBuffer, RunningMean, round_buffer
+from fedcore.kernel.contract import evaluate_model, weighted_mean
 from fedcore.runtime.course import Course
-from fedcore.kernel.errors import ConfigError
+from fedcore.kernel.errors import ConfigError, CourseDiverged
+from fedcore.handlers.sync import collect_update
+from fedcore.kernel.message import SERVER_ID, Message
 from tests.conftest import small_cfg
 from tests.deploy_helpers import text, wait_exit, wait_for, write_cfg
 
@@ -91,6 +95,66 @@ def test_rules_that_need_every_update_keep_the_list(tmp_path):
     assert isinstance(course.server.buffer, list)
     small = _final(tmp_path, "d")                 # auto: a small model keeps today's list
     assert isinstance(small.server.buffer, list)
+
+
+def _update_message(course, sender, owned, value):
+    model = {k: torch.full_like(v, value) for k, v in course.server.aggregator.global_state.items()}
+    return model, Message("updates", sender, (SERVER_ID,), 1, 0.0, {"model": model, "num_samples": 10},
+                          owned=owned)
+
+
+def test_a_folded_update_received_over_the_wire_is_let_go_before_the_round_aggregates(tmp_path):
+    """The last update's handler runs the aggregation: a deployed server's own decoded copy
+    (`owned`) gives its model up once folded; a simulation's, shared with its sender, is kept."""
+    course = Course(small_cfg(tmp_path, aggregator__streaming="on")).build()
+    server = course.server
+    server.round, server.selected = 1, {1, 2, 3}
+    server.buffer = round_buffer(server)
+    model1, wire = _update_message(course, 1, True, 2.0)
+    model2, shared = _update_message(course, 2, False, 4.0)
+    collect_update(server, wire)
+    collect_update(server, shared)
+    assert "model" not in wire.content and wire.content["num_samples"] == 10
+    assert shared.content["model"] is model2
+    assert server.selected == {3}                       # no aggregation yet
+    for name, acc in server.buffer.running.sum.items():   # both folded, weight 10 each
+        assert torch.equal(acc, 10 * model1[name].double() + 10 * model2[name].double()), name
+
+
+def test_a_folding_round_that_diverges_keeps_the_last_finite_model(tmp_path):
+    """A folding round's snapshot holds the previous global tensors, not a copy: a non-finite
+    aggregate puts them back (the simulation then stops as diverged with a finite model)."""
+    course = Course(small_cfg(tmp_path, aggregator__streaming="on", model__type="mlp",
+                              train__optimizer__lr=1000.0, federate__total_round_num=8))
+    with pytest.raises(CourseDiverged):
+        course.run()
+    assert isinstance(course.server.buffer, FoldingBuffer)
+    assert finite_state(course.server.aggregator.global_state)
+
+
+def test_a_deployed_servers_module_views_the_global_model_a_simulations_holds_a_copy(tmp_path):
+    from fedcore.deployment.distributed import ServerCourse
+    from fedcore.handlers.evaluation import evaluate_global
+    cfg = small_cfg(tmp_path / "d", model__type="mlp", distribute__role="server", distribute__insecure=True,
+                    distribute__server_host="127.0.0.1", distribute__server_port=0)
+    deployed = ServerCourse(cfg).build().server
+    sim = Course(small_cfg(tmp_path / "s", model__type="mlp")).build().server
+
+    def shares(server):
+        module = server.model.state_dict()
+        return {n: module[n].data_ptr() == t.data_ptr() for n, t in server.aggregator.global_state.items()}
+    assert all(shares(deployed).values()) and not any(shares(sim).values())
+    # a new global model (as an aggregation makes): evaluated in place, scored as a copy would be
+    g = torch.Generator().manual_seed(3)
+    deployed.aggregator.global_state = {n: torch.randn(t.shape, generator=g)
+                                        for n, t in deployed.aggregator.global_state.items()}
+    reference = copy.deepcopy(deployed.model)
+    reference.load_state_dict(deployed.aggregator.global_state)
+    test = deployed.course.data.server_test
+    expected = evaluate_model(reference, test.x, test.y, "cross_entropy", 1024)
+    metrics = evaluate_global(deployed)
+    assert all(shares(deployed).values())
+    assert metrics["test_loss"] == expected["loss"] and metrics["test_acc"] == expected["acc"]
 
 
 # ---------------------------------------------------------------- a deployed server's memory

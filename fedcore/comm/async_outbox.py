@@ -84,6 +84,9 @@ class AsyncOutbox(OwnedQueue):
             with self._lock:
                 if self._items and self._items[0] is item:
                     self._items.popleft()
+            # nor is the sent message: a broadcast model would stay alive here, in every idle
+            # stream, until its next message (a model's worth of server memory all round long)
+            item = parts = sha = None
 
 
 async def _wait(event: asyncio.Event, seconds: float) -> None:

@@ -34,6 +34,9 @@ def first_chunk_size(chunk_size: int, heartbeat_timeout: float, min_rate: float)
     return int(min(chunk_size, max(FIRST_CHUNK, min_rate * heartbeat_timeout / 8)))
 
 
+SHARED_PIECE = 2 ** 20   # pieces of content this large are sent from where they lie, not copied
+
+
 class SharedContent:
     """One message's encoded content, framed and hashed once, for the envelopes of many receivers.
 
@@ -41,22 +44,46 @@ class SharedContent:
     Envelope (the same fields, the same byte count as header + content): the
     content's share of the SHA-256 is computed once and each receiver's small
     header is hashed on top of a copy of it.
+
+    The content is its encoding, or the pieces of it (`encode_value_parts`): then pieces of
+    `SHARED_PIECE` bytes or more (a model's tensors) stay views of the tensors, and the smaller
+    ones between them are joined; a broadcast model is then never copied, which holds while
+    its tensors are not written until every receiver has it (the global model: aggregators
+    replace its tensors, never write them).
     """
 
-    __slots__ = ("field", "content", "_digest")
+    __slots__ = ("field", "content", "pieces", "_digest")
 
-    def __init__(self, content: bytes):
-        self.field = content_field(content)
-        self.content = content
+    def __init__(self, content: bytes | list):
+        self.pieces = (content,) if isinstance(content, (bytes, bytearray)) else _coalesce(content)
+        self.content = content if len(self.pieces) == 1 and self.pieces[0] is content else self.pieces
+        self.field = content_field(sum(len(p) for p in self.pieces))
         self._digest = hashlib.sha256(self.field)
-        self._digest.update(content)
+        for piece in self.pieces:
+            self._digest.update(piece)
 
-    def envelope(self, header: pb.Envelope) -> tuple[tuple[bytes, bytes, bytes], bytes]:
+    def envelope(self, header: pb.Envelope) -> tuple[tuple[bytes, ...], bytes]:
         """(parts, SHA-256) of the envelope carrying this content under `header`."""
         head = header.SerializeToString()
         digest = self._digest.copy()
         digest.update(head)
-        return (self.field, self.content, head), digest.digest()
+        return (self.field, *self.pieces, head), digest.digest()
+
+
+def _coalesce(pieces: list) -> tuple:
+    """`pieces` with each run of small ones joined, the large ones as they are."""
+    out, run = [], []
+    for piece in pieces:
+        if len(piece) >= SHARED_PIECE:
+            if run:
+                out.append(b"".join(run))
+                run = []
+            out.append(piece)
+        else:
+            run.append(piece)
+    if run or not out:
+        out.append(b"".join(run))
+    return tuple(out)
 
 
 def _field(number: int, wire_type: int) -> bytes:

@@ -48,6 +48,7 @@ from fedcore.kernel.errors import ConfigError
 from fedcore.kernel.message import SERVER_ID, Message
 from fedcore.runtime.device import CPU
 from fedcore.wire.serialization import encode_value
+from fedcore.wire.codec import encode_value_parts
 from fedcore.wire import fedcore_pb2 as pb
 from fedcore.wire.census import values_bound
 
@@ -269,7 +270,7 @@ class GrpcServerComm(CallAdmission, Inbound):
     def send(self, msg: Message) -> None:
         """Queue `msg` for each receiver's stream: the content is encoded and hashed once for
         all of them; only each receiver's small envelope header is its own."""
-        shared = SharedContent(encode_value(msg.content))
+        shared = SharedContent(encode_value_parts(msg.content))   # a model's tensors are not copied
         self.metrics_gate.sent(msg)
         woken = []
         for receiver in msg.receivers:

@@ -12,6 +12,7 @@ import time
 
 import grpc
 
+from fedcore.comm.allocator import trim
 from fedcore.comm.chunking import Reassembler
 from fedcore.comm.handover import Arrival, Batch, Lost
 from fedcore.comm.sessions import Session
@@ -108,7 +109,9 @@ class Inbound:
                            f"{frame.chunk.message_id}, already received", logging.INFO)
                 self._turns.give_back(reasm)
                 return True  # sent again after a reconnect; we already have it
-            if len(data) > DECODE_OFF_LOOP:   # decoding a large model would hold up other clients
+            if len(data) >= TURN_BYTES:   # decoded off the loop; the frames' leftovers given back
+                msg = await asyncio.get_running_loop().run_in_executor(self._decoder, self._decode_large, s, data)
+            elif len(data) > DECODE_OFF_LOOP:   # decoding a large model would hold up other clients
                 msg = await asyncio.get_running_loop().run_in_executor(self._decoder, self._decode, s, data)
             else:
                 msg = self._decode(s, data)
@@ -123,6 +126,12 @@ class Inbound:
         elif kind == "welcome":
             raise WireError("a client sent a server's welcome frame")
         return True
+
+    def _decode_large(self, s: Session, data: bytearray) -> Message:
+        """`_decode`, then the heaps' free pages go back before the update is folded (allocator.py)."""
+        msg = self._decode(s, data)
+        trim()
+        return msg
 
     def _decode(self, s: Session, data: bytes) -> Message:
         check_values(data, self.max_values)   # before protobuf builds anything
@@ -142,4 +151,4 @@ class Inbound:
         problem = check_content(env.msg_type, content, self.server)
         if problem:
             raise WireError(problem)
-        return Message(env.msg_type, env.sender, (SERVER_ID,), env.round, env.timestamp, content)
+        return Message(env.msg_type, env.sender, (SERVER_ID,), env.round, env.timestamp, content, owned=True)

@@ -171,7 +171,9 @@ class Outbox(OwnedQueue):
                 if self._items and self._items[0] is item:
                     self._items.popleft()
                     self._cond.notify_all()
-            if kind == "frame" and pb.Frame.FromString(body).WhichOneof("kind") == "bye":
+            bye = kind == "frame" and pb.Frame.FromString(body).WhichOneof("kind") == "bye"
+            item = body = None   # a sent update is not kept alive while the stream waits for more
+            if bye:
                 return
 
     def wait_empty(self, timeout: float) -> bool:

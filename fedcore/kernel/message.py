@@ -46,6 +46,9 @@ class Message:
     content: Any = None
     _content_size: int = field(default=-1, repr=False)
     _envelope_sizes: dict | None = field(default=None, repr=False)
+    # the content was built for this receiver alone (decoded from the wire), not shared with
+    # its sender: a handler may take it apart to free memory early (a folded update's model)
+    owned: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.receivers, int):

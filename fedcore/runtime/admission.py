@@ -258,16 +258,25 @@ _TORCH = get_form("torch")
 
 class Snapshot:
     """The aggregator's state before an aggregation, to put back if the result is rejected
-    (its server optimizer's moments too: a rejected round must not have moved them)."""
+    (its server optimizer's moments too: a rejected round must not have moved them).
 
-    def __init__(self, aggregator):
+    With `copy=False` it keeps the global model's tensors themselves, not a copy (a model less
+    in memory), for an aggregator that replaces them rather than writing them (the FedAvg
+    family, whose rounds fold); their version counters tell if one was written after all."""
+
+    def __init__(self, aggregator, copy: bool = True):
         self.aggregator = aggregator
-        self.global_state = {k: v.clone() for k, v in aggregator.global_state.items()}
+        self.global_state = {k: v.clone() if copy else v for k, v in aggregator.global_state.items()}
+        self.versions = None if copy else {k: v._version for k, v in self.global_state.items()}
         self.extra = clone_tree(aggregator.state_dict())
         self.optimizer = getattr(aggregator, "server_optimizer", None)
         self.moments = clone_tree(self.optimizer.state_dict()) if self.optimizer else None
 
     def restore(self) -> None:
+        if self.versions is not None and any(t._version != self.versions[k] for k, t in self.global_state.items()):
+            raise RuntimeError(f"{type(self.aggregator).__name__}.aggregate wrote the global model's "
+                               "tensors in place, so the previous model cannot be put back; an "
+                               "aggregator replaces them (they were broadcast by reference)")
         self.aggregator.global_state = self.global_state
         if self.extra:
             self.aggregator.load_state_dict(self.extra)

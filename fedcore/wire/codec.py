@@ -16,7 +16,7 @@ from fedcore.wire.tensor_forms import WIRE_DTYPES, get_form, wire_parts
 from fedcore.wire import fedcore_pb2 as pb
 from fedcore.wire.errors import MAX_DEPTH, WireError
 
-__all__ = ["WireError", "MAX_DEPTH", "encode_value", "from_value", "decode_envelope", "envelope_parts",
+__all__ = ["WireError", "MAX_DEPTH", "encode_value", "encode_value_parts", "from_value", "decode_envelope", "envelope_parts",
            "content_field", "uvarint", "zigzag", "varint_size", "receiver_width"]
 
 def uvarint(n: int) -> bytes:
@@ -130,9 +130,15 @@ def _encode(obj: Any, pieces: list, depth: int) -> int:
 def encode_value(obj: Any) -> bytes:
     """The encoded protobuf Value of `obj`, byte for byte what protobuf would write, with each
     tensor's bytes copied once (into the result)."""
+    return b"".join(encode_value_parts(obj))
+
+
+def encode_value_parts(obj: Any) -> list:
+    """The pieces whose concatenation is `encode_value(obj)`, a tensor's bytes as a view of the
+    tensor (not copied): for content that is not written while its pieces are in use."""
     pieces: list = []
     _encode(obj, pieces, 0)
-    return b"".join(pieces)
+    return pieces
 
 
 def from_value(v: pb.Value, form: str = "torch", _depth: int = 0) -> Any:
@@ -184,9 +190,9 @@ def envelope_parts(header: pb.Envelope, content: bytes) -> tuple[bytes, bytes, b
     return header.SerializeToString(), content_field(content), content
 
 
-def content_field(content: bytes) -> bytes:
-    """The tag and length that make `content` an Envelope's field 7."""
-    return b"\x3a" + uvarint(len(content))
+def content_field(content: bytes | int) -> bytes:
+    """The tag and length that make `content` (or that many bytes) an Envelope's field 7."""
+    return b"\x3a" + uvarint(content if isinstance(content, int) else len(content))
 
 
 def decode_envelope(data: bytes, consume: bool = False) -> pb.Envelope:
