@@ -103,12 +103,12 @@ def _measure(fn: Callable[[], tuple], conn, exact: bool) -> None:
         torch.backends.cudnn.allow_tf32 = False
     try:
         start = time.perf_counter()
-        times, fits = fn()
+        times, fits, workers_kb = fn()
         whole = time.perf_counter() - start
         own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
         state = {k: v.cpu() for k, v in times.final_state.items()}
-        kids = max(kids, int(getattr(times, "worker_peak_mb", 0.0) * 1024))   # pool workers
+        kids = max(kids, workers_kb)   # a pool's workers, children of its fork server
         conn.send_bytes(_encode({"rounds": times.wall_rounds, "whole": whole, "rss_kb": own,
                                  "children_rss_kb": kids, "state": state, "fits": fits}))
     except Exception as exc:  # noqa: BLE001 - reported by the parent
@@ -138,8 +138,8 @@ def _fedcore(name: str, users: int, cfg) -> Callable[[], tuple]:
         times = run_fedcore(cfg, workload_data(name, users, resident=cfg["device"] != "cpu"),
                             before_run=lambda course: seen.setdefault("course", course))
         summary = seen["course"].monitor.extra_summary
-        times.worker_peak_mb = summary.get("worker_peak_rss_mb", 0.0)
-        return times, [summary.get("batched_fits", 0), summary.get("sequential_fits", 0)]
+        return (times, [summary.get("batched_fits", 0), summary.get("sequential_fits", 0)],
+                int(summary.get("worker_peak_rss_mb", 0.0) * 1024))
     return run
 
 
@@ -149,7 +149,7 @@ def _plain(name: str, users: int, cfg, device: str, threads: int | None) -> Call
             torch.set_num_threads(threads)
         # on a GPU the plain loop's data are there before it starts, as fedcore keeps them
         data = place_data(workload_data(name, users, resident=device != "cpu"), torch.device(device), None)
-        return run_plain(cfg, data, device), [0, 0]
+        return run_plain(cfg, data, device), [0, 0], 0
     return run
 
 

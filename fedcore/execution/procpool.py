@@ -29,6 +29,7 @@ import yaml
 from fedcore.kernel import registry
 from fedcore.kernel.contract import FitResult
 from fedcore.execution.batching import Engine
+from fedcore.runtime.device import made_on_access
 from fedcore.wire.serialization import WireError, encode_value, from_value
 from fedcore.kernel.state import MemoryStateStore
 from fedcore.wire import fedcore_pb2 as pb
@@ -107,11 +108,6 @@ def build_worker_course(values_yaml: str, threads: int, data=None):
     return Course(load_config(None, extra=yaml.safe_load(values_yaml))).build(data)
 
 
-def _made_on_access(data) -> bool:
-    """Clients whose data a mapping makes when asked (it cannot list them): sent with the jobs."""
-    return len(data.clients.keys()) != len(data.clients)
-
-
 def _data_of(client) -> list:
     """A client's splits as tensors: [[x, y] of train, of val, of test]."""
     return [[s.x, s.y] for s in (client.train, client.val, client.test)]
@@ -120,8 +116,9 @@ def _data_of(client) -> list:
 def _encode_data(data) -> bytes:
     """A course's FederatedData as `fedcore.wire.serialization` bytes (its splits are tensors); with
     clients made on access, none (their data go with each job)."""
-    clients = [] if _made_on_access(data) else [[cid, *_data_of(c)] for cid, c in data.clients.items()]
-    return _encode({"clients": clients, "on_access": _made_on_access(data),
+    on_access = made_on_access(data.clients)
+    clients = [] if on_access else [[cid, *_data_of(c)] for cid, c in data.clients.items()]
+    return _encode({"clients": clients, "on_access": on_access,
                     "test": [data.server_test.x, data.server_test.y],
                     "shape": list(data.input_shape), "num_classes": int(data.num_classes)})
 
@@ -221,7 +218,7 @@ class ProcessEngine(Engine):
         # data handed to the course (not made from its config) go to the workers as tensors
         handed = not getattr(self.course, "data_from_config", True)
         data = _encode_data(self.course.data) if handed else b""
-        self._with_jobs = handed and _made_on_access(self.course.data)
+        self._with_jobs = handed and made_on_access(self.course.data.clients)
         for _ in range(self.size):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=_serve, args=(child,), daemon=True)

@@ -18,7 +18,7 @@ from fedcore.kernel.config import declare, validator
 from fedcore.kernel.errors import ConfigError
 from fedcore.kernel.state import StateStore
 
-__all__ = ["resolve_device", "to_device", "to_cpu", "DeviceStateStore", "place_data",
+__all__ = ["resolve_device", "to_device", "to_cpu", "DeviceStateStore", "place_data", "made_on_access",
            "apply_determinism"]
 
 CPU = torch.device("cpu")
@@ -122,6 +122,12 @@ class DeviceStateStore(StateStore):
         self.inner.close()
 
 
+def made_on_access(clients) -> bool:
+    """Whether a mapping of clients makes each one's data when asked (10^6 clients need no
+    resident shards): it cannot list them, so nothing can move or send them all at once."""
+    return len(clients.keys()) != len(clients)
+
+
 def place_data(data, device: torch.device, budget: int | None):
     """`data` with every client's splits and the server's test set on `device` when they fit
     in `budget` bytes (default: half the device's free memory), else `data` itself, whose
@@ -129,7 +135,7 @@ def place_data(data, device: torch.device, budget: int | None):
     if device.type == "cpu":
         return data
     clients = data.clients
-    if len(clients.keys()) != len(clients):   # clients made on access: moved batch by batch
+    if made_on_access(clients):   # moved batch by batch
         return data
     splits = [s for c in clients.values() for s in (c.train, c.val, c.test)] + [data.server_test]
     size = sum(t.numel() * t.element_size() for s in splits for t in (s.x, s.y))
