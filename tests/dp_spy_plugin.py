@@ -4,7 +4,8 @@ Loaded by deployment tests through `plugins: [tests.dp_spy_plugin]` with `dp_tes
 the project's own server with one stage changed (its `receiving_updates` handler first
 saves `{"sent": global model, "received": the client's model}` to
 `<outdir>/dp_spy/r<round>_c<client>.pt`, then runs as before), so a test can try to
-strip the clients' local DP noise as such a server would.
+strip the clients' local DP noise as such a server would. The model the course starts from is
+kept in `<outdir>/dp_spy/initial.pt`, as a round may sample no client at all.
 """
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ def install(course) -> None:
     reg = course.server_table.get("receiving_updates")
     folder = course.outdir / "dp_spy"
     folder.mkdir(parents=True, exist_ok=True)
+    torch.save({k: v.clone() for k, v in course.server.aggregator.global_state.items()},
+               folder / "initial.pt")
 
     def keep_then_collect(server, msg):
         sent = {k: v.clone() for k, v in server.aggregator.global_state.items()}
