@@ -47,9 +47,10 @@ class LaunchTree:
             self.edge_env[e][CLOUD_TOKEN_ENV] = edge_tokens[e]
         return edge_tokens
 
-    def start(self, base: list[str], cloud_port: str, outdir: Path, preexec, timeout: float,
+    def start(self, base: list[str], cloud_port: str, outdir: Path, spawn, timeout: float,
               supervise, children: list) -> bool:
-        """Start every edge against the cloud (each through `supervise`, so that under
+        """Start every edge against the cloud (`spawn(argv, env)` starts a process, as the
+        launcher starts its own; each goes through `supervise`, so that under
         `--restart` an edge comes back on its own port, where its clients redial), appending
         each to `children`; wait for each to listen and note each client's edge port in
         `client_ports`. False, said why, when an edge does not listen."""
@@ -59,10 +60,9 @@ class LaunchTree:
             def start(first: bool) -> subprocess.Popen:
                 if first:
                     address_file(outdir, e).unlink(missing_ok=True)
-                return subprocess.Popen(base + self.edge_extra[e] + [
+                return spawn(base + self.edge_extra[e] + [
                     "distribute.role=edge", f"distribute.edge_id={e}", f"distribute.cloud_port={cloud_port}",
-                    f"distribute.server_port={'0' if first else ports[e]}"],
-                    env=self.edge_env[e], preexec_fn=preexec)
+                    f"distribute.server_port={'0' if first else ports[e]}"], self.edge_env[e])
             return start
         started = {}
         for e in sorted(self.topology.edges):
