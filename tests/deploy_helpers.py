@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -48,27 +47,29 @@ def _env() -> dict:
     return env
 
 
-_zygote = None
+_fork_server_of_this_process = None
 
 
 def _fork_server():
-    """This test process's zygote (tests/zygote.py), started at first use; None where
-    FEDCORE_TEST_ZYGOTE=0 asks for a fresh interpreter per process."""
-    global _zygote
-    if os.environ.get("FEDCORE_TEST_ZYGOTE", "1") == "0":
+    """This test process's fork server (fedcore/deployment/forkserver.py, the one
+    `fedcore.launch` uses), started at first use; None where FEDCORE_TEST_ZYGOTE=0 asks for a
+    fresh interpreter per process, or where the system cannot fork one."""
+    global _fork_server_of_this_process
+    from fedcore.deployment.forkserver import ForkServer, available
+    if os.environ.get("FEDCORE_TEST_ZYGOTE", "1") == "0" or not available():
         return None
-    if _zygote is None:
-        from tests.zygote import Zygote
-        _zygote = Zygote(tempfile.mkdtemp(prefix="fedcore-zygote-"), _env(), str(ROOT))
-        atexit.register(_zygote.close)
-    return _zygote
+    if _fork_server_of_this_process is None:
+        _fork_server_of_this_process = ForkServer(_env(), str(ROOT))
+        atexit.register(_fork_server_of_this_process.close)
+    return _fork_server_of_this_process
 
 
 class Procs:
     """Starts processes with their output in files; `cleanup()` kills the survivors.
 
-    `python -m fedcore.run` processes are forked from a zygote that imported torch, gRPC and
-    fedcore once (tests/zygote.py): real processes, without two seconds of imports each."""
+    `python -m fedcore.run` processes are forked from a fork server that imported torch, gRPC
+    and fedcore once (fedcore/deployment/forkserver.py): real processes, without three seconds
+    of imports each."""
 
     def __init__(self, tmp: Path):
         self.tmp = tmp
@@ -76,11 +77,11 @@ class Procs:
 
     def start(self, name: str, args: list[str], env: dict | None = None, **popen) -> subprocess.Popen:
         log = self.tmp / f"{name}.log"
-        zygote = _fork_server() if args[:2] == ["-m", "fedcore.run"] and not popen else None
+        server = _fork_server() if args[:2] == ["-m", "fedcore.run"] and not popen else None
         full_env = {**_env(), **(env or {})}
-        if zygote is not None:
-            log.touch()   # there from the start, as with Popen
-            p = zygote.spawn(args[2:], full_env, str(ROOT), str(log))
+        if server is not None:
+            with log.open("ab") as fh, open(os.devnull, "rb") as null:
+                p = server.spawn(args[2:], full_env, str(ROOT), (null.fileno(), fh.fileno(), fh.fileno()))
         else:
             fh = log.open("ab")
             p = subprocess.Popen([sys.executable, *args], stdout=fh, stderr=subprocess.STDOUT,
@@ -154,10 +155,13 @@ def interrupt(p: subprocess.Popen) -> None:
     p.send_signal(signal.SIGINT)
 
 
+FORK = ["--start-method", "forkserver"]   # launches whose processes the test does not look at
+
+
 def launch_course(procs, cfg: Path, out: Path, clients: int, timeout: float = 300) -> str:
     """`python -m fedcore.launch` for `cfg` (a server and its clients on loopback) writing to
     `out`; its log, once it exited 0 with every client finished and nothing refused."""
-    launcher = procs.start("launch", ["-m", "fedcore.launch", "--cfg", str(cfg), f"outdir={out}"])
+    launcher = procs.start("launch", ["-m", "fedcore.launch", *FORK, "--cfg", str(cfg), f"outdir={out}"])
     assert wait_exit(launcher, timeout) == 0, text(launcher)[-3000:]
     log = text(launcher)
     assert "refused" not in log, log[-3000:]

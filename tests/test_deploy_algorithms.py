@@ -20,7 +20,7 @@ import torch
 
 from fedcore.runtime.course import Course
 from tests.conftest import small_cfg
-from tests.deploy_helpers import server_port, text, wait_exit, wait_for, write_cfg
+from tests.deploy_helpers import FORK, server_port, text, wait_exit, wait_for, write_cfg
 
 pytestmark = pytest.mark.slow
 
@@ -67,7 +67,7 @@ def test_deployed_sync_course_equals_the_simulation(tmp_path, procs, name):
     keys = {"federate.client_num": 2, "eval.clients": False, **SYNC_COURSES[name]}
     cfg = write_cfg(tmp_path / "course.yaml", {**keys, "distribute.heartbeat_interval": 0.5})
     out = tmp_path / "deployed"
-    launcher = procs.start("launch", ["-m", "fedcore.launch", "--cfg", str(cfg), f"outdir={out}"])
+    launcher = procs.start("launch", ["-m", "fedcore.launch", *FORK, "--cfg", str(cfg), f"outdir={out}"])
     assert wait_exit(launcher, 300) == 0, text(launcher)[-3000:]
     log = text(launcher)
     assert "refused" not in log and "client 2: course finished" in log

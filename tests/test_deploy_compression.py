@@ -12,7 +12,7 @@ import torch
 
 from fedcore.runtime.course import Course
 from tests.conftest import small_cfg
-from tests.deploy_helpers import text, wait_exit, write_cfg
+from tests.deploy_helpers import FORK, text, wait_exit, write_cfg
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +30,7 @@ def test_compressed_courses_deploy_as_they_simulate(tmp_path, procs):
     for name, keys in COURSES.items():
         cfg = write_cfg(tmp_path / f"{name}.yaml", {**DIM, **keys, "eval.clients": False})
         out = tmp_path / name
-        launched[name] = (out, procs.start(name, ["-m", "fedcore.launch", "--cfg", str(cfg),
+        launched[name] = (out, procs.start(name, ["-m", "fedcore.launch", *FORK, "--cfg", str(cfg),
                                                   f"outdir={out}"]))
     plain = tmp_path / "plain"
     Course(small_cfg(plain, federate__client_num=3, data__synthetic__dim=200)).run()

@@ -13,7 +13,7 @@ import torch
 
 from fedcore.runtime.course import Course
 from tests.conftest import small_cfg
-from tests.deploy_helpers import make_certs, text, wait_exit, write_cfg
+from tests.deploy_helpers import FORK, make_certs, text, wait_exit, write_cfg
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +28,7 @@ def test_deployed_course_over_mutual_tls_equals_the_simulation(tmp_path, procs):
                                                "distribute.heartbeat_interval": 0.5})
     out = tmp_path / "deployed"
     launcher = procs.start("launch", [
-        "-m", "fedcore.launch", "--cfg", str(cfg), "--clients", "3", f"outdir={out}",
+        "-m", "fedcore.launch", *FORK, "--cfg", str(cfg), "--clients", "3", f"outdir={out}",
         "--server-opt", f"distribute.tls.cert={certs['server_cert']}",
         "--server-opt", f"distribute.tls.key={certs['server_key']}",
         "--client-opt", f"distribute.tls.cert={certs['client_cert']}",

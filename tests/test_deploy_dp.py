@@ -20,7 +20,7 @@ from fedcore.algorithms.dp import gaussian_noise
 from fedcore.algorithms.dp_noise import noise_generator
 from fedcore.runtime.course import Course
 from tests.conftest import small_cfg
-from tests.deploy_helpers import text, wait_exit, write_cfg
+from tests.deploy_helpers import FORK, text, wait_exit, write_cfg
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +38,7 @@ def _deploy(tmp_path, procs, runs: dict[str, dict]) -> dict:
             "privacy.dp.noise_multiplier": SIGMA, "privacy.dp.clip_norm": CLIP,
             "plugins": ["tests.dp_spy_plugin"], "dp_test.spy": True, **keys})
         out = tmp_path / name
-        launched[name] = (out, procs.start(name, ["-m", "fedcore.launch", "--cfg", str(cfg),
+        launched[name] = (out, procs.start(name, ["-m", "fedcore.launch", *FORK, "--cfg", str(cfg),
                                                   f"outdir={out}"]))
     for out, launcher in launched.values():
         assert wait_exit(launcher, 300) == 0, text(launcher)[-3000:]
@@ -136,7 +136,7 @@ def test_seeded_central_dp_with_an_empty_round_deploys_as_it_simulates(tmp_path,
     assert 0 in sizes and len(set(sizes)) > 1, sizes
     cfg = write_cfg(tmp_path / "course.yaml", {**keys, **SEEDED, "seed": seed})
     out = tmp_path / "deployed"
-    launcher = procs.start("launch", ["-m", "fedcore.launch", "--cfg", str(cfg), f"outdir={out}"])
+    launcher = procs.start("launch", ["-m", "fedcore.launch", *FORK, "--cfg", str(cfg), f"outdir={out}"])
     assert wait_exit(launcher, 300) == 0, text(launcher)[-3000:]
     assert [r["num_updates"] for r in _records(out)] == sizes
     deployed = torch.load(out / "final_model.pt", weights_only=True)

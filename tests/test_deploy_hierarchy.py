@@ -15,7 +15,7 @@ import torch
 from fedcore.runtime.course import Course
 from fedcore.deployment.edge_process import address_file
 from tests.conftest import small_cfg
-from tests.deploy_helpers import server_port, text, wait_exit, wait_for, write_cfg
+from tests.deploy_helpers import FORK, server_port, text, wait_exit, wait_for, write_cfg
 
 pytestmark = pytest.mark.slow
 
@@ -125,7 +125,7 @@ def test_launch_starts_the_edges(tmp_path, procs):
     keys = {**COURSE, "topology.assign": "random"}
     cfg = write_cfg(tmp_path / "course.yaml", {**keys, "distribute.heartbeat_interval": 0.5})
     out = tmp_path / "deployed"
-    launcher = procs.start("launch", ["-m", "fedcore.launch", "--cfg", str(cfg), f"outdir={out}"])
+    launcher = procs.start("launch", ["-m", "fedcore.launch", *FORK, "--cfg", str(cfg), f"outdir={out}"])
     assert wait_exit(launcher, 300) == 0, text(launcher)[-3000:]
     log = text(launcher)
     assert "edge 5: course finished" in log and "edge 6: course finished" in log

@@ -10,7 +10,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 from fedcore.runtime.course import Course  # noqa: E402
-from tests.deploy_helpers import text, wait_exit, write_cfg  # noqa: E402
+from tests.deploy_helpers import FORK, text, wait_exit, write_cfg  # noqa: E402
 from tests.test_llm import HIDDEN, RANK, TINY_LM, lm_cfg  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -25,7 +25,7 @@ def test_deployed_lora_course_equals_its_simulation(tmp_path, procs):
     keys = dict(TINY_LM)
     cfg = write_cfg(tmp_path / "course.yaml", {**keys, "distribute.heartbeat_interval": 0.5})
     out = tmp_path / "deployed"
-    launcher = procs.start("launch", ["-m", "fedcore.launch", "--cfg", str(cfg), f"outdir={out}"])
+    launcher = procs.start("launch", ["-m", "fedcore.launch", *FORK, "--cfg", str(cfg), f"outdir={out}"])
     assert wait_exit(launcher, 400) == 0, text(launcher)[-3000:]
     assert "client 2: course finished" in text(launcher)
 

@@ -12,7 +12,7 @@ need_extra("secagg")
 from fedcore.algorithms.secagg_identity import write_roster
 from fedcore.runtime.course import Course
 from tests.conftest import small_cfg
-from tests.deploy_helpers import server_port, text, wait_exit, write_cfg
+from tests.deploy_helpers import FORK, server_port, text, wait_exit, write_cfg
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,7 @@ def _same_model(deployed_dir, simulated_dir):
 def test_a_secure_course_over_grpc_equals_its_simulation(tmp_path, procs):
     cfg = write_cfg(tmp_path / "course.yaml", {**KEYS, "distribute.heartbeat_interval": 0.5})
     out = tmp_path / "deployed"
-    launcher = procs.start("launch", ["-m", "fedcore.launch", "--cfg", str(cfg), f"outdir={out}"])
+    launcher = procs.start("launch", ["-m", "fedcore.launch", *FORK, "--cfg", str(cfg), f"outdir={out}"])
     assert wait_exit(launcher, 300) == 0, text(launcher)[-3000:]
     assert "refused" not in text(launcher) and "client 3: course finished" in text(launcher)
 
@@ -93,7 +93,7 @@ def test_a_lying_server_over_grpc_gets_no_share_and_exits_non_zero(tmp_path, pro
     cfg = write_cfg(tmp_path / "course.yaml", {**ADVERSARY, "secagg_test.adversary": "split_server",
                                                "federate.total_round_num": 1})
     out = tmp_path / "deployed"
-    launcher = procs.start("launch", ["-m", "fedcore.launch", "--cfg", str(cfg), f"outdir={out}"])
+    launcher = procs.start("launch", ["-m", "fedcore.launch", *FORK, "--cfg", str(cfg), f"outdir={out}"])
     assert wait_exit(launcher, 300) == 6, text(launcher)[-3000:]     # nothing was aggregated
     log = text(launcher)
     for k in (1, 2, 3, 4):
@@ -108,7 +108,7 @@ def test_a_client_sending_garbage_shares_over_grpc_is_excluded_and_the_rest_trai
     keys = {**ADVERSARY, "secagg_test.adversary": "garbage_shares", "secagg_test.bad_client": 4}
     cfg = write_cfg(tmp_path / "course.yaml", keys)
     out = tmp_path / "deployed"
-    launcher = procs.start("launch", ["-m", "fedcore.launch", "--cfg", str(cfg), f"outdir={out}"])
+    launcher = procs.start("launch", ["-m", "fedcore.launch", *FORK, "--cfg", str(cfg), f"outdir={out}"])
     assert wait_exit(launcher, 300) == 0, text(launcher)[-3000:]
     log = text(launcher)
     assert "client 4 excluded: its shares failed their checks at client(s) [1, 2, 3]" in log

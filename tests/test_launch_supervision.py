@@ -25,23 +25,33 @@ def _cmdline(pid: int) -> str:
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc")
 @pytest.mark.slow
-def test_sigkill_of_the_launcher_ends_its_processes_and_removes_its_tokens(procs, tmp_path):
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_sigkill_of_the_launcher_ends_its_processes_and_removes_its_tokens(procs, tmp_path, method):
     cfg = write_cfg(tmp_path / "course.yaml", {
         "plugins": ["tests.slow_plugin"], "algorithm.name": "fedavg_pausing", "slow_test.pause": 0.3,
         "federate.client_num": 2, "federate.total_round_num": 10000, "eval.clients": False})
     out = tmp_path / "out"
     temp = tmp_path / "temp"
     temp.mkdir()
-    launcher = procs.start("launch", ["-m", "fedcore.launch", "--cfg", str(cfg), f"outdir={out}"],
-                           env={"TMPDIR": str(temp)})
+    launcher = procs.start("launch", ["-m", "fedcore.launch", "--start-method", method, "--cfg", str(cfg),
+                                      f"outdir={out}"], env={"TMPDIR": str(temp)})
     metrics = out / "metrics.jsonl"
     wait_for(lambda: launcher.poll() is None and metrics.exists() and metrics.read_text().count("\n") >= 2,
              240, "two rounds of the launched course")
     assert launcher.poll() is None, text(launcher)[-3000:]
     children = _children(launcher.pid)
     tokens = list(temp.glob("fedcore-tokens-*"))
-    courses = [p for p in children if "fedcore.run" in _cmdline(p)]
     guardians = [p for p in children if "launch_guard.py" in _cmdline(p)]
+    if method == "forkserver":   # the course's processes are the fork server's children
+        servers = [p for p in children if "fedcore.deployment.forkserver" in _cmdline(p)]
+        assert len(servers) == 1, text(launcher)[-3000:]
+        server = servers[0]
+        courses = _children(server)
+        children += courses
+        socket_folder = Path(_cmdline(server).split()[-1]).parent
+        assert (socket_folder / "socket").exists()
+    else:
+        courses = [p for p in children if "fedcore.run" in _cmdline(p)]
     assert len(courses) == 3 and len(guardians) == 1 and len(tokens) == 1  # server, 2 clients
     assert (tokens[0] / "tokens.yaml").is_file()
     try:
@@ -57,6 +67,8 @@ def test_sigkill_of_the_launcher_ends_its_processes_and_removes_its_tokens(procs
     rounds = metrics.read_text().count("\n")
     time.sleep(1.0)
     assert metrics.read_text().count("\n") == rounds  # the course is over, not going on as orphans
+    if method == "forkserver":   # the fork server's socket and its folder removed too
+        assert not socket_folder.exists()
 
 
 def _sleeper() -> subprocess.Popen:

@@ -1,6 +1,7 @@
-"""The deployment tests' zygote (tests/zygote.py): what it starts behaves as a fresh
-`python -m fedcore.run` process would, as far as the tests can tell: its own pid, output, exit
-code and signals."""
+"""The fork server (fedcore/deployment/forkserver.py, which the deployment tests and
+`fedcore.launch` start processes with): what it starts behaves as a fresh `python -m
+fedcore.run` process would, as far as the tests can tell: its own pid, output, exit code and
+signals."""
 import os
 import signal
 
@@ -17,7 +18,7 @@ def test_a_forked_run_has_its_own_pid_output_and_exit_code(tmp_path, procs: Proc
     listing = procs.start("keys", ["-m", "fedcore.run", "--list-keys"])
     bad = procs.start("bad", ["-m", "fedcore.run", "--cfg", str(tmp_path / "missing.yaml")])
     assert wait_exit(listing, 60) == 0 and wait_exit(bad, 60) == 2
-    assert type(listing).__name__ == "ZygoteProcess"   # not a Popen: forked, not started afresh
+    assert type(listing).__name__ == "ForkedProcess"   # not a Popen: forked, not started afresh
     assert listing.pid not in (os.getpid(), bad.pid)
     assert "federate.client_num" in text(listing)
     assert "missing.yaml" in text(bad) and "federate.client_num" not in text(bad)
