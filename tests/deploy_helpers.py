@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -62,6 +63,30 @@ def _fork_server():
         _fork_server_of_this_process = ForkServer(_env(), str(ROOT))
         atexit.register(_fork_server_of_this_process.close)
     return _fork_server_of_this_process
+
+
+def run_fedcore(args, env: dict | None = None, cwd=None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python -m fedcore.run ARGS` to its end, as `subprocess.run(..., capture_output=True,
+    text=True)` runs it (`env` None: this process's; `cwd` None: this one's), forked from
+    this test process's fork server where there is one."""
+    argv = [sys.executable, "-m", "fedcore.run", *map(str, args)]
+    env = dict(os.environ if env is None else env)
+    cwd = str(cwd or os.getcwd())
+    server = _fork_server()
+    if server is None:
+        return subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, open(os.devnull, "rb") as null:
+        p = server.spawn(argv[3:], env, cwd, (null.fileno(), out.fileno(), err.fileno()))
+        try:
+            code = p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            raise
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(argv, code, out.read().decode(errors="replace"),
+                                           err.read().decode(errors="replace"))
 
 
 class Procs:

@@ -2,8 +2,6 @@
 import json
 import logging
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,7 +14,7 @@ from fedcore.kernel.errors import EXIT_DIVERGED, CourseDiverged
 from fedcore.runtime.monitor import Monitor, strict_json
 from tests.conftest import small_cfg
 from fedcore.kernel.server_state import Outcome, StateHolder, WorkerStates
-from tests.deploy_helpers import ROOT, _env, write_cfg
+from tests.deploy_helpers import ROOT, _env, write_cfg, run_fedcore
 
 
 class _Course:
@@ -146,8 +144,7 @@ def test_a_diverging_simulation_stops_with_the_last_finite_model(tmp_path):
 
 def test_a_diverging_run_exits_with_its_own_code_and_one_line(tmp_path):
     cfg = write_cfg(tmp_path / "c.yaml", DIVERGING)
-    p = subprocess.run([sys.executable, "-m", "fedcore.run", "--cfg", str(cfg), f"outdir={tmp_path / 'out'}"],
-                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    p = run_fedcore(["--cfg", cfg, f"outdir={tmp_path / 'out'}"], env=_env(), cwd=ROOT)
     assert p.returncode == EXIT_DIVERGED == 5
     lines = p.stderr.strip().splitlines()
     assert lines[-1].startswith("fedcore: course diverged in round ") and "Traceback" not in p.stderr

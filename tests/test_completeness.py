@@ -1,7 +1,5 @@
 """Completeness: the message-flow graph passes, warns, or refuses the course (exit 3)."""
 import os
-import subprocess
-import sys
 
 import networkx as nx
 import pytest
@@ -11,6 +9,7 @@ from fedcore.runtime.course import Course
 from fedcore.kernel.errors import IncompleteCourseError
 from fedcore.kernel.worker import HandlerTable
 from tests.conftest import small_cfg
+from tests.deploy_helpers import run_fedcore
 
 
 def test_default_course_is_complete_and_graph_is_written(tmp_path):
@@ -69,8 +68,7 @@ def test_cli_check_exits_3_for_an_incomplete_course(tmp_path):
                    "data: {synthetic: {samples_per_client: 20}}\n")
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     for extra in (["--check"], []):
-        r = subprocess.run([sys.executable, "-m", "fedcore.run", "--cfg", str(cfg), *extra],
-                           capture_output=True, text=True, env=env, timeout=120)
+        r = run_fedcore(["--cfg", cfg, *extra], env=env, timeout=120)
         assert r.returncode == 3, r.stderr
         assert "all_received" in r.stderr
 

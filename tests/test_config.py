@@ -1,12 +1,11 @@
 """Config: YAML + dotted overrides, schema defaults, and one-line errors with exit code 2."""
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from fedcore.kernel.config import SCHEMA, load_config, parse_override
 from fedcore.kernel.errors import ConfigError
+from tests.deploy_helpers import run_fedcore
 
 
 def _write(tmp_path, text):
@@ -42,8 +41,7 @@ def test_bad_configs_raise_one_line_errors(tmp_path, text, fragment):
 
 
 def _cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "fedcore.run", *args], capture_output=True, text=True,
-                          cwd=cwd, timeout=120)
+    return run_fedcore(args, cwd=cwd, timeout=120)
 
 
 def test_cli_typo_exits_2_with_suggestion(tmp_path):

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import need_extra
+from tests.deploy_helpers import run_fedcore
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,8 +99,7 @@ def _run(env: dict[str, str], args: tuple[str, ...], outdir: Path) -> subprocess
         args.append(f"outdir={outdir}")
     extra = {k: str(ROOT / v) if k == "PYTHONPATH" else v for k, v in env.items()}
     full_env = {**os.environ, **extra, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "fedcore.run", *args], cwd=ROOT, env=full_env,
-                          capture_output=True, text=True, timeout=600)
+    return run_fedcore(args, env=full_env, cwd=ROOT, timeout=600)
 
 
 COMMANDS = _doc_commands()

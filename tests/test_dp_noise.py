@@ -1,7 +1,5 @@
 """Where DP noise comes from: seeded (reproducible) in simulation, the OS in deployment."""
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -10,7 +8,7 @@ from fedcore.algorithms.dp_noise import os_standard_normal, resolved_noise_sourc
 from fedcore.runtime.course import Course
 from fedcore.kernel.errors import ConfigError
 from tests.conftest import small_cfg
-from tests.deploy_helpers import ROOT, _env, write_cfg
+from tests.deploy_helpers import ROOT, _env, write_cfg, run_fedcore
 
 
 def test_os_draws_are_standard_normal_and_fresh():
@@ -48,15 +46,13 @@ def test_seeded_noise_is_refused_in_deployment_unless_the_diagnostic_switch_asks
 
 def test_the_refusal_is_one_line_and_exit_2(tmp_path):
     cfg = write_cfg(tmp_path / "course.yaml")
-    cmd = [sys.executable, "-m", "fedcore.run", "--cfg", str(cfg), "distribute.role=server",
-           "distribute.insecure=true",
-           "privacy.dp.mode=local", "privacy.dp.noise_source=seeded", f"outdir={tmp_path}"]
-    done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    args = ["--cfg", cfg, "distribute.role=server", "distribute.insecure=true",
+            "privacy.dp.mode=local", "privacy.dp.noise_source=seeded", f"outdir={tmp_path}"]
+    done = run_fedcore(args, env=_env(), cwd=ROOT, timeout=120)
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "privacy.dp.noise_source" in lines[0], done.stderr
-    helped = subprocess.run([sys.executable, "-m", "fedcore.run", "--help-key", "privacy.dp.noise_source"],
-                            cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    helped = run_fedcore(["--help-key", "privacy.dp.noise_source"], env=_env(), cwd=ROOT, timeout=120)
     assert helped.returncode == 0 and "auto" in helped.stdout and "os" in helped.stdout
 
 

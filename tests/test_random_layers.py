@@ -4,8 +4,6 @@ named before the first round."""
 from __future__ import annotations
 
 import logging
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,6 +14,7 @@ from fedcore.runtime.course import Course
 from fedcore.execution.random_layers import random_layer_reason
 from fedcore.scenarios.data import ClientData, FederatedData, Split
 from tests.conftest import small_cfg
+from tests.deploy_helpers import run_fedcore
 
 
 def _images(clients: int = 5, n: int = 14, shape=(1, 8, 8)) -> FederatedData:
@@ -113,9 +112,7 @@ def test_check_names_the_layer_that_keeps_a_course_sequential(tmp_path):
     (tmp_path / "c.yaml").write_text("executor: vectorized\nverbose: false\ndata:\n  type: digits\n"
                                      "model:\n  type: convnet2\n  norm: batch\n  convnet2_hidden: 8\n"
                                      "federate:\n  client_num: 3\n")
-    out = subprocess.run(
-        [sys.executable, "-m", "fedcore.run", "--cfg", str(tmp_path / "c.yaml"), "--check"],
-        capture_output=True, text=True, timeout=120)
+    out = run_fedcore(["--cfg", tmp_path / "c.yaml", "--check"], timeout=120)
     assert out.returncode == 0, out.stderr
     assert "layer features.1 (BatchNorm2d)" in out.stdout + out.stderr
 

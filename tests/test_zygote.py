@@ -4,10 +4,12 @@ fedcore.run` process would, as far as the tests can tell: its own pid, output, e
 signals."""
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 
-from tests.deploy_helpers import Procs, server_port, text, wait_exit, write_cfg
+from tests.deploy_helpers import Procs, run_fedcore, server_port, text, wait_exit, write_cfg
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(os.environ.get("FEDCORE_TEST_ZYGOTE") == "0",
@@ -65,3 +67,17 @@ def test_a_forked_run_sees_the_pythonpath_its_test_gives_it(tmp_path, procs: Pro
     assert wait_exit(p, 60) == 0, text(p)[-2000:]
     assert "zygote_probe.size: int, default 7" in text(p)
 
+
+
+def test_a_forked_run_imports_from_its_working_directory_as_python_m_does(tmp_path):
+    # `python -m` puts the working directory first on sys.path: a plug-in beside the config
+    # loads from there, in the forked process as in a fresh one
+    (tmp_path / "cwd_probe_plugin.py").write_text(
+        "from fedcore.kernel.config import declare\n"
+        "declare('cwd_probe.size', int, 9, 'a key only this plug-in declares')\n")
+    args = ["--help-key", "cwd_probe.size", "plugins=[cwd_probe_plugin]"]
+    forked = run_fedcore(args, cwd=tmp_path, timeout=60)
+    fresh = subprocess.run([sys.executable, "-m", "fedcore.run", *args], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=60)
+    assert forked.returncode == fresh.returncode == 0, forked.stderr + fresh.stderr
+    assert forked.stdout == fresh.stdout and "cwd_probe.size: int, default 9" in forked.stdout

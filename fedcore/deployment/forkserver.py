@@ -83,7 +83,9 @@ def _child(request: dict, fds: list[int], parent: int, closing: list) -> int:
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
-    # read at start-up by a fresh interpreter: a PYTHONPATH other than the server's still counts
+    # as `python -m` starts: the working directory first, then PYTHONPATH (read at start-up by
+    # a fresh interpreter: one other than the server's still counts)
+    sys.path[0] = os.getcwd()
     extra = [d for d in os.environ.get("PYTHONPATH", "").split(os.pathsep) if d and d not in sys.path]
     sys.path[1:1] = extra
     for target, fd in enumerate(fds):
