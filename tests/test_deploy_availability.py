@@ -166,27 +166,36 @@ HOSTILE_SERVER = {**FAST, "model.type": "mlp", "model.hidden": [25_000],
 MODEL_BYTES = (8 * 25_000 + 25_000 + 25_000 * 3 + 3) * 4   # the mlp's float32 parameters: 1.2 MB
 
 
-def _client_against(procs, tmp_path, cfg, mode) -> float:
-    """Run client 1 against tests.hostile_server in `mode`: its exit code must be 4 (no server
-    for retry_timeout); returns how many bytes its peak RSS grew by after the welcome."""
-    port_file = tmp_path / f"port-{mode}"
-    hostile = procs.start(f"hostile-{mode}", ["-m", "tests.hostile_server", str(cfg), mode, str(port_file)])
-    port = int(wait_for(lambda: port_file.exists() and port_file.read_text(), 120, "the hostile server"))
-    client = procs.fedcore(f"client-{mode}", cfg, "distribute.role=client", f"distribute.server_port={port}",
-                           "distribute.client_id=1")
-    wait_for(lambda: "client 1 admitted by" in text(client), 120, "the welcome")
-    before = _peak_kib(client.pid)
-    peak, started = before, time.monotonic()
-    while client.poll() is None and time.monotonic() - started < 120:
-        peak = max(peak, _peak_kib(client.pid))
+def _clients_against(procs, tmp_path, cfg, modes) -> dict[str, float]:
+    """Run client 1 against tests.hostile_server in each of `modes`, all at once (each pair its
+    own processes): every client's exit code must be 4 (no server for retry_timeout); returns,
+    per mode, how many bytes the client's peak RSS grew by after the welcome."""
+    hostiles = {m: procs.start(f"hostile-{m}", ["-m", "tests.hostile_server", str(cfg), m,
+                                                str(tmp_path / f"port-{m}")]) for m in modes}
+
+    def port(m):
+        f = tmp_path / f"port-{m}"
+        return int(wait_for(lambda: f.exists() and f.read_text(), 120, f"the hostile server ({m})"))
+    clients = {m: procs.fedcore(f"client-{m}", cfg, "distribute.role=client", f"distribute.server_port={port(m)}",
+                                "distribute.client_id=1") for m in modes}
+    before: dict[str, int] = {}   # each client's peak RSS at its welcome, read as soon as it is logged
+    peak, started = {}, time.monotonic()
+    while any(c.poll() is None for c in clients.values()) and time.monotonic() - started < 240:
+        for m, c in clients.items():
+            if m not in before and "client 1 admitted by" in text(c):
+                before[m] = peak[m] = _peak_kib(c.pid)
+            elif m in before:
+                peak[m] = max(peak[m], _peak_kib(c.pid))
         time.sleep(0.1)
-    assert wait_exit(client, 5) == 4, text(client)[-3000:]
-    hostile.kill()
-    log = text(client)
-    assert "giving up" in log and "Traceback" not in log, log[-3000:]
-    if mode != "rewelcome":
-        assert ("exceeds" if mode == "huge" else "more values") in log, log[-3000:]
-    return (peak - before) * 1024
+    assert before.keys() == clients.keys(), {m: text(c)[-2000:] for m, c in clients.items() if m not in before}
+    for m, client in clients.items():
+        assert wait_exit(client, 5) == 4, text(client)[-3000:]
+        hostiles[m].kill()
+        log = text(client)
+        assert "giving up" in log and "Traceback" not in log, log[-3000:]
+        if m != "rewelcome":
+            assert ("exceeds" if m == "huge" else "more values") in log, log[-3000:]
+    return {m: (peak[m] - before[m]) * 1024 for m in modes}
 
 
 def test_a_client_against_a_hostile_server_stays_small_and_gives_up_after_its_retry_timeout(tmp_path, procs):
@@ -199,7 +208,7 @@ def test_a_client_against_a_hostile_server_stays_small_and_gives_up_after_its_re
     # grows past what the course's own build takes (the first case) by a small multiple of
     # its byte bound (4 x the model + 1 MiB): gRPC's buffers of the calls' frames, not decoding.
     cfg = write_cfg(tmp_path / "course.yaml", HOSTILE_SERVER)
-    grown = {mode: _client_against(procs, tmp_path, cfg, mode) for mode in ("rewelcome", "huge", "empty-values")}
+    grown = _clients_against(procs, tmp_path, cfg, ("rewelcome", "huge", "empty-values"))
     bound = 4 * MODEL_BYTES + 2 ** 20
     print("\nfigures: client peak RSS growth after the welcome: "
           + ", ".join(f"{m} {g / 2 ** 20:.1f} MiB" for m, g in grown.items()) + f"; byte bound {bound / 2 ** 20:.1f} MiB")
