@@ -92,9 +92,9 @@ def run_fedcore(args, env: dict | None = None, cwd=None, timeout: float = 300) -
 class Procs:
     """Starts processes with their output in files; `cleanup()` kills the survivors.
 
-    `python -m fedcore.run` processes are forked from a fork server that imported torch, gRPC
-    and fedcore once (fedcore/deployment/forkserver.py): real processes, without three seconds
-    of imports each."""
+    `python -m fedcore.run` and `fedcore.launch` processes are forked from a fork server that
+    imported torch, gRPC and fedcore once (fedcore/deployment/forkserver.py): real processes,
+    without three seconds of imports each."""
 
     def __init__(self, tmp: Path):
         self.tmp = tmp
@@ -102,11 +102,13 @@ class Procs:
 
     def start(self, name: str, args: list[str], env: dict | None = None, **popen) -> subprocess.Popen:
         log = self.tmp / f"{name}.log"
-        server = _fork_server() if args[:2] == ["-m", "fedcore.run"] and not popen else None
+        forked = args[0] == "-m" and args[1] in ("fedcore.run", "fedcore.launch") and not popen
+        server = _fork_server() if forked else None
         full_env = {**_env(), **(env or {})}
         if server is not None:
             with log.open("ab") as fh, open(os.devnull, "rb") as null:
-                p = server.spawn(args[2:], full_env, str(ROOT), (null.fileno(), fh.fileno(), fh.fileno()))
+                p = server.spawn(args[2:], full_env, str(ROOT), (null.fileno(), fh.fileno(), fh.fileno()),
+                                 module=args[1])
         else:
             fh = log.open("ab")
             p = subprocess.Popen([sys.executable, *args], stdout=fh, stderr=subprocess.STDOUT,

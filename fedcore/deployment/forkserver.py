@@ -1,5 +1,5 @@
 """A fork server: one process imports torch, gRPC and fedcore once and forks every
-`python -m fedcore.run` process asked of it.
+`python -m fedcore.run` (or `fedcore.launch`) process asked of it.
 
 A fresh deployed process spends about three seconds of CPU before it does anything: two
 importing torch, gRPC and fedcore, one more importing `torch._dynamo` when its course builds
@@ -12,8 +12,8 @@ starts fresh interpreters.
 
     python -m fedcore.deployment.forkserver SOCKET   # serves until its parent process exits
 
-A request on the Unix socket SOCKET is one JSON line {"argv", "env", "cwd", "die_with_parent"}
-sent with three descriptors (the child's stdin, stdout and stderr). The answer is a JSON line
+A request on the Unix socket SOCKET is one JSON line {"module", "argv", "env", "cwd",
+"die_with_parent"} (`module` one of MODULES) sent with three descriptors (the child's stdin, stdout and stderr). The answer is a JSON line
 {"pid": ...} once the child runs, then {"returncode": ...} when it exits, in
 `subprocess.Popen`'s convention (a negative number is the signal that ended it).
 `ForkServer.spawn` returns a `ForkedProcess`, which the launcher uses as it uses a Popen.
@@ -35,8 +35,8 @@ import time
 
 __all__ = ["available", "ForkServer", "ForkedProcess", "ForkServerGone"]
 
-MODULE = "fedcore.run"
-PRELOAD = ("grpc", "numpy", "torch", "torch._dynamo", "yaml", "fedcore.deployment.distributed", MODULE)
+MODULES = ("fedcore.run", "fedcore.launch")   # what it runs, as `python -m` does
+PRELOAD = ("grpc", "numpy", "torch", "torch._dynamo", "yaml", "fedcore.deployment.distributed", *MODULES)
 _PR_SET_PDEATHSIG = 1
 SOCKET_PATH_MAX = 107   # bytes of a Unix socket's path on Linux (sun_path, less its final NUL)
 
@@ -73,7 +73,7 @@ def _die_with(parent: int) -> None:
 
 
 def _child(request: dict, fds: list[int], parent: int, closing: list) -> None:
-    """In the forked child: become `python -m fedcore.run ARGV`; never returns."""
+    """In the forked child: become `python -m MODULE ARGV`; never returns."""
     for sock in closing:
         sock.close()
     # the server changed only SIGINT; the rest is as Python starts any process (SIGPIPE ignored)
@@ -82,6 +82,7 @@ def _child(request: dict, fds: list[int], parent: int, closing: list) -> None:
         _die_with(parent)
     os.environ.clear()
     os.environ.update(request["env"])
+    tempfile.tempdir = None   # found again from this environment (TMPDIR), not the server's
     os.chdir(request["cwd"])
     # as `python -m` starts: the working directory first, then PYTHONPATH (read at start-up by
     # a fresh interpreter: one other than the server's still counts)
@@ -99,10 +100,11 @@ def _child(request: dict, fds: list[int], parent: int, closing: list) -> None:
     random.seed()              # not the server's state, shared by every child
     np.random.seed()
     import runpy
-    sys.modules.pop(MODULE, None)   # run as __main__, as `python -m` does, not beside the server's copy
-    sys.argv = [MODULE, *request["argv"]]
+    module = request["module"]
+    sys.modules.pop(module, None)   # run as __main__, as `python -m` does, not beside the server's copy
+    sys.argv = [module, *request["argv"]]
     try:
-        runpy.run_module(MODULE, run_name="__main__", alter_sys=True)
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
@@ -172,6 +174,12 @@ def serve(path: str) -> int:
             request = json.loads(held.split(b"\n", 1)[0])
             conns.remove(sock)
             buffers.pop(sock)
+            request.setdefault("module", MODULES[0])
+            if request["module"] not in MODULES:   # it runs fedcore's entry points, nothing else
+                for fd in held_fds:
+                    os.close(fd)
+                sock.close()
+                continue
             sys.stdout.flush()
             pid = os.fork()
             if pid == 0:
@@ -202,15 +210,16 @@ class ForkedProcess:
     If the server dies, its children die with it (SIGTERM, `die_with_parent`) and each reads as
     killed by that signal."""
 
-    def __init__(self, path: str, argv: list[str], env: dict, cwd: str, stdio: tuple[int, int, int],
-                 die_with_parent: bool):
+    def __init__(self, path: str, module: str, argv: list[str], env: dict, cwd: str,
+                 stdio: tuple[int, int, int], die_with_parent: bool):
         self.args = argv
         self.returncode: int | None = None
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._buffer = b""
         try:
             self._sock.connect(path)
-            request = {"argv": argv, "env": env, "cwd": cwd, "die_with_parent": die_with_parent}
+            request = {"module": module, "argv": argv, "env": env, "cwd": cwd,
+                       "die_with_parent": die_with_parent}
             payload = json.dumps(request).encode() + b"\n"
             sent = socket.send_fds(self._sock, [payload], list(stdio))
             if sent < len(payload):
@@ -292,10 +301,14 @@ class ForkServer:
             raise ForkServerGone(f"the fork server did not start (exit status {self.proc.poll()})")
 
     def spawn(self, argv: list[str], env: dict | None = None, cwd: str | None = None,
-              stdio: tuple[int, int, int] = (0, 1, 2), die_with_parent: bool = False) -> ForkedProcess:
-        """Fork `python -m fedcore.run ARGV` with `env` (default: this process's), in `cwd`,
-        with `stdio` as its stdin, stdout and stderr descriptors (default: this process's)."""
-        return ForkedProcess(self.path, argv, dict(os.environ if env is None else env),
+              stdio: tuple[int, int, int] = (0, 1, 2), die_with_parent: bool = False,
+              module: str = MODULES[0]) -> ForkedProcess:
+        """Fork `python -m MODULE ARGV` (MODULE one of MODULES) with `env` (default: this
+        process's), in `cwd`, with `stdio` as its stdin, stdout and stderr descriptors
+        (default: this process's)."""
+        if module not in MODULES:
+            raise ValueError(f"the fork server runs {', '.join(MODULES)}, not {module}")
+        return ForkedProcess(self.path, module, argv, dict(os.environ if env is None else env),
                              cwd or os.getcwd(), stdio, die_with_parent)
 
     def close(self) -> None:
