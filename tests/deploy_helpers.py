@@ -53,11 +53,11 @@ _fork_server_of_this_process = None
 
 def _fork_server():
     """This test process's fork server (fedcore/deployment/forkserver.py, the one
-    `fedcore.launch` uses), started at first use; None where FEDCORE_TEST_ZYGOTE=0 asks for a
+    `fedcore.launch` uses), started at first use; None where FEDCORE_TEST_FORKSERVER=0 asks for a
     fresh interpreter per process, or where the system cannot fork one."""
     global _fork_server_of_this_process
     from fedcore.deployment.forkserver import ForkServer, available
-    if os.environ.get("FEDCORE_TEST_ZYGOTE", "1") == "0" or not available():
+    if os.environ.get("FEDCORE_TEST_FORKSERVER", "1") == "0" or not available():
         return None
     if _fork_server_of_this_process is None:
         _fork_server_of_this_process = ForkServer(_env(), str(ROOT))

@@ -12,8 +12,8 @@ import pytest
 from tests.deploy_helpers import Procs, run_fedcore, server_port, text, wait_exit, write_cfg
 
 pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(os.environ.get("FEDCORE_TEST_ZYGOTE") == "0",
-                                 reason="FEDCORE_TEST_ZYGOTE=0: every process is a fresh interpreter")]
+              pytest.mark.skipif(os.environ.get("FEDCORE_TEST_FORKSERVER") == "0",
+                                 reason="FEDCORE_TEST_FORKSERVER=0: every process is a fresh interpreter")]
 
 
 def test_a_forked_run_has_its_own_pid_output_and_exit_code(tmp_path, procs: Procs):
@@ -58,14 +58,14 @@ def test_a_forked_run_sees_the_pythonpath_its_test_gives_it(tmp_path, procs: Pro
     # a fresh interpreter reads PYTHONPATH at start-up; the forked one was started before it
     mods = tmp_path / "mods"
     mods.mkdir()
-    (mods / "zygote_probe_plugin.py").write_text(
+    (mods / "forkserver_probe_plugin.py").write_text(
         "from fedcore.kernel.config import declare\n"
-        "declare('zygote_probe.size', int, 7, 'a key only this plug-in declares')\n")
+        "declare('forkserver_probe.size', int, 7, 'a key only this plug-in declares')\n")
     env = {"PYTHONPATH": os.pathsep.join([str(mods), os.environ.get("PYTHONPATH", "")])}
-    p = procs.start("probe", ["-m", "fedcore.run", "--help-key", "zygote_probe.size",
-                              "plugins=[zygote_probe_plugin]"], env=env)
+    p = procs.start("probe", ["-m", "fedcore.run", "--help-key", "forkserver_probe.size",
+                              "plugins=[forkserver_probe_plugin]"], env=env)
     assert wait_exit(p, 60) == 0, text(p)[-2000:]
-    assert "zygote_probe.size: int, default 7" in text(p)
+    assert "forkserver_probe.size: int, default 7" in text(p)
 
 
 
