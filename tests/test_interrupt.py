@@ -14,7 +14,7 @@ from fedcore.runtime.course import Course
 from fedcore.kernel.errors import ConfigError
 from fedcore.runtime.monitor import Callback
 from tests.conftest import small_cfg
-from tests.deploy_helpers import ROOT, _env, wait_for
+from tests.deploy_helpers import ROOT, _env, run_fedcore, wait_for
 
 
 class CtrlCAfter(Callback):
@@ -172,8 +172,7 @@ def test_ctrl_c_then_the_printed_command_finishes_the_course_as_if_uninterrupted
                    "slow_test: {pause: 0.05}\nfederate: {client_num: 4, total_round_num: 12}\n"
                    "data: {synthetic: {samples_per_client: 30}}\n")
     full = tmp_path / "full"
-    done = subprocess.run([sys.executable, "-m", "fedcore.run", "--cfg", str(cfg), f"outdir={full}"],
-                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    done = run_fedcore(["--cfg", cfg, f"outdir={full}"], env=_env(), cwd=ROOT)
     assert done.returncode == 0, done.stderr
 
     out = tmp_path / "out"
