@@ -7,10 +7,13 @@ restored from a checkpoint.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 from fedcore.runtime import admission
 from fedcore.algorithms.streaming import FoldingBuffer
 from fedcore.kernel.config import declare, positive
 from fedcore.kernel.contract import ReceivedUpdate
+from fedcore.runtime.snapshot import interrupts_deferred
 from fedcore.handlers.evaluation import evaluate_global, request_client_evaluation
 
 __all__ = ["aggregate", "finish_course", "note_finish", "stop_diverged", "is_eval_round", "resume_course", "install"]
@@ -67,8 +70,12 @@ def aggregate(server, updates: list[ReceivedUpdate], extra: dict | None = None) 
         fields.update(evaluate_global(server))
         if course.cfg["eval.clients"]:
             expected = request_client_evaluation(server)
-    course.monitor.record_round(server.round, server.now, fields, expected)
-    course.checkpointer.after_aggregation(server, admitted)   # whose updates it aggregated
+    # deployed, where SIGTERM or Ctrl-C interrupts at once: the round's record and the state a
+    # snapshot would hold of it, both or neither, so an interrupted server's "stopped after
+    # round N" is the round its snapshot resumes from (a simulation stops at a round's end)
+    with interrupts_deferred() if course.wall_clock else nullcontext():
+        course.monitor.record_round(server.round, server.now, fields, expected)
+        course.checkpointer.after_aggregation(server, admitted)   # whose updates it aggregated
     _track_best(server, fields.get("test_acc"))
     if server.round >= course.cfg["federate.total_round_num"] or _out_of_time(server):
         server.trigger("max_rounds_reached")

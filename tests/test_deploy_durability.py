@@ -344,6 +344,31 @@ def test_sigterm_snapshots_the_last_round_and_the_printed_command_resumes_the_co
     assert [r["round"] for r in _lines(out)] == list(range(1, rounds + 1))
 
 
+def test_sigterm_as_a_round_is_recorded_snapshots_that_round(tmp_path, procs):
+    # SIGTERM while round 2's record is written (tests.sigterm_at_record_plugin), before the
+    # state of round 2 is kept for a snapshot: the interrupt waits for both, so the server
+    # stops after round 2 with the snapshot of round 2, and the printed command finishes it
+    rounds = 4
+    cfg = write_cfg(tmp_path / "course.yaml", {**COURSE, "federate.total_round_num": rounds,
+                                               "plugins": ["tests.sigterm_at_record_plugin"],
+                                               "sigterm_test.round": 2, "checkpoint.every": 0})
+    out, port = tmp_path / "out", _free_port()
+    server = procs.fedcore("server", cfg, "distribute.role=server", f"distribute.server_port={port}",
+                           f"outdir={out}")
+    clients = [procs.fedcore(f"client{k}", cfg, "distribute.role=client", f"distribute.server_port={port}",
+                             f"distribute.client_id={k}") for k in (1, 2, 3)]
+    assert wait_exit(server, 120) == 130, text(server)[-3000:]
+    said = text(server)
+    assert "fedcore: stopped after round 2;" in said and "resume from the snapshot of round 2 with" in said, said[-3000:]
+    command = next(x for x in said.splitlines() if "resume from the snapshot of round" in x).split(" with: ", 1)[1]
+    resumed = procs.start("server-resumed", ["-c", "import os, sys; os.execvp('bash', ['bash', '-c', sys.argv[1]])",
+                                             command])
+    assert wait_exit(resumed, 240) == 0, text(resumed)[-3000:]
+    for c in clients:
+        assert wait_exit(c, 60) == 0, text(c)[-2000:]
+    assert [r["round"] for r in _lines(out)] == list(range(1, rounds + 1))
+
+
 def test_fedbuff_server_killed_resumes_and_finishes_counting_no_update_twice(tmp_path, procs):
     # FedBuff aggregates every 2 updates. The server is killed once it has snapshotted round 2;
     # the resumed one counts only updates from clients that joined it. Every update is
