@@ -81,3 +81,28 @@ def test_a_forked_run_imports_from_its_working_directory_as_python_m_does(tmp_pa
                            capture_output=True, text=True, timeout=60)
     assert forked.returncode == fresh.returncode == 0, forked.stderr + fresh.stderr
     assert forked.stdout == fresh.stdout and "cwd_probe.size: int, default 9" in forked.stdout
+
+
+def test_a_malformed_request_or_another_module_is_refused_and_the_server_goes_on(tmp_path):
+    import socket
+
+    from fedcore.deployment.forkserver import ForkServer
+    server = ForkServer(cwd=str(tmp_path))
+    try:
+        with open(os.devnull, "rb") as null:
+            for payload in (b"not json\n", b'{"module": "os", "argv": []}\n', b"[1, 2]\n"):
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                    s.connect(server.path)
+                    socket.send_fds(s, [payload], [null.fileno()] * 3)
+                    assert s.recv(100) == b""   # closed without a child
+        with pytest.raises(ValueError):
+            server.spawn(["--list-keys"], module="os")
+        r, w = os.pipe()
+        p = server.spawn(["--help-key", "seed"], stdio=(0, w, w))
+        os.close(w)
+        out = b"".join(iter(lambda: os.read(r, 65536), b""))
+        os.close(r)
+        assert p.wait(60) == 0 and b"seed: int" in out, out
+        assert server.proc.poll() is None
+    finally:
+        server.close()

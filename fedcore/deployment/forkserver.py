@@ -171,10 +171,13 @@ def serve(path: str) -> int:
                 continue
             if b"\n" not in held:
                 continue
-            request = json.loads(held.split(b"\n", 1)[0])
             conns.remove(sock)
             buffers.pop(sock)
-            request.setdefault("module", MODULES[0])
+            try:
+                request = json.loads(held.split(b"\n", 1)[0])
+                request.setdefault("module", MODULES[0])
+            except (ValueError, AttributeError):
+                request = {"module": None}
             if request["module"] not in MODULES:   # it runs fedcore's entry points, nothing else
                 for fd in held_fds:
                     os.close(fd)
