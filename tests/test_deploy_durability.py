@@ -315,17 +315,34 @@ def test_a_finished_server_awaits_a_departure_its_event_loop_saw_until_it_handle
     assert stops == [10.0] and [e for e, _ in triggered] == ["client_lost", "client_lost"]
 
 
+def _server_and_clients(procs, cfg, out):
+    """A server on a free port writing to `out`, and clients 1, 2, 3 dialling it."""
+    port = _free_port()
+    server = procs.fedcore("server", cfg, "distribute.role=server", f"distribute.server_port={port}",
+                           f"outdir={out}")
+    return server, [procs.fedcore(f"client{k}", cfg, "distribute.role=client", f"distribute.server_port={port}",
+                                  f"distribute.client_id={k}") for k in (1, 2, 3)]
+
+
+def _resume_and_finish(procs, command: str, clients, out, rounds: int) -> None:
+    """Run the resume command an interrupted server printed, as a user pastes it into a shell:
+    the course finishes, every client with it, each round recorded once."""
+    resumed = procs.start("server-resumed", ["-c", "import os, sys; os.execvp('bash', ['bash', '-c', sys.argv[1]])",
+                                             command])
+    assert wait_exit(resumed, 240) == 0, text(resumed)[-3000:]
+    for c in clients:
+        assert wait_exit(c, 60) == 0, text(c)[-2000:]
+    assert [r["round"] for r in _lines(out)] == list(range(1, rounds + 1))
+
+
 def test_sigterm_snapshots_the_last_round_and_the_printed_command_resumes_the_course(tmp_path, procs):
     # checkpoint.every=0: no snapshot until the server is told to stop
     rounds = 6
     cfg = write_cfg(tmp_path / "course.yaml", {**COURSE, "federate.total_round_num": rounds,
                                                "plugins": ["tests.slow_plugin"], "algorithm.name": "fedavg_pausing",
                                                "slow_test.pause": 0.3, "checkpoint.every": 0})
-    out, port = tmp_path / "out", _free_port()
-    server = procs.fedcore("server", cfg, "distribute.role=server", f"distribute.server_port={port}",
-                           f"outdir={out}")
-    clients = [procs.fedcore(f"client{k}", cfg, "distribute.role=client", f"distribute.server_port={port}",
-                             f"distribute.client_id={k}") for k in (1, 2, 3)]
+    out = tmp_path / "out"
+    server, clients = _server_and_clients(procs, cfg, out)
     wait_for(lambda: len(_lines(out)) >= 2, 120, "two rounds")
     assert not (out / "checkpoints").exists() or not any((out / "checkpoints").glob("*.pt"))
     server.send_signal(signal.SIGTERM)
@@ -336,12 +353,7 @@ def test_sigterm_snapshots_the_last_round_and_the_printed_command_resumes_the_co
     command = next(x for x in said if "resume from the snapshot of round" in x).split(" with: ", 1)[1]
     assert f"resume from the snapshot of round {reached} with" in "\n".join(said)
     assert (out / "checkpoints" / f"round_{reached}.pt").is_file()
-    resumed = procs.start("server-resumed", ["-c", "import os, sys; os.execvp('bash', ['bash', '-c', sys.argv[1]])",
-                                             command])
-    assert wait_exit(resumed, 240) == 0, text(resumed)[-3000:]
-    for c in clients:
-        assert wait_exit(c, 60) == 0, text(c)[-2000:]
-    assert [r["round"] for r in _lines(out)] == list(range(1, rounds + 1))
+    _resume_and_finish(procs, command, clients, out, rounds)
 
 
 def test_sigterm_as_a_round_is_recorded_snapshots_that_round(tmp_path, procs):
@@ -352,21 +364,13 @@ def test_sigterm_as_a_round_is_recorded_snapshots_that_round(tmp_path, procs):
     cfg = write_cfg(tmp_path / "course.yaml", {**COURSE, "federate.total_round_num": rounds,
                                                "plugins": ["tests.sigterm_at_record_plugin"],
                                                "sigterm_test.round": 2, "checkpoint.every": 0})
-    out, port = tmp_path / "out", _free_port()
-    server = procs.fedcore("server", cfg, "distribute.role=server", f"distribute.server_port={port}",
-                           f"outdir={out}")
-    clients = [procs.fedcore(f"client{k}", cfg, "distribute.role=client", f"distribute.server_port={port}",
-                             f"distribute.client_id={k}") for k in (1, 2, 3)]
+    out = tmp_path / "out"
+    server, clients = _server_and_clients(procs, cfg, out)
     assert wait_exit(server, 120) == 130, text(server)[-3000:]
     said = text(server)
     assert "fedcore: stopped after round 2;" in said and "resume from the snapshot of round 2 with" in said, said[-3000:]
     command = next(x for x in said.splitlines() if "resume from the snapshot of round" in x).split(" with: ", 1)[1]
-    resumed = procs.start("server-resumed", ["-c", "import os, sys; os.execvp('bash', ['bash', '-c', sys.argv[1]])",
-                                             command])
-    assert wait_exit(resumed, 240) == 0, text(resumed)[-3000:]
-    for c in clients:
-        assert wait_exit(c, 60) == 0, text(c)[-2000:]
-    assert [r["round"] for r in _lines(out)] == list(range(1, rounds + 1))
+    _resume_and_finish(procs, command, clients, out, rounds)
 
 
 def test_fedbuff_server_killed_resumes_and_finishes_counting_no_update_twice(tmp_path, procs):
