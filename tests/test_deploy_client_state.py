@@ -111,6 +111,25 @@ def test_another_courses_state_is_refused_in_one_line_naming_the_keys(tmp_path, 
     assert client2.state_round == FRESH and course2.store.load(CID) == {}
 
 
+def test_a_key_only_one_process_declares_does_not_refuse_the_state(tmp_path, caplog):
+    # The writer had imported a plug-in module that declares one more course key; the reader
+    # never did. As at the server's join, a key only one side knows is not a difference; a
+    # file naming no course at all is refused.
+    files = ClientStateDir(tmp_path / "state", small_cfg(), CID)
+    files.fingerprint += ";model.declared_elsewhere=0123456789ab"
+    files.write(1, FRESH, _state(1.0))
+    with caplog.at_level(logging.WARNING, logger="fedcore.deploy"):
+        _, course2, client2 = _durable(tmp_path)
+    assert _warnings(caplog) == [] and client2.state_round == 1
+    assert torch.equal(course2.store.load(CID)["c_i"]["w"], torch.full((2, 3), 1.0))
+    files.fingerprint = ""
+    files.write(2, 1, _state(2.0))
+    with caplog.at_level(logging.WARNING, logger="fedcore.deploy"):
+        _, _, client3 = _durable(tmp_path)
+    assert "round_2.state belongs to another course (its config differs)" in _warnings(caplog)[-1]
+    assert client3.state_round == 1
+
+
 def test_another_clients_state_is_refused(tmp_path, caplog):
     durable, course, _ = _durable(tmp_path)
     _train(durable, course, 1, 1.0)

@@ -1,11 +1,13 @@
 """Transport security between real processes: TLS required, tokens checked, refusals clean."""
 import json
 import re
+import subprocess
+import sys
 
 import grpc
 import pytest
 
-from tests.deploy_helpers import make_certs, server_port, text, wait_exit, write_cfg
+from tests.deploy_helpers import _env, make_certs, server_port, text, wait_exit, write_cfg
 
 pytestmark = pytest.mark.slow
 
@@ -46,14 +48,17 @@ def test_a_join_with_a_wrong_fingerprint_learns_no_configuration_value(tmp_path,
     """A token holder without the config probes the server with wrong fingerprints: every
     course-defining key wrong at once, then each key alone. Each refusal names keys, and its
     text holds nothing but the fixed sentence and those names: no value, the seed included."""
-    import fedcore
-    from fedcore.comm.fingerprint import course_keys
     from tests.hostile import Hostile, load_proto
     pb = load_proto(tmp_path / "proto")
     cfg = write_cfg(tmp_path / "course.yaml", {"seed": 48271, "model.type": "mlp", "model.hidden": [23],
                                                "train.optimizer.lr": 0.0731, "distribute.insecure": True,
                                                "distribute.token": "shared"})
-    ours = course_keys(fedcore.configure(str(cfg)))
+    # the server's keys, as a fresh process declares them: this one may have imported modules
+    # that declare more (keys that only one side knows are not compared)
+    ours = json.loads(subprocess.run(
+        [sys.executable, "-c", "import json, sys, fedcore; from fedcore.comm.fingerprint import course_keys; "
+         "print(json.dumps(course_keys(fedcore.configure(sys.argv[1]))))", str(cfg)],
+        capture_output=True, text=True, check=True, env=_env()).stdout)
     assert ours["seed"] == 48271 and len(ours) > 30
     out = tmp_path / "server"
     server = procs.fedcore("server", cfg, "distribute.role=server", "distribute.server_port=0",

@@ -125,8 +125,11 @@ class ClientStateDir:
             raise StateRefused("is damaged or cut short (its checksum does not match)")
         line, _, payload = body.partition(b"\n")
         meta = json.loads(line)
-        if meta.get("fingerprint") != self.fingerprint:
-            keys = differing_keys(self.cfg, str(meta.get("fingerprint", "")))
+        # compared as the server compares a joining client's: keys that only one side declares
+        # (a module the other process never imported) are not the course's difference
+        theirs = str(meta.get("fingerprint") or "")
+        keys = differing_keys(self.cfg, theirs)
+        if not theirs or keys:
             raise StateRefused("belongs to another course (its config differs"
                                + (f": {', '.join(keys[:6])})" if keys else ")"))
         if meta.get("client_id") != self.client_id or meta.get("round") != round_:
