@@ -1,6 +1,9 @@
 """Shared test helpers: small configs and courses that run in a fraction of a second."""
 from __future__ import annotations
 
+import importlib.util
+import sys
+
 import pytest
 import torch
 
@@ -17,6 +20,16 @@ EXTRAS = {
 }
 
 
+def skip_module_without(extra: str, *modules: str):
+    """At a module's top: skip it unless the extra (or those of its `modules` it uses) is
+    installed, without importing it: transformers and peft take seconds to import, and each
+    xdist worker collects every module."""
+    missing = [m for m in modules or EXTRAS[extra] if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"needs the optional extra '{extra}' ({missing[0]} is not installed: "
+                    f"pip install \"fedcore[{extra}]\")", allow_module_level=True)
+
+
 def need_extra(extra: str, *modules: str):
     """Skip the calling test (or, at a module's top, the whole module) unless the optional extra
     is installed; return the first module. `modules` narrows the check to those the test uses."""
@@ -27,14 +40,23 @@ def need_extra(extra: str, *modules: str):
 
 
 def pytest_configure(config):
+    # Test modules are rewritten (assertions) on import and the result cached in __pycache__
+    # (ignored by git), unless bytecode writing is off (PYTHONDONTWRITEBYTECODE): then every
+    # xdist worker rewrites all of them again, about 5 s of CPU each. The suite caches them.
+    sys.dont_write_bytecode = False
     config.addinivalue_line("markers", "extra(name): the test needs the optional extra `name` "
                             "(its processes import it); skipped with a reason where it is missing")
 
 
+@pytest.hookimpl(tryfirst=True)   # before -m deselects: `-m "not deploy"` must see the marker
 def pytest_collection_modifyitems(items):
     for item in items:   # real processes on loopback: the bulk of the suite's time
         if item.path.name.startswith("test_deploy_"):
             item.add_marker(pytest.mark.deploy)
+    # the long tests first (a stable sort: each file's order is kept), so that workers of
+    # `pytest -n` share them from the start and the run does not end waiting on one
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None
+               and item.get_closest_marker("deploy") is None)
 
 
 def pytest_runtest_setup(item):

@@ -6,8 +6,9 @@ import json
 import pytest
 import torch
 
-pytest.importorskip("transformers")
-pytest.importorskip("peft")
+from tests.conftest import skip_module_without
+
+skip_module_without("llm", "transformers", "peft")
 
 from fedcore.runtime.course import Course  # noqa: E402
 from tests.deploy_helpers import FORK, text, wait_exit, write_cfg  # noqa: E402

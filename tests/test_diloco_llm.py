@@ -6,8 +6,9 @@ import json
 import pytest
 import torch
 
-pytest.importorskip("transformers")
-pytest.importorskip("peft")
+from tests.conftest import skip_module_without
+
+skip_module_without("llm", "transformers", "peft")
 
 from tests.conftest import small_cfg  # noqa: E402
 from tests.test_diloco_e2e import FAITHFUL, _walk_keys, check_two_nesterov_rounds, run_recorded  # noqa: E402

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("transformers")
-pytest.importorskip("peft")
+from tests.conftest import skip_module_without
+
+skip_module_without("llm", "transformers", "peft")
 
 from fedcore.runtime.course import Course  # noqa: E402
 from fedcore.kernel.errors import ConfigError  # noqa: E402

@@ -9,6 +9,7 @@ from fedcore.runtime.course import Course
 SCENARIO = Path(__file__).resolve().parent.parent / "scenarios" / "quickstart.yaml"
 
 
+@pytest.mark.slow
 def test_quickstart_reaches_target(tmp_path):
     cfg = load_config(SCENARIO, [f"outdir={tmp_path}", "verbose=false"])
     summary = Course(cfg).run()

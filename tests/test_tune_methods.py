@@ -117,6 +117,7 @@ def test_an_interrupted_study_resumes_and_runs_only_what_is_missing(tmp_path):
         tune(base, other, "random", trials=2, seed=3, outdir=tmp_path)
 
 
+@pytest.mark.slow
 def test_parallel_trials_give_the_same_results(tmp_path):
     base = dict(BASE, **{"federate.total_round_num": 2})
     space = {"train.optimizer.lr": {"type": "choice", "values": [0.1, 1.0]}}

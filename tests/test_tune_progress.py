@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from fedcore.tune.progress import StudyProgress
@@ -16,6 +17,7 @@ LINE = re.compile(r"tune: (\d+)/(\d+) runs  trial (\d+) at (\d+): val_acc (\S+) 
                   r"best val_acc (\S+) \(trial (\d+)\)  elapsed (\d+:\d\d)  left ~(\d+:\d\d)$")
 
 
+@pytest.mark.slow
 def test_a_cli_study_prints_one_line_per_finished_run_with_the_best_so_far(tmp_path):
     base, space = tmp_path / "base.yaml", tmp_path / "space.yaml"
     base.write_text(yaml.safe_dump({**BASE, "federate.total_round_num": 4}))
