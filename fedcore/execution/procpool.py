@@ -92,10 +92,10 @@ def worker_values(cfg) -> str:
     outputs, no resuming. Keys left at their default are not sent: a worker knows the
     defaults, and need not know keys that plug-ins imported here declared and this course
     does not use."""
-    from fedcore.kernel.config import SCHEMA
+    from fedcore.kernel.config import SCHEMA, safe_dump
     values = {k: cfg[k] for k in SCHEMA if k in cfg and cfg[k] != SCHEMA[k].default}
     values.update({"executor": "sequential", "outdir": None, "resume_from": None})
-    return yaml.safe_dump(values)
+    return safe_dump(values)
 
 
 def build_worker_course(values_yaml: str, threads: int, data=None):
