@@ -112,9 +112,11 @@ if "lenet5" not in registry.models:  # the scenarios may provide their own
 
 # ---------------------------------------------------------------- config
 def bench_cfg(**dotted) -> object:
-    """A config for a benchmark: no output files, no client evaluation, eval at the end only."""
+    """A config for a benchmark: no output files, no client evaluation, eval at the end only,
+    and torch's threads left as the benchmark set them (its --threads, for fedcore and the
+    plain loop alike)."""
     base = {"seed": 0, "verbose": False, "data.splits": [1.0, 0.0, 0.0],
-            "eval.clients": False, "eval.freq": 10_000}
+            "eval.clients": False, "eval.freq": 10_000, "torch_threads": None}
     base.update(dotted)
     return load_config(None, extra=base)
 

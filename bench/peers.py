@@ -90,7 +90,7 @@ def workload_cfg(name: str, users: int, rounds: int, device: str, executor: str 
         "federate.client_num": users, "federate.sample_client_num": min(w["per_round"], users),
         "federate.total_round_num": rounds, "train.local_steps": w["steps"],
         "train.batch_size": 10, "train.optimizer.lr": w["lr"], "device": device,
-        "executor": executor, **model, **extra})
+        "executor": executor, "torch_threads": "auto", **model, **extra})   # fedcore's default
 
 
 # ---------------------------------------------------------------- one system, one process

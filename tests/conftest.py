@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 
 import pytest
@@ -62,6 +63,11 @@ def pytest_collection_modifyitems(items):
 def pytest_runtest_setup(item):
     for mark in item.iter_markers("extra"):
         need_extra(*mark.args)
+
+
+# `torch_threads: auto` gives a large model every usable core; the tests' courses, here and in
+# the processes they start, run side by side on one machine: one thread each, as before
+os.environ["OMP_NUM_THREADS"] = "1"
 
 
 @pytest.fixture(autouse=True)

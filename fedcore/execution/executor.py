@@ -18,13 +18,14 @@ built, in one line, never run another way than asked.
 from __future__ import annotations
 
 import logging
+import os
 
 from fedcore.kernel.batch_order import own_randomness
 from fedcore.kernel.config import declare, positive
 from fedcore.kernel.errors import ConfigError
 from fedcore.kernel.hooks import refusal
 
-__all__ = ["EXECUTORS", "apply_torch_threads", "install_executor", "close_executor"]
+__all__ = ["EXECUTORS", "apply_torch_threads", "install_executor", "close_executor", "usable_cores"]
 
 log = logging.getLogger("fedcore.executor")
 
@@ -40,18 +41,87 @@ declare("executor_workers", int, None,
         "processes executor: worker processes (default: the number of usable cores); ray "
         "executor: actors (default: as many as the cluster's resources hold)",
         check=positive)
-declare("torch_threads", int, 1,
-        "torch intra-op threads for this process; 1 suits the small models simulations train one "
-        "client at a time (more threads spin and wait on each other); null leaves torch's own "
-        "choice (all cores), which helps large models", nullable=True,
-        check=positive)
+declare("torch_threads", int, "auto",
+        "torch intra-op threads for this process. auto: every usable core (OMP_NUM_THREADS where "
+        "set) for a simulation that trains in this process (executor sequential or vectorized, on "
+        "the CPU) when a local training step is at least 50 MFLOP; 1 otherwise, and in deployed "
+        "processes, which often share a machine (threads of a small model's step only wait on "
+        "each other); a number sets it; null leaves torch's own choice (all cores)",
+        nullable=True, check=positive, words=("auto",))
+
+# a training step of at least this many MFLOP gets every usable core: on 2 cores, 2 threads
+# took 0.94-1.04x one thread's time per step from 0.3 to 26 MFLOP (no gain past the noise),
+# 0.61-0.66x from 72 (LeNet-5, batch 32) to 916 (P1's CNN) (python -m bench.threads)
+AUTO_THREADS_MFLOP = 50.0
 
 
-def apply_torch_threads(cfg) -> None:
-    """Set torch's intra-op thread count from `torch_threads` (null: leave torch's choice)."""
+def apply_torch_threads(cfg, course=None) -> None:
+    """Set torch's intra-op thread count from `torch_threads` (null: leave torch's choice;
+    auto: decided from `course`'s training step, 1 without a course)."""
     import torch
-    if cfg["torch_threads"] is not None:
-        torch.set_num_threads(cfg["torch_threads"])
+    n = cfg["torch_threads"]
+    if n == "auto":
+        n = auto_threads(course)
+    if n is not None:
+        torch.set_num_threads(n)
+
+
+def auto_threads(course) -> int:
+    """`torch_threads: auto`: the cores this process may use when the course trains here, on
+    the CPU, with a step large enough to share; else 1."""
+    if course is None or course.cfg["executor"] not in ("sequential", "vectorized") \
+            or course.device.type != "cpu":
+        return 1
+    cores = _allowed_cores()
+    if cores == 1:
+        return 1
+    mflop = step_mflop(course)
+    n = cores if mflop is not None and mflop >= AUTO_THREADS_MFLOP else 1
+    log.log(logging.INFO if n > 1 else logging.DEBUG,
+            "torch_threads auto: %d (a local training step of %s MFLOP; %g or more use every core)",
+            n, "?" if mflop is None else f"{mflop:.3g}", AUTO_THREADS_MFLOP)
+    return n
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _allowed_cores() -> int:
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return max(1, min(int(env), usable_cores())) if env.isdigit() else usable_cores()
+
+
+def step_mflop(course) -> float | None:
+    """Floating-point operations (in millions) of one local step, forward and backward, on a
+    batch of zeros shaped as the first client's inputs (None where the model cannot count one).
+    Counted in eval mode under a forked random state: no buffer, gradient or draw of the course
+    changes."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    model = course.trainer.model
+    was_training = model.training
+    counter = FlopCounterMode(display=False)
+    try:
+        x = course.data.clients[min(course.client_ids)].train.x   # (data made on access: no keys)
+        batch = torch.zeros((course.cfg["train.batch_size"],) + tuple(x.shape[1:]), dtype=x.dtype,
+                            device=x.device)
+        with torch.random.fork_rng(devices=[]), counter:
+            model.eval()
+            out = model(batch)
+            out = out if isinstance(out, torch.Tensor) else out[0]
+            out.float().sum().backward()
+    except Exception as exc:  # noqa: BLE001 - a model that needs more than a batch of inputs
+        log.debug("torch_threads auto: no step counted (%s)", exc)
+        return None
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.train(was_training)
+    return counter.get_total_flops() / 1e6
 
 
 def install_executor(course) -> None:
@@ -59,7 +129,7 @@ def install_executor(course) -> None:
     executor in front of `course.trainer` and say in one line how the course will train. A
     behaviour whose wrapper of the trainer's fit the executor cannot run is a `ConfigError`."""
     cfg = course.cfg
-    apply_torch_threads(cfg)
+    apply_torch_threads(cfg, course)
     kind = cfg["executor"]
     own_randomness(course.trainer, cfg["seed"])
     if kind == "sequential":

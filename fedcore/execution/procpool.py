@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import os
 import signal
 from typing import Any
 
@@ -29,6 +28,7 @@ import yaml
 from fedcore.kernel import registry
 from fedcore.kernel.contract import FitResult
 from fedcore.execution.batching import Engine
+from fedcore.execution.executor import usable_cores
 from fedcore.runtime.device import made_on_access
 from fedcore.wire.serialization import WireError, encode_value, from_value
 from fedcore.kernel.state import MemoryStateStore
@@ -51,13 +51,6 @@ _START_METHOD = "forkserver" if "forkserver" in mp.get_all_start_methods() else 
 # torch._dynamo, which torch.optim imports at its first optimizer): each worker starts warm
 _PRELOAD = ["fedcore.execution.procpool", "fedcore.runtime.course", "fedcore.algorithms", "fedcore.handlers",
             "fedcore.scenarios", "fedcore.deployment.distributed", "torch._dynamo"]
-
-
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def _encode(obj: Any) -> bytes:
@@ -94,7 +87,8 @@ def worker_values(cfg) -> str:
     does not use."""
     from fedcore.kernel.config import SCHEMA, safe_dump
     values = {k: cfg[k] for k in SCHEMA if k in cfg and cfg[k] != SCHEMA[k].default}
-    values.update({"executor": "sequential", "outdir": None, "resume_from": None})
+    # the worker's threads are set where it builds the course (build_worker_course)
+    values.update({"executor": "sequential", "outdir": None, "resume_from": None, "torch_threads": None})
     return safe_dump(values)
 
 

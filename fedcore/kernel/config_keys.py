@@ -29,6 +29,7 @@ class Key:
     check: Callable[[Any], str | None] | None = None
     origin: str = ""  # the module that declared it
     convert: Callable[[Any], Any] | None = None  # applied to a set value before the type check
+    words: tuple[str, ...] = ()  # strings a key of another type also takes (torch_threads: auto)
 
     def allowed(self) -> tuple | None:
         if self.choices is None:
@@ -42,14 +43,16 @@ _RESOLVERS: list[Callable[[dict], None]] = []
 
 
 def declare(name: str, type: type, default: Any, help: str, *, choices=None,
-            nullable: bool | None = None, check=None, convert=None) -> Key:
+            nullable: bool | None = None, check=None, convert=None, words=()) -> Key:
     """Declare a config key. Re-declaring the same key replaces it (module reloads).
 
     `convert(value)` maps a set value before its type check, so a key can keep accepting an
-    older spelling (e.g. `verbose: false` for the level 0)."""
+    older spelling (e.g. `verbose: false` for the level 0). `words` are strings a key of
+    another type also takes, as themselves (e.g. `auto` for a number fedcore chooses)."""
     origin = sys._getframe(1).f_globals.get("__name__", "")
     key = Key(name, type, default, help, choices,
-              nullable if nullable is not None else default is None, check, origin, convert)
+              nullable if nullable is not None else default is None, check, origin, convert,
+              tuple(words))
     SCHEMA[name] = key
     return key
 
@@ -99,6 +102,8 @@ def _coerce(key: Key, value: Any) -> Any:
         if key.nullable:
             return None
         raise ConfigError(f"{key.name}: must not be empty; expected {_TYPE_NAMES[key.type]}")
+    if isinstance(value, str) and value in key.words:
+        return value
     if key.type is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if key.type is float and isinstance(value, str):
@@ -108,8 +113,8 @@ def _coerce(key: Key, value: Any) -> Any:
             pass
     ok = isinstance(value, key.type) and not (key.type is int and isinstance(value, bool))
     if not ok:
-        raise ConfigError(f"{key.name}: expected {_TYPE_NAMES[key.type]}, got "
-                          f"{type(value).__name__} {value!r}")
+        expected = " or ".join([_TYPE_NAMES[key.type], *map(repr, key.words)])
+        raise ConfigError(f"{key.name}: expected {expected}, got {type(value).__name__} {value!r}")
     allowed = key.allowed()
     if allowed is not None and value not in allowed:
         hint = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)

@@ -25,7 +25,8 @@ def entry(key) -> dict:
     """One declared `fedcore.kernel.config.Key` as the reference shows it."""
     from fedcore.kernel.config_keys import _TYPE_NAMES
     allowed = key.allowed()
-    return {"type": _TYPE_NAMES[key.type] + (" or null" if key.nullable else ""),
+    kinds = [_TYPE_NAMES[key.type], *(["null"] if key.nullable else []), *map(repr, key.words)]
+    return {"type": " or ".join(kinds) if len(kinds) < 3 else ", ".join(kinds[:-1]) + " or " + kinds[-1],
             "default": repr(key.default),
             "allowed": [str(a) for a in allowed] if allowed is not None else None,
             "help": key.help}

@@ -8,6 +8,7 @@ nothing crosses a process boundary but a command line and JSON files.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -61,12 +62,14 @@ def _run_course(job: Job) -> CourseRun:
     return read_run(job.outdir)
 
 
-def _run_subprocess(job: Job) -> CourseRun:
-    """Run one course as `python -m fedcore.run` (trials in parallel, one process each)."""
+def _run_subprocess(job: Job, threads: int) -> CourseRun:
+    """Run one course as `python -m fedcore.run` (trials in parallel, one process each, that
+    share the cores: OMP_NUM_THREADS bounds what `torch_threads: auto` takes)."""
     job.outdir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "fedcore.run", "--cfg", str(job.base), *job.argv()]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(threads)}
     with open(job.outdir / "stderr.txt", "w") as err:
-        proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=err)
+        proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env)
     if proc.returncode != 0:
         lines = (job.outdir / "stderr.txt").read_text().strip().splitlines()
         cause = next((ln for ln in lines if ln.startswith("fedcore:")), lines[-1] if lines else "")
@@ -103,5 +106,7 @@ def run_jobs(jobs: list[Job], parallel: int = 1) -> Iterator[CourseRun]:
         for j in jobs:
             yield _guarded(_run_course, j)
         return
+    from fedcore.execution.procpool import usable_cores
+    threads = max(1, usable_cores() // parallel)
     with ThreadPoolExecutor(max_workers=parallel) as pool:
-        yield from pool.map(lambda j: _guarded(_run_subprocess, j), jobs)
+        yield from pool.map(lambda j: _guarded(lambda job: _run_subprocess(job, threads), j), jobs)
