@@ -339,8 +339,8 @@ def _rss_kib(pid: int) -> int:
 def _stream_flood(procs, tmp_path, kind: str) -> dict:
     """A course of 3 clients under a stream flood of `kind` on 8 connections (tests.h2_attack,
     its own process at the lowest priority). The flood is paused and resumed (SIGSTOP and
-    SIGCONT) in four alternating 3 s windows (some 400,000 calls in all, with the rejoin); then, the flood going on, client 3 is killed and
-    started again and must join. Returns the figures (the rate the course keeps is measured,
+    SIGCONT) in four alternating 3 s windows; then, the flood going on, client 3 is killed and
+    started again and must join (some 400,000 calls in all). Returns the figures (the rate the course keeps is measured,
     against a control, by `python -m bench.flood_rate`)."""
     import os
     import signal
