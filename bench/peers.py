@@ -34,6 +34,7 @@ import time
 from typing import Callable
 
 import torch
+import torch._dynamo  # noqa: F401 - imported by every first optimizer (~1.2 s): once here, not in each child
 
 from bench.common import _LazyClients, bench_cfg, max_abs_diff, run_fedcore, run_plain
 from fedcore.runtime.device import place_data
