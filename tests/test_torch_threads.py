@@ -75,3 +75,11 @@ def test_the_key_takes_auto_a_number_or_null_and_says_what_else():
         small_cfg(torch_threads="autoo")
     with pytest.raises(ConfigError, match=r"^torch_threads: must be > 0$"):
         small_cfg(torch_threads=0)
+
+
+@pytest.mark.skipif(usable_cores() < 2, reason="needs two usable cores")
+def test_auto_keeps_one_thread_for_a_trainer_without_a_torch_model(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    monkeypatch.setattr(executor, "AUTO_THREADS_MFLOP", 0.0)
+    course = Course(small_cfg(None, **{"train.backend": "numpy", "train.shuffle": "numpy"})).build()
+    assert step_mflop(course) is None and torch.get_num_threads() == 1

@@ -103,7 +103,9 @@ def step_mflop(course) -> float | None:
     changes."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
-    model = course.trainer.model
+    model = getattr(course.trainer, "model", None)
+    if not isinstance(model, torch.nn.Module):   # a trainer without a torch model (train.backend: numpy)
+        return None
     was_training = model.training
     counter = FlopCounterMode(display=False)
     try:
