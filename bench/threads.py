@@ -16,8 +16,7 @@ import time
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from fedcore.execution.executor import AUTO_THREADS_MFLOP
-from fedcore.execution.procpool import usable_cores
+from fedcore.execution.executor import AUTO_THREADS_MFLOP, usable_cores
 from fedcore.kernel.config import load_config
 from fedcore.scenarios.models import build_model
 

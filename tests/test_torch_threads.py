@@ -6,8 +6,7 @@ import pytest
 import torch
 
 import fedcore.execution.executor as executor
-from fedcore.execution.executor import apply_torch_threads, close_executor, step_mflop
-from fedcore.execution.procpool import usable_cores
+from fedcore.execution.executor import apply_torch_threads, close_executor, step_mflop, usable_cores
 from fedcore.kernel.errors import ConfigError
 from fedcore.runtime.course import Course
 from tests.conftest import small_cfg

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -106,7 +107,7 @@ def run_jobs(jobs: list[Job], parallel: int = 1) -> Iterator[CourseRun]:
         for j in jobs:
             yield _guarded(_run_course, j)
         return
-    from fedcore.execution.procpool import usable_cores
-    threads = max(1, usable_cores() // parallel)
+    from fedcore.execution.executor import usable_cores
+    run = partial(_run_subprocess, threads=max(1, usable_cores() // parallel))
     with ThreadPoolExecutor(max_workers=parallel) as pool:
-        yield from pool.map(lambda j: _guarded(lambda job: _run_subprocess(job, threads), j), jobs)
+        yield from pool.map(lambda j: _guarded(run, j), jobs)
