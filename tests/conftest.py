@@ -27,16 +27,17 @@ def skip_module_without(extra: str, *modules: str):
     xdist worker collects every module."""
     missing = [m for m in modules or EXTRAS[extra] if importlib.util.find_spec(m) is None]
     if missing:
-        pytest.skip(f"needs the optional extra '{extra}' ({missing[0]} is not installed: "
-                    f"pip install \"fedcore[{extra}]\")", allow_module_level=True)
+        pytest.skip(_missing(extra, missing[0]), allow_module_level=True)
+
+
+def _missing(extra: str, module: str) -> str:
+    return f"needs the optional extra '{extra}' ({module} is not installed: pip install \"fedcore[{extra}]\")"
 
 
 def need_extra(extra: str, *modules: str):
     """Skip the calling test (or, at a module's top, the whole module) unless the optional extra
     is installed; return the first module. `modules` narrows the check to those the test uses."""
-    found = [pytest.importorskip(m, reason=f"needs the optional extra '{extra}' ({m} is not "
-                                 f"installed: pip install \"fedcore[{extra}]\")")
-             for m in modules or EXTRAS[extra]]
+    found = [pytest.importorskip(m, reason=_missing(extra, m)) for m in modules or EXTRAS[extra]]
     return found[0]
 
 
