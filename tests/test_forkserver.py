@@ -106,3 +106,29 @@ def test_a_malformed_request_or_another_module_is_refused_and_the_server_goes_on
         assert server.proc.poll() is None
     finally:
         server.close()
+
+
+def test_a_child_runs_its_own_exit_finalizers_not_the_ones_it_inherited(tmp_path):
+    # A child ends with `_exit`, which runs exit handlers; the server's finalizers (torch
+    # unregistering each operator library) are not the child's to run, its own are.
+    script = """
+import os, sys, weakref
+from pathlib import Path
+from fedcore.deployment import forkserver
+class Held: pass
+out = Path(sys.argv[1])
+servers = Held()
+weakref.finalize(servers, (out / "server's").touch)
+pid = os.fork()
+if pid == 0:
+    forkserver._forget_inherited_finalizers()
+    own = Held()
+    weakref.finalize(own, (out / "child's").touch)
+    forkserver._exit(0)
+_, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status), sorted(p.name for p in out.iterdir()))
+"""
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    # the child made only its own file; the parent's finalizer runs at the parent's exit
+    assert done.stdout.split("\n")[0] == "0 [\"child's\"]", done.stdout + done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["child's", "server's"]
