@@ -32,7 +32,8 @@ With `--start-method forkserver` (Linux) they are forked instead from a fork ser
 (`fedcore/deployment/forkserver.py`) that imported torch, gRPC and fedcore once: N clients
 cost one import (about three seconds of CPU) instead of N, and a restart takes milliseconds.
 Each is still a process of its own (pid, memory, signals, exit status), but a child of the
-fork server, and `ps` shows the fork server's command line for it. Elsewhere than on Linux
+fork server, and `ps` shows the fork server's command line for it (the fork server is a fork
+of the launcher: its command line is the launcher's). Elsewhere than on Linux
 the launcher says so in one line and spawns.
 """
 from __future__ import annotations
@@ -219,7 +220,7 @@ class _Starter:
                   file=sys.stderr, flush=True)
             return
         try:
-            self.server = forkserver.ForkServer(preexec_fn=preexec)
+            self.server = forkserver.ForkServer(preexec_fn=preexec, from_here=True)
         except forkserver.ForkServerGone as exc:
             print(f"fedcore.launch: {exc}; starting fresh interpreters", file=sys.stderr, flush=True)
 

@@ -43,12 +43,14 @@ def test_sigkill_of_the_launcher_ends_its_processes_and_removes_its_tokens(procs
     tokens = list(temp.glob("fedcore-tokens-*"))
     guardians = [p for p in children if "launch_guard.py" in _cmdline(p)]
     if method == "forkserver":   # the course's processes are the fork server's children
-        servers = [p for p in children if "fedcore.deployment.forkserver" in _cmdline(p)]
+        servers = [p for p in children if p not in guardians]   # a fork of the launcher
         assert len(servers) == 1, text(launcher)[-3000:]
         server = servers[0]
         courses = _children(server)
         children += courses
-        socket_folder = Path(_cmdline(server).split()[-1]).parent
+        sockets = sorted(set(_unix_sockets_of(server)))   # its listener and the connections it accepted
+        assert len(sockets) == 1 and "fedcore-forkserver-" in sockets[0], (sockets, text(launcher)[-3000:])
+        socket_folder = Path(sockets[0]).parent
         assert (socket_folder / "socket").exists()
     else:
         courses = [p for p in children if "fedcore.run" in _cmdline(p)]
@@ -69,6 +71,18 @@ def test_sigkill_of_the_launcher_ends_its_processes_and_removes_its_tokens(procs
     assert metrics.read_text().count("\n") == rounds  # the course is over, not going on as orphans
     if method == "forkserver":   # the fork server's socket and its folder removed too
         assert not socket_folder.exists()
+
+
+def _unix_sockets_of(pid: int) -> list[str]:
+    """The paths of the Unix sockets that process `pid` holds, one per socket (/proc/net/unix, by inode)."""
+    held = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            held.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:
+            pass
+    rows = [line.split() for line in Path("/proc/net/unix").read_text().splitlines()[1:]]
+    return [row[7] for row in rows if len(row) >= 8 and f"socket:[{row[6]}]" in held]
 
 
 def _sleeper() -> subprocess.Popen:
