@@ -223,14 +223,11 @@ def test_the_check_draws_the_tiers(tmp_path):
 def test_the_scenario_from_the_command_line_writes_tiers(tmp_path):
     """`python -m fedcore.run --cfg scenarios/hierarchical.yaml` (two cloud rounds here) writes
     per-tier bytes and link time in every record and in the summary."""
-    import os
-    import subprocess
-    import sys
+    from tests.deploy_helpers import ROOT, run_fedcore
     out = tmp_path / "run"
-    subprocess.run([sys.executable, "-m", "fedcore.run", "--cfg", "scenarios/hierarchical.yaml",
-                    f"outdir={out}", "federate.total_round_num=2", "verbose=0"],
-                   check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                   timeout=300)
+    done = run_fedcore(["--cfg", "scenarios/hierarchical.yaml", f"outdir={out}", "federate.total_round_num=2",
+                        "verbose=0"], cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["tiers"]) == {"client_edge", "edge_cloud"}
     assert all(t["bytes_up"] > 0 and t["bytes_down"] > 0 and t["link_seconds"] > 0

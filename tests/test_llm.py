@@ -219,17 +219,16 @@ def test_the_lora_scenario_runs_from_the_command_line_with_no_network(tmp_path):
     """Every proxy points at a closed loopback port and HF_ENDPOINT at nothing: a download
     attempt would fail the run."""
     import os
-    import subprocess
-    import sys
     from pathlib import Path
+
+    from tests.deploy_helpers import run_fedcore
     root = Path(__file__).resolve().parent.parent
     dead = "http://127.0.0.1:9"
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
     env.update(HTTP_PROXY=dead, HTTPS_PROXY=dead, http_proxy=dead, https_proxy=dead, HF_ENDPOINT=dead,
                PYTHONPATH=str(root) + os.pathsep + env.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, "-m", "fedcore.run", "--cfg", str(root / "scenarios" / "llm_lora.yaml"),
-                        f"outdir={tmp_path}", "federate.total_round_num=2", "verbose=0"],
-                       env=env, capture_output=True, text=True, timeout=300)
+    r = run_fedcore(["--cfg", root / "scenarios" / "llm_lora.yaml", f"outdir={tmp_path}",
+                     "federate.total_round_num=2", "verbose=0"], env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     perplexity = [r["test_perplexity"] for r in _records(tmp_path)]
     assert len(perplexity) == 2 and perplexity[1] < perplexity[0]
