@@ -10,6 +10,8 @@ import torch
 
 from fedcore.kernel.config import load_config
 
+pytest_plugins = ["tests.alone"]   # under `pytest -n`, an `alone` test has the machine to itself
+
 
 # optional extras (setup.cfg) -> the modules a test of them imports, itself or in its processes
 EXTRAS = {
