@@ -139,7 +139,10 @@ def test_a_squatters_stuck_streams_end_with_its_session_and_keep_no_one_out(tmp_
             calls.append(channels[-1].stream_stream(METHOD)(
                 frames([_join_frame(pb, 3, 30)] if k == 0 else []), metadata=md))
             time.sleep(1.0)   # the round starts; the model's write to this call waits
-        wait_for(lambda: "client 3 lost" in text(server), 60, "the squatter's session to be lost")
+        try:
+            wait_for(lambda: "client 3 lost" in text(server), 60, "the squatter's session to be lost")
+        except AssertionError as exc:   # what the server did meanwhile
+            raise AssertionError(f"{exc}; the server's log ends:\n{text(server)[-3000:]}") from None
         clients[3] = client(3)
         wait_for(lambda: any(r["num_updates"] == 3 for r in _records(out)), 60,
                  "a round with the real client 3")
