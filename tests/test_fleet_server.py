@@ -90,6 +90,36 @@ def test_a_broadcast_models_tensors_are_sent_from_where_they_lie():
     assert torch.equal(decoded["model"]["w"], big) and decoded["num_samples"] == 7
 
 
+def test_a_clients_update_is_framed_from_its_tensors_and_decodes_as_sent():
+    """A deployed client queues its update as pieces too: the large tensor's bytes are the
+    tensor's own (no encoded copy of the update), and the frames it writes reassemble into
+    the envelope that decodes to what it sent."""
+    import torch
+    from fedcore.comm.chunking import SHARED_PIECE
+    from fedcore.comm.grpc_client import GrpcClientComm
+    from fedcore.kernel.message import Message
+    from tests.conftest import small_cfg
+    cfg = small_cfg(None, federate__mode="distributed", distribute__role="client", distribute__insecure=True)
+    comm = GrpcClientComm(cfg, object())
+    big = torch.arange(SHARED_PIECE // 4 + 3, dtype=torch.float32)
+    comm.send(Message("updates", 1, (0,), 3, 0.0, {"model": {"w": big, "b": torch.ones(2)}, "num_samples": 4}))
+    (kind, mid, parts, sha), = comm.outbox._items
+    views = [p for p in parts if isinstance(p, memoryview)]
+    assert len(views) == 1 and torch.frombuffer(views[0], dtype=torch.uint8).data_ptr() == big.data_ptr()
+    token = comm.outbox.claim()
+    frames = comm.outbox.frames(token, lambda: True, 0.01, lambda: None)
+    box = Reassembler(2 ** 30, comm.chunk_size)
+    done = None
+    for raw in frames:
+        done = box.feed(parse_frame(raw, 2 ** 30).chunk) or done
+        if done is not None:
+            break
+    env = decode_envelope(done)
+    got = from_value(env.content)
+    assert (env.msg_type, env.round, got["num_samples"]) == ("updates", 3, 4)
+    assert torch.equal(got["model"]["w"], big) and torch.equal(got["model"]["b"], torch.ones(2))
+
+
 # ---------------------------------------------------------------- the asyncio outbox
 
 def _drain(box, token, n, interval=5.0, alive=lambda: True):

@@ -1,4 +1,4 @@
-"""A deployed server hands freed model-sized buffers back to the system at once (glibc).
+"""A deployed server (and client) hands freed model-sized buffers back to the system at once (glibc).
 
 glibc's malloc serves a request from its heaps below a threshold that grows, each time a
 large block is freed, up to 32 MiB; above it, a block is mapped on its own and unmapped
@@ -14,7 +14,8 @@ Each thread that allocates gets a heap of its own (up to 8 a core), and gRPC add
 its load grows: every new heap kept what its thread's messages left, so a server folding
 updates of a 17 MiB model peaked 11-23 MB higher with 16 clients than with 4 (one model's
 worth, as the clients' own updates were let go sooner); with the heaps kept to `ARENAS`,
-3-11 MB (tests/test_streaming.py's memory test, 2 shared cores, 2026-11-26).
+3-11 MB (tests/test_streaming.py's memory test, 2 shared cores, 2026-11-26). A deployed
+client sets the same threshold: its peak with a 300 MB model fell from 1.70 to 1.63 GB.
 
 Below that threshold, what receiving a large message allocates in pieces (gRPC's slices,
 protobuf's frames, a model's small tensors) is freed among other allocations and stays in

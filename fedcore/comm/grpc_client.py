@@ -35,7 +35,8 @@ from typing import Callable
 import grpc
 
 from fedcore.comm.client_inbound import MESSAGE, ClientInbound, ClientStream
-from fedcore.comm.chunking import FRAME_OVERHEAD, Reassembler, envelope_parts, first_chunk_size
+from fedcore.comm.allocator import release_large_blocks
+from fedcore.comm.chunking import FRAME_OVERHEAD, Reassembler, SharedContent, first_chunk_size
 from fedcore.comm.fingerprint import fingerprint
 from fedcore.comm.handover import Delivery, Raise
 from fedcore.comm.stream import (METHOD, MD_CLIENT_ID, MD_COURSE, MD_REFUSED, MD_SESSION, MD_TOKEN, Outbox,
@@ -47,7 +48,7 @@ from fedcore.runtime.quiet import QuietLog
 from fedcore.wire.tensor_forms import first_nonfinite, get_form
 from fedcore.wire import fedcore_pb2 as pb
 from fedcore.wire.census import values_bound
-from fedcore.wire.codec import WireError, encode_value
+from fedcore.wire.codec import WireError, encode_value_parts
 
 __all__ = ["GrpcClientComm", "ServerUnreachable", "EXIT_SERVER_GONE", "backoff_delay"]
 
@@ -133,6 +134,7 @@ class GrpcClientComm(ClientInbound):
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
+        release_large_blocks()   # freed model-sized buffers leave the process (comm/allocator.py)
         self._thread = threading.Thread(target=self._loop, name="fedcore-client-io", daemon=True)
         self._thread.start()
 
@@ -199,7 +201,10 @@ class GrpcClientComm(ClientInbound):
                 return
         header = pb.Envelope(msg_type=msg.msg_type, sender=msg.sender, receivers=[SERVER_ID],
                              round=msg.round, timestamp=msg.timestamp)
-        self.outbox.put_message(envelope_parts(header, encode_value(msg.content)))
+        # an update's tensors are framed from where they lie, not from an encoded copy: what a
+        # trainer sends is its own fresh tensors, never written again (Trainer.payload)
+        parts, sha = SharedContent(encode_value_parts(msg.content)).envelope(header)
+        self.outbox.put_message(parts, sha)
 
     # ------------------------------------------------------------ the connection loop
     def _channel(self) -> grpc.Channel:

@@ -119,16 +119,17 @@ class Outbox(OwnedQueue):
         self.chunk_size, self.first_size = chunk_size, first_size
         self._ids = ids if ids is not None else itertools.count(1)
 
-    def put_message(self, parts: tuple[bytes, ...]) -> int:
+    def put_message(self, parts: tuple[bytes, ...], sha: bytes | None = None) -> int:
+        """Queue one encoded envelope (as parts; `sha` its SHA-256 when already known)."""
         with self._cond:
             mid = next(self._ids)
-            self._items.append(("msg", mid, parts))
+            self._items.append(("msg", mid, parts, sha))
             self._cond.notify_all()
             return mid
 
     def put_frame(self, frame: bytes) -> None:
         with self._cond:
-            self._items.append(("frame", 0, frame))
+            self._items.append(("frame", 0, frame, None))
             self._cond.notify_all()
 
     def wake(self) -> None:
@@ -159,11 +160,11 @@ class Outbox(OwnedQueue):
                     return
                 yield idle
                 continue
-            kind, mid, body = item
+            kind, mid, body, sha = item
             if kind == "frame":
                 yield body
             else:
-                for frame in chunk_frames(body, mid, self.chunk_size, self.first_size):
+                for frame in chunk_frames(body, mid, self.chunk_size, self.first_size, sha=sha):
                     if not mine():
                         return
                     yield frame
