@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.deploy_helpers import Procs, run_fedcore, server_port, text, wait_exit, write_cfg
+from tests.deploy_helpers import ROOT, Procs, run_fedcore, server_port, text, wait_exit, write_cfg
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(os.environ.get("FEDCORE_TEST_FORKSERVER") == "0",
@@ -132,3 +132,38 @@ print(os.waitstatus_to_exitcode(status), sorted(p.name for p in out.iterdir()))
     # the child made only its own file; the parent's finalizer runs at the parent's exit
     assert done.stdout.split("\n")[0] == "0 [\"child's\"]", done.stdout + done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["child's", "server's"]
+
+
+def test_a_server_forked_from_its_launcher_starts_children_that_write_as_they_go(tmp_path):
+    # `ForkServer(from_here=True)` (what fedcore.launch uses) forks the server from this
+    # process: its children must still write their lines at once (as PYTHONUNBUFFERED makes a
+    # fresh server's), not when they end, although this process's stdout is a buffered file.
+    (tmp_path / "stdout_plugin.py").write_text('print("a line on stdout")\n')   # printed at its import
+    cfg = write_cfg(tmp_path / "course.yaml", {"distribute.insecure": True, "distribute.token": "t",
+                                               "plugins": ["stdout_plugin"]})
+    script = """
+import os, sys, time
+from fedcore.deployment.forkserver import ForkServer
+cfg, out, log = sys.argv[1:]
+server = ForkServer(from_here=True)
+assert server.proc.pid != os.getpid() and type(server.proc).__name__ == "_ForkedFromHere"
+fd = os.open(log, os.O_WRONLY | os.O_CREAT)
+child = server.spawn(["--cfg", cfg, "federate.mode=distributed", "distribute.role=server",
+                      "distribute.server_port=0", "outdir=" + out], stdio=(0, fd, fd))
+deadline = time.monotonic() + 60
+while not ("listening" in open(log).read() and "a line on stdout" in open(log).read()) and time.monotonic() < deadline:
+    time.sleep(0.05)
+print("seen" if "a line on stdout" in open(log).read() else "not seen", child.poll())
+child.kill()
+print("exit", child.wait(30))
+server.close()
+print("closed", server.proc.poll())
+"""
+    done = subprocess.run([sys.executable, "-c", script, str(cfg), str(tmp_path / "out"), str(tmp_path / "log")],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env={**{k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"},   # stdout buffered here
+                               "PYTHONPATH": os.pathsep.join((str(ROOT), str(tmp_path)))})
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "seen None", (lines, (tmp_path / "log").read_text()[-2000:])   # written while it runs
+    assert lines[1] == f"exit {-signal.SIGKILL}" and lines[2] == f"closed {-signal.SIGKILL}", lines

@@ -320,9 +320,10 @@ class _ForkedFromHere:
                 os.closerange(3, _max_fd())
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 # unbuffered, as PYTHONUNBUFFERED makes it: children write their lines as they go
-                sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
-                sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True,
-                                                               errors="backslashreplace")
+                # (the inherited objects stay as sys.__stdout__ and sys.__stderr__, never closed)
+                sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+                sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True,
+                                              errors="backslashreplace")
                 code = serve(path)
             finally:
                 os._exit(code)
