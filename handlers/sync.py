@@ -10,17 +10,25 @@ from fedcore.handlers import evaluation, join, rounds, training
 from fedcore.kernel.registry import components, courses
 from fedcore.kernel.schema import clients_per_round
 
+log = logging.getLogger("fedcore.course")
+
 __all__ = ["start_round", "collect_update", "aggregate_and_move_on", "install"]
 
 
 def start_round(server, _event=None) -> None:
     """`all_joined_in` (and after each aggregation): sample clients and send them the model."""
     k = clients_per_round(server.course.cfg)
-    server.selected = set(server.sampler.sample(k, server.course.client_ids))
+    candidates = server.course.client_ids
+    server.selected = set(server.sampler.sample(k, candidates))
     server.buffer = round_buffer(server)   # a list, or a running sum that folds each update
     server.send("models", sorted(server.selected), server.aggregator.broadcast(server.round))
-    if not server.selected:  # an empty sample (Poisson sampling): the round aggregates nothing now
+    if not server.selected and candidates:   # an empty sample (Poisson): the round aggregates nothing now
         server.trigger("all_received")
+    elif not candidates:   # no client to ask (deployed: every one gone or benched for a missed deadline):
+        # the round waits, `round_check` starts it again once one is back; aggregating nothing
+        # here would run the course's rounds empty, one inside the other
+        log.warning("round %d: no client to sample (each has gone or missed a deadline); waiting for one",
+                    server.round)
 
 
 def collect_update(server, msg) -> None:

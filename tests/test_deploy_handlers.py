@@ -219,3 +219,29 @@ def test_lost_lists_stay_bounded():
         server.trigger("client_lost", {"client_id": 1 + k % 3, "reason": "flapping"})
     extra = course.monitor.extra_summary
     assert len(extra["lost_clients"]) == LISTED and extra["lost_clients_total"] == LISTED + 30
+
+
+def test_a_round_with_no_client_to_sample_waits_instead_of_running_the_course_empty(caplog):
+    # Every client benched for a missed deadline (or gone): the deployed course's candidates are
+    # none. The round must wait for round_check to start it again, not aggregate nothing and
+    # start the next round inside this one (which ran 239 empty rounds, then RecursionError).
+    from fedcore.handlers import sync
+    from fedcore.runtime.course import Course
+    course = Course(small_cfg(None, federate__total_round_num=1000)).build()
+    server = course.server
+    server.round = 4
+    course.client_ids = []
+    with caplog.at_level(logging.WARNING):
+        sync.start_round(server)
+    assert server.round == 4 and server.selected == set() and not server.finished
+    assert "round 4: no client to sample" in caplog.text
+    # an empty sample among candidates (Poisson sampling) still aggregates nothing and moves on
+    course.client_ids = [1, 2]
+    real, draws = server.sampler.sample, []
+
+    def first_empty(k, candidates):
+        draws.append(candidates)
+        return [] if len(draws) == 1 else real(k, candidates)
+    server.sampler.sample = first_empty
+    sync.start_round(server)
+    assert server.round == 5 and server.selected and len(draws) == 2   # round 4 empty, round 5 sampled
