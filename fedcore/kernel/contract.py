@@ -248,8 +248,8 @@ class Trainer(Wrappable):
             work += w
         state["sampler"] = stream.position()
         self.end(state, received, steps)
-        for p in self.model.parameters():   # the last step's gradients: a model's worth of memory
-            p.grad = None                    # while a large update is built, encoded and sent
+        # the last step's gradients: a model's worth of memory while a large update is built and sent
+        self.model.zero_grad(set_to_none=True)
         content = self.payload(state, received, steps, len(train))
         self._save_optimizer(state)
         self._save_local(state)
