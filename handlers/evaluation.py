@@ -40,12 +40,11 @@ def evaluate_global(server) -> dict[str, float]:
 
 
 def load_global(server) -> None:
-    """Put the global model into the server's module. A deployed server's module is its own (no
-    trainer there): it is made to view the global model's tensors instead of holding a copy, one
-    model less in the server's memory (aggregators replace the global tensors, never write them).
-    A simulation's module is also the trainer's, which trains in it: that one gets a copy."""
-    own = server.course.trainer is None
-    server.model.load_state_dict(server.aggregator.global_state, strict=False, assign=own)
+    """Put the global model into the server's module by making it view the global model's
+    tensors, not hold a copy: one model less in the server's memory. Nothing writes through
+    either side: aggregators replace the global tensors rather than write them, the server only
+    evaluates in its module, and a simulation's trainer trains in a copy of its own (`make_trainer`)."""
+    server.model.load_state_dict(server.aggregator.global_state, strict=False, assign=True)
 
 
 def _validation_split(course) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,7 +78,7 @@ def collect_metrics(server, msg) -> None:
 
 
 def install(course) -> None:
-    if course.server is not None and course.trainer is None:
+    if course.server is not None:
         load_global(course.server)   # the module's own initial copy is let go before any round
     course.monitor.separate_types.update({"eval_request", "metrics"})
     course.client_table.register("receiving_eval_request", evaluate_and_reply, sends=("metrics",))

@@ -132,7 +132,7 @@ def test_a_folding_round_that_diverges_keeps_the_last_finite_model(tmp_path):
     assert finite_state(course.server.aggregator.global_state)
 
 
-def test_a_deployed_servers_module_views_the_global_model_a_simulations_holds_a_copy(tmp_path):
+def test_the_servers_module_views_the_global_model_and_a_simulations_trainer_has_its_own(tmp_path):
     from fedcore.deployment.distributed import ServerCourse
     from fedcore.handlers.evaluation import evaluate_global
     cfg = small_cfg(tmp_path / "d", model__type="mlp", distribute__role="server", distribute__insecure=True,
@@ -143,7 +143,10 @@ def test_a_deployed_servers_module_views_the_global_model_a_simulations_holds_a_
     def shares(server):
         module = server.model.state_dict()
         return {n: module[n].data_ptr() == t.data_ptr() for n, t in server.aggregator.global_state.items()}
-    assert all(shares(deployed).values()) and not any(shares(sim).values())
+    assert all(shares(deployed).values()) and all(shares(sim).values())
+    # the simulation's trainer trains in a module of its own, not in the server's
+    trained = {t.data_ptr() for t in sim.course.trainer.model.state_dict().values()}
+    assert not trained & {t.data_ptr() for t in sim.model.state_dict().values()}
     # a new global model (as an aggregation makes): evaluated in place, scored as a copy would be
     g = torch.Generator().manual_seed(3)
     deployed.aggregator.global_state = {n: torch.randn(t.shape, generator=g)
