@@ -20,7 +20,7 @@ footprint, measured first with a 1 MB model) and the wall time of its last round
 fit the machine's memory are left out with a line saying so (`fits`: a deployed server
 peaks at about 4x the model above its footprint (the global model, the float64 running sum
 and the update being folded, docs/compression.md), a client at about 4.3x, a simulation at
-about (clients + 12)x, plus ~0.4 GB per process).
+about (clients + 4)x, plus ~0.4 GB per process).
 """
 from __future__ import annotations
 
@@ -122,9 +122,10 @@ def fits(mode: str, size: int, clients: int, available: int) -> bool:
     """Whether a run should fit in `available` bytes, from what was measured: a deployed
     server peaks at ~4x the model, a client at ~4.3x, but not at once (a 2.25 GB model, one
     client: the machine's available memory fell by 6x the model at most); a simulation
-    process at ~(clients + 12)x."""
+    process at ~(clients + 4)x: the global model, which the server's module views, the
+    trainer's module, the float64 running sum and each client's update in flight."""
     need = ((4.5 + 2 * clients) * size + (clients + 1) * BASE_PROCESS if mode == "deploy"
-            else (clients + 12) * size + BASE_PROCESS)
+            else (clients + 4) * size + BASE_PROCESS)
     return need < 0.9 * available
 
 
