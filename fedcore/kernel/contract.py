@@ -259,7 +259,8 @@ class Trainer(Wrappable):
 
     def _batch_on_device(self, split, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A mini-batch of data kept in CPU memory, moved to the model's device."""
-        return split.x[idx].to(self.device, non_blocking=True), split.y[idx].to(self.device, non_blocking=True)
+        x, y = _batch(split, idx)
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     def _restore_optimizer(self, state: dict) -> None:
         """Swap in this client's optimizer (and scheduler) state, or a fresh one."""
@@ -346,4 +347,10 @@ class Aggregator(Wrappable):
 
 
 def _batch(split, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return split.x[idx], split.y[idx]
+    """The rows `idx` of a split: `index_select`, the same rows as `x[idx]` at half the cost of
+    advanced indexing (which a small model's step would notice: ~6 of ~360 us on a logistic
+    regression's)."""
+    x, y = split.x, split.y
+    if idx.device != x.device:   # data kept on a GPU, batch order drawn on the CPU
+        idx = idx.to(x.device)
+    return x.index_select(0, idx), y.index_select(0, idx)
