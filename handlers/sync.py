@@ -16,7 +16,26 @@ __all__ = ["start_round", "collect_update", "aggregate_and_move_on", "install"]
 
 
 def start_round(server, _event=None) -> None:
-    """`all_joined_in` (and after each aggregation): sample clients and send them the model."""
+    """`all_joined_in` (and after each aggregation): sample clients and send them the model.
+
+    An empty sample's round aggregates at once, and its aggregation starts the next round:
+    from inside this call, which then only asks for it, and the round is started here once
+    this one has returned. So a run of empty samples (a Poisson rate far below one client
+    per round) takes turns in a loop instead of nesting one call per round."""
+    if getattr(server, "starting_round", False):
+        server.next_round_asked = True
+        return
+    server.starting_round = True
+    try:
+        server.next_round_asked = True
+        while server.next_round_asked:
+            server.next_round_asked = False
+            _start_one_round(server)
+    finally:
+        server.starting_round = False
+
+
+def _start_one_round(server) -> None:
     k = clients_per_round(server.course.cfg)
     candidates = server.course.client_ids
     server.selected = set(server.sampler.sample(k, candidates))

@@ -245,3 +245,23 @@ def test_a_round_with_no_client_to_sample_waits_instead_of_running_the_course_em
     server.sampler.sample = first_empty
     sync.start_round(server)
     assert server.round == 5 and server.selected and len(draws) == 2   # round 4 empty, round 5 sampled
+
+
+def test_a_long_run_of_empty_samples_takes_turns_instead_of_nesting():
+    # A Poisson rate far below one client per round draws thousands of empty samples in a row;
+    # each round aggregates nothing and starts the next. Nested, one call per round, 3,000 of
+    # them pass Python's recursion limit (1,000 frames); in turns, the course just moves on.
+    from fedcore.handlers import sync
+    from fedcore.runtime.course import Course
+    empty = 3000
+    course = Course(small_cfg(None, federate__total_round_num=empty + 10, eval__freq=10_000)).build()
+    server = course.server
+    real, draws = server.sampler.sample, []
+
+    def empty_first(k, candidates):
+        draws.append(k)
+        return [] if len(draws) <= empty else real(k, candidates)
+    server.sampler.sample = empty_first
+    sync.start_round(server)
+    assert len(draws) == empty + 1 and server.round == empty + 1 and server.selected
+    assert not server.finished
