@@ -22,7 +22,7 @@ def start_round(server, _event=None) -> None:
     from inside this call, which then only asks for it, and the round is started here once
     this one has returned. So a run of empty samples (a Poisson rate far below one client
     per round) takes turns in a loop instead of nesting one call per round."""
-    if getattr(server, "starting_round", False):
+    if server.starting_round:
         server.next_round_asked = True
         return
     server.starting_round = True

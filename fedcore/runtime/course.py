@@ -161,6 +161,7 @@ class Course:
             server.sampler.configure(self)  # samplers that read the config or the devices
         server.joined, server.started, server.finished = set(), False, False
         server.round, server.selected, server.buffer = 1, set(), []
+        server.starting_round = server.next_round_asked = False   # sync.start_round's turns
         server.best_acc, server.evals_since_best = None, 0
         self.checkpointer = Checkpointer(self)
         install_server_optimizer(server, self.checkpointer)
