@@ -119,14 +119,14 @@ class Settings:
     modulus: int
     per_round: int
     fixed_quorum: int | None
-    uniform: bool             # every client weighs 1 (central DP; DiLoCo's uniform weighting)
+    uniform: bool             # every client weighs 1 (central DP; uniform weighting, DiLoCo's default)
     dp_clip: float | None     # central DP: the L2 bound each client applies to its delta
 
     @classmethod
     def of(cls, cfg) -> "Settings":
         central = cfg["privacy.dp.mode"] == "central"
-        uniform = central or (cfg["algorithm.name"] == "diloco"
-                              and cfg["algorithm.diloco.aggregation_weighting"] == "uniform")
+        uniform = central or cfg["aggregator.weighting"] == "uniform" or (
+            cfg["algorithm.name"] == "diloco" and cfg["algorithm.diloco.aggregation_weighting"] == "uniform")
         return cls(cfg["secure_aggregation.num_neighbours"], cfg["secure_aggregation.threshold"],
                    cfg["secure_aggregation.clip"], cfg["secure_aggregation.bits"],
                    cfg["secure_aggregation.modulus"], clients_per_round(cfg),

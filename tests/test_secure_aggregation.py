@@ -255,7 +255,11 @@ def test_no_plain_update_ever_reaches_the_server():
     {"privacy__dp__mode": "local", "privacy__dp__noise_multiplier": 0.5, "privacy__dp__clip_norm": 0.5},
     # a server optimizer steps on the unmasked sum (a linear step: lr 0.5 scales the error too)
     {"server_optimizer__type": "sgdm", "server_optimizer__lr": 0.5, "server_optimizer__momentum": 0.9},
-], ids=["fedprox", "central_dp", "local_dp", "server_optimizer"])
+    # each client weighs 1 in the masked sum, on clients of unequal sizes (54 to 197 samples)
+    {"server_optimizer__type": "sgdm", "server_optimizer__lr": 0.5, "server_optimizer__momentum": 0.9,
+     "aggregator__weighting": "uniform", "data__synthetic__samples_per_client": None,
+     "data__synthetic__max_samples": 1000},
+], ids=["fedprox", "central_dp", "local_dp", "server_optimizer", "uniform_weighting"])
 def test_secure_equals_plain_for_weighted_sum_algorithms_and_dp(extra):
     common = dict(model__dtype="float64", eval__clients=False, federate__total_round_num=1)
     common.update(extra)

@@ -40,9 +40,9 @@ class _Registry:
         self.extras[name] = (get, set_)
 
 
-def server_with(aggregator_cls=FedAvgAggregator, **keys):
+def server_with(aggregator_cls=FedAvgAggregator, weighting="num_samples", **keys):
     """A FedAvg server (Tiny model, 2 clients) with the server optimizer `keys` installed."""
-    cfg = small_cfg(**{f"server_optimizer__{k}": v for k, v in keys.items()})
+    cfg = small_cfg(aggregator__weighting=weighting, **{f"server_optimizer__{k}": v for k, v in keys.items()})
     model = Tiny()
     server = SimpleNamespace(course=SimpleNamespace(cfg=cfg), model=model,
                              aggregator=aggregator_cls(model, cfg, 2))
@@ -104,6 +104,27 @@ def test_adaptive_optimizers_two_rounds_by_hand(kind):
     # the frozen parameter and the float buffer take the plain aggregate (here: unchanged)
     assert set(opt.m) == {"w"}
     assert torch.equal(server.aggregator.global_state["frozen"], t([0.5]))
+
+
+@pytest.mark.parametrize("kind", sorted(EXPECTED))
+def test_uniform_weighting_steps_from_algorithm_2s_unweighted_mean(kind):
+    # Reddi et al. average the clients' deltas alike, Δ = (1/|S|) Σ Δi: with sample counts
+    # (1, 3) and aggregator.weighting: uniform the steps are the hand-computed ones above
+    _, x1, _, x2 = EXPECTED[kind]
+    server, _, _ = server_with(weighting="uniform", type=kind, **ADAPTIVE)
+    round_(server, ROUND1, 1, n=(1, 3))
+    assert torch.allclose(server.aggregator.global_state["w"], t(x1), rtol=0, atol=1e-12)
+    round_(server, ROUND2, 2, n=(1, 3))
+    assert torch.allclose(server.aggregator.global_state["w"], t(x2), rtol=0, atol=1e-12)
+    # FedAvg's sample weighting steps from another mean with the same counts
+    weighted, _, _ = server_with(type=kind, **ADAPTIVE)
+    round_(weighted, ROUND1, 1, n=(1, 3))
+    assert (weighted.aggregator.global_state["w"] - t(x1)).abs().max() > 1e-3
+
+
+def test_aggregations_with_a_weighting_of_their_own_refuse_uniform():
+    with pytest.raises(ConfigError, match="aggregator.weighting: uniform: the ScaffoldAggregator"):
+        Course(small_cfg(algorithm__name="scaffold", aggregator__weighting="uniform")).build()
 
 
 def test_adam_with_bias_correction_by_hand():

@@ -86,6 +86,21 @@ def test_a_folding_course_equals_the_list_based_one(tmp_path, algorithm):
     assert [r["num_updates"] for r in rec] == [r["num_updates"] for r in ref]
 
 
+def test_uniform_weighting_folds_each_update_alike(tmp_path):
+    # clients of 54 to 197 samples: uniform weighting is another mean than FedAvg's, and the
+    # running sum folds with the aggregator's weights as the list-based mean does
+    unequal = dict(data__synthetic__samples_per_client=None, data__synthetic__max_samples=1000,
+                   aggregator__weighting="uniform", server_optimizer__type="adam")
+    listed = _final(tmp_path, "list", aggregator__streaming="off", **unequal)
+    folded = _final(tmp_path, "fold", aggregator__streaming="on", **unequal)
+    weighted = _final(tmp_path, "weighted", aggregator__streaming="on", **{**unequal, "aggregator__weighting": "num_samples"})
+    assert isinstance(folded.server.buffer, FoldingBuffer)
+    for name, t in listed.server.aggregator.global_state.items():
+        assert torch.allclose(folded.server.aggregator.global_state[name], t, rtol=1e-5, atol=1e-6), name
+    assert max((weighted.server.aggregator.global_state[n] - t).abs().max().item()
+               for n, t in listed.server.aggregator.global_state.items()) > 1e-4
+
+
 def test_rules_that_need_every_update_keep_the_list(tmp_path):
     with pytest.raises(ConfigError, match="aggregator.streaming"):
         Course(small_cfg(tmp_path / "a", aggregator__streaming="on", aggregator__robust_rule="median")).build()

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from fedcore.kernel.batch_order import BatchStream
+from fedcore.kernel.errors import ConfigError
 from fedcore.kernel.hooks import Wrappable
 from fedcore.kernel.inner_loop import build_scheduler
 from fedcore.kernel.model_ops import clone_tree, evaluate_model, model_device, weighted_mean
@@ -302,6 +303,11 @@ class Aggregator(Wrappable):
             k: v.detach().clone() for k, v in model.state_dict().items()}
         # staleness -> weight factor; set by asynchronous courses (None: every update counts fully)
         self.discount: Callable[[int], float] | None = None
+        self.uniform = cfg["aggregator.weighting"] == "uniform"
+        if self.uniform and type(self).weights is not Aggregator.weights:
+            raise ConfigError(f"aggregator.weighting: uniform: the {type(self).__name__} aggregation "
+                              "weighs updates by a rule of its own (see its algorithm.* keys); "
+                              "leave aggregator.weighting at num_samples")
 
     def set_shared(self, shared) -> None:
         """Change which entries are exchanged (a `ShareFilter`-like callable) before any round."""
@@ -320,10 +326,12 @@ class Aggregator(Wrappable):
         return {"model": self.broadcast(round_)["model"]}
 
     def weights(self, updates: list[ReceivedUpdate]) -> list[float]:
-        """Sample counts, down-weighted by `discount(staleness)` when a course sets one."""
+        """Sample counts (1 each with `aggregator.weighting: uniform`), down-weighted by
+        `discount(staleness)` when a course sets one."""
+        counts = [1.0] * len(updates) if self.uniform else [float(u.content["num_samples"]) for u in updates]
         if self.discount is None:
-            return [float(u.content["num_samples"]) for u in updates]
-        return [float(u.content["num_samples"]) * self.discount(u.staleness) for u in updates]
+            return counts
+        return [w * self.discount(u.staleness) for w, u in zip(counts, updates)]
 
     def aggregate(self, updates: list[ReceivedUpdate], round_: int) -> dict[str, float]:
         """Replace the global state from `updates`; return metrics for the round's record."""
