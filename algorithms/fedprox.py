@@ -33,15 +33,18 @@ declare("algorithm.fedprox.straggler_fraction", float, 0.0,
 
 
 def straggler_steps(seed: int, round_: int, client_id: int, fraction: float, epochs: int | None,
-                    steps_per_epoch: int, full_steps: int) -> int:
-    """Local steps for this (round, client): `full_steps`, or fewer if it straggles this round."""
+                    steps_per_epoch: int, full_steps: int, accum: int = 1) -> int:
+    """Local steps for this (round, client): `full_steps`, or fewer if it straggles this round.
+    With `epochs`, a straggler trains e in [1, E] of them: e * steps_per_epoch batches, which
+    are ceil(e * steps_per_epoch / accum) optimizer steps when each step accumulates `accum`
+    batches (`train.grad_accum_steps`), as `full_steps` counts E epochs."""
     if fraction <= 0:
         return full_steps
     g = torch.Generator().manual_seed(((seed * 7_919 + round_) * 1_000_003 + client_id) % (2**63))
     if torch.rand((), generator=g, dtype=torch.float64).item() >= fraction:
         return full_steps
     if epochs is not None:  # epochs in [1, E]
-        return int(torch.randint(1, epochs + 1, (), generator=g)) * steps_per_epoch
+        return math.ceil(int(torch.randint(1, epochs + 1, (), generator=g)) * steps_per_epoch / accum)
     return int(torch.randint(1, full_steps + 1, (), generator=g))
 
 
@@ -62,7 +65,7 @@ class Straggling:
         per_epoch = math.ceil(n_train / self.cfg["train.batch_size"])
         epochs = None if self.cfg["train.local_steps"] is not None else self.cfg["train.local_epochs"]
         return straggler_steps(self.cfg["seed"], self._round, self._client, self.fraction, epochs,
-                               per_epoch, full)
+                               per_epoch, full, self.grad_accum)
 
 
 class FedProxTrainer(Straggling, Trainer):

@@ -2,6 +2,7 @@
 import numpy as np
 import torch
 
+from fedcore.kernel.contract import Trainer
 from fedcore.runtime.course import Course
 from fedcore.algorithms.fedprox import straggler_steps
 from tests import drift_problem as P
@@ -63,6 +64,21 @@ def test_straggler_draws():
     assert all(straggler_steps(0, r, 1, 0.0, 3, 2, 6) == 6 for r in range(1, 6))
     some = [straggler_steps(0, r, k, 0.5, 3, 2, 6) for r in range(1, 21) for k in range(1, 6)]
     assert 0 < sum(s < 6 for s in some) < len(some)
+
+
+def test_a_straggler_accumulating_batches_takes_fewer_steps_not_more():
+    # 24 samples at batch 10: 3 batches an epoch; 3 epochs with grad_accum_steps 3 are 3 optimizer
+    # steps. A straggler trains e in [1, 3] epochs: 3e batches, e steps (it took 3e steps before).
+    cfg = small_cfg(None, algorithm__name="fedprox", algorithm__fedprox__straggler_fraction=1.0,
+                    train__local_epochs=3, train__grad_accum_steps=3, train__batch_size=10)
+    trainer, _ = P.build(cfg)
+    assert Trainer.num_steps(trainer, 24) == 3
+    steps = []
+    for r in range(1, 8):
+        for k in range(1, 6):
+            trainer._round, trainer._client = r, k
+            steps.append(trainer.num_steps(24))
+    assert set(steps) == {1, 2, 3}
 
 
 def test_stragglers_train_fewer_epochs_and_are_still_aggregated():
