@@ -73,7 +73,10 @@ class FedMoSTrainer(Trainer):
             d = grads
         else:
             prev = dict(zip(self.param_names, (w.requires_grad_(True) for w in buf["w_prev"])))
-            prev_loss = self._loss(functional_call(self.model, prev, (x,)), y)
+            # the previous iterate's pass updates copies of the module's buffers: a BatchNorm's
+            # running statistics follow the iterates w_t alone, as with any other trainer
+            buffers = {n: b.clone() for n, b in self.model.named_buffers()}
+            prev_loss = self._loss(functional_call(self.model, {**prev, **buffers}, (x,)), y)
             prev_grads = self._gradients(prev_loss, list(prev.values()))
             work += float(len(y))
             d = [g + (1 - self.a) * (d_old - g_old)

@@ -161,6 +161,9 @@ class ScaffoldAggregator(Aggregator):
         self.weighting = cfg["algorithm.scaffold.weighting"]
         names = [n for n, p in model.named_parameters() if p.requires_grad and self.shared(n)]
         self.control: dict[str, torch.Tensor] = {n: torch.zeros_like(self.global_state[n]) for n in names}
+        # eta_g scales the parameters' step; buffers (BatchNorm statistics, counters) are no step
+        # to scale: they take the plain mean delta (eta_g > 1 could make a variance negative)
+        self.parameter_names = {n for n, _ in model.named_parameters()}
 
     def shared_changed(self) -> None:
         self.control = {n: c for n, c in self.control.items() if self.shared(n)}
@@ -184,9 +187,9 @@ class ScaffoldAggregator(Aggregator):
         for name in updates[0].content["delta"]:
             mean = weighted_mean([u.content["delta"][name] for u in updates], weights)
             x = self.global_state[name]
-            if x.is_floating_point():
+            if name in self.parameter_names:
                 new_state[name] = x + self.global_lr * mean
-            else:  # integer buffers (batch counters): plain mean delta
+            else:  # buffers, floating (running statistics) or integer (batch counters)
                 new_state[name] = x + mean
         new_control = {}
         for name, c in self.control.items():

@@ -99,3 +99,35 @@ def test_a_one_mu_zero_is_fedavg_under_an_lr_schedule_too(tmp_path):
     mm = torch.load(tmp_path / "m" / "final_model.pt", weights_only=True)
     mf = torch.load(tmp_path / "f" / "final_model.pt", weights_only=True)
     assert all(torch.allclose(mm[k], mf[k], atol=1e-7) for k in mf)
+
+
+def test_the_previous_iterates_pass_leaves_the_running_statistics_alone():
+    # A BatchNorm's running mean follows the iterates w_t only: with momentum 0.1 over the batch
+    # means that the current-iterate passes feed it (captured by a hook), one update per step;
+    # the extra pass at w_{t-1} (steps after the first) updated it too, and counted the batch.
+    from torch import nn
+
+    from fedcore.algorithms.fedmos import FedMoSTrainer
+    from fedcore.kernel.state import MemoryStateStore
+    from fedcore.scenarios.data import ClientData, Split
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 2)).double()
+    cfg = small_cfg(None, algorithm__name="fedmos", model__dtype="float64", train__local_steps=3,
+                    train__batch_size=4, algorithm__fedmos__a=0.5)
+    trainer = FedMoSTrainer(model, cfg, MemoryStateStore())
+    seen = []
+    trainer.model[1].register_forward_pre_hook(lambda _m, args: seen.append(args[0].detach().mean(0)))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(12, 3, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 2, (12,), generator=g)
+    data = ClientData(Split(x, y), Split(x[:0], y[:0]), Split(x[:0], y[:0]))
+    received = {"model": {k: v.clone() for k, v in model.state_dict().items()}}
+    trainer.fit(1, data, received, 1)
+    assert len(seen) == 5   # step 1: w_0; steps 2 and 3: w_t, then w_{t-1}
+    expected = torch.zeros(4, dtype=torch.float64)
+    for batch_mean in (seen[0], seen[1], seen[3]):
+        expected = 0.9 * expected + 0.1 * batch_mean
+    bn = trainer.model[1]
+    assert bn.num_batches_tracked.item() == 3
+    assert torch.allclose(bn.running_mean, expected, rtol=0, atol=1e-12)

@@ -129,3 +129,33 @@ def test_control_variate_divides_by_the_step_sizes_taken_under_an_lr_schedule():
     c_i = course.store.load(1)["c_i"]
     for n, g in grads.items():
         assert torch.allclose(c_i[n], g, atol=1e-10)
+
+
+def test_global_lr_scales_the_parameters_step_and_buffers_take_the_plain_mean():
+    # eta_g = 0.5, two clients (uniform): dy(w) = [1, -2] and [3, 0], mean [2, -1], so
+    # w = [1, 2] + 0.5 [2, -1] = [2, 1.5]; the float buffer's deltas [0.4] and [0.8] are running
+    # statistics, not a step: mean 0.6, so [0.1] + 0.6 = [0.7]; the integer counter: 3 + 2 = 5
+    from torch import nn
+
+    from fedcore.algorithms.scaffold import ScaffoldAggregator
+    from fedcore.kernel.contract import ReceivedUpdate
+
+    class WithBuffers(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.tensor([1.0, 2.0], dtype=torch.float64))
+            self.register_buffer("running", torch.tensor([0.1], dtype=torch.float64))
+            self.register_buffer("count", torch.tensor(3))
+
+    cfg = small_cfg(None, algorithm__name="scaffold", algorithm__scaffold__global_lr=0.5)
+    agg = ScaffoldAggregator(WithBuffers(), cfg, 2)
+    moves = [([1.0, -2.0], [0.4], 2), ([3.0, 0.0], [0.8], 2)]
+    updates = [ReceivedUpdate(cid, {"num_samples": 1, "delta": {
+        "w": torch.tensor(w, dtype=torch.float64), "running": torch.tensor(r, dtype=torch.float64),
+        "count": torch.tensor(c)}, "delta_control": {"w": torch.zeros(2, dtype=torch.float64)}}, 1)
+        for cid, (w, r, c) in enumerate(moves, start=1)]
+    agg.aggregate(updates, 1)
+    g = agg.global_state
+    assert torch.allclose(g["w"], torch.tensor([2.0, 1.5], dtype=torch.float64), rtol=0, atol=1e-15)
+    assert torch.allclose(g["running"], torch.tensor([0.7], dtype=torch.float64), rtol=0, atol=1e-15)
+    assert g["count"].item() == 5
