@@ -8,10 +8,12 @@ For every update (client model x_k computed from a model tau_k rounds old):
 with alpha = `algorithm.fedasync.alpha` and s the course's staleness discount
 (1 when none is set). The worker's local problem is the paper's regularised one,
 g(x) = f(x) + (rho/2) ||x - x_tau||^2 with x_tau the model it received (FedProx's
-proximal step, `algorithm.fedasync.rho`; 0, the default, is plain local SGD). Meant for a course that aggregates every update as it
-arrives (`asyn.min_received_num: 1`); when several arrive together they are
-mixed in one after the other, in client-id order. Non-float entries are taken
-from the last update mixed in.
+proximal step, `algorithm.fedasync.rho`; 0, the default, is plain local SGD).
+
+Meant for a course that aggregates every update as it arrives
+(`asyn.min_received_num: 1`); when several arrive together they are mixed in one
+after the other, in client-id order. Non-float entries are taken from the last
+update mixed in.
 """
 from __future__ import annotations
 

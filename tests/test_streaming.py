@@ -93,7 +93,8 @@ def test_uniform_weighting_folds_each_update_alike(tmp_path):
                    aggregator__weighting="uniform", server_optimizer__type="adam")
     listed = _final(tmp_path, "list", aggregator__streaming="off", **unequal)
     folded = _final(tmp_path, "fold", aggregator__streaming="on", **unequal)
-    weighted = _final(tmp_path, "weighted", aggregator__streaming="on", **{**unequal, "aggregator__weighting": "num_samples"})
+    weighted = _final(tmp_path, "weighted", aggregator__streaming="on",
+                      **{**unequal, "aggregator__weighting": "num_samples"})
     assert isinstance(folded.server.buffer, FoldingBuffer)
     for name, t in listed.server.aggregator.global_state.items():
         assert torch.allclose(folded.server.aggregator.global_state[name], t, rtol=1e-5, atol=1e-6), name
