@@ -31,7 +31,8 @@ import torch
 
 from fedcore.kernel import registry
 from fedcore.algorithms.combine import Deltas, flatten, replace_combination, unflatten
-from fedcore.kernel.config import declare, non_negative, positive, validator
+from fedcore.kernel.config import declare, non_negative, positive, resolver, validator
+from fedcore.kernel.contract import Aggregator
 from fedcore.kernel.errors import ConfigError
 
 __all__ = ["RULES", "INCOMPATIBLE", "krum_scores", "krum_select", "coordinate_median",
@@ -63,6 +64,24 @@ declare("aggregator.cc_iters", int, 1, "centered_clip: clipping iterations L per
 declare("topology.edge_robust_rule", str, "none", "hierarchical courses (topology.edges): the rule "
         "each edge combines its clients' models with, one of aggregator.robust_rule's, with the "
         "same aggregator.* parameters (aggregator.robust_rule is the cloud's rule)", choices=RULES)
+
+
+# rules whose papers average the chosen or clipped updates alike, (1/m) or (1/n)
+UNIFORM_RULES = ("krum", "multi_krum", "centered_clip")
+
+
+@resolver
+def _weighting(values: dict) -> None:
+    """`aggregator.weighting: auto`: the papers' uniform mean under Multi-Krum (Blanchard et al.)
+    and centered clipping (Karimireddy et al.), where the algorithm's aggregation uses the
+    contract's weights; FedAvg's sample weights otherwise."""
+    if values["aggregator.weighting"] != "auto":
+        return
+    uniform = values["aggregator.robust_rule"] in UNIFORM_RULES
+    if uniform and values["algorithm.name"] in registry.algorithms.names():
+        aggregator = registry.algorithms.get(values["algorithm.name"]).aggregator
+        uniform = aggregator.weights is Aggregator.weights   # else its own weighting rules
+    values["aggregator.weighting"] = "uniform" if uniform else "num_samples"
 
 
 @validator
@@ -129,7 +148,10 @@ def krum_scores(vectors: torch.Tensor, f: int) -> torch.Tensor:
     if k < 1:
         raise ValueError(f"Krum needs n > f + 2 updates (n={n}, f={f}); lower "
                          "aggregator.byzantine_num or sample more clients")
-    d2 = torch.cdist(vectors, vectors).pow(2)
+    # squared differences summed, row against rows: exactly symmetric, and equal distances stay
+    # equal (cdist's square root squared again, or its |x|^2 + |y|^2 - 2xy form past 25 rows,
+    # rounds them apart and can change the choice between near or exact ties)
+    d2 = torch.stack([(vectors - v).square_().sum(dim=1) for v in vectors])
     d2.fill_diagonal_(math.inf)
     return d2.topk(k, dim=1, largest=False).values.sum(dim=1)
 

@@ -106,9 +106,13 @@ def test_rules_compose_with_fedavg_aggregator():
     models = [[0, 0], [1, 0], [0.5, 0.5], [0, 1], [10, 10]]
     w, m = _aggregate("krum", models, [1, 1, 1, 1, 1], aggregator__byzantine_num=1)
     assert w == pytest.approx([0.5, 0.5]) and m["robust_selected"] == [3]
-    # multi-Krum with m = 3 averages clients 3, 1, 2, i.e. (.5,.5) x 2 samples, (0,0), (1,0)
+    # multi-Krum with m = 3 averages clients 3, 1, 2 alike, (1/m) sum (Blanchard et al.):
+    # (.5,.5), (0,0), (1,0); with sample weights (2, 1, 1 samples) on request
     w, _ = _aggregate("multi_krum", models, [1, 1, 2, 1, 1], aggregator__byzantine_num=1,
                       aggregator__krum_m=3)
+    assert w == pytest.approx([(0.5 + 0 + 1) / 3, (0.5 + 0 + 0) / 3])
+    w, _ = _aggregate("multi_krum", models, [1, 1, 2, 1, 1], aggregator__byzantine_num=1,
+                      aggregator__krum_m=3, aggregator__weighting="num_samples")
     assert w == pytest.approx([(2 * 0.5 + 0 + 1) / 4, (2 * 0.5 + 0 + 0) / 4])
     w, _ = _aggregate("median", models, [1, 1, 1, 1, 100])
     assert w == pytest.approx([0.5, 0.5])
@@ -116,10 +120,17 @@ def test_rules_compose_with_fedavg_aggregator():
     assert w == pytest.approx([0.5, 0.5])  # per coordinate the middle three of five
     w, m = _aggregate("norm_bound", [[3, 4], [0.3, 0.4]], [1, 3], aggregator__norm_bound=1.0)
     assert w == pytest.approx([(0.6 + 3 * 0.3) / 4, (0.8 + 3 * 0.4) / 4]) and m["robust_clipped"] == 1
-    # centered clipping's first round is centered on 0: norm_bound's arithmetic, here
+    # centered clipping's first round is centered on 0: norm_bound's arithmetic, with the
+    # paper's 1/n (Karimireddy et al.); with sample weights on request
     w, m = _aggregate("centered_clip", [[3, 4], [0.3, 0.4]], [1, 3], aggregator__cc_tau=1.0)
+    assert w == pytest.approx([(0.6 + 0.3) / 2, (0.8 + 0.4) / 2]) and m["robust_clipped"] == 1
+    w, m = _aggregate("centered_clip", [[3, 4], [0.3, 0.4]], [1, 3], aggregator__cc_tau=1.0,
+                      aggregator__weighting="num_samples")
     assert w == pytest.approx([(0.6 + 3 * 0.3) / 4, (0.8 + 3 * 0.4) / 4]) and m["robust_clipped"] == 1
-    w, _ = _aggregate("centered_clip", models, [1, 1, 2, 1, 1], aggregator__cc_tau=1e300)  # FedAvg
+    w, _ = _aggregate("centered_clip", models, [1, 1, 2, 1, 1], aggregator__cc_tau=1e300)  # the mean
+    assert w == pytest.approx([(0 + 1 + 0.5 + 0 + 10) / 5, (0 + 0 + 0.5 + 1 + 10) / 5])
+    w, _ = _aggregate("centered_clip", models, [1, 1, 2, 1, 1], aggregator__cc_tau=1e300,
+                      aggregator__weighting="num_samples")   # FedAvg
     assert w == pytest.approx([(0 + 1 + 1 + 0 + 10) / 6, (0 + 0 + 1 + 1 + 10) / 6])
 
 
@@ -176,3 +187,26 @@ def test_krum_counts_the_updates_an_async_aggregation_has(overrides):
     with pytest.raises(ConfigError, match="an aggregation may have only"):
         small_cfg(aggregator__robust_rule="krum", **overrides)
     small_cfg(aggregator__robust_rule="krum", **dict(overrides, asyn__min_received_num=3))
+
+
+def test_krum_scores_keep_exact_ties_and_break_them_by_index():
+    # f = 0, k = 3 nearest others. Points (2,0) and (1,.5): squared distances from (2,0) are 1.25,
+    # 1.25, 13, 5 -> 3 nearest 1.25 + 1.25 + 5 = 7.5; from (1,.5): 1.25, 4, 6.25, 2.25 -> 1.25 +
+    # 2.25 + 4 = 7.5. Exactly equal, so Krum takes the lower index.
+    x = torch.tensor([[2, 0], [1, .5], [3, .5], [-1, 2], [1, 2]], dtype=torch.float64)
+    scores = krum_scores(x, 0)
+    assert scores[0].item() == 7.5 and scores[1].item() == 7.5
+    assert krum_select(x, 0) == [0]
+
+
+def test_krum_tells_apart_updates_closer_than_the_mm_form_of_distances_resolves():
+    # 30 updates around a unit vector at spreads of 1e-7: the |x|^2 + |y|^2 - 2xy form loses
+    # such distances; the scores must equal the ones summed from exact squared differences
+    g = torch.Generator().manual_seed(4)
+    base = torch.randn(50, generator=g, dtype=torch.float64)
+    x = base / base.norm() + 1e-7 * torch.randn(30, 50, generator=g, dtype=torch.float64)
+    f = 3
+    d2 = [[float(((x[i] - x[j]) ** 2).sum()) for j in range(30)] for i in range(30)]
+    expected = [sum(sorted(d2[i][j] for j in range(30) if j != i)[:30 - f - 2]) for i in range(30)]
+    got = krum_scores(x, f).tolist()
+    assert all(abs(a - b) <= 1e-12 * b for a, b in zip(got, expected))

@@ -307,7 +307,7 @@ class Aggregator(Wrappable):
         if self.uniform and type(self).weights is not Aggregator.weights:
             raise ConfigError(f"aggregator.weighting: uniform: the {type(self).__name__} aggregation "
                               "weighs updates by a rule of its own (see its algorithm.* keys); "
-                              "leave aggregator.weighting at num_samples")
+                              "leave aggregator.weighting at auto or num_samples")
 
     def set_shared(self, shared) -> None:
         """Change which entries are exchanged (a `ShareFilter`-like callable) before any round."""

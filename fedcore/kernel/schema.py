@@ -35,9 +35,11 @@ declare("federate.share_params", list, None, "parameter-name patterns (fnmatch) 
         "the rest stay local to each client")
 declare("federate.sampler", str, "uniform", "how clients are sampled each round",
         choices=lambda: registry.samplers.names())
-declare("aggregator.weighting", str, "num_samples", "how the aggregation weighs the round's updates: "
-        "num_samples (FedAvg's sample-weighted mean) or uniform (each update alike, the mean "
-        "Reddi et al.'s Algorithm 2 steps the server optimizer from)", choices=("num_samples", "uniform"))
+declare("aggregator.weighting", str, "auto", "how the aggregation weighs the round's updates: "
+        "num_samples (FedAvg's sample-weighted mean), uniform (each update alike: the mean Reddi "
+        "et al.'s Algorithm 2 steps the server optimizer from), or auto (uniform under the robust "
+        "rules whose papers average alike, krum, multi_krum and centered_clip, else num_samples)",
+        choices=("auto", "num_samples", "uniform"))
 
 declare("data.type", str, "synthetic", "dataset", choices=lambda: registry.datasets.names())
 declare("data.root", str, None, "folder (or file, for csv) with local data")
