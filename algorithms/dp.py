@@ -54,6 +54,10 @@ declare("privacy.dp.fraction", float, None, "local: fraction of clients (seeded 
         check=lambda v: None if 0 <= v <= 1 else "must be in [0, 1]")
 declare("privacy.dp.delta", float, 1e-5, "delta at which the epsilon spent is reported",
         check=lambda v: None if 0 < v < 1 else "must be in (0, 1)")
+declare("privacy.dp.clip_each_step", bool, True, "central: after every local optimizer step the "
+        "client's model goes back onto the ball of radius clip_norm around the model it received, "
+        "as DP-FedAvg's Algorithm 1 does (the delta it sends is already clipped); false: only the "
+        "final delta is clipped, by the server")
 
 
 @validator
@@ -241,8 +245,36 @@ def _install_local(course, noisy: set[int]) -> None:
                          per_client_result=True, process_safe=True))
 
 
+def _install_projection(course) -> None:
+    """Central DP's local steps as Algorithm 1's UserUpdateFedAvg takes them: after each optimizer
+    step, theta <- theta0 + clip(theta - theta0) over the floating entries the server clips (a
+    trainer that steps without its optimizer, as FedMoS does, is clipped at the end only)."""
+    trainer, clip = course.trainer, course.cfg["privacy.dp.clip_norm"]
+
+    def projected_fit(fit, client_id, data, received, round_):
+        anchor = received["model"]
+        names = [n for n in float_names(anchor) if n in trainer.entries]
+
+        @torch.no_grad()
+        def project(_optimizer, _args, _kwargs):
+            current = {n: trainer.entries[n] for n in names}
+            inside, norm = privatize(current, anchor, clip, 0.0, None)
+            if norm > clip:
+                for n in names:
+                    trainer.entries[n].copy_(inside[n])
+        handle = trainer.optimizer.register_step_post_hook(project)
+        try:
+            return fit(client_id, data, received, round_)
+        finally:
+            handle.remove()
+    # it acts inside every local step: a batched engine cannot apply it around a result
+    trainer.wrap(Wrapper("differential_privacy central (clip each step)", "fit", projected_fit,
+                         process_safe=True))
+
+
 def install(course) -> None:
-    """Behaviour: local DP on the chosen clients' trainer output, or central DP on the server."""
+    """Behaviour: local DP on the chosen clients' trainer output, or central DP on the server
+    (and, with clip_each_step, its clipping inside the clients' local steps)."""
     cfg = course.cfg
     # In a deployment a client process has no server and the server process no trainer:
     # each installs its own half. The noisy clients are drawn over the whole federation.
@@ -253,6 +285,8 @@ def install(course) -> None:
                                cfg["privacy.dp.fraction"], cfg["seed"], 8101, "privacy.dp")
         if course.trainer is not None:
             _install_local(course, noisy)
+    if cfg["privacy.dp.mode"] == "central" and cfg["privacy.dp.clip_each_step"] and course.trainer is not None:
+        _install_projection(course)
     if server is None:
         return
     ledger = _Ledger(course)

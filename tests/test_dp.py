@@ -203,3 +203,50 @@ def test_central_noise_on_a_secure_sum_is_seeded_in_simulation_and_from_the_os_w
                          secure_aggregation__enabled=True, federate__mode="distributed")
     first, second = _central_noise(model, names, 0.5, deployed, 3), _central_noise(model, names, 0.5, deployed, 3)
     assert not (first == expected).any() and not (first == second).any()
+
+
+# ---------------------------------------------------------------- clipping inside local training
+def _clip_each_step_reference(clip: float, each_step: bool):
+    """Client 1 of the drift problem, from THETA0: Algorithm 1's UserUpdateFedAvg projects after
+    every step, theta <- theta0 + clip(theta - theta0); the other way clips the final delta."""
+    import numpy as np
+
+    from tests import drift_problem as P
+
+    def clipped(theta):
+        d = theta - P.THETA0
+        return P.THETA0 + d * min(1.0, clip / np.linalg.norm(d))
+    theta = P.THETA0.copy()
+    for _ in range(P.STEPS):
+        theta = theta - P.LR * P.grad(1, theta)
+        if each_step:
+            theta = clipped(theta)
+    return clipped(theta)
+
+
+def test_central_dp_clips_inside_every_local_step_as_algorithm_1():
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from fedcore.algorithms.dp import _install_projection
+    from tests import drift_problem as P
+    clip = 0.05
+    cfg = P.config("fedavg", privacy__dp__mode="central", privacy__dp__clip_norm=clip,
+                   privacy__dp__noise_multiplier=0.0)
+    trainer, agg = P.build(cfg)
+    _install_projection(SimpleNamespace(trainer=trainer, cfg=cfg))
+    sent = P.as_theta(trainer.fit(1, P.client_data(1), agg.broadcast(1), 1).content["model"])
+    np.testing.assert_allclose(sent, _clip_each_step_reference(clip, True), rtol=0, atol=1e-12)
+    # clipping only the final delta gives another model here (the clip binds before the last step)
+    assert np.abs(_clip_each_step_reference(clip, True) - _clip_each_step_reference(clip, False)).max() > 1e-4
+
+
+@pytest.mark.parametrize("each_step", [True, False])
+def test_clip_each_step_is_installed_on_the_clients_trainer_only_when_asked(each_step):
+    from fedcore.kernel.hooks import wrappers
+    course = Course(small_cfg(None, privacy__dp__mode="central", privacy__dp__clip_each_step=each_step)).build()
+    names = [w.behaviour for w in wrappers(course.trainer, "fit")]
+    assert ("differential_privacy central (clip each step)" in names) == each_step
+    with pytest.raises(ConfigError, match="executor vectorized cannot run behaviour differential_privacy central"):
+        Course(small_cfg(None, privacy__dp__mode="central", executor="vectorized")).build()
