@@ -64,6 +64,9 @@ class FedMoSTrainer(Trainer):
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
         buf = self._state["fedmos"]
+        # both gradients of a step see the same sample xi_t: the pass at w_{t-1} replays the
+        # random draws (dropout masks) of the pass at w_t from the same generator state
+        draws = torch.get_rng_state() if buf["d"] is not None and self.a != 1 else None
         loss = self.objective(x, y)
         grads = self._gradients(loss, self.params)
         work = float(len(y))
@@ -76,7 +79,10 @@ class FedMoSTrainer(Trainer):
             # the previous iterate's pass updates copies of the module's buffers: a BatchNorm's
             # running statistics follow the iterates w_t alone, as with any other trainer
             buffers = {n: b.clone() for n, b in self.model.named_buffers()}
+            after = torch.get_rng_state()
+            torch.set_rng_state(draws)
             prev_loss = self._loss(functional_call(self.model, {**prev, **buffers}, (x,)), y)
+            torch.set_rng_state(after)
             prev_grads = self._gradients(prev_loss, list(prev.values()))
             work += float(len(y))
             d = [g + (1 - self.a) * (d_old - g_old)

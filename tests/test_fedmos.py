@@ -131,3 +131,30 @@ def test_the_previous_iterates_pass_leaves_the_running_statistics_alone():
     bn = trainer.model[1]
     assert bn.num_batches_tracked.item() == 3
     assert torch.allclose(bn.running_mean, expected, rtol=0, atol=1e-12)
+
+
+def test_both_gradients_of_a_step_see_the_same_dropout_masks():
+    # d_t needs grad f(w_t; xi_t) and grad f(w_{t-1}; xi_t) on the same sample: with dropout, the
+    # same masks. A hook records which units each forward pass drops.
+    from torch import nn
+
+    from fedcore.algorithms.fedmos import FedMoSTrainer
+    from fedcore.kernel.state import MemoryStateStore
+    from fedcore.scenarios.data import ClientData, Split
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 16), nn.Dropout(0.5), nn.ReLU(), nn.Linear(16, 2)).double()
+    cfg = small_cfg(None, algorithm__name="fedmos", model__dtype="float64", train__local_steps=3,
+                    train__batch_size=6, algorithm__fedmos__a=0.5)
+    trainer = FedMoSTrainer(model, cfg, MemoryStateStore())
+    dropped = []
+    trainer.model[1].register_forward_hook(
+        lambda _m, args, out: dropped.append((out == 0) & (args[0] != 0)))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 3, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 2, (6,), generator=g)
+    data = ClientData(Split(x, y), Split(x[:0], y[:0]), Split(x[:0], y[:0]))
+    trainer.fit(1, data, {"model": {k: v.clone() for k, v in model.state_dict().items()}}, 1)
+    assert len(dropped) == 5   # step 1: w_0; steps 2 and 3: w_t, then w_{t-1}
+    assert torch.equal(dropped[1], dropped[2]) and torch.equal(dropped[3], dropped[4])
+    assert not torch.equal(dropped[0], dropped[1]) and dropped[1].any()   # each step draws anew
