@@ -101,10 +101,10 @@ def test_a_one_mu_zero_is_fedavg_under_an_lr_schedule_too(tmp_path):
     assert all(torch.allclose(mm[k], mf[k], atol=1e-7) for k in mf)
 
 
-def test_the_previous_iterates_pass_leaves_the_running_statistics_alone():
-    # A BatchNorm's running mean follows the iterates w_t only: with momentum 0.1 over the batch
-    # means that the current-iterate passes feed it (captured by a hook), one update per step;
-    # the extra pass at w_{t-1} (steps after the first) updated it too, and counted the batch.
+def _three_fedmos_steps(layer, batch_size: int, samples: int, watch):
+    """A FedMoS fit of 3 steps (a = 0.5) of Linear -> `layer` -> ReLU -> Linear, float64,
+    on `samples` seeded points in batches of `batch_size`, with `watch(module)` hooked on the
+    middle layer first; returns the trainer."""
     from torch import nn
 
     from fedcore.algorithms.fedmos import FedMoSTrainer
@@ -112,18 +112,27 @@ def test_the_previous_iterates_pass_leaves_the_running_statistics_alone():
     from fedcore.scenarios.data import ClientData, Split
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 2)).double()
+    width = layer.num_features if hasattr(layer, "num_features") else 16
+    model = nn.Sequential(nn.Linear(3, width), layer, nn.ReLU(), nn.Linear(width, 2)).double()
     cfg = small_cfg(None, algorithm__name="fedmos", model__dtype="float64", train__local_steps=3,
-                    train__batch_size=4, algorithm__fedmos__a=0.5)
+                    train__batch_size=batch_size, algorithm__fedmos__a=0.5)
     trainer = FedMoSTrainer(model, cfg, MemoryStateStore())
-    seen = []
-    trainer.model[1].register_forward_pre_hook(lambda _m, args: seen.append(args[0].detach().mean(0)))
+    watch(trainer.model[1])
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(12, 3, generator=g, dtype=torch.float64)
-    y = torch.randint(0, 2, (12,), generator=g)
+    x = torch.randn(samples, 3, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 2, (samples,), generator=g)
     data = ClientData(Split(x, y), Split(x[:0], y[:0]), Split(x[:0], y[:0]))
-    received = {"model": {k: v.clone() for k, v in model.state_dict().items()}}
-    trainer.fit(1, data, received, 1)
+    trainer.fit(1, data, {"model": {k: v.clone() for k, v in model.state_dict().items()}}, 1)
+    return trainer
+
+
+def test_the_previous_iterates_pass_leaves_the_running_statistics_alone():
+    # A BatchNorm's running mean follows the iterates w_t only: with momentum 0.1 over the batch
+    # means that the current-iterate passes feed it (captured by a hook), one update per step;
+    # the extra pass at w_{t-1} (steps after the first) updated it too, and counted the batch.
+    seen = []
+    trainer = _three_fedmos_steps(torch.nn.BatchNorm1d(4), 4, 12, lambda m: m.register_forward_pre_hook(
+        lambda _m, args: seen.append(args[0].detach().mean(0))))
     assert len(seen) == 5   # step 1: w_0; steps 2 and 3: w_t, then w_{t-1}
     expected = torch.zeros(4, dtype=torch.float64)
     for batch_mean in (seen[0], seen[1], seen[3]):
@@ -136,25 +145,9 @@ def test_the_previous_iterates_pass_leaves_the_running_statistics_alone():
 def test_both_gradients_of_a_step_see_the_same_dropout_masks():
     # d_t needs grad f(w_t; xi_t) and grad f(w_{t-1}; xi_t) on the same sample: with dropout, the
     # same masks. A hook records which units each forward pass drops.
-    from torch import nn
-
-    from fedcore.algorithms.fedmos import FedMoSTrainer
-    from fedcore.kernel.state import MemoryStateStore
-    from fedcore.scenarios.data import ClientData, Split
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(3, 16), nn.Dropout(0.5), nn.ReLU(), nn.Linear(16, 2)).double()
-    cfg = small_cfg(None, algorithm__name="fedmos", model__dtype="float64", train__local_steps=3,
-                    train__batch_size=6, algorithm__fedmos__a=0.5)
-    trainer = FedMoSTrainer(model, cfg, MemoryStateStore())
     dropped = []
-    trainer.model[1].register_forward_hook(
-        lambda _m, args, out: dropped.append((out == 0) & (args[0] != 0)))
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(6, 3, generator=g, dtype=torch.float64)
-    y = torch.randint(0, 2, (6,), generator=g)
-    data = ClientData(Split(x, y), Split(x[:0], y[:0]), Split(x[:0], y[:0]))
-    trainer.fit(1, data, {"model": {k: v.clone() for k, v in model.state_dict().items()}}, 1)
+    _three_fedmos_steps(torch.nn.Dropout(0.5), 6, 6, lambda m: m.register_forward_hook(
+        lambda _m, args, out: dropped.append((out == 0) & (args[0] != 0))))
     assert len(dropped) == 5   # step 1: w_0; steps 2 and 3: w_t, then w_{t-1}
     assert torch.equal(dropped[1], dropped[2]) and torch.equal(dropped[3], dropped[4])
     assert not torch.equal(dropped[0], dropped[1]) and dropped[1].any()   # each step draws anew
