@@ -16,8 +16,12 @@ most the sum of the ranks); beyond that it is the best rank-r approximation
 of rank r_i < r (`model.lora.ranks`) starts from the first r_i of them, the
 best rank-r_i approximation of the global update, and trains only those
 (the others are zero in both factors, so their gradients are zero too). Its
-update is sent in the global shape (zero beyond r_i), so the wire layout is
-the same for every client; the bytes do not shrink with the rank.
+update is sent in the global shape, equal to the received adapters beyond r_i
+(a zero change there, which compression and local DP encode as such), so the
+wire layout is the same for every client and the bytes do not shrink with the
+rank. The server reads only the first r_i components of client i's factors
+(it knows each client's rank from the config), so whatever a compressor or DP
+noise puts beyond r_i never enters the aggregate.
 """
 from __future__ import annotations
 
@@ -39,7 +43,8 @@ declare("model.lora.aggregation", str, "exact", "how adapters are combined: exac
         "separate (A and B averaged on their own, an approximation; what algorithms with state on "
         "the factors need)", choices=("exact", "separate"))
 declare("model.lora.ranks", list, None, "each client's own LoRA rank (client i takes entry "
-        "(i-1) mod length, each at most model.lora.r); needs model.lora.aggregation=exact")
+        "(i-1) mod length, each at most model.lora.r); needs model.lora.aggregation=exact and "
+        "executor=sequential")
 
 
 @validator
@@ -127,11 +132,12 @@ def _own_ranks(trainer, pairs) -> None:
         rank = client_rank(cfg, client_id)
         if rank == cfg["model.lora.r"]:
             return inner(client_id, data, received, round_)
-        received = {**received, "model": truncate_rank(received["model"], pairs, rank)}
-        result = inner(client_id, data, received, round_)
-        for a, b in pairs:   # zero already (zero factors get zero gradients); made certain
-            result.content["model"][a][rank:] = 0
-            result.content["model"][b][:, rank:] = 0
+        given = received["model"]
+        result = inner(client_id, data, {**received, "model": truncate_rank(given, pairs, rank)}, round_)
+        sent = result.content["model"]
+        for a, b in pairs:   # beyond its rank the client changed nothing: the received values
+            sent[a][rank:] = given[a][rank:]
+            sent[b][:, rank:] = given[b][:, rank:]
         return result
 
     # the client trains on truncated adapters: the training itself changes
@@ -139,13 +145,15 @@ def _own_ranks(trainer, pairs) -> None:
 
 
 def _exact_aggregation(aggregator, pairs, rank: int) -> None:
-    """The aggregator combines the adapters by `exact_lora_mean` (the other entries as before)."""
+    """The aggregator combines the adapters by `exact_lora_mean` (the other entries as before),
+    each client's factors cut to its own rank first."""
     from fedcore.algorithms.fedavg import FedAvgAggregator
     from fedcore.algorithms.fedprox import FedProxAggregator
     if not isinstance(aggregator, (FedAvgAggregator, FedProxAggregator)) \
             or getattr(aggregator.aggregate, "__self__", None) is not aggregator:
         raise ConfigError("model.lora.aggregation: exact needs FedAvg's or FedProx's own mean, which "
                           "another plug-in has replaced here; use model.lora.aggregation=separate")
+    cfg = aggregator.cfg
 
     def exact(deltas, weights, client_ids, round_):
         base = aggregator.global_state
@@ -153,11 +161,19 @@ def _exact_aggregation(aggregator, pairs, rank: int) -> None:
         for a, b in pairs:
             if a in deltas[0]:
                 ba, bb = base[a].double(), base[b].double()
-                new_a, new_b = exact_lora_mean([(ba + d[a], bb + d[b]) for d in deltas], weights, rank)
+                factors = [_cut(ba + d[a], bb + d[b], client_rank(cfg, cid)) for d, cid in zip(deltas, client_ids)]
+                new_a, new_b = exact_lora_mean(factors, weights, rank)
                 out[a], out[b] = new_a - ba, new_b - bb
         return out, {}
 
     replace_combination(aggregator, exact, "model.lora.aggregation exact")
+
+
+def _cut(a: torch.Tensor, b: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Factors (A, B) with the components beyond `rank` zeroed (the tensors are the caller's own)."""
+    a[rank:] = 0
+    b[:, rank:] = 0
+    return a, b
 
 
 def install(course) -> None:

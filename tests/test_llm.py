@@ -136,27 +136,69 @@ def test_lora_course_trains_and_exchanges_only_the_adapters(tmp_path):
     assert _records(tmp_path)[-1]["test_loss"] == pytest.approx(np.log(perplexity[-1]))
 
 
-def test_clients_of_their_own_rank_and_the_exact_aggregate_of_a_course(tmp_path):
-    course = Course(lm_cfg(**{"model.lora.ranks": [1, 3], "federate.total_round_num": 2})).build()
+def _own_rank_course(**extra):
+    """A course of clients of ranks 1 and 3 (r = 4) whose server records, each round, the
+    adapters it broadcast and the updates it aggregated (decoded, as the aggregation sees them)."""
+    course = Course(lm_cfg(**{"model.lora.ranks": [1, 3], "federate.total_round_num": 2, **extra})).build()
     seen = []
-    inner = course.server.aggregator.aggregate
+    aggregator = course.server.aggregator
+    inner = aggregator.aggregate
 
     def spy(updates, round_):
-        seen.append([{k: v.clone() for k, v in u.content["model"].items()} for u in updates])
+        seen.append(({k: v.clone() for k, v in aggregator.global_state.items()},
+                     [{k: v.clone() for k, v in u.content["model"].items()} for u in updates]))
         return inner(updates, round_)
 
-    course.server.aggregator.aggregate = spy
+    aggregator.aggregate = spy
     course.run()
-    (a_name, b_name), = [(k, k.replace("lora_A", "lora_B")) for k in seen[0][0] if "lora_A" in k]
-    for update, rank in zip(seen[-1], (1, 3)):          # client 1 trains rank 1, client 2 rank 3
-        assert not update[a_name][rank:].any() and not update[b_name][:, rank:].any()
-        assert update[a_name][:rank].any() and update[b_name][:, :rank].any()
-    # 1 + 3 <= r = 4: the global B A is the sample-weighted mean of the clients' products
+    (a_name, b_name), = [(k, k.replace("lora_A", "lora_B")) for k in seen[0][1][0] if "lora_A" in k]
+    return course, seen, a_name, b_name
+
+
+def _weighted_mean_of_cut_products(course, updates, a_name, b_name):
+    """sum_i w_i B_i[:, :r_i] A_i[:r_i] / sum_i w_i over clients 1 (rank 1) and 2 (rank 3), in float64."""
     weights = [len(course.data.clients[c].train) for c in (1, 2)]
-    expected = sum(w * (u[b_name].double() @ u[a_name].double()) for u, w in zip(seen[-1], weights))
-    expected /= sum(weights)
+    total = sum(w * (u[b_name].double()[:, :k] @ u[a_name].double()[:k])
+                for u, w, k in zip(updates, weights, (1, 3)))
+    return total / sum(weights)
+
+
+def _global_product(course, a_name, b_name):
     state = course.server.aggregator.global_state
-    assert (state[b_name].double() @ state[a_name].double() - expected).abs().max() < 1e-6
+    return state[b_name].double() @ state[a_name].double()
+
+
+def test_clients_of_their_own_rank_and_the_exact_aggregate_of_a_course(tmp_path):
+    course, seen, a_name, b_name = _own_rank_course()
+    broadcast, updates = seen[-1]
+    for update, rank in zip(updates, (1, 3)):          # client 1 trains rank 1, client 2 rank 3
+        # beyond its rank a client changes nothing: it sends back what it received there
+        assert torch.equal(update[a_name][rank:], broadcast[a_name][rank:])
+        assert torch.equal(update[b_name][:, rank:], broadcast[b_name][:, rank:])
+        assert not torch.equal(update[a_name][:rank], broadcast[a_name][:rank])
+        assert not torch.equal(update[b_name][:, :rank], broadcast[b_name][:, :rank])
+    assert broadcast[a_name][1:].any()   # round 2's broadcast has components beyond rank 1
+    # 1 + 3 <= r = 4: the global B A is the sample-weighted mean of the clients' rank-r_i products
+    expected = _weighted_mean_of_cut_products(course, updates, a_name, b_name)
+    assert (_global_product(course, a_name, b_name) - expected).abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("extra", [
+    {"compress.type": "int8"}, {"compress.type": "topk", "compress.topk_fraction": 0.1},
+    {"privacy.dp.mode": "local", "privacy.dp.noise_multiplier": 0.1, "privacy.dp.clip_norm": 1.0},
+], ids=["int8", "topk", "local_dp"])
+def test_own_ranks_stay_exact_under_compression_and_local_dp(extra):
+    """Whatever the encoding or the noise puts beyond a client's rank is not read: the global
+    B A is still the weighted mean of the clients' products cut to their ranks, as decoded."""
+    course, seen, a_name, b_name = _own_rank_course(**extra)
+    broadcast, updates = seen[-1]
+    moved = max(float((u[a_name][k:] - broadcast[a_name][k:]).abs().max()) for u, k in zip(updates, (1, 3)))
+    expected = _weighted_mean_of_cut_products(course, updates, a_name, b_name)
+    assert (_global_product(course, a_name, b_name) - expected).abs().max() < 1e-6
+    if extra.get("compress.type") == "topk":
+        assert moved == 0.0    # a zero change beyond the rank: top-k never picks it
+    if "privacy.dp.mode" in extra:
+        assert moved > 0.0     # the noise lands there too, and is ignored
 
 
 def test_a_model_from_a_local_directory_and_a_local_tokenizer(tmp_path):
