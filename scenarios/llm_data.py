@@ -52,8 +52,17 @@ declare("data.synthetic_text.documents", int, 60, "synthetic_text: documents per
 BYTE_VOCAB = 259   # 256 bytes, BOS, EOS, PAD
 
 
+TEXT_DATA = ("text_files", "synthetic_text")
+# the zoo's models of float features (images, tables): they cannot read token ids
+_FEATURE_MODELS = ("logreg", "mlp", "lenet5", "convnet2", "resnet18", "mlp_bn", "cnn_bn", "moon_mlp",
+                   "moon_cnn")
+
+
 @validator
 def _check_context(cfg) -> None:
+    if cfg["data.type"] in TEXT_DATA and cfg["model.type"] in _FEATURE_MODELS:
+        raise ConfigError(f"model.type: {cfg['model.type']} reads float features, but data.type "
+                          f"{cfg['data.type']} gives windows of token ids; use model.type: causal_lm")
     if cfg["model.type"] == "causal_lm" and not cfg["model.path"] \
             and cfg["data.text.seq_len"] > cfg["model.causal_lm.max_positions"]:
         raise ConfigError(f"data.text.seq_len: {cfg['data.text.seq_len']} exceeds "

@@ -155,8 +155,11 @@ def _from_config(cfg, vocab: int) -> nn.Module:
     return transformers.LlamaForCausalLM(conf)
 
 
-def _from_directory(path: str, vocab: int) -> nn.Module:
+def _from_directory(path: str, vocab: int, seq_len: int) -> nn.Module:
     p = Path(path)
+    if not p.is_dir():
+        raise ConfigError(f"model.path: '{p}' {'is not a directory' if p.exists() else 'does not exist'}; "
+                          "name a directory holding a model saved with save_pretrained")
     if not (p / "config.json").is_file():
         raise ConfigError(f"model.path: '{p}' holds no saved model (no config.json); save one there "
                           "with save_pretrained, models are never downloaded at run time")
@@ -168,7 +171,34 @@ def _from_directory(path: str, vocab: int) -> nn.Module:
     if model.get_input_embeddings().num_embeddings < vocab:
         raise ConfigError(f"model.path: the model's {model.get_input_embeddings().num_embeddings} "
                           f"embeddings are fewer than the tokenizer's {vocab} tokens")
+    positions = getattr(model.config, "max_position_embeddings", None)
+    if isinstance(positions, int) and seq_len > positions:
+        raise ConfigError(f"data.text.seq_len: {seq_len} exceeds the {positions} positions of the "
+                          f"model in '{p}'")
+    if not _causal(model, min(seq_len, 8), min(vocab, model.get_input_embeddings().num_embeddings)):
+        raise ConfigError(f"model.path: the model in '{p}' ({type(model).__name__}) is not causal: its "
+                          "outputs at a position depend on later tokens (an encoder such as BERT); "
+                          "a causal_lm must be a decoder")
     return model
+
+
+@torch.no_grad()
+def _causal(model: nn.Module, length: int, vocab: int) -> bool:
+    """Whether changing a window's last token leaves the logits of every earlier position as they
+    were (eval mode; tokens from a generator of its own, so no random stream is touched)."""
+    if length < 2:
+        return True
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, vocab, (1, length), generator=g)
+    y = x.clone()
+    y[0, -1] = (x[0, -1] + 1) % vocab
+    was_training = model.training
+    model.eval()
+    try:
+        a, b = model(input_ids=x).logits[0, :-1], model(input_ids=y).logits[0, :-1]
+    finally:
+        model.train(was_training)
+    return torch.allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
 def _with_adapters(cfg, lm: nn.Module) -> CausalLM:
@@ -188,6 +218,13 @@ def _with_adapters(cfg, lm: nn.Module) -> CausalLM:
     except ValueError as exc:
         raise ConfigError(f"model.lora.target_modules: {targets} ({first_line(exc)})") from None
     names = {f"lm.{n}" for n, p in wrapped.named_parameters() if p.requires_grad}
+    state = wrapped.state_dict()
+    for a, b in lora_pairs(state):   # A is [r, in], B [out, r]
+        d_in, d_out = state[a].shape[1], state[b].shape[0]
+        if lo["r"] > min(d_in, d_out):
+            raise ConfigError(f"model.lora.r: {lo['r']} exceeds the rank of the adapted layer "
+                              f"{a.split('.lora_A')[0]} ({d_in} -> {d_out}): adapters that large cost "
+                              "more than the layer; use a rank of at most min(inputs, outputs)")
     return CausalLM(wrapped, names)
 
 
@@ -198,7 +235,7 @@ def causal_lm(cfg, input_shape, num_classes: int) -> nn.Module:
     if len(input_shape) != 1:
         raise ConfigError(f"model.type: causal_lm reads windows of token ids (data.type text_files "
                           f"or synthetic_text); this data has shape {input_shape}")
-    lm = _from_directory(cfg["model.path"], num_classes) if cfg["model.path"] \
+    lm = _from_directory(cfg["model.path"], num_classes, input_shape[0]) if cfg["model.path"] \
         else _from_config(cfg, num_classes)
     if cfg["model.lora.r"] > 0:
         return _with_adapters(cfg, lm)

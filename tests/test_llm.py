@@ -92,7 +92,10 @@ def test_parquet_documents_load_through_datasets(tmp_path):
 
 @pytest.mark.parametrize("keys, message", [
     ({"data.type": "text_files", "data.text.files": ["/nonexistent/x.jsonl"]}, "does not exist"),
-    ({"model.path": "/nonexistent/model"}, "holds no saved model"),
+    ({"model.path": "/nonexistent/model"}, "does not exist"),
+    ({"model.type": "logreg"}, "logreg reads float features, but data.type synthetic_text gives windows"),
+    ({"model.lora.r": HIDDEN + 1}, f"{HIDDEN + 1} exceeds the rank of the adapted layer .*c_attn "
+                                   f"\\({HIDDEN} -> {3 * HIDDEN}\\)"),
     ({"model.causal_lm.hidden": 15}, "not a multiple"),
     ({"model.lora.ranks": [2, 5]}, "must be ranks from 1"),
     ({"algorithm.name": "diloco", "train.preserve_optimizer_state": True},
@@ -103,6 +106,26 @@ def test_bad_language_model_settings_are_one_line(keys, message):
     with pytest.raises(ConfigError, match=message) as info:
         Course(lm_cfg(**keys)).build()
     assert "\n" not in str(info.value)
+
+
+def test_a_saved_model_too_short_for_the_windows_or_not_causal_is_refused_in_one_line(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    short = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=300, n_layer=1, n_head=2,
+                                                                 n_embd=8, n_positions=12))
+    short.save_pretrained(str(tmp_path / "short"))
+    encoder = transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=300, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
+        max_position_embeddings=64))
+    encoder.save_pretrained(str(tmp_path / "encoder"))
+    cases = [({"model.path": str(tmp_path / "short")}, "data.text.seq_len: 16 exceeds the 12 positions"),
+             ({"model.path": str(tmp_path / "encoder"), "model.lora.target_modules": ["query", "value"]},
+              "is not causal: its outputs at a position depend on later tokens")]
+    for keys, message in cases:
+        with pytest.raises(ConfigError, match=message) as info:
+            Course(lm_cfg(**keys)).build()
+        assert "\n" not in str(info.value)
+    # the same short model reads windows that fit it (and a decoder passes the causality check)
+    Course(lm_cfg(**{"model.path": str(tmp_path / "short"), "data.text.seq_len": 12})).build()
 
 
 def test_lora_course_trains_and_exchanges_only_the_adapters(tmp_path):
