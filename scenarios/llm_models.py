@@ -57,6 +57,8 @@ declare("model.lora.target_modules", list, None, "module names that get adapters
 
 # the modules that get adapters unless model.lora.target_modules says otherwise
 ARCH_TARGETS = {"gpt2": ["c_attn"], "llama": ["q_proj", "v_proj"]}
+# config fields of attention dropout (GPT-2; Llama and most decoders; BERT-style)
+_ATTENTION_DROPOUT = ("attn_pdrop", "attention_dropout", "attention_probs_dropout_prob")
 _OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 
@@ -77,10 +79,13 @@ def import_llm(what: str = "transformers"):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
-            return __import__(what)
+            module = __import__(what)
     except ImportError:
         raise ConfigError(f"model.type: causal_lm needs {what}: install the [llm] extra "
                           "(pip install 'fedcore[llm]')") from None
+    if what == "transformers":   # its loading bars would interleave with the course's own lines
+        module.utils.logging.disable_progress_bar()
+    return module
 
 
 def first_line(exc: Exception) -> str:
@@ -112,6 +117,18 @@ class CausalLM(nn.Module):
             raise RuntimeError(f"adapter state does not fit: missing {missing[:3]}, "
                                f"unexpected {result.unexpected_keys[:3]}")
         return result
+
+    def unreplayed_randomness(self) -> str | None:
+        """Attention dropout is drawn inside the attention function (a fused kernel), not by an
+        `nn.Dropout` layer whose masks the vectorized engine replays."""
+        conf = getattr(self.lm, "config", None)
+        for key in _ATTENTION_DROPOUT:
+            p = getattr(conf, key, None)
+            if isinstance(p, (int, float)) and p > 0:
+                return (f"its attention drops out inside the attention function ({key} {p}), "
+                        "which the vectorized engine cannot replay; save the model with "
+                        f"{key} 0 to train it batched")
+        return None
 
     def parameter_counts(self) -> tuple[int, int]:
         """(trainable, total) parameters, each shared tensor counted once."""

@@ -335,3 +335,18 @@ def test_a_lora_course_trains_vectorized_and_equals_its_sequential_run(arch, tar
     first = Course(lm_cfg(**keys)).build()   # the adapters really moved from where they began
     start = first.server.aggregator.global_state
     assert max(float((finals[0][k] - start[k]).abs().max()) for k in start) > 1e-4
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_attention_dropout_keeps_a_course_sequential_and_says_so_before_round_1(arch, caplog):
+    """Attention dropout is drawn inside the attention function, which the vectorized engine
+    cannot replay: the course is known to train one client at a time before it starts."""
+    import logging
+    keys = {"model.causal_lm.arch": arch, "model.causal_lm.dropout": 0.1, "train.optimizer.type": "sgd",
+            "federate.total_round_num": 1, "model.lora.aggregation": "separate"}
+    with caplog.at_level(logging.WARNING, logger="fedcore.executor"):
+        course = Course(lm_cfg(executor="vectorized", **keys)).build()
+        assert "drops out inside the attention function" in caplog.text
+        summary = course.run()
+    assert summary["batched_fits"] == 0 and summary["sequential_fits"] == 2
+    assert "failed" not in caplog.text   # decided, not a fallback after a failure

@@ -93,6 +93,38 @@ def test_random_layers_that_are_not_replayed_are_named():
     assert "layer 1 (Dropout) on cuda" in random_layer_reason(plain, torch.device("cuda"))
 
 
+def test_a_module_that_draws_inside_its_own_functions_is_named():
+    class FusedNoise(nn.Module):   # draws without a layer, and says so
+        def __init__(self, p):
+            super().__init__()
+            self.p = p
+
+        def unreplayed_randomness(self):
+            return f"it adds noise inside its forward (p {self.p})" if self.p else None
+
+    model = nn.Sequential(nn.Linear(4, 4), FusedNoise(0.1))
+    assert random_layer_reason(model, torch.device("cpu")) == \
+        "layer 1 (FusedNoise): it adds noise inside its forward (p 0.1)"
+    assert random_layer_reason(nn.Sequential(nn.Linear(4, 4), FusedNoise(0.0)), torch.device("cpu")) is None
+
+
+def test_clients_that_cannot_be_stacked_are_said_to_train_one_at_a_time(caplog):
+    # one epoch at batch 7 over 5, 9 and 14 samples: batch plans (5), (7, 2) and (7, 7)
+    data = _images(clients=3)
+    for cid, n in zip((1, 2, 3), (5, 9, 14)):
+        train = data.clients[cid].train
+        data.clients[cid].train = Split(train.x[:n], train.y[:n])
+    cfg = small_cfg(None, executor="vectorized", model__type="mlp", model__hidden=[6],
+                    train__local_epochs=1, train__local_steps=None, train__batch_size=7,
+                    federate__client_num=3, federate__total_round_num=2)
+    course = Course(cfg).build(data)
+    with caplog.at_level(logging.WARNING, logger="fedcore.executor"):
+        summary = course.run()
+    assert summary["batched_fits"] == 0 and summary["sequential_fits"] == 6
+    assert caplog.text.count("no two of round 1's 3 clients share a batch plan") == 1
+    assert "round 2's" not in caplog.text   # said once
+
+
 def test_the_decision_is_said_before_the_first_round(caplog):
     with caplog.at_level(logging.INFO, logger="fedcore.executor"):
         Course(small_cfg(None, executor="vectorized", **MODELS["mlp"])).build(_images())

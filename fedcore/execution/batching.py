@@ -83,6 +83,7 @@ class BatchingTrainer:
         self._ready: dict[tuple[int, int], _Ready] = {}
         self._fits: dict[int, int] = {}             # client -> fits so far (the state's version)
         self._disabled = False                      # set when the engine failed once
+        self._said_unbatched = False                # the warning that nothing could be stacked
         self.batched_fits = 0                       # how many fits came from the engine
         self.sequential_fits = 0
 
@@ -205,6 +206,12 @@ class BatchingTrainer:
             self._disabled = True
             self._engine.close()
             return
+        if len(ids) > 1 and all(out is None for out in results) and not self._said_unbatched:
+            self._said_unbatched = True
+            log.warning("executor %s: no two of round %d's %d clients share a batch plan (the sizes "
+                        "of their mini-batches step by step, and their data's shapes), so each trains "
+                        "one at a time; equal training-set sizes let them train batched (the summary "
+                        "counts batched_fits and sequential_fits)", self._engine.name, batch.round, len(ids))
         for cid, out in zip(ids, results):
             if out is not None:
                 self._ready[(cid, key)] = _Ready(out[0], out[1], self._fits.get(cid, 0))

@@ -44,8 +44,14 @@ _OTHER_RANDOM = (nn.modules.dropout._DropoutNd, nn.RReLU)
 
 def random_layer_reason(model: nn.Module, device: torch.device) -> str | None:
     """Why `model`'s random layers keep it from being vectorised, naming the first such
-    layer; None if it has none, or only CPU `nn.Dropout`s (which are replayed)."""
+    layer; None if it has none, or only CPU `nn.Dropout`s (which are replayed). A module that
+    draws random numbers inside its own functions (not through a layer) says so by a method
+    `unreplayed_randomness()` returning why (None or "" when it draws nothing)."""
     for name, m in model.named_modules():
+        own = getattr(m, "unreplayed_randomness", None)   # a module that draws without a layer
+        why = own() if callable(own) else None
+        if why:
+            return f"layer {name or 'model'} ({type(m).__name__}): {why}"
         if type(m) is nn.Dropout:
             if device.type != "cpu" and m.p > 0:
                 return (f"layer {name} (Dropout) on {device}: the sequential fit draws its mask "
