@@ -19,6 +19,7 @@ of `seq_len + 1` tokens: x is a window's first `seq_len` tokens, y its last
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +53,7 @@ declare("data.synthetic_text.documents", int, 60, "synthetic_text: documents per
 BYTE_VOCAB = 259   # 256 bytes, BOS, EOS, PAD
 
 
+log = logging.getLogger("fedcore.data")
 TEXT_DATA = ("text_files", "synthetic_text")
 # the zoo's models of float features (images, tables): they cannot read token ids
 _FEATURE_MODELS = ("logreg", "mlp", "lenet5", "convnet2", "resnet18", "mlp_bn", "cnn_bn", "moon_mlp",
@@ -107,6 +109,9 @@ def token_windows(docs: list[str], groups: list, tokenizer, seq_len: int, stride
     """(x [N, seq_len], y [N, seq_len], group index of each window, group names), windows cut
     per group from its joined documents."""
     names = sorted(set(groups), key=str)
+    if tokenizer.bos_token_id is None and tokenizer.eos_token_id is None:
+        log.warning("data.text.tokenizer: the tokenizer has neither a BOS nor an EOS token, so a "
+                    "group's documents are joined with nothing between them")
     xs, ys, gs = [], [], []
     for gi, name in enumerate(names):
         ids: list[int] = []
@@ -134,15 +139,17 @@ def read_documents(files: list[str], field: str, group_by: str) -> tuple[list[st
         p = Path(f)
         if not p.is_file():
             raise ConfigError(f"data.text.files: '{p}' does not exist")
-        for row in _rows(p):
+        for i, row in enumerate(_rows(p), start=1):
             text = row.get(field) if isinstance(row, dict) else None
             if not isinstance(text, str):
-                raise ConfigError(f"data.text.field: a row of '{p}' has no text field '{field}'")
+                raise ConfigError(f"data.text.field: row {i} of '{p}' has no text field '{field}'")
             group = str(p) if group_by == "file" else row.get(group_by)
             if group is None:
-                raise ConfigError(f"data.text.group_by: a row of '{p}' has no field '{group_by}'")
+                raise ConfigError(f"data.text.group_by: row {i} of '{p}' has no field '{group_by}'")
             docs.append(text)
             groups.append(group)
+    if not docs:
+        raise ConfigError(f"data.text.files: {', '.join(map(str, files))} hold no documents")
     return docs, groups
 
 
@@ -151,14 +158,21 @@ def _rows(p: Path):
     if suffix == ".txt":
         return [{"text": line} for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
     if suffix in (".jsonl", ".json"):
+        text = p.read_text(encoding="utf-8")
+        if suffix == ".json" and text.lstrip().startswith("["):   # one JSON array of rows
+            try:
+                return json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"data.text.files: '{p}' is not a JSON array of rows ({exc})") from None
         rows = []
-        for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
+        for i, line in enumerate(text.splitlines(), start=1):
             if not line.strip():
                 continue
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError:
-                raise ConfigError(f"data.text.files: line {i} of '{p}' is not JSON") from None
+                raise ConfigError(f"data.text.files: line {i} of '{p}' is not JSON (a .jsonl file, or a "
+                                  ".json file of one row per line or one array of rows)") from None
         return rows
     if suffix == ".parquet":
         from fedcore.scenarios.llm_models import import_llm

@@ -90,6 +90,21 @@ def test_parquet_documents_load_through_datasets(tmp_path):
     assert len(data.clients) == 2 and all(len(c.train) > 0 for c in data.clients.values())
 
 
+def test_a_json_array_of_rows_reads_like_json_lines_and_empty_or_broken_files_are_one_line(tmp_path):
+    rows = [{"body": f"doc number {i}", "task": ["qa", "chat"][i % 2]} for i in range(40)]
+    (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    (tmp_path / "rows.json").write_text(json.dumps(rows))
+    keys = {"data.type": "text_files", "data.text.field": "body", "data.text.group_by": "task"}
+    a, b = (build_federated_data(lm_cfg(**keys, **{"data.text.files": [str(tmp_path / f)]}))
+            for f in ("rows.jsonl", "rows.json"))
+    assert all(torch.equal(a.clients[c].train.x, b.clients[c].train.x) for c in a.clients)
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "partial.jsonl").write_text(json.dumps(rows[0]) + "\n" + json.dumps({"body": "x"}))
+    for name, message in (("empty.jsonl", "hold no documents"), ("partial.jsonl", "row 2 of .* no field 'task'")):
+        with pytest.raises(ConfigError, match=message):
+            build_federated_data(lm_cfg(**keys, **{"data.text.files": [str(tmp_path / name)]}))
+
+
 @pytest.mark.parametrize("keys, message", [
     ({"data.type": "text_files", "data.text.files": ["/nonexistent/x.jsonl"]}, "does not exist"),
     ({"model.path": "/nonexistent/model"}, "does not exist"),

@@ -47,7 +47,7 @@ declare("data.label_column", str, "label", "csv: the label column")
 declare("data.client_column", str, None, "csv: the column naming each row's client (partition: natural)")
 declare("data.partition", str, "iid", "how samples are split across clients",
         choices=lambda: registry.partitioners.names())
-declare("data.alpha", float, 0.5, "Dirichlet concentration (partition: dirichlet)", check=positive)
+declare("data.alpha", float, 0.5, "Dirichlet concentration (partition: dirichlet, dirichlet_groups)", check=positive)
 declare("data.min_size", int, 1, "dirichlet, quantity: every client gets at least this many samples",
         check=non_negative)
 declare("data.splits", list, [0.8, 0.1, 0.1], "per-client train/val/test fractions")
