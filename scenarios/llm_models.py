@@ -102,17 +102,30 @@ class CausalLM(nn.Module):
         super().__init__()
         self.lm = lm
         self.exchanged = exchanged        # parameter names under this module; None: all
-        if exchanged is not None:
+        # second names of one tensor (a head tied to the input embeddings): the state holds,
+        # exchanges and saves it once, under its first name
+        first: dict[int, str] = {}
+        self.aliases: dict[str, str] = {}   # second name -> first name
+        for name, p in self.named_parameters(remove_duplicate=False):
+            if id(p) in first:
+                self.aliases[name] = first[id(p)]
+            first.setdefault(id(p), name)
+        if exchanged is not None or self.aliases:
             self._register_state_dict_hook(_keep_exchanged)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm(input_ids=x).logits.transpose(1, 2)
 
     def load_state_dict(self, state, strict: bool = True, assign: bool = False):
-        if self.exchanged is None:
+        if self.exchanged is None and not self.aliases:
             return super().load_state_dict(state, strict, assign)
         result = super().load_state_dict(state, strict=False, assign=assign)
-        missing = [k for k in result.missing_keys if k in self.exchanged]
+        if assign:   # the first name now holds another tensor: the second follows it
+            for alias, source in self.aliases.items():
+                owner, _, leaf = alias.rpartition(".")
+                setattr(self.get_submodule(owner), leaf, self.get_parameter(source))
+        missing = [k for k in result.missing_keys
+                   if k not in self.aliases and (self.exchanged is None or k in self.exchanged)]
         if strict and (missing or result.unexpected_keys):
             raise RuntimeError(f"adapter state does not fit: missing {missing[:3]}, "
                                f"unexpected {result.unexpected_keys[:3]}")
@@ -138,8 +151,10 @@ class CausalLM(nn.Module):
 
 def _keep_exchanged(module: CausalLM, state: dict, prefix: str, _meta) -> None:
     for key in list(state):
-        if key.startswith(prefix) and key[len(prefix):] not in module.exchanged:
-            del state[key]
+        if key.startswith(prefix):
+            name = key[len(prefix):]
+            if name in module.aliases or (module.exchanged is not None and name not in module.exchanged):
+                del state[key]
 
 
 def lora_pairs(names) -> list[tuple[str, str]]:

@@ -365,3 +365,28 @@ def test_attention_dropout_keeps_a_course_sequential_and_says_so_before_round_1(
         summary = course.run()
     assert summary["batched_fits"] == 0 and summary["sequential_fits"] == 2
     assert "failed" not in caplog.text   # decided, not a fallback after a failure
+
+
+def test_full_fine_tuning_exchanges_a_tied_head_once():
+    """GPT-2's output head is its input embedding: one tensor under two names. Without adapters
+    every weight is exchanged, and that tensor crosses the wire, and is averaged, once."""
+    course = Course(lm_cfg(**{"model.lora.r": 0, "federate.total_round_num": 1})).build()
+    model = course.trainer.model
+    names = dict(model.named_parameters(remove_duplicate=False))
+    assert names["lm.lm_head.weight"] is names["lm.transformer.wte.weight"]
+    state = model.state_dict()
+    assert "lm.transformer.wte.weight" in state and "lm.lm_head.weight" not in state
+    values = sum(t.numel() for t in state.values() if t.is_floating_point())
+    unique = sum(p.numel() for p in model.parameters())      # each tensor once
+    assert values == unique + sum(b.numel() for b in model.buffers() if b.is_floating_point()
+                                   and any(b is t for t in state.values()))
+    summary = course.run()
+    clients = len(course.data.clients)
+    assert 4 * values * clients < summary["bytes_up"] < 4 * values * clients * 1.05
+    assert torch.equal(model.lm.lm_head.weight, model.lm.transformer.wte.weight)   # still tied
+    # the server's module views the global tensors (assigned, not copied): the head follows
+    served = course.server.model.lm
+    assert served.lm_head.weight is served.transformer.wte.weight
+    assert served.transformer.wte.weight.data_ptr() == \
+        course.server.aggregator.global_state["lm.transformer.wte.weight"].data_ptr()
+    model.load_state_dict(course.server.aggregator.global_state)   # strict, without the alias
