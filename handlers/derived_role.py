@@ -7,6 +7,7 @@ what it changes.
 """
 from __future__ import annotations
 
+import logging
 from typing import Iterable
 
 from fedcore.kernel.worker import Handler, HandlerTable, Registration, log
@@ -27,13 +28,14 @@ class DerivedTable(HandlerTable):
     def entries(self) -> dict[str, Registration]:  # read by dispatch and the completeness check
         return {**self.base.entries, **self.own}
 
-    def register(self, event: str, fn: Handler, sends: Iterable[str] = ()) -> None:
+    def register(self, event: str, fn: Handler, sends: Iterable[str] = (), replaces: bool = False) -> None:
         if isinstance(sends, str):
             sends = (sends,)
         new = Registration(event, fn, tuple(sends))
         old = self.own.get(event)
         if old is not None and old.fn is not fn:
-            log.warning("%s: handler for '%s' replaced: %s -> %s", self.role, event, old.name, new.name)
+            log.log(logging.DEBUG if replaces else logging.WARNING, "%s: handler for '%s' replaced: %s -> %s",
+                    self.role, event, old.name, new.name)
             self.overwritten.append((event, old.name, new.name))
         self.own[event] = new
 

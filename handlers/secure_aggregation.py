@@ -401,7 +401,7 @@ def _withhold_after_sharing(timing):
 @behaviours.register("secure_aggregation")
 def install(course) -> None:
     c, s = course.client_table, course.server_table
-    c.register("receiving_models", secagg_client.train_and_advertise, sends=("secagg_public_keys",))
+    c.register("receiving_models", secagg_client.train_and_advertise, sends=("secagg_public_keys",), replaces=True)
     c.register("receiving_secagg_neighbour_keys", secagg_client.share_keys,
                sends=("secagg_encrypted_shares", "secagg_abort"))
     c.register("receiving_secagg_routed_shares", secagg_client.mask_input,
@@ -412,8 +412,8 @@ def install(course) -> None:
                sends=("secagg_unmask_shares", "secagg_abort"))
     # every stage arms the stage timer; a skipped or finished round goes on as a plain round does
     next_round = ("models", "secagg_stage_timeout", "eval_request", "max_rounds_reached", "early_stop")
-    s.register("all_joined_in", start_secure_round, sends=("models", "secagg_stage_timeout"))
-    s.register("receiving_updates", refuse_plain_update)
+    s.register("all_joined_in", start_secure_round, sends=("models", "secagg_stage_timeout"), replaces=True)
+    s.register("receiving_updates", refuse_plain_update, replaces=True)
     s.register("receiving_secagg_public_keys", collect_keys, sends=("secagg_keys_collected",))
     s.register("secagg_keys_collected", advertise_keys,
                sends=("secagg_neighbour_keys",) + next_round)
@@ -432,7 +432,7 @@ def install(course) -> None:
     s.register("secagg_shares_revealed", unmask_and_aggregate, sends=next_round)
     events = tuple(e for _, _, e in STAGES)
     s.register("secagg_stage_timeout", stage_timeout, sends=events)
-    s.register("all_received", stage_complete, sends=events)
+    s.register("all_received", stage_complete, sends=events, replaces=True)
     from fedcore.algorithms.secagg_identity import course_identity
     try:
         course_identity(course)   # a missing or wrong key file stops a deployed process at once

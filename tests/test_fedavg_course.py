@@ -126,6 +126,20 @@ def test_overwriting_a_handler_warns_and_is_listed(tmp_path, caplog):
     assert "overwritten: all_joined_in: fedcore.handlers.sync.start_round replaced by" in text
 
 
+def test_a_behaviours_declared_replacement_is_listed_without_a_warning(tmp_path, caplog):
+    course = Course(small_cfg(tmp_path)).build()
+
+    def my_start_round(server, event):
+        from fedcore.handlers.sync import start_round
+        start_round(server, event)
+    with caplog.at_level(logging.WARNING):
+        course.server_table.register("all_joined_in", my_start_round, sends=("models",), replaces=True)
+    assert not any("replaced" in r.message for r in caplog.records)
+    course.run()
+    assert "overwritten: all_joined_in: fedcore.handlers.sync.start_round replaced by" in \
+        (tmp_path / "handlers.txt").read_text()
+
+
 def test_logical_clients_share_one_model():
     """1000 logical clients, 100 per round: two model instances in all (global + shared trainer)."""
     def linear_13():

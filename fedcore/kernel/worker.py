@@ -50,14 +50,17 @@ class HandlerTable:
         self.entries: dict[str, Registration] = {}
         self.overwritten: list[tuple[str, str, str]] = []  # (event, old, new)
 
-    def register(self, event: str, fn: Handler, sends: Iterable[str] = ()) -> None:
-        """Register `fn` for `event`; a second registration replaces the first, with a warning."""
+    def register(self, event: str, fn: Handler, sends: Iterable[str] = (), replaces: bool = False) -> None:
+        """Register `fn` for `event`; a second registration replaces the first, with a warning
+        unless it says it `replaces` one (a behaviour's own version of a default handler).
+        Either way handlers.txt lists the replacement."""
         if isinstance(sends, str):
             sends = (sends,)
         new = Registration(event, fn, tuple(sends))
         old = self.entries.get(event)
         if old is not None and old.fn is not fn:
-            log.warning("%s: handler for '%s' replaced: %s -> %s", self.role, event, old.name, new.name)
+            log.log(logging.DEBUG if replaces else logging.WARNING, "%s: handler for '%s' replaced: %s -> %s",
+                    self.role, event, old.name, new.name)
             self.overwritten.append((event, old.name, new.name))
         self.entries[event] = new
 
