@@ -1,6 +1,7 @@
 """Language models: text data from local files, causal_lm from config or a local directory,
 and LoRA courses whose exchanged state is the adapters only."""
 import json
+import math
 
 import numpy as np
 import pytest
@@ -390,3 +391,14 @@ def test_full_fine_tuning_exchanges_a_tied_head_once():
     assert served.transformer.wte.weight.data_ptr() == \
         course.server.aggregator.global_state["lm.transformer.wte.weight"].data_ptr()
     model.load_state_dict(course.server.aggregator.global_state)   # strict, without the alias
+
+
+def test_client_evaluation_reports_each_clients_perplexity():
+    course = Course(lm_cfg(**{"eval.clients": True, "federate.total_round_num": 1})).build()
+    course.run()
+    record = course.monitor.records[-1]
+    # each client's perplexity is exp of its own mean token loss: exp is convex, so the mean of
+    # the perplexities is at least exp of the mean loss (Jensen), and equal only if all agree
+    assert record["client_evals"] == 2
+    assert record["client_test_perplexity_mean"] >= math.exp(record["client_test_loss_mean"]) * (1 - 1e-12)
+    assert record["client_test_perplexity_p10"] == pytest.approx(math.exp(record["client_test_loss_p10"]), rel=1e-9)

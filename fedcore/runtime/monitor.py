@@ -246,6 +246,8 @@ class Monitor:
                                       "client_test_acc"))
                 record.update(_spread([m["loss"] for m in pending.client_metrics if "loss" in m],
                                       "client_test_loss"))
+                record.update(_spread([m["perplexity"] for m in pending.client_metrics if "perplexity" in m],
+                                      "client_test_perplexity"))
                 record["client_evals"] = len(pending.client_metrics)
             del self._pending[round_]
             self.records.append(record)
