@@ -81,6 +81,11 @@ class ByteTokenizer:
         return list(text.encode("utf-8"))
 
 
+# what save_pretrained writes for a fast tokenizer, or a slow one's vocabulary files
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt",
+                    "tokenizer.model", "spiece.model")
+
+
 class _LocalTokenizer:
     """A tokenizer saved in a local directory, with BOS/EOS ids where it has them."""
 
@@ -89,6 +94,9 @@ class _LocalTokenizer:
         p = Path(path)
         if not p.is_dir():
             raise ConfigError(f"data.text.tokenizer: '{p}' is not a directory holding a saved tokenizer")
+        if not any((p / f).is_file() for f in _TOKENIZER_FILES):
+            raise ConfigError(f"data.text.tokenizer: '{p}' holds no tokenizer (none of "
+                              f"{', '.join(_TOKENIZER_FILES)}); save one there with save_pretrained")
         try:
             self.tok = import_llm().AutoTokenizer.from_pretrained(str(p), local_files_only=True)
         except Exception as exc:   # noqa: BLE001  (a foreign loader's many error types: one line)

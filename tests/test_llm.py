@@ -109,6 +109,7 @@ def test_a_json_array_of_rows_reads_like_json_lines_and_empty_or_broken_files_ar
 @pytest.mark.parametrize("keys, message", [
     ({"data.type": "text_files", "data.text.files": ["/nonexistent/x.jsonl"]}, "does not exist"),
     ({"model.path": "/nonexistent/model"}, "does not exist"),
+    ({"data.text.tokenizer": "/"}, "holds no tokenizer"),
     ({"model.type": "logreg"}, "logreg reads float features, but data.type synthetic_text gives windows"),
     ({"model.lora.r": HIDDEN + 1}, f"{HIDDEN + 1} exceeds the rank of the adapted layer .*c_attn "
                                    f"\\({HIDDEN} -> {3 * HIDDEN}\\)"),
