@@ -321,7 +321,7 @@ def test_unreadable_local_model_and_tokenizer_directories_are_one_line(tmp_path)
     (tmp_path / "model" / "config.json").write_text('{"model_type": "gpt2", "n_layer": "two"}')
     (tmp_path / "tok").mkdir()
     for keys, message in (({"model.path": str(tmp_path / "model")}, "model.path: cannot load"),
-                          ({"data.text.tokenizer": str(tmp_path / "tok")}, "data.text.tokenizer: cannot load")):
+                          ({"data.text.tokenizer": str(tmp_path / "tok")}, "data.text.tokenizer: .* holds no tokenizer")):
         with pytest.raises(ConfigError, match=message) as info:
             Course(lm_cfg(**keys)).build()
         assert "\n" not in str(info.value)
