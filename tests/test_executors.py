@@ -316,3 +316,16 @@ def test_the_vectorized_executor_imports_no_algorithm():
             "print(sorted(m for m in sys.modules if m.startswith('fedcore.algorithms')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_vectorized_lstm_whose_bias_gradients_share_memory_equals_sequential():
+    """torch hands an LSTM's two bias gradients back as one tensor: the engine must not write
+    the new parameters into it (it did, and bias_ih moved 180x too far, silently)."""
+    over = dict(data__type="python_text", model__type="char_lstm_tiny", train__local_steps=3,
+                train__optimizer__lr=0.5, federate__total_round_num=2)
+    _, seq, _ = _run("sequential", **over)
+    course, vec, _ = _run("vectorized", **over)
+    assert course.trainer.batched_fits > 0 and course.trainer.sequential_fits == 0
+    assert _max_diff(seq, vec) < 1e-5
+    lstm = course.trainer.model.lstm
+    assert lstm.bias_ih_l0.data_ptr() != lstm.bias_hh_l0.data_ptr()

@@ -317,6 +317,9 @@ class VectorEngine(Engine):
                     step_masks = () if masks is None else masks[s]
                     grads, loss = (self._step if s else self._first_step)(params, xb, yb, step_masks)
             loss_sum = loss.double() if loss_sum is None else loss_sum.add_(loss.double())
+            # gradients that share memory (an LSTM's two biases get one tensor) cannot take new
+            # parameters in place: writing one would change the other's gradient
+            shared = _shared_memory(grads) if not s else ()
             for n in self.names:
                 d = term.adjust(ctx, n, grads[n], params[n])
                 if self.weight_decay:
@@ -329,13 +332,21 @@ class VectorEngine(Engine):
                     d = bufs[n]
                 if s:
                     params[n].add_(d, alpha=-self.lr)
-                elif d is grads[n]:
+                elif d is grads[n] and n not in shared:
                     # the gradients' own fresh [c, ...] buffer takes the new parameters: no
                     # second buffer of the group's size to allocate (and fault in) each batch
                     params[n] = torch.add(params[n], d, alpha=-self.lr, out=d)
                 else:
                     params[n] = torch.add(params[n], d, alpha=-self.lr)   # broadcasts to [c, ...]
         return params, loss_sum
+
+
+def _shared_memory(tensors: dict[str, torch.Tensor]) -> set[str]:
+    """Names of the tensors whose memory another of them also uses."""
+    owners: dict[int, list[str]] = {}
+    for n, t in tensors.items():
+        owners.setdefault(t.untyped_storage().data_ptr(), []).append(n)
+    return {n for names in owners.values() if len(names) > 1 for n in names}
 
 
 def _draw(n: int, batch_size: int, seed: int, client_id: int, epoch: int, offset: int,
