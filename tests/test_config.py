@@ -31,6 +31,8 @@ def test_yaml_overrides_and_defaults(tmp_path):
     ("model:\n  dtype: float16\n", "model.dtype: 'float16' is not one of"),
     ("train:\n  optimizer:\n    lr: -1\n", "train.optimizer.lr: must be > 0"),
     ("algorithm:\n  name: fedavgg\n", "did you mean 'fedavg'"),
+    ("seed: -1\n", "seed: must be in [0, 2**32 - 1], got -1"),
+    ("seed: 4294967296\n", "seed: must be in [0, 2**32 - 1], got 4294967296"),
     ("federate:\n  client_num: 3\n  sample_client_num: 5\n", "exceeds federate.client_num"),
 ])
 def test_bad_configs_raise_one_line_errors(tmp_path, text, fragment):

@@ -68,6 +68,12 @@ def test_named_distribution_shorthand_and_dropout_clipping():
     p = build({"type": "uniform", "field": "dropout", "low": -1, "high": 2})
     d = column(p, "dropout")
     assert d.min() >= 0 and d.max() <= 1
+    # a number given for every client is checked as given, not clipped
+    for bad in (2, -1):
+        with pytest.raises(ConfigError, match=f"dropout must be in \\[0, 1\\], got {float(bad)}"):
+            build({"type": "random", "compute_speed": {"dist": "lognormal", "median": 40, "sigma": 0.7},
+                   "dropout": bad})
+    assert np.all(column(build({"type": "random", "compute_speed": 10, "dropout": 1}), "dropout") == 1)
     with pytest.raises(ConfigError, match="needs 'sigma'"):
         build({"type": "lognormal", "median": 1})
     with pytest.raises(ConfigError, match="unknown distribution"):

@@ -6,7 +6,8 @@ from fedcore.kernel.config import declare, fraction, non_negative, positive, val
 from fedcore.kernel.errors import ConfigError
 
 
-declare("seed", int, 0, "one integer that drives all randomness (sampling, data, profiles, init)")
+declare("seed", int, 0, "one integer that drives all randomness (sampling, data, profiles, init)",
+        check=lambda v: None if 0 <= v < 2**32 else f"must be in [0, 2**32 - 1], got {v}")
 declare("name", str, "course", "the run's name, used in the default outdir")
 declare("outdir", str, None, "where the run writes its outputs (default runs/<timestamp>-<name>)")
 declare("outdir_overwrite", bool, False, "a deployed server may write into an outdir that holds "

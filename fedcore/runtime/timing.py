@@ -187,6 +187,8 @@ def _random_profiles(spec: dict, client_ids, seed: int) -> dict[int, DeviceProfi
     """Each field a number or a distribution, drawn per client in id order from the seed."""
     fields = {k: v for k, v in spec.items() if k != "type"}
     _unknown_field(fields)
+    # a number is every client's value: checked as given (a distribution's draws are clipped)
+    _checked({k: float(v) for k, v in fields.items() if isinstance(v, (int, float))}, "")
     ids = sorted(client_ids)
     columns = {f: draw(v, len(ids), _field_rng(seed, f), f".{f}") for f, v in fields.items()}
     if "dropout" in columns:
