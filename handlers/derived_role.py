@@ -28,10 +28,11 @@ class DerivedTable(HandlerTable):
     def entries(self) -> dict[str, Registration]:  # read by dispatch and the completeness check
         return {**self.base.entries, **self.own}
 
-    def register(self, event: str, fn: Handler, sends: Iterable[str] = (), replaces: bool = False) -> None:
+    def register(self, event: str, fn: Handler, sends: Iterable[str] = (), replaces: bool = False,
+                 reached_by: str = "") -> None:
         if isinstance(sends, str):
             sends = (sends,)
-        new = Registration(event, fn, tuple(sends))
+        new = Registration(event, fn, tuple(sends), reached_by)
         old = self.own.get(event)
         if old is not None and old.fn is not fn:
             log.log(logging.DEBUG if replaces else logging.WARNING, "%s: handler for '%s' replaced: %s -> %s",

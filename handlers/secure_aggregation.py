@@ -413,7 +413,8 @@ def install(course) -> None:
     # every stage arms the stage timer; a skipped or finished round goes on as a plain round does
     next_round = ("models", "secagg_stage_timeout", "eval_request", "max_rounds_reached", "early_stop")
     s.register("all_joined_in", start_secure_round, sends=("models", "secagg_stage_timeout"), replaces=True)
-    s.register("receiving_updates", refuse_plain_update, replaces=True)
+    s.register("receiving_updates", refuse_plain_update, replaces=True,
+               reached_by="a client that sends a plain update in a secure course")
     s.register("receiving_secagg_public_keys", collect_keys, sends=("secagg_keys_collected",))
     s.register("secagg_keys_collected", advertise_keys,
                sends=("secagg_neighbour_keys",) + next_round)
@@ -432,7 +433,8 @@ def install(course) -> None:
     s.register("secagg_shares_revealed", unmask_and_aggregate, sends=next_round)
     events = tuple(e for _, _, e in STAGES)
     s.register("secagg_stage_timeout", stage_timeout, sends=events)
-    s.register("all_received", stage_complete, sends=events, replaces=True)
+    s.register("all_received", stage_complete, sends=events, replaces=True,
+               reached_by="a deployed server that drops the last clients a stage waits for")
     from fedcore.algorithms.secagg_identity import course_identity
     try:
         course_identity(course)   # a missing or wrong key file stops a deployed process at once

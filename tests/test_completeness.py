@@ -45,6 +45,24 @@ def test_unhandled_message_and_unreachable_handler_warn():
     assert any("server:receiving_orphan" in w and "never reached" in w for w in result.warnings)
 
 
+def test_a_handler_reached_from_outside_the_flow_says_by_what_and_adds_no_path():
+    server, client = HandlerTable("server"), HandlerTable("client")
+    client.register("start", lambda w, e: None, sends=("join_in",))
+    server.register("receiving_join_in", lambda w, m: None)
+    server.register("receiving_intrusion", lambda w, m: None, sends=("finish",),
+                    reached_by="a client that breaks the protocol")
+    result = check_course([server, client])
+    assert not result.complete            # its 'finish' is no path from start
+    assert not any("receiving_intrusion" in w for w in result.warnings)
+    assert result.graph.nodes["server:receiving_intrusion"]["reached_by"] == "a client that breaks the protocol"
+
+
+def test_the_secure_course_is_checked_without_warnings(tmp_path):
+    course = Course(small_cfg(tmp_path, secure_aggregation__enabled=True)).build()
+    result = course.check()
+    assert result.complete and result.warnings == []
+
+
 def test_client_to_client_edges_are_distinct():
     server, client = HandlerTable("server"), HandlerTable("client")
     client.register("start", lambda w, e: None, sends=("gossip",))

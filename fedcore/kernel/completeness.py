@@ -5,7 +5,9 @@ The graph is drawn from the registrations alone (nothing runs): one node per
 `sends` give its edges: a condition event raised on the same role, or a
 message type received by a role's `receiving_<type>` handler (edges are
 labelled client->server, server->client or client->client). Sending the
-message type `finish` reaches the `finish` node.
+message type `finish` reaches the `finish` node. A handler registered with
+`reached_by` (a guard, or an event the runtime raises) is not warned about when
+no path reaches it; it adds no path either.
 """
 from __future__ import annotations
 
@@ -47,7 +49,8 @@ def build_graph(tables: list[HandlerTable]) -> tuple[nx.DiGraph, list[tuple[str,
     g.add_node(FINISH, kind="terminal")
     for t in tables:
         for event, reg in t.entries.items():
-            g.add_node(_node(t.role, event), kind="handler", role=t.role, event=event, handler=reg.name)
+            g.add_node(_node(t.role, event), kind="handler", role=t.role, event=event, handler=reg.name,
+                       reached_by=reg.reached_by)
     dangling: list[tuple[str, str, str]] = []
     for t in tables:
         for entry in (START, RESUME):
@@ -92,7 +95,7 @@ def check_course(tables: list[HandlerTable], graphml: Path | None = None,
             result.missing.append(line)
         result.warnings.append(line)
     for node, data in g.nodes(data=True):
-        if data.get("kind") == "handler" and node not in reachable:
+        if data.get("kind") == "handler" and node not in reachable and not data.get("reached_by"):
             result.warnings.append(f"handler {node} ({data['handler']}) is never reached from start")
     if not complete and not result.missing:
         result.missing.append("no handler reachable from start sends 'finish'")

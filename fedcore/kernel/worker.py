@@ -36,6 +36,10 @@ class Registration:
     event: str
     fn: Handler
     sends: tuple[str, ...]
+    # who raises the event when no handler of the flow sends it (a guard against a peer that
+    # breaks the protocol, or the runtime itself): the completeness check says so instead of
+    # warning that the handler is never reached
+    reached_by: str = ""
 
     @property
     def name(self) -> str:
@@ -50,13 +54,15 @@ class HandlerTable:
         self.entries: dict[str, Registration] = {}
         self.overwritten: list[tuple[str, str, str]] = []  # (event, old, new)
 
-    def register(self, event: str, fn: Handler, sends: Iterable[str] = (), replaces: bool = False) -> None:
+    def register(self, event: str, fn: Handler, sends: Iterable[str] = (), replaces: bool = False,
+                 reached_by: str = "") -> None:
         """Register `fn` for `event`; a second registration replaces the first, with a warning
         unless it says it `replaces` one (a behaviour's own version of a default handler).
-        Either way handlers.txt lists the replacement."""
+        Either way handlers.txt lists the replacement. `reached_by` names what raises the event
+        outside the declared flow (see `Registration`)."""
         if isinstance(sends, str):
             sends = (sends,)
-        new = Registration(event, fn, tuple(sends))
+        new = Registration(event, fn, tuple(sends), reached_by)
         old = self.entries.get(event)
         if old is not None and old.fn is not fn:
             log.log(logging.DEBUG if replaces else logging.WARNING, "%s: handler for '%s' replaced: %s -> %s",
