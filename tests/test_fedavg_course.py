@@ -4,10 +4,12 @@ import json
 import logging
 import warnings
 
+import pytest
 import torch
 from torch import nn
 
 from fedcore.kernel.contract import ReceivedUpdate, weighted_mean
+from fedcore.kernel.errors import ConfigError
 from fedcore.algorithms.fedavg import FedAvgAggregator
 from fedcore.runtime.course import Course
 from fedcore.kernel.message import Message
@@ -202,3 +204,16 @@ def test_the_run_tunes_the_garbage_collector_and_puts_it_back():
         gc.set_threshold(*before)
         if frozen_before:
             gc.freeze()
+
+
+@pytest.mark.parametrize("over, fragment", [
+    (dict(model__type="char_lstm"), "model.type: char_lstm cannot read data.type synthetic (samples [8] of "
+                                    "float32, labels [] of int64): RuntimeError: Expected tensor for argument #1 'indices'"),
+    (dict(data__type="python_text", model__type="logreg"),
+     "model.type: logreg cannot read data.type python_text (samples [32] of int64, labels [] of int64): "
+     "RuntimeError: mat1 and mat2 must have the same dtype"),
+])
+def test_a_model_that_cannot_read_the_data_is_refused_when_built(over, fragment):
+    with pytest.raises(ConfigError) as info:
+        Course(small_cfg(None, **over)).build()
+    assert str(info.value).startswith(fragment) and "\n" not in str(info.value)

@@ -22,6 +22,7 @@ from fedcore.comm.inprocess import InProcessComm
 from fedcore.kernel.completeness import CheckResult, require_complete
 from fedcore.runtime.device import DeviceStateStore, apply_determinism, place_data, resolve_device
 from fedcore.kernel.errors import ConfigError, CourseDiverged, FedcoreError, NothingAggregated
+from fedcore.kernel.model_ops import model_device
 from fedcore.execution.executor import close_executor, install_executor
 from fedcore.execution.form_boundary import make_trainer
 from fedcore.runtime.loggers import make_loggers
@@ -35,6 +36,37 @@ from fedcore.runtime.timing import TimeModel
 from fedcore.kernel.worker import Client, HandlerTable, Server
 
 __all__ = ["Course", "CourseStalled", "load_initial_model", "raise_if_diverged"]
+
+
+def check_model_reads_data(model: torch.nn.Module, data, cfg) -> None:
+    """Evaluate `model` on two of the server's test samples (eval mode, no gradient, no random
+    draw), so a model that cannot read the data (token ids into a model of float features, a
+    language model's per-position logits against one label a sample) fails here, in one line,
+    rather than inside the first fit."""
+    split = getattr(data, "server_test", None)
+    if split is None or not len(split.y):
+        return
+    n = min(2, len(split.y))
+    x, y = split.x.narrow(0, 0, n), split.y.narrow(0, 0, n)
+    device = model_device(model)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = model(x.to(device))
+            if cfg["train.loss"] == "mse":
+                torch.nn.functional.mse_loss(out.reshape(y.shape), y.to(device))
+            else:   # per sample, or per position ([N, classes, T] against [N, T]) as evaluation takes it
+                torch.nn.functional.cross_entropy(out, y.to(device))
+    except Exception as exc:   # noqa: BLE001 - any failure here is the pair not fitting: one line
+        lines = str(exc).strip().splitlines()
+        why = lines[0] if lines else type(exc).__name__
+        raise ConfigError(f"model.type: {cfg['model.type']} cannot read data.type {cfg['data.type']} "
+                          f"(samples {list(x.shape[1:])} of {str(x.dtype).replace('torch.', '')}, "
+                          f"labels {list(y.shape[1:])} of {str(y.dtype).replace('torch.', '')}): "
+                          f"{type(exc).__name__}: {why}") from None
+    finally:
+        model.train(was_training)
 
 
 class CourseStalled(FedcoreError):
@@ -142,6 +174,7 @@ class Course:
         if self.device.type != "cpu":
             self.data = place_data(self.data, self.device, self.cfg["device_data_bytes"])
             draw_on_client_stream(model.to(self.device))   # dropout masks: the CPU's numbers
+        check_model_reads_data(model, self.data, self.cfg)
         return model
 
     def trainer_store(self):
