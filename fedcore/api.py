@@ -44,7 +44,12 @@ class RunResult:
     config: Config | None = None            # the resolved config (None when loaded from disk)
 
     def curve(self, y: str = "test_acc", x: str = "round") -> tuple[list[float], list[float]]:
-        """(xs, ys) over the records that have both fields (evaluation rounds, for test_*)."""
+        """(xs, ys) over the records that have both fields (evaluation rounds, for test_*); a
+        field no record has is a KeyError naming those the records have."""
+        for field in (x, y):
+            if self.records and not any(field in r for r in self.records):
+                known = sorted({k for r in self.records for k in r})
+                raise KeyError(f"no record has '{field}'; the records have {', '.join(known)}")
         rows = [r for r in self.records if r.get(x) is not None and r.get(y) is not None]
         return [r[x] for r in rows], [r[y] for r in rows]
 

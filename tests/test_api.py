@@ -29,6 +29,8 @@ def test_result_holds_what_the_run_wrote(tmp_path):
     assert all(torch.equal(saved[k], result.final_model[k]) for k in saved)
     xs, ys = result.curve("test_acc")
     assert xs == [1, 2, 3] and ys == [r["test_acc"] for r in written]
+    with pytest.raises(KeyError, match="no record has 'test_accuracy'; the records have .*test_acc"):
+        result.curve("test_accuracy")
     loaded = RunResult.load(result.outdir)
     assert loaded.records == result.records and loaded.summary == result.summary
 

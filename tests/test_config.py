@@ -29,7 +29,7 @@ def test_yaml_overrides_and_defaults(tmp_path):
     ("federate:\n  client_nm: 5\n", "did you mean 'federate.client_num'"),
     ("federate:\n  client_num: five\n", "federate.client_num: expected int"),
     ("model:\n  dtype: float16\n", "model.dtype: 'float16' is not one of"),
-    ("train:\n  optimizer:\n    lr: -1\n", "train.optimizer.lr: must be > 0"),
+    ("train:\n  optimizer:\n    lr: -1\n", "train.optimizer.lr: must be > 0, got -1"),
     ("algorithm:\n  name: fedavgg\n", "did you mean 'fedavg'"),
     ("seed: -1\n", "seed: must be in [0, 2**32 - 1], got -1"),
     ("seed: 4294967296\n", "seed: must be in [0, 2**32 - 1], got 4294967296"),
@@ -154,3 +154,10 @@ def test_a_key_with_sub_keys_takes_a_scalar_or_a_mapping(tmp_path):
     nested.write_text("executor:\n  name: processes\n  ray:\n    num_cpu: 2\n")
     with pytest.raises(ConfigError, match="executor.ray.num_cpus"):
         load_config(nested)
+
+
+def test_a_directory_given_as_the_config_file_is_named_as_such(tmp_path):
+    with pytest.raises(ConfigError, match=f"'{tmp_path}' is a directory, not a YAML file"):
+        load_config(tmp_path)
+    with pytest.raises(ConfigError, match="file '.*nothere.yaml' does not exist"):
+        load_config(tmp_path / "nothere.yaml")

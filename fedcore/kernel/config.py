@@ -186,7 +186,8 @@ def read_yaml_file(path: Path, option: str) -> Any:
     """The parsed contents of the YAML file `option` names (None for an empty file), or a
     one-line ConfigError naming the option, the file and the problem."""
     if not path.is_file():
-        raise ConfigError(f"{option}: file '{path}' does not exist")
+        raise ConfigError(f"{option}: '{path}' is a directory, not a YAML file" if path.is_dir()
+                          else f"{option}: file '{path}' does not exist")
     try:
         return yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:

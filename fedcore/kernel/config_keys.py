@@ -59,17 +59,17 @@ def declare(name: str, type: type, default: Any, help: str, *, choices=None,
 
 def positive(v) -> str | None:
     """A `check` for numbers that must be > 0."""
-    return None if v > 0 else "must be > 0"
+    return None if v > 0 else f"must be > 0, got {v}"
 
 
 def non_negative(v) -> str | None:
     """A `check` for numbers that must be >= 0."""
-    return None if v >= 0 else "must be >= 0"
+    return None if v >= 0 else f"must be >= 0, got {v}"
 
 
 def fraction(v) -> str | None:
     """A `check` for rates in (0, 1]."""
-    return None if 0 < v <= 1 else "must be in (0, 1]"
+    return None if 0 < v <= 1 else f"must be in (0, 1], got {v}"
 
 
 def validator(fn: Callable[[Any], None]) -> Callable[[Any], None]:

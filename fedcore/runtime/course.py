@@ -300,7 +300,7 @@ class Course:
         acc = summary.get("final_test_acc")
         acc_s = f", final test_acc {acc:.4f}" if acc is not None else ""
         virtual = "" if self.wall_clock else f"{summary['virtual_time']:.1f}s virtual, "
-        print(f"finished {summary['rounds']} rounds in {virtual}{summary['wall_time']:.1f}s wall{acc_s}; "
+        print(f"finished {summary['rounds']} round{'' if summary['rounds'] == 1 else 's'} in {virtual}{summary['wall_time']:.1f}s wall{acc_s}; "
               f"outputs in {self.outdir}")
         return 0
 
