@@ -175,6 +175,21 @@ def test_init_from_loads_the_initial_model(tmp_path):
     assert all(torch.equal(v, state[k]) for k, v in course2.server.aggregator.global_state.items())
 
 
+def test_init_from_a_checkpoint_or_another_model_names_what_does_not_fit(tmp_path):
+    course = Course(small_cfg(tmp_path / "a", federate__total_round_num=1, checkpoint__every=1)).build()
+    course.run()
+    with pytest.raises(ConfigError, match="is a course checkpoint, not a model's state_dict; continue "
+                                          "that course with resume_from"):
+        Course(small_cfg(None, model__init_from=str(tmp_path / "a" / "checkpoints" / "round_1.pt"))).build()
+    state = course.server.model.state_dict()
+    other = {"extra.weight": torch.zeros(2), **{k: torch.zeros(3, *v.shape) for k, v in state.items()}}
+    torch.save(other, tmp_path / "other.pt")
+    with pytest.raises(ConfigError) as info:
+        Course(small_cfg(None, model__init_from=str(tmp_path / "other.pt"))).build()
+    names = ", ".join(list(state)[:3])
+    assert str(info.value).endswith(f"does not fit model.type (unexpected extra.weight; of another shape {names})")
+
+
 def test_the_run_tunes_the_garbage_collector_and_puts_it_back():
     """While a course runs, what it built is frozen and young objects are collected in larger
     batches; afterwards the process's own settings are back (it may be a user's notebook)."""

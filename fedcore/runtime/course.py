@@ -79,12 +79,24 @@ def load_initial_model(model: torch.nn.Module, path: str) -> None:
     if not p.is_file():
         raise ConfigError(f"model.init_from: file '{p}' does not exist")
     state = load_tensor_file(p, "model.init_from", "a loadable state_dict")
+    if isinstance(state, dict) and "round" in state and isinstance(state.get("global_state"), dict):
+        raise ConfigError(f"model.init_from: '{p}' is a course checkpoint, not a model's state_dict; "
+                          "continue that course with resume_from, or start from its final_model.pt")
     try:
         model.load_state_dict(state)
-    except RuntimeError as exc:
-        first = str(exc).strip().splitlines()[0]
-        raise ConfigError(f"model.init_from: '{p}' does not fit model.type "
-                          f"({first})") from None
+    except (RuntimeError, TypeError, AttributeError) as exc:
+        expected = model.state_dict()
+        given = state if isinstance(state, dict) else {}
+        missing = [k for k in expected if k not in given]
+        unexpected = [k for k in given if k not in expected]
+        wrong = [k for k in expected if k in given and torch.is_tensor(given[k])
+                 and tuple(given[k].shape) != tuple(expected[k].shape)]
+        parts = [f"{label} {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}"
+                 for label, names in (("missing", missing), ("unexpected", unexpected),
+                                      ("of another shape", wrong)) if names]
+        lines = str(exc).strip().splitlines()
+        why = "; ".join(parts) or (lines[0] if lines else type(exc).__name__)
+        raise ConfigError(f"model.init_from: '{p}' does not fit model.type ({why})") from None
 
 
 def check_share_params(model: torch.nn.Module, cfg) -> None:
