@@ -101,6 +101,9 @@ declare("distribute.state_dir", str, None, "client: folder of its saved state (d
 
 @validator
 def _check_federate(cfg) -> None:
+    if cfg["train.optimizer.momentum"] and cfg["train.optimizer.type"] != "sgd":
+        raise ConfigError(f"train.optimizer.momentum: {cfg['train.optimizer.momentum']} applies to sgd "
+                          f"only; train.optimizer.type {cfg['train.optimizer.type']} has moments of its own")
     n = cfg["federate.client_num"]
     k = cfg["federate.sample_client_num"]
     if k is not None and k > n:
