@@ -72,7 +72,7 @@ def test_the_key_takes_auto_a_number_or_null_and_says_what_else():
     assert small_cfg(torch_threads=None)["torch_threads"] is None
     with pytest.raises(ConfigError, match=r"^torch_threads: expected int or 'auto', got str 'autoo'$"):
         small_cfg(torch_threads="autoo")
-    with pytest.raises(ConfigError, match=r"^torch_threads: must be > 0$"):
+    with pytest.raises(ConfigError, match=r"^torch_threads: must be > 0, got 0$"):
         small_cfg(torch_threads=0)
 
 
