@@ -145,3 +145,13 @@ def test_a_snapshot_carries_the_records_as_json_lines_each_encoded_once(tmp_path
     assert [r["round"] for r in back] == [1, 2, 3]
     assert back[1]["test_acc"] == 1 / 3 and back[0]["loss"] != back[0]["loss"]   # NaN
     assert _records_of({"records": [{"round": 7}]}) == [{"round": 7}]
+
+
+def test_checkpoints_of_a_simulated_async_course_are_said_to_be_for_inspection(tmp_path, caplog):
+    import logging
+    from fedcore.runtime.course import Course
+    from tests.conftest import small_cfg
+    with caplog.at_level(logging.WARNING, logger="fedcore.checkpoint"):
+        Course(small_cfg(tmp_path, checkpoint__every=1, asyn__use=True,
+                         asyn__aggregator="goal_achieved", asyn__min_received_num=2)).build()
+    assert "cannot be resumed from its checkpoints" in caplog.text

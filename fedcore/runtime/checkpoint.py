@@ -103,6 +103,10 @@ class Checkpointer:
                 self.every = 0
             else:
                 raise ConfigError("checkpoint.every: set checkpoint.path or outdir so checkpoints have a place")
+        if self.every and not deployed and cfg["course"] == "async":
+            log.warning("checkpoint.every: a simulated course on asyn.* strategies cannot be resumed "
+                        "from its checkpoints (they hold no updates in flight): they keep the global "
+                        "model for inspection only")
         if self.every:
             try:  # now, not at the first checkpoint after a round of training
                 self.folder.mkdir(parents=True, exist_ok=True)
