@@ -232,3 +232,14 @@ def test_a_model_that_cannot_read_the_data_is_refused_when_built(over, fragment)
     with pytest.raises(ConfigError) as info:
         Course(small_cfg(None, **over)).build()
     assert str(info.value).startswith(fragment) and "\n" not in str(info.value)
+
+
+def test_clients_without_training_samples_are_said_once_when_built(caplog):
+    with caplog.at_level(logging.WARNING, logger="fedcore.course"):
+        course = Course(small_cfg(None, data__splits=[0.0, 0.5, 0.5])).build()
+    n = len(course.client_ids)
+    assert caplog.text.count(f"data: {n} of {n} clients have no training samples (1, 2, 3, 4, 5, ...)") == 1
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fedcore.course"):
+        Course(small_cfg(None)).build()
+    assert "no training samples" not in caplog.text

@@ -143,6 +143,7 @@ class Course:
         cfg = self.cfg
         self.data = data if data is not None else registry.components.get("federated_data")(cfg)
         self.data_from_config = data is None     # what a remote executor can rebuild on its own
+        self.say_empty_clients()
         model = self.make_model()
         try:
             self.store = make_state_store(cfg["state.store"], cfg["state.path"])
@@ -167,6 +168,20 @@ class Course:
         self.resumed_at = resume(self, cfg["resume_from"]) if cfg["resume_from"] else None
         self.built = True
         return self
+
+    def say_empty_clients(self) -> None:
+        """Warn once when clients hold no training samples (more clients than the data can give
+        each one): they only send the received model back. Data made on access are not counted."""
+        clients = getattr(self.data, "clients", None)
+        if type(clients) is not dict:
+            return
+        empty = [cid for cid, c in clients.items()
+                 if not isinstance(getattr(type(c), "train", None), property) and len(c.train.y) == 0]
+        if empty:
+            shown = ", ".join(map(str, empty[:5])) + (", ..." if len(empty) > 5 else "")
+            self.log.warning("data: %d of %d clients have no training samples (%s): they send the "
+                             "received model back each round; fewer clients (federate.client_num) or "
+                             "more data give each some", len(empty), len(clients), shown)
 
     # The pieces below are shared with the deployment's server and client courses.
     @property
