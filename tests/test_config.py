@@ -32,6 +32,7 @@ def test_yaml_overrides_and_defaults(tmp_path):
     ("train:\n  optimizer:\n    lr: -1\n", "train.optimizer.lr: must be > 0, got -1"),
     ("algorithm:\n  name: fedavgg\n", "did you mean 'fedavg'"),
     ("seed: -1\n", "seed: must be in [0, 2**32 - 1], got -1"),
+    ("name: a/b\n", "name: 'a/b' must be one folder name"),
     ("train:\n  optimizer: {type: adamw, momentum: 0.9}\n", "train.optimizer.momentum: 0.9 applies to sgd only"),
     ("seed: 4294967296\n", "seed: must be in [0, 2**32 - 1], got 4294967296"),
     ("federate:\n  client_num: 3\n  sample_client_num: 5\n", "exceeds federate.client_num"),

@@ -8,7 +8,9 @@ from fedcore.kernel.errors import ConfigError
 
 declare("seed", int, 0, "one integer that drives all randomness (sampling, data, profiles, init)",
         check=lambda v: None if 0 <= v < 2**32 else f"must be in [0, 2**32 - 1], got {v}")
-declare("name", str, "course", "the run's name, used in the default outdir")
+declare("name", str, "course", "the run's name, used in the default outdir",
+        check=lambda v: None if v and not set(v) & set("/\\") and v not in (".", "..")
+        else f"{v!r} must be one folder name (no / or \\)")
 declare("outdir", str, None, "where the run writes its outputs (default runs/<timestamp>-<name>)")
 declare("outdir_overwrite", bool, False, "a deployed server may write into an outdir that holds "
         "another run's metrics.jsonl, replacing its records (default: it refuses)")
