@@ -55,11 +55,15 @@ def test_a_third_of_the_clients_never_reply(mode, tmp_path):
     assert all(summary["effective_aggregation_counts"][str(c)] == 0 for c in (2, 5, 9))
 
 
-def test_sync_vanilla_with_dropouts_stalls_with_a_clear_error():
-    cfg = small_cfg(None, federate__client_num=10, federate__total_round_num=6, eval__clients=False,
+def test_sync_vanilla_with_dropouts_stalls_with_a_clear_error(tmp_path):
+    cfg = small_cfg(tmp_path, federate__client_num=10, federate__total_round_num=6, eval__clients=False,
                     time__profiles={"type": "constant", "dropout": 0.3})
     with pytest.raises(CourseStalled, match="over-selection, time_up or an async strategy"):
         Course(cfg).run()
+    # what the course had is kept: its summary says why it stopped, its model is the last one
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["stopped_by"] == "stalled" and "over-selection" in summary["stalled"]
+    assert (tmp_path / "final_model.pt").is_file()
 
 
 def _metrics(path):

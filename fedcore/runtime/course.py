@@ -305,10 +305,13 @@ class Course:
             close_executor(self)
             self.store.close()
         if not self.server.finished:
-            raise CourseStalled(
-                f"course stalled in round {self.server.round}: no event left before finish "
-                f"(waiting for {len(self.server.selected)} update(s)); a sync course needs every "
-                "sampled client to reply: use over-selection, time_up or an async strategy")
+            why = (f"course stalled in round {self.server.round}: no event left before finish "
+                   f"(waiting for {len(self.server.selected)} update(s)); a sync course needs every "
+                   "sampled client to reply: use over-selection, time_up or an async strategy")
+            # what the course has so far is kept, as when it is stopped
+            self.monitor.add_summary("stop", {"stopped_by": "stalled", "stalled": why})
+            self.monitor.finalize(self.server.now, self.server.aggregator.global_state)
+            raise CourseStalled(why)
         summary = self.monitor.finalize(self.finish_time, self.server.aggregator.global_state)
         raise_if_diverged(self.server)
         return summary
