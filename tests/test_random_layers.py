@@ -125,6 +125,22 @@ def test_clients_that_cannot_be_stacked_are_said_to_train_one_at_a_time(caplog):
     assert "round 2's" not in caplog.text   # said once
 
 
+def test_a_course_that_mostly_trains_one_at_a_time_says_so_at_its_end(caplog):
+    # batch 7, one epoch: plans (5), (7, 2), (7, 7), (7, 7), (3): only clients 3 and 4 stack
+    data = _images(clients=5)
+    for cid, n in zip(range(1, 6), (5, 9, 14, 14, 3)):
+        train = data.clients[cid].train
+        data.clients[cid].train = Split(train.x[:n], train.y[:n])
+    cfg = small_cfg(None, executor="vectorized", model__type="mlp", model__hidden=[6],
+                    train__local_epochs=1, train__local_steps=None, train__batch_size=7,
+                    federate__client_num=5, federate__total_round_num=2)
+    with caplog.at_level(logging.WARNING, logger="fedcore.executor"):
+        summary = Course(cfg).build(data).run()
+    assert summary["batched_fits"] == 4 and summary["sequential_fits"] == 6
+    assert "executor vectorized: 4 of the course's 10 fits ran batched" in caplog.text
+    assert "no two of round" not in caplog.text
+
+
 def test_the_decision_is_said_before_the_first_round(caplog):
     with caplog.at_level(logging.INFO, logger="fedcore.executor"):
         Course(small_cfg(None, executor="vectorized", **MODELS["mlp"])).build(_images())

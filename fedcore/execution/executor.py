@@ -159,3 +159,8 @@ def close_executor(course) -> None:
     engine = getattr(trainer, "engine_summary", None)
     course.monitor.add_summary("executor", {"batched_fits": batched, "sequential_fits": sequential,
                                             **(engine() if engine is not None else {})})
+    if course.cfg["executor"] == "vectorized" and 0 < batched < sequential:
+        log.warning("executor vectorized: %d of the course's %d fits ran batched; the others' clients "
+                    "shared no batch plan (mini-batch sizes step by step) with another of their round "
+                    "(equal training-set sizes, or train.local_steps with a batch size dividing them, "
+                    "let them)", batched, batched + sequential)
