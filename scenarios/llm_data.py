@@ -120,7 +120,7 @@ def token_windows(docs: list[str], groups: list, tokenizer, seq_len: int, stride
     if tokenizer.bos_token_id is None and tokenizer.eos_token_id is None:
         log.warning("data.text.tokenizer: the tokenizer has neither a BOS nor an EOS token, so a "
                     "group's documents are joined with nothing between them")
-    xs, ys, gs = [], [], []
+    xs, ys, gs, short = [], [], [], []
     for gi, name in enumerate(names):
         ids: list[int] = []
         for doc, g in zip(docs, groups):
@@ -135,8 +135,14 @@ def token_windows(docs: list[str], groups: list, tokenizer, seq_len: int, stride
             xs.append(w[:, :-1])
             ys.append(w[:, 1:])
             gs.append(np.full(len(starts), gi))
+        else:
+            short.append(str(name))
     if not xs:
         raise ConfigError(f"data.text.seq_len: no document group holds more than {seq_len} tokens")
+    if short:
+        log.warning("data.text: %d group(s) hold no more than data.text.seq_len (%d) tokens, so no "
+                    "window and no client: %s", len(short), seq_len,
+                    ", ".join(short[:5]) + (", ..." if len(short) > 5 else ""))
     return torch.cat(xs), torch.cat(ys), np.concatenate(gs), names
 
 

@@ -403,3 +403,14 @@ def test_client_evaluation_reports_each_clients_perplexity():
     assert record["client_evals"] == 2
     assert record["client_test_perplexity_mean"] >= math.exp(record["client_test_loss_mean"]) * (1 - 1e-12)
     assert record["client_test_perplexity_p10"] == pytest.approx(math.exp(record["client_test_loss_p10"]), rel=1e-9)
+
+
+def test_a_group_too_short_for_one_window_is_named(caplog):
+    import logging
+    with caplog.at_level(logging.WARNING, logger="fedcore.data"):
+        x, _, groups, names = token_windows(["abcdefghij", "xy", "hello world"], ["g1", "zed", "g1"],
+                                            ByteTokenizer(), 4, 4)
+    # g1: [BOS] abcdefghij [EOS] [BOS] hello world [EOS] = 26 tokens, windows of 5 every 4: 6
+    assert x.shape == (6, 4) and set(groups.tolist()) == {names.index("g1")}
+    assert "1 group(s) hold no more than data.text.seq_len (4) tokens, so no window and no client: zed" \
+        in caplog.text
