@@ -76,6 +76,9 @@ def test_named_distribution_shorthand_and_dropout_clipping():
     assert np.all(column(build({"type": "random", "compute_speed": 10, "dropout": 1}), "dropout") == 1)
     with pytest.raises(ConfigError, match="needs 'sigma'"):
         build({"type": "lognormal", "median": 1})
+    with pytest.raises(ConfigError, match="time.profiles.compute_speed: a field of its own distribution "
+                                          "goes under type: random; type: lognormal is the shorthand"):
+        build({"type": "lognormal", "compute_speed": {"dist": "lognormal", "median": 40}})
     with pytest.raises(ConfigError, match="unknown distribution"):
         build({"type": "random", "latency": {"dist": "gamma"}})
 

@@ -204,6 +204,11 @@ def _named_distribution(name: str) -> Callable:
         _unknown_field([field], ".field")
         params = {k: v for k, v in spec.items() if k in _DIST_PARAMS}
         rest = {k: v for k, v in spec.items() if k not in _DIST_PARAMS and k not in ("type", "field")}
+        nested = [k for k, v in rest.items() if isinstance(v, dict)]
+        if nested:
+            raise ConfigError(f"time.profiles.{nested[0]}: a field of its own distribution goes under "
+                              f"type: random; type: {name} is the shorthand for one field "
+                              f"({{type: {name}, field: {field}, <its parameters>}}, the others numbers)")
         rest[field] = dict(params, dist=name)
         return _random_profiles(rest, client_ids, seed)
     build.__doc__ = f"One field drawn from the {name} distribution, the others constant."
