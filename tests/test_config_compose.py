@@ -65,7 +65,7 @@ def test_bad_defaults_are_one_line_errors(tmp_path):
     with pytest.raises(ConfigError, match="defaults: '.*a.yaml' includes itself"):
         load_config(a)
     missing = write(tmp_path / "m.yaml", "defaults: [nope.yaml]\n")
-    with pytest.raises(ConfigError, match="nope.yaml' does not exist"):
+    with pytest.raises(ConfigError, match="^defaults of '.*m.yaml': file '.*nope.yaml' does not exist$"):
         load_config(missing)
     bad = write(tmp_path / "bad.yaml", "defaults: 3\n")
     with pytest.raises(ConfigError, match="defaults: in .*bad.yaml: expected a list"):

@@ -194,18 +194,20 @@ def read_yaml_file(path: Path, option: str) -> Any:
         raise ConfigError(f"{option}: '{path}' is not valid YAML: {_yaml_problem(exc)}") from None
 
 
-def _read_yaml(path: Path) -> dict:
-    tree = read_yaml_file(path, "--cfg")
+def _read_yaml(path: Path, option: str = "--cfg") -> dict:
+    tree = read_yaml_file(path, option)
     if tree is None:
-        raise ConfigError(f"--cfg: '{path}' is empty; write the keys to change (or '{{}}' to run "
+        raise ConfigError(f"{option}: '{path}' is empty; write the keys to change (or '{{}}' to run "
                           "every default)")
     if not isinstance(tree, dict):
-        raise ConfigError(f"--cfg: '{path}' must hold a mapping of config keys")
+        raise ConfigError(f"{option}: '{path}' must hold a mapping of config keys")
     return tree
 
 
-def _compose(item, values: dict, sources: dict, chain: tuple[Path, ...] = ()) -> None:
-    """Merge one config (a YAML file with its `defaults:` first, or a mapping) into `values`."""
+def _compose(item, values: dict, sources: dict, chain: tuple[Path, ...] = (),
+             named_by: str = "--cfg") -> None:
+    """Merge one config (a YAML file with its `defaults:` first, or a mapping) into `values`;
+    `named_by` says where a file was named (errors name it: --cfg, or the file listing it)."""
     if isinstance(item, dict):
         tree, label, here = dict(item), "arguments", None
     else:
@@ -213,7 +215,7 @@ def _compose(item, values: dict, sources: dict, chain: tuple[Path, ...] = ()) ->
         if here.resolve() in chain:
             raise ConfigError(f"defaults: '{here}' includes itself (through "
                               f"{' -> '.join(p.name for p in chain)})")
-        tree, label = _read_yaml(here), str(here)
+        tree, label = _read_yaml(here, named_by), str(here)
     bases = tree.pop("defaults", None) or []
     if isinstance(bases, (str, dict)):
         bases = [bases]
@@ -224,7 +226,8 @@ def _compose(item, values: dict, sources: dict, chain: tuple[Path, ...] = ()) ->
             raise ConfigError(f"defaults: in {label}: {base!r} is not a file name")
         if isinstance(base, str) and here is not None:
             base = here.parent / base   # relative to the file that names it
-        _compose(base, values, sources, chain + ((here.resolve(),) if here is not None else ()))
+        _compose(base, values, sources, chain + ((here.resolve(),) if here is not None else ()),
+                 f"defaults of '{label}'")
     _import_plugins(tree.get("plugins") or [])
     flat: dict[str, Any] = {}
     _flatten(tree, "", flat)
