@@ -81,7 +81,7 @@ def configure(cfg_or_path: str | Path | dict | Iterable | Config | None = None, 
     if isinstance(cfg_or_path, Config):
         return cfg_or_path.with_overrides(**overrides) if overrides else cfg_or_path
     items, extra = _sources(cfg_or_path, overrides)
-    return load_config(items, extra=extra, extra_source="fedcore.run() arguments")
+    return load_config(items, extra=extra, extra_source="fedcore.run() arguments", named_by="config")
 
 
 def run(cfg_or_path: str | Path | dict | Iterable | Config | None = None, /, *,

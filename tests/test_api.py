@@ -86,3 +86,8 @@ def test_the_sweep_example_runs_and_plots(tmp_path):
     assert figure.is_file() and figure.stat().st_size > 0
     assert [r.config["train.optimizer.lr"] for r in results] == [0.05, 0.5]
     assert all(r.summary["rounds"] == 3 for r in results)
+
+
+def test_a_missing_config_file_is_named_without_the_command_lines_flag():
+    with pytest.raises(ConfigError, match="^config: file 'nope.yaml' does not exist$"):
+        fedcore.run("nope.yaml")

@@ -256,20 +256,22 @@ def import_named_plugins(paths: Iterable[str | Path] = (), overrides: Iterable[s
 
 
 def load_config(path: str | Path | dict | list | tuple | None = None, overrides: Iterable[str] = (),
-                extra: dict[str, Any] | None = None, extra_source: str = "arguments") -> Config:
+                extra: dict[str, Any] | None = None, extra_source: str = "arguments",
+                named_by: str = "--cfg") -> Config:
     """Compose configs, apply `KEY=VALUE` overrides and `extra`, import plug-ins, validate.
 
     `path` is a YAML path, a mapping (nested or dotted keys), or a list of them merged in
     order: a later value replaces an earlier one. A YAML file may name the files it extends
     under `defaults:` (paths relative to it); they are merged first, in order, and the file's
-    own keys win. The result's `sources` records where each set value came from.
+    own keys win. The result's `sources` records where each set value came from. `named_by`
+    is how errors name where a file was given (`--cfg` on the command line).
     """
     load_builtin_plugins()
     items = [] if path is None else list(path) if isinstance(path, (list, tuple)) else [path]
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for item in items:
-        _compose(item, values, sources)
+        _compose(item, values, sources, named_by=named_by)
     pairs = [parse_override(o) for o in overrides]
     for key, value in pairs:
         if key == "plugins":
