@@ -210,3 +210,17 @@ def test_a_client_started_before_its_server_says_it_cannot_reach_it_yet_under_it
     said = text(client)
     assert f"client 3: cannot reach the server at 127.0.0.1:{port} yet" in said
     assert "client None" not in said and " lost " not in said
+
+
+def test_a_second_server_on_a_port_in_use_is_refused_in_one_line(tmp_path, procs):
+    """gRPC opens its port for sharing by default: a second server would start beside the first
+    and the clients would split between the two, both courses waiting for ever."""
+    out, first, _ = _start(procs, tmp_path, rounds=5)
+    port = server_port(out, first)
+    second = procs.fedcore("second", tmp_path / "course.yaml", "distribute.role=server",
+                           f"distribute.server_port={port}", f"outdir={tmp_path / 'out2'}")
+    assert wait_exit(second, 60) == 2
+    last = text(second).strip().splitlines()[-1]
+    assert last == (f"fedcore: distribute.server_port: cannot listen on 127.0.0.1:{port} (already in use, "
+                    "or not an address of this machine); pick a free port or another distribute.server_host")
+    assert first.poll() is None   # the first server is untouched

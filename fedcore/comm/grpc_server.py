@@ -173,9 +173,9 @@ class GrpcServerComm(CallAdmission, Inbound):
                 port = server.add_insecure_port(address)
             else:
                 port = server.add_secure_port(address, server_credentials(self.tls))
-        except RuntimeError as exc:
+        except RuntimeError as exc:   # gRPC's "Failed to bind ...; set GRPC_VERBOSITY=debug ..."
             port = 0
-            why = str(exc)
+            why = "already in use, or not an address of this machine" if "bind" in str(exc) else str(exc)
         else:
             why = "address in use or not local"
         if not port:

@@ -206,7 +206,10 @@ def grpc_options(chunk_size: int, server: bool) -> list[tuple[str, int]]:
                  # a connection whose peer no longer answers pings (process stopped, network
                  # gone) is closed, ending its streams even where a write waits on flow control;
                  # the answer may queue behind a chunk on a slow link, hence the long timeout
-                 ("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 120_000)]
+                 ("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 120_000),
+                 # gRPC opens its port for sharing by default: a second server on the same port
+                 # would start, and the clients would split between the two, each course stalled
+                 ("grpc.so_reuseport", 0)]
     else:
         # The ping's answer may queue behind a chunk on a slow link: liveness is the heartbeats'
         # job (distribute.heartbeat_timeout, paced by bytes); keepalive only holds NATs open.
