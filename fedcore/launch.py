@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import os
 import secrets
 import shutil
@@ -52,6 +53,7 @@ from pathlib import Path
 
 from fedcore.comm.stream import INSECURE_NOTED_ENV, INSECURE_WARNING, TOKEN_ENV, write_secret
 from fedcore.kernel.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_SERVER_GONE, FedcoreError
+from fedcore.run import RESUME_COMMAND_ENV
 
 __all__ = ["main"]
 
@@ -110,6 +112,7 @@ class _Supervised:
         self.name, self._start, self.guardian, self.budget = name, start, guardian, budget
         self.restarts = 0
         self.due: float | None = None    # when its pending restart is due
+        self.ended: int | None = None    # its exit status once it ended for good
         self.proc = guardian.watch(start(first=True))
 
     def check(self, now: float) -> int | None:
@@ -125,15 +128,27 @@ class _Supervised:
         if rc is None:
             return None
         if not abnormal(rc) or self.restarts >= self.budget:
-            if abnormal(rc) and self.budget:
+            if abnormal(rc) and self.budget and self.ended is None:
                 print(f"fedcore.launch: {self.name} died ({_how(rc)}); no restarts left (--restart "
                       f"{self.budget})", file=sys.stderr, flush=True)
+            self.ended = rc
             return rc
         delay = restart_delay(self.restarts)
         print(f"fedcore.launch: {self.name} died ({_how(rc)}); restart {self.restarts + 1} of "
               f"{self.budget} in {delay:g}s", file=sys.stderr, flush=True)
         self.due = now + delay
         return None
+
+
+def _kill_all(children: list["_Supervised"]) -> None:
+    for c in children:
+        if c.proc.poll() is None:
+            c.proc.kill()
+
+
+def _interrupt(*_args) -> None:
+    """SIGTERM to the launcher: the orderly stop of Ctrl-C."""
+    raise KeyboardInterrupt
 
 
 def _stop(procs: list[subprocess.Popen], sig: int, wait: float) -> None:
@@ -248,6 +263,10 @@ class _Starter:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_intermixed_args(argv)  # overrides may follow --check etc.
+    try:
+        signal.signal(signal.SIGTERM, _interrupt)
+    except ValueError:  # not the main thread (embedded use): leave signals alone
+        pass
     from fedcore.kernel.config import load_config
     from fedcore.api import resolve_outdir
     try:
@@ -259,13 +278,19 @@ def main(argv: list[str] | None = None) -> int:
     if n < 1:
         print("fedcore: usage: --clients must be >= 1", file=sys.stderr)
         return EXIT_CONFIG
+    # resume_from is the server's: a client resumes through it (from its own saved state)
+    resume = [o for o in args.overrides if o.startswith("resume_from=")]
+    args.overrides = [o for o in args.overrides if not o.startswith("resume_from=")]
+    own = argv if argv is not None else sys.argv[1:]
+    resume_command = json.dumps(   # what the server prints to resume: this launch
+        [sys.executable, "-m", "fedcore.launch", *[a for a in own if not a.startswith(("outdir=", "resume_from="))]])
     outdir = resolve_outdir(cfg).resolve()
     outdir.mkdir(parents=True, exist_ok=True)
     address_file = outdir / "server_address"
     address_file.unlink(missing_ok=True)
     common = ["federate.mode=distributed", f"federate.client_num={n}", f"outdir={outdir}",
               "distribute.server_host=127.0.0.1"]
-    server_extra: list[str] = []
+    server_extra: list[str] = list(resume)
     if cfg["distribute.max_streams_per_connection"] is None:
         # every client (and edge) it starts has a process, so a connection of its own that needs
         # at most 3 calls: a flooding connection gets no more than that (docs/deployment.md)
@@ -314,7 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     def start_server(first: bool) -> subprocess.Popen:
         again = [] if first else ["resume_from=latest"]   # the same course, on the same port
         return starter.start(base + args.server_opt + server_extra + again + [
-            "distribute.role=server", f"distribute.server_port={port}"])
+            "distribute.role=server", f"distribute.server_port={port}"],
+            {**os.environ, RESUME_COMMAND_ENV: resume_command})
 
     def client_starter(k: int):
         def start(first: bool) -> subprocess.Popen:
@@ -341,14 +367,21 @@ def main(argv: list[str] | None = None) -> int:
                               lambda name, start: _Supervised(name, start, guardian, args.restart), children):
                 return EXIT_FAILURE
             ports.update(tree.client_ports)
-        children += [_Supervised(f"client {k}", client_starter(k), guardian, args.restart)
-                     for k in range(1, n + 1)]
+        clients = [_Supervised(f"client {k}", client_starter(k), guardian, args.restart)
+                   for k in range(1, n + 1)]
+        children += clients
         rc = None
         while rc is None:
             now = time.monotonic()
             rc = server.check(now)
             for child in children[1:]:
                 child.check(now)
+            if rc is None and all(c.ended not in (None, 0) for c in clients):
+                # no client is left to join, and none finished: the server would wait for ever
+                codes = sorted({c.ended for c in clients})
+                print(f"fedcore.launch: every client ended ({', '.join(_how(c) for c in codes)}); "
+                      "stopping the server", file=sys.stderr, flush=True)
+                rc = EXIT_CONFIG if EXIT_CONFIG in codes else EXIT_FAILURE
             time.sleep(0.1)
         grace = time.monotonic() + 15.0
         for child in children[1:]:
@@ -358,6 +391,9 @@ def main(argv: list[str] | None = None) -> int:
                 pass
         return rc
     except KeyboardInterrupt:
+        # stopping: SIGTERM again is ignored, Ctrl-C again stops every process at once
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, lambda *_: _kill_all(children))
         _stop([c.proc for c in children], signal.SIGINT, 10.0)
         print("fedcore: interrupted", file=sys.stderr)
         return 130

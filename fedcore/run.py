@@ -13,10 +13,15 @@ prints the outputs folder, the round reached and the command that resumes.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import sys
 
 from fedcore.kernel.errors import EXIT_CONFIG, EXIT_OK, ConfigError, exit_code_of
+
+# set by fedcore.launch for the processes it starts: the command that launches the course again
+RESUME_COMMAND_ENV = "FEDCORE_RESUME_COMMAND"
 
 __all__ = ["main"]
 
@@ -86,7 +91,11 @@ def _run(args) -> int:
 
 def _command(args) -> list[str]:
     """The command that started this run, as the resume command's start (its own outdir and
-    resume_from are replaced)."""
+    resume_from are replaced): a server that `fedcore.launch` started is resumed by launching
+    again, so the launcher's command."""
+    launched = os.environ.get(RESUME_COMMAND_ENV)
+    if launched:
+        return json.loads(launched)
     return [sys.executable, "-m", "fedcore.run", *[a for c in args.cfg for a in ("--cfg", c)],
             *(["--debug"] if args.debug else []),
             *[o for o in args.overrides if not o.startswith(("outdir=", "resume_from="))]]

@@ -227,3 +227,41 @@ def test_a_server_sigkilled_under_restart_is_started_again_on_its_port_to_resume
     assert "distribute.max_streams_per_connection=4" in cmdline
     wait_for(lambda: "fedcore.launch: the server died (killed by SIGKILL); restart 1 of 1 in 1s" in text(launcher),
              10, "the launcher to say so")
+
+
+@pytest.mark.slow
+def test_a_stopped_launch_prints_the_launch_that_resumes_it_and_that_launch_finishes(procs, tmp_path):
+    """The launched server's resume line is a launch (its tokens and port die with the launcher),
+    and the launcher gives resume_from to the server alone (a client resumes through it)."""
+    import re
+    import shlex
+    cfg = write_cfg(tmp_path / "course.yaml", {
+        "plugins": ["tests.slow_plugin"], "algorithm.name": "fedavg_pausing", "slow_test.pause": 0.2,
+        "federate.client_num": 2, "federate.total_round_num": 8, "eval.clients": False})
+    out = tmp_path / "out"
+    launcher = procs.start("launch", ["-m", "fedcore.launch", "--cfg", str(cfg), f"outdir={out}"])
+    metrics = out / "metrics.jsonl"
+    wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") >= 2, 240, "two rounds")
+    launcher.send_signal(signal.SIGTERM)   # as Ctrl-C: an orderly stop
+    assert wait_exit(launcher, 60) == 130, text(launcher)[-3000:]
+    line = re.search(r"resume from the snapshot of round (\d+) with: cd (\S+) && (.*)", text(launcher))
+    assert line, text(launcher)[-3000:]
+    command = shlex.split(line.group(3))
+    assert command[1:3] == ["-m", "fedcore.launch"] and any(a.startswith("resume_from=") for a in command)
+    assert Path(line.group(2)) == ROOT   # where the launcher ran: the paths in the command hold there
+    resumed = procs.start("resumed", command[1:])
+    assert wait_exit(resumed, 240) == 0, text(resumed)[-3000:]
+    rounds = [json.loads(r)["round"] for r in metrics.read_text().splitlines()]
+    assert rounds == list(range(1, 9))   # every round once: none lost, none repeated
+
+
+def test_a_launch_whose_clients_all_end_for_good_stops_its_server(procs, tmp_path):
+    """Clients refused for a configuration the server does not share end with status 2, never
+    restarted: the launcher stops its server instead of letting it wait for them for ever."""
+    cfg = write_cfg(tmp_path / "course.yaml", {"federate.client_num": 2, "federate.total_round_num": 3})
+    launcher = procs.start("launch", ["-m", "fedcore.launch", "--cfg", str(cfg), "--client-opt",
+                                      "model.type=mlp", f"outdir={tmp_path / 'out'}"])
+    assert wait_exit(launcher, 120) == 2, text(launcher)[-3000:]
+    log = text(launcher)
+    assert log.count("refused this client: course config differs from the server's: model.type") == 2
+    assert "fedcore.launch: every client ended (exit status 2); stopping the server" in log

@@ -347,6 +347,7 @@ def run_client(cfg) -> int:
 
 
 def _sigterm_as_interrupt(*_args) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)   # once: a second one must not break the stop
     raise KeyboardInterrupt
 
 
