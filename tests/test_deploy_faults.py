@@ -224,14 +224,3 @@ def test_a_second_server_on_a_port_in_use_is_refused_in_one_line(tmp_path, procs
     assert last == (f"fedcore: distribute.server_port: cannot listen on 127.0.0.1:{port} (already in use, "
                     "or not an address of this machine); pick a free port or another distribute.server_host")
     assert first.poll() is None   # the first server is untouched
-
-
-def test_a_client_with_other_training_settings_is_refused_naming_them(tmp_path, procs):
-    out, server, _ = _start(procs, tmp_path, rounds=3)
-    port = server_port(out, server)
-    client = procs.fedcore("client1", tmp_path / "course.yaml", "distribute.role=client",
-                           f"distribute.server_port={port}", "distribute.client_id=1",
-                           "train.optimizer.lr=0.9", "train.batch_size=7")
-    assert wait_exit(client, 60) == 2
-    assert ("refused this client: course config differs from the server's: train.batch_size, "
-            "train.optimizer.lr;") in text(client)

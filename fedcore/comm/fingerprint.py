@@ -17,7 +17,7 @@ from typing import Any
 
 __all__ = ["course_keys", "fingerprint", "differing_keys"]
 
-SECTIONS = ("model", "algorithm", "data", "train")   # train: the local work, which simulation ≡ deployment needs
+SECTIONS = ("model", "algorithm", "data")
 KEYS = ("course", "seed", "federate.client_num", "federate.share_params", "train.loss")
 # Paths may differ between machines; what they hold is checked elsewhere (the model's layout on
 # the wire, a client's own data by its own partition).
@@ -48,7 +48,7 @@ def _hash(value: Any) -> str:
 
 
 def fingerprint(cfg) -> str:
-    """`key=hash;key=hash;...` (ASCII, about 4 KB for the built-in keys: within gRPC's 8 KB of metadata)."""
+    """`key=hash;key=hash;...` (ASCII, a few hundred bytes: fits in gRPC metadata)."""
     return ";".join(f"{k}={_hash(v)}" for k, v in sorted(course_keys(cfg).items()))
 
 
