@@ -224,3 +224,20 @@ def test_a_second_server_on_a_port_in_use_is_refused_in_one_line(tmp_path, procs
     assert last == (f"fedcore: distribute.server_port: cannot listen on 127.0.0.1:{port} (already in use, "
                     "or not an address of this machine); pick a free port or another distribute.server_host")
     assert first.poll() is None   # the first server is untouched
+
+
+def test_a_second_client_with_a_taken_id_says_so_when_it_gives_up(tmp_path, procs):
+    out, server, client = _start(procs, tmp_path, rounds=30)
+    first = client(1)
+    wait_for(lambda: "client 1 joined" in text(server), 120, "client 1 joining")
+    port = server_port(out, server)
+    twin = procs.fedcore("twin", tmp_path / "course.yaml", "distribute.role=client",
+                         f"distribute.server_port={port}", "distribute.client_id=1",
+                         "distribute.retry_timeout=4")
+    assert wait_exit(twin, 120) == 4, text(twin)[-3000:]
+    log = text(twin)
+    assert log.count("the server refuses this id for now") == 1
+    last = log.strip().splitlines()[-1]
+    assert "giving up" in last and "before, the server refused this client's id: " in last
+    assert "another process with the same distribute.client_id?" in last
+    assert first.poll() is None or first.returncode == 0

@@ -228,6 +228,7 @@ class GrpcClientComm(ClientInbound):
             return
         connect = channel.stream_stream(METHOD)
         attempt, last_ok, reason = 0, time.monotonic(), "not connected yet"
+        held = ""   # why the server last refused this id while another session held it
         # A working server is one that delivers messages. A welcomed stream's heartbeats count
         # too, but only on the first stream since the last message: a server that welcomes and
         # breaks the stream again and again without a round is given up on after retry_timeout.
@@ -280,6 +281,11 @@ class GrpcClientComm(ClientInbound):
                         return
                     else:
                         reason = stream.why or f"{code.name}: {detail}"
+                        if code == grpc.StatusCode.ALREADY_EXISTS:
+                            if not held:
+                                log.warning("client %s: the server refuses this id for now (%s); "
+                                            "retrying until the other session ends", self.who, detail)
+                            held = detail
                 except Exception as exc:  # noqa: BLE001 - whatever the server's data did, not a dead thread
                     said = exc if isinstance(exc, (WireError, FedcoreError)) else f"{type(exc).__name__}: {exc}"
                     reason = f"bad data from the server: {said}"
@@ -297,7 +303,9 @@ class GrpcClientComm(ClientInbound):
                 if gone >= self.retry_timeout:
                     self._fail(ServerUnreachable(
                         f"no server at {self.address} for {gone:.1f}s (distribute.retry_timeout="
-                        f"{self.retry_timeout:g}); giving up; last error: {reason}"))
+                        f"{self.retry_timeout:g}); giving up; last error: {reason}"
+                        + (f"; before, the server refused this client's id: {held} (another process "
+                           "with the same distribute.client_id?)" if held else "")))
                     return
                 delay = min(backoff_delay(attempt, *self.backoff, self._rng),
                             max(0.05, self.retry_timeout - gone))
