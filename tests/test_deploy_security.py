@@ -99,3 +99,20 @@ def test_a_join_with_a_wrong_fingerprint_learns_no_configuration_value(tmp_path,
     # the model type's value as a word of its own ('mlp' is also inside a key's name, model.mlp_dropout)
     assert all("48271" not in t and "0.0731" not in t and not re.search(r"\bmlp\b", t) for t in texts)
     assert server.poll() is None and "course config differs" in text(server)
+
+
+def test_a_tls_client_of_a_plaintext_server_is_told_the_handshake_failed(tmp_path, procs):
+    certs = make_certs(tmp_path / "certs")
+    cfg = write_cfg(tmp_path / "course.yaml", {"distribute.retry_timeout": 2.0,
+                                               "distribute.backoff_initial": 0.1})
+    out = tmp_path / "server"
+    server = procs.fedcore("server", cfg, "distribute.role=server", "distribute.server_port=0",
+                           f"outdir={out}", "distribute.insecure=true")
+    port = server_port(out, server)
+    client = procs.fedcore("tls", cfg, "distribute.role=client", f"distribute.server_port={port}",
+                           "distribute.client_id=1", f"distribute.tls.ca={certs['ca']}")
+    assert wait_exit(client, 120) == 4
+    last = text(client).strip().splitlines()[-1]
+    assert last.startswith("fedcore: no server at 127.0.0.1:") and last.endswith(
+        "; the TLS handshake failed: is the server plaintext (distribute.insecure) or its "
+        "certificate from another authority?")

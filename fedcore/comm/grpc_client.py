@@ -305,7 +305,9 @@ class GrpcClientComm(ClientInbound):
                         f"no server at {self.address} for {gone:.1f}s (distribute.retry_timeout="
                         f"{self.retry_timeout:g}); giving up; last error: {reason}"
                         + (f"; before, the server refused this client's id: {held} (another process "
-                           "with the same distribute.client_id?)" if held else "")))
+                           "with the same distribute.client_id?)" if held else "")
+                        + ("; the TLS handshake failed: is the server plaintext (distribute.insecure) "
+                           "or its certificate from another authority?" if "handshake" in reason.lower() else "")))
                     return
                 delay = min(backoff_delay(attempt, *self.backoff, self._rng),
                             max(0.05, self.retry_timeout - gone))
