@@ -53,19 +53,23 @@ def _quiet(server) -> QuietLog:
 
 
 def arm(server, _event=None) -> None:
-    """Server `start`: with `distribute.min_clients`, start after the join timeout."""
+    """Server `start`: the join timeout (with `distribute.min_clients`, the course may start then)."""
     cfg = server.course.cfg
     server.state(DeployWatch).seen_round = (None, 0.0)
-    if cfg["distribute.min_clients"] is not None:
-        server.set_timer(cfg["distribute.join_timeout"], "join_timeout")
+    server.set_timer(cfg["distribute.join_timeout"], "join_timeout")
 
 
 def join_timeout(server, _event=None) -> None:
-    """`join_timeout`: start once `distribute.min_clients` are in; otherwise check again soon."""
+    """`join_timeout`: start once `distribute.min_clients` are in; otherwise check again soon.
+    Without it the course waits for every client, and says so once."""
     if server.started:
         return
     cfg = server.course.cfg
     live = len(server.course.client_ids)
+    if cfg["distribute.min_clients"] is None:
+        log.warning("join timeout: %d of the %d clients have joined; the course starts when all have "
+                    "(distribute.min_clients lets it start with fewer)", live, cfg["federate.client_num"])
+        return
     if live >= cfg["distribute.min_clients"]:
         log.warning("join timeout: starting with %d of %d clients", live, cfg["federate.client_num"])
         server.started = True

@@ -5,6 +5,7 @@ still open when a test acts; heartbeats are fast so that a dead client is
 noticed within a few seconds even on a loaded machine.
 """
 import json
+import time
 
 import pytest
 
@@ -241,3 +242,18 @@ def test_a_second_client_with_a_taken_id_says_so_when_it_gives_up(tmp_path, proc
     assert "giving up" in last and "before, the server refused this client's id: " in last
     assert "another process with the same distribute.client_id?" in last
     assert first.poll() is None or first.returncode == 0
+
+
+def test_a_server_waiting_for_every_client_says_so_at_the_join_timeout(tmp_path, procs):
+    cfg = write_cfg(tmp_path / "course.yaml", {**FAST_FAULTS, "federate.client_num": 2,
+                                               "distribute.join_timeout": 1.0})
+    out = tmp_path / "out"
+    server = procs.fedcore("server", cfg, "distribute.role=server", "distribute.server_port=0",
+                           f"outdir={out}")
+    port = server_port(out, server)
+    procs.fedcore("client1", cfg, "distribute.role=client", f"distribute.server_port={port}",
+                  "distribute.client_id=1")
+    wait_for(lambda: "of the 2 clients have joined; the course starts when all have" in text(server),
+             60, "the join timeout's line")
+    time.sleep(1.5)
+    assert text(server).count("join timeout:") == 1 and server.poll() is None   # said once; waiting
