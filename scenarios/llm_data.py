@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from fedcore.kernel.config import declare, positive, validator
-from fedcore.kernel.errors import ConfigError
+from fedcore.kernel.errors import ConfigError, first_line
 from fedcore.kernel.registry import datasets, partitioners
 from fedcore.scenarios.data import RawDataset, hold_out
 from fedcore.scenarios.partition import dirichlet
@@ -90,7 +90,7 @@ class _LocalTokenizer:
     """A tokenizer saved in a local directory, with BOS/EOS ids where it has them."""
 
     def __init__(self, path: str):
-        from fedcore.scenarios.llm_models import first_line, import_llm
+        from fedcore.scenarios.llm_models import import_llm
         p = Path(path)
         if not p.is_dir():
             raise ConfigError(f"data.text.tokenizer: '{p}' is not a directory holding a saved tokenizer")

@@ -22,10 +22,10 @@ import torch
 from torch import nn
 
 from fedcore.kernel.config import declare, non_negative, positive, validator
-from fedcore.kernel.errors import ConfigError
+from fedcore.kernel.errors import ConfigError, first_line
 from fedcore.kernel.registry import models
 
-__all__ = ["CausalLM", "causal_lm", "import_llm", "lora_pairs", "first_line", "ARCH_TARGETS"]
+__all__ = ["CausalLM", "causal_lm", "import_llm", "lora_pairs", "ARCH_TARGETS"]
 
 declare("model.path", str, None, "causal_lm: a local directory holding a saved model "
         "(save_pretrained); never downloaded. Unset: built from model.causal_lm.* with random weights")
@@ -86,12 +86,6 @@ def import_llm(what: str = "transformers"):
     if what == "transformers":   # its loading bars would interleave with the course's own lines
         module.utils.logging.disable_progress_bar()
     return module
-
-
-def first_line(exc: Exception) -> str:
-    """The first line of a library's error message (its class name when it has none)."""
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
 
 
 class CausalLM(nn.Module):

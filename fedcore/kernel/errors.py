@@ -5,7 +5,7 @@ import sys
 import traceback
 from typing import Callable
 
-__all__ = ["exit_code_of", "FedcoreError", "ConfigError", "IncompleteCourseError", "CourseDiverged", "EXIT_OK",
+__all__ = ["exit_code_of", "first_line", "FedcoreError", "ConfigError", "IncompleteCourseError", "CourseDiverged", "EXIT_OK",
            "EXIT_FAILURE", "EXIT_CONFIG", "EXIT_INCOMPLETE", "EXIT_SERVER_GONE", "EXIT_DIVERGED",
            "EXIT_NOTHING_AGGREGATED", "NothingAggregated"]
 
@@ -46,6 +46,13 @@ class NothingAggregated(FedcoreError):
     """A secure course ended with every round skipped, aborted or refused: nothing was learnt."""
 
     exit_code = EXIT_NOTHING_AGGREGATED
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an error's message (its class name when it has none): a foreign
+    library's many-line message, cut to what fits a one-line error."""
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
 
 
 def exit_code_of(prog: str, command: Callable[[], int], debug: bool = False,

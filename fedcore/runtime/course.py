@@ -21,7 +21,7 @@ from fedcore.runtime.checkpoint import Checkpointer, load_tensor_file, resume, s
 from fedcore.comm.inprocess import InProcessComm
 from fedcore.kernel.completeness import CheckResult, require_complete
 from fedcore.runtime.device import DeviceStateStore, apply_determinism, place_data, resolve_device
-from fedcore.kernel.errors import ConfigError, CourseDiverged, FedcoreError, NothingAggregated
+from fedcore.kernel.errors import ConfigError, CourseDiverged, FedcoreError, NothingAggregated, first_line
 from fedcore.kernel.model_ops import model_device
 from fedcore.execution.executor import close_executor, install_executor
 from fedcore.execution.form_boundary import make_trainer
@@ -59,12 +59,10 @@ def check_model_reads_data(model: torch.nn.Module, data, cfg) -> None:
             else:   # per sample, or per position ([N, classes, T] against [N, T]) as evaluation takes it
                 torch.nn.functional.cross_entropy(out, y.to(device))
     except Exception as exc:   # noqa: BLE001 - any failure here is the pair not fitting: one line
-        lines = str(exc).strip().splitlines()
-        why = lines[0] if lines else type(exc).__name__
         raise ConfigError(f"model.type: {cfg['model.type']} cannot read data.type {cfg['data.type']} "
                           f"(samples {list(x.shape[1:])} of {str(x.dtype).replace('torch.', '')}, "
                           f"labels {list(y.shape[1:])} of {str(y.dtype).replace('torch.', '')}): "
-                          f"{type(exc).__name__}: {why}") from None
+                          f"{type(exc).__name__}: {first_line(exc)}") from None
     finally:
         model.train(was_training)
 
@@ -94,8 +92,7 @@ def load_initial_model(model: torch.nn.Module, path: str) -> None:
         parts = [f"{label} {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}"
                  for label, names in (("missing", missing), ("unexpected", unexpected),
                                       ("of another shape", wrong)) if names]
-        lines = str(exc).strip().splitlines()
-        why = "; ".join(parts) or (lines[0] if lines else type(exc).__name__)
+        why = "; ".join(parts) or first_line(exc)
         raise ConfigError(f"model.init_from: '{p}' does not fit model.type ({why})") from None
 
 
