@@ -34,6 +34,10 @@ def test_resumed_course_equals_uninterrupted(tmp_path):
     full_summary = json.loads((full / "summary.json").read_text())
     assert summary["bytes_up"] == full_summary["bytes_up"]
     assert summary["virtual_time"] == full_summary["virtual_time"]
+    # wall time goes on from the snapshot's: the resumed run's first new record comes later
+    resumed_walls = [json.loads(x)["wall_time"] for x in (resumed / "metrics.jsonl").read_text().splitlines()]
+    assert resumed_walls == sorted(resumed_walls)
+    assert resumed_walls[2] >= torch.load(ckpt, weights_only=True)["wall_time"] >= resumed_walls[1]
 
 
 @pytest.mark.parametrize("algorithm", ["scaffold", "feddyn", "fedmos", "diloco"])

@@ -119,8 +119,12 @@ def _kill_and_resume(procs, tmp_path, extra, kills, rounds=ROUNDS):
     records = _lines(out)
     assert [r["round"] for r in records] == list(range(1, rounds + 1))   # each round once, in order
     assert all(r["num_updates"] == 3 for r in records)
+    for field in ("virtual_time", "wall_time"):   # the clocks go on from each snapshot's
+        times = [r[field] for r in records]
+        assert times == sorted(times), (field, times)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["rounds"] == rounds and summary["resumed_from"]["round"] == max(kills) - 1
+    assert summary["wall_time"] >= records[-1]["wall_time"]
     return out
 
 

@@ -56,6 +56,7 @@ def resume_server(course, value: str) -> int:
         return 0
     used, state = load(course, value)
     restore(course, state, metrics_lines=state.get("metrics_lines"))
+    course.scheduler.continue_from(state["virtual_time"])   # times go on from the snapshot's
     server = course.server
     r = state["round"]
     server.round = r + 1

@@ -102,6 +102,16 @@ class WallClockScheduler(Scheduler):
             heapq.heappush(self._queue, (max(time, 0.0), priority, next(self._seq), action))
             self._cond.notify()
 
+    def continue_from(self, seconds: float) -> None:
+        """Read `seconds` now, the events already queued moved alike: a resumed course's
+        clock goes on from its snapshot's time instead of starting again at 0."""
+        with self._cond:
+            shift = seconds - self.clock
+            self._t0 -= shift
+            self._queue[:] = [(t + shift, *rest) for t, *rest in self._queue]
+            heapq.heapify(self._queue)
+            self._cond.notify()
+
     def call_soon(self, action: Callable[[], None], priority: int = PRIORITY_MESSAGE) -> None:
         """Schedule `action` now (from any thread), e.g. for a message just received."""
         self.schedule(self.clock, priority, action)

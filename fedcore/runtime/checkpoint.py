@@ -167,6 +167,7 @@ class Checkpointer:
             "algorithm": course.cfg["algorithm.name"],
             "course": fingerprint(course.cfg),
             "virtual_time": server.now,
+            "wall_time": monitor.wall_time,
             "global_state": cpu(server.aggregator.global_state),   # resumable without a GPU
             "aggregator": cpu(server.aggregator.state_dict()),
             "sampler_rng": server.sampler.rng.bit_generator.state,
@@ -379,7 +380,7 @@ def restore(course, state: dict[str, Any], metrics_lines: int | None = None) -> 
     for cid, client_state in state["client_states"].items():
         course.store.save(int(cid), client_state)
     monitor.preload(_records_of(state), state["pending"], state["bytes"], state["target"],
-                    keep_lines=metrics_lines)
+                    keep_lines=metrics_lines, wall_time=state.get("wall_time"))
     course.checkpointer.contributed = {int(c): int(r) for c, r in state.get("contributed", {}).items()}
     course.checkpointer.last_round = state["round"]
     server.best_acc, server.evals_since_best = state["best"]

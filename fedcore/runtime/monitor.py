@@ -260,12 +260,17 @@ class Monitor:
         return {r: {"record": p.record, "expected": p.expected} for r, p in self._pending.items()}
 
     def preload(self, records: list[dict], pending: dict, totals: list[int], target: list,
-                keep_lines: int | None = None) -> None:
-        """Continue from a checkpoint: its written records, open records, byte totals, target.
+                keep_lines: int | None = None, wall_time: float | None = None) -> None:
+        """Continue from a checkpoint: its written records, open records, byte totals, target,
+        and its `wall_time`, from which this run's goes on (a checkpoint without it: from the
+        last record's).
         `keep_lines`: the outdir's metrics.jsonl already holds these records in its first that
         many lines (a deployed server resuming in place): keep them, drop the lines after them
         (rounds the snapshot does not hold, which the resumed course runs again)."""
         kept = self._kept_lines(keep_lines, len(records))
+        if wall_time is None:
+            wall_time = max((float(r.get("wall_time", 0.0)) for r in records), default=0.0)
+        self.t0 = time.perf_counter() - wall_time
         self.start()
         self.records.extend(records)
         if kept is not None:
