@@ -78,6 +78,10 @@ def test_tokens_file_is_private_and_secrets_are_redacted_from_config_yaml(tmp_pa
     course.write_header()
     written = (tmp_path / "out" / "config.yaml").read_text()
     assert "shared-secret" not in written and "secret-one" not in written and "<redacted>" in written
+    # where each value came from is written as in simulation (redacting kept the sources)
+    sources = yaml.safe_load((tmp_path / "out" / "config_sources.yaml").read_text())
+    assert sources["distribute.token"] == sources["federate.mode"] != "default"
+    assert "shared-secret" not in (tmp_path / "out" / "config_sources.yaml").read_text()
     assert course.cfg["distribute.token"] == "shared-secret"  # the running course keeps its secrets
 
 

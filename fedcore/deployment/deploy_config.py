@@ -147,7 +147,7 @@ SECRET_KEYS = ("distribute.token", "distribute.tokens")
 def redacted(cfg):
     """`cfg` with its secrets replaced, for the files a run writes."""
     values = {k: ("<redacted>" if k in SECRET_KEYS and v else v) for k, v in cfg._values.items()}
-    return type(cfg)(values)
+    return type(cfg)(values, cfg.sources)
 
 
 def message_bound(model) -> int:
