@@ -382,12 +382,32 @@ def install(course) -> None:
         _register(course, st)
         return
     server.strategy = st
+    _say_if_overselection_is_clamped(course, st)
     server.in_flight, server.waiting, server.buffer = {}, set(), []
     server.round_start, server.deadline_gen = 0.0, 0
     server.stats = _Stats(course.client_ids)
     server.reply_timeout = _auto_reply_timeout(course)
     server.aggregator.discount = discount_function(course.cfg) if st.asynchronous else None
     _register(course, st)
+
+
+def _say_if_overselection_is_clamped(course, st: Strategy) -> None:
+    """Over-selection cannot sample more clients than the course has: say so where it is cut."""
+    cfg = course.cfg
+    if not cfg["asyn.overselection"]:
+        return
+    k, rate = clients_per_round(cfg), cfg["asyn.overselection_rate"]
+    wanted = math.ceil(k * (1 + rate))
+    if st.concurrency >= wanted:
+        return
+    if st.concurrency == st.goal:
+        course.log.warning("asyn.overselection: the course has only %d clients, all of them needed "
+                           "per round (goal %d): over-selection samples no extra client and every "
+                           "round waits for all; lower federate.sample_client_num",
+                           st.concurrency, st.goal)
+    else:
+        course.log.warning("asyn.overselection: rate %g asks %d clients per round, the course has "
+                           "%d: sampling %d", rate, wanted, st.concurrency, st.concurrency)
 
 
 def _register(course, st: Strategy) -> None:

@@ -142,6 +142,19 @@ def test_asyn_use_selects_the_async_course_and_sync_stays_default():
     assert resolve_strategy(small_cfg(asyn__overselection=True, federate__sample_client_num=4)).concurrency == 6
 
 
+@pytest.mark.parametrize("sampled, said", [
+    (None, "samples no extra client"),                 # all 6 sampled: nothing left to over-select
+    (5, "asks 7 clients per round, the course has 6"),  # ceil(5 x 1.3) = 7 > 6
+    (4, None),                                        # ceil(4 x 1.3) = 6: as asked
+])
+def test_overselection_cut_by_the_clients_there_are_is_said(caplog, sampled, said):
+    cfg = small_cfg(asyn__overselection=True, federate__sample_client_num=sampled)
+    with caplog.at_level("WARNING"):
+        Course(cfg).build()
+    said_lines = [r.getMessage() for r in caplog.records if "asyn.overselection" in r.getMessage()]
+    assert (said_lines == []) if said is None else (len(said_lines) == 1 and said in said_lines[0]), said_lines
+
+
 def test_a_goal_above_the_concurrency_is_reachable_after_receiving():
     # after_receiving tops clients up on every arrival, so the buffer grows past the concurrency
     summary = Course(small_cfg(asyn__use=True, asyn__broadcast_manner="after_receiving",
