@@ -179,7 +179,8 @@ def _open_share(client, st: ClientRound, v: int, ct: bytes, commitments: bytes) 
 def mask_input(client, msg) -> None:
     """`receiving_secagg_routed_shares`: check each share (the dealer's signature, then the share
     itself), keep the good ones, and send the input masked by the self mask and one pairwise
-    mask per neighbour that shared; neighbours whose share was bad are named with it."""
+    mask per neighbour that shared; neighbours whose share was bad are named with it. Fewer
+    than t neighbours' shares (a server withholding them) and the round is refused instead."""
     from fedcore.algorithms.secagg_crypto import field_add, field_sub, prg_field
     from fedcore.algorithms.secagg_identity import shares_statement, verify
     st = _current(client, msg, "routed shares")
@@ -198,6 +199,11 @@ def mask_input(client, msg) -> None:
             bad.append(v)
         else:
             st.held[v] = pair
+    if len(st.partners) < st.threshold:
+        # masked with fewer than t pairwise masks, the input would be protected by the self
+        # mask alone, whose seed shares the others reveal once this client is a survivor
+        return _abort(client, st, f"shares from {len(st.partners)} neighbour(s) reached me, fewer than "
+                                  f"the threshold {st.threshold}: my input would not be masked")
     p = _settings(client).modulus
     n = st.vector.size
     y = field_add(st.vector, prg_field(st.seed, n, p), p)

@@ -5,13 +5,16 @@ simulation and in deployed processes alike.
 `secagg_test.adversary` picks the change; `secagg_test.bad_client` is the client that
 misbehaves (client adversaries). Server adversaries replace the consistency and unmask
 stages so that different clients are shown different survivor sets:
-- `pairs_server`: the attack of issue 25 (each of clients 2..n told "only you and client 1
+- `pairs_server`: pairs of survivors (each of clients 2..n told "only you and client 1
   survived", client 1 told "1 and 2");
 - `split_server`: two survivor sets of three that overlap in the victim, each consistent;
 - `padded_server`: every client told the victim and itself survived, padded with ids that
   are no neighbours (clients not in the round);
 - `overlap_server`: one consistent, signed survivor set, but the unmask request also lists a
-  survivor as dropped (asking for its seed share and its mask-key share at once).
+  survivor as dropped (asking for its seed share and its mask-key share at once);
+- `withholding_server`: routes every share honestly except those meant for the victim (the
+  lowest id), which gets none: masked by its self mask alone, its input would be open to the
+  seed shares the others reveal.
 Client adversaries: `garbage_shares` (random ciphertexts, signed), `one_bad_share` (one
 holder's share off by one, properly encrypted and signed), `false_weight` (declares 10^6),
 `replay` (resends its round-1 masked input), `replay_keys` (advertises its round-1 public
@@ -35,7 +38,7 @@ from fedcore.handlers.secagg_blame import SecaggServer
 from fedcore.kernel.registry import behaviours
 from fedcore.kernel.shamir import random_secret
 
-SERVERS = ("pairs_server", "split_server", "padded_server", "overlap_server")
+SERVERS = ("pairs_server", "split_server", "padded_server", "overlap_server", "withholding_server")
 CLIENTS = ("garbage_shares", "one_bad_share", "false_weight", "replay", "replay_keys", "withhold",
            "out_of_range", "out_of_range_weight", "garbage_input", "false_reveal",
            "other_key_then_drop")
@@ -237,8 +240,28 @@ def _overlapping_unmask(server, _event=None):
     secagg._next_stage(server, sr, "unmask", signers)
 
 
+def _withholding_route(server, _event=None):
+    """The project's routing, with no share for the victim."""
+    sr = server.state(SecaggServer).current
+    u2 = sorted(sr.shares)
+    victim = u2[0]
+    for v in u2:
+        senders = [] if v == victim else [u for u in u2 if v in sr.shares[u]]
+        secagg._send(server, sr, "secagg_routed_shares", v, {
+            "from": senders, "ciphertexts": [sr.shares[u][v][0] for u in senders],
+            "signatures": [sr.shares[u][v][1] for u in senders],
+            "commitments": [sr.commitments[u] for u in senders]})
+    secagg._next_stage(server, sr, "inputs", u2)
+
+
 def install(course) -> None:
     kind = course.cfg["secagg_test.adversary"]
+    if kind == "withholding_server":
+        if course.server is not None:
+            t = course.server_table
+            t.register("secagg_shares_collected", _withholding_route,
+                       sends=t.get("secagg_shares_collected").sends)
+        return
     if kind == "overlap_server":
         if course.server is not None:
             t = course.server_table

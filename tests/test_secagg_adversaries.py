@@ -34,7 +34,7 @@ def _capture(course):
 
 # ---------------------------------------------------------------- an active server
 @pytest.mark.parametrize("adversary, extra, refusal", [
-    # issue 25's attack: 4 clients, k = 3, t = 2, each of 2, 3, 4 told "only you and client 1 survived"
+    # the pairs attack: 4 clients, k = 3, t = 2, each of 2, 3, 4 told "only you and client 1 survived"
     ("pairs_server", {}, "1 survivor(s) masked their input with mine, fewer than the threshold 2"),
     # two survivor sets, each locally plausible: each gathers 2 signatures, the quorum is 3
     ("split_server", {}, "2 valid signature(s) from survivors on the survivor set I signed, fewer than 3"),
@@ -60,6 +60,26 @@ def test_a_server_showing_clients_different_survivor_sets_gets_no_share(tmp_path
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["secagg_aborted_rounds"] == [1]
     assert any("secure aggregation refused" in r.getMessage() for r in caplog.records)
+
+
+def test_a_server_withholding_a_clients_shares_gets_no_input_masked_by_its_self_mask_alone(tmp_path, caplog):
+    """The server routes no share to client 1 and every other share honestly. Client 1 would
+    mask with its self mask only, whose seed the others reveal for a survivor: it refuses the
+    round instead, and the server sums the other three (each masked with its neighbours)."""
+    course = _course(tmp_path / "out", "withholding_server", federate__client_num=4, federate__total_round_num=1)
+    sent = _capture(course)
+    with caplog.at_level(logging.WARNING, logger="fedcore.secagg"):
+        course.run()
+    assert not [m for m in sent if m.msg_type == "secagg_masked_input" and m.sender == 1]
+    refusals = [m for m in sent if m.msg_type == "secagg_abort"]
+    assert [m.sender for m in refusals] == [1]
+    assert "shares from 0 neighbour(s) reached me, fewer than the threshold 2" in refusals[0].content["reason"]
+    # no share of client 1's self-mask seed is revealed (it is no survivor); its pairwise mask
+    # key's shares are, to take its masks out of the others' inputs
+    revealed = [m for m in sent if m.msg_type == "secagg_unmask_shares"]
+    assert sorted(m.sender for m in revealed) == [2, 3, 4]
+    assert all(1 not in m.content["seed_ids"] and 1 in m.content["key_ids"] for m in revealed)
+    assert course.monitor.records[0]["num_updates"] == 3
 
 
 def test_a_server_substituting_a_clients_keys_is_refused(tmp_path):
