@@ -104,6 +104,18 @@ def test_a_lying_server_over_grpc_gets_no_share_and_exits_non_zero(tmp_path, pro
     assert rec["secagg_aborted"] == 1 and rec["secagg_refusals"] == 4 and rec["num_updates"] == 0
 
 
+def test_a_server_withholding_a_clients_shares_over_grpc_gets_no_input_from_it(tmp_path, procs):
+    """Client 1 is routed no share: it refuses before masking (its self mask alone would not
+    protect its input), and the course sums the other three every round."""
+    cfg = write_cfg(tmp_path / "course.yaml", {**ADVERSARY, "secagg_test.adversary": "withholding_server"})
+    out = tmp_path / "deployed"
+    launcher = procs.start("launch", ["-m", "fedcore.launch", *FORK, "--cfg", str(cfg), f"outdir={out}"])
+    assert wait_exit(launcher, 300) == 0, text(launcher)[-3000:]
+    assert ("client 1: round 1: secure aggregation refused: shares from 0 neighbour(s) reached me, "
+            "fewer than the threshold 2") in text(launcher)
+    assert [r["num_updates"] for r in _records(out / "metrics.jsonl")] == [3, 3]
+
+
 def test_a_client_sending_garbage_shares_over_grpc_is_excluded_and_the_rest_train(tmp_path, procs):
     keys = {**ADVERSARY, "secagg_test.adversary": "garbage_shares", "secagg_test.bad_client": 4}
     cfg = write_cfg(tmp_path / "course.yaml", keys)
