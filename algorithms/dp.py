@@ -22,6 +22,8 @@ The neighbouring relation, sensitivities and assumptions: docs/algorithms/dp.md.
 """
 from __future__ import annotations
 
+import math
+
 from typing import Any
 
 import numpy as np
@@ -74,6 +76,13 @@ def _check_dp(cfg) -> None:
         if cfg["aggregator.robust_rule"] != "none":
             raise ConfigError("privacy.dp.mode: central DP replaces the aggregation, so it cannot be "
                               "combined with aggregator.robust_rule; set one of them to none")
+        ratio = cfg["admission.norm_ratio"]
+        if ratio is not None and not math.isinf(ratio):
+            # whether an update is refused would depend on the round's others: one client's
+            # presence could drop others' clipped updates, moving the noised sum by several C
+            raise ConfigError("admission.norm_ratio: under central DP it would make who is summed "
+                              "depend on every client's update, past the clip's sensitivity C; "
+                              "drop it (the clip already bounds each update's influence)")
         if cfg["algorithm.name"] in ("scaffold", "feddyn", "fedasync", "fedbuff"):
             raise ConfigError(f"privacy.dp.mode: central DP cannot wrap algorithm.name "
                               f"{cfg['algorithm.name']} (its aggregation uses more than the mean "
@@ -172,15 +181,18 @@ class _Ledger:
         self.central.steps = int(state["steps"])
         self.releases = {int(c): int(n) for c, n in state["releases"].items()}
 
-    def record(self, client_ids: list[int], noisy: set[int]) -> dict[str, Any]:
+    def released(self, client_ids, noisy: set[int]) -> None:
+        """Local DP: each of `client_ids` that adds noise released one noisy update."""
+        for c in client_ids:
+            if c in noisy:
+                self.releases[c] = self.releases.get(c, 0) + 1
+
+    def record(self) -> dict[str, Any]:
         if self.sigma == 0:
             return {"dp_epsilon": None}  # no noise: no finite guarantee
         if self.mode == "central":
             self.central.step(self.q, self.sigma)
             return {"dp_epsilon": self.central.epsilon(self.delta)}
-        for c in client_ids:
-            if c in noisy:
-                self.releases[c] = self.releases.get(c, 0) + 1
         most = max(self.releases.values(), default=0)
         if most == 0:
             return {"dp_epsilon": None, "dp_epsilon_replace_one": None}  # nothing released yet
@@ -296,16 +308,32 @@ def install(course) -> None:
     aggregator = server.aggregator
     source = resolved_noise_source(cfg)
 
-    def accounted(aggregate, updates, round_):
-        out = dict(aggregate(updates, round_) or {})
-        # an update that stands for several clients (a secure sum) names them in `contributors`
-        ids = [c for u in updates for c in getattr(u, "contributors", (u.client_id,))]
-        out.update(ledger.record(ids, noisy))
-        course.monitor.add_summary("dp", {"dp_epsilon": out["dp_epsilon"], "dp_delta": ledger.delta,
+    def summarize(spent: dict[str, Any]) -> None:
+        course.monitor.add_summary("dp", {"dp_epsilon": spent["dp_epsilon"], "dp_delta": ledger.delta,
                                           "dp_mode": ledger.mode, "dp_noisy_clients": len(noisy),
                                           "dp_noise_source": source})
-        if "dp_epsilon_replace_one" in out:
-            course.monitor.add_summary("dp", {"dp_epsilon_replace_one": out["dp_epsilon_replace_one"]})
+        if "dp_epsilon_replace_one" in spent:
+            course.monitor.add_summary("dp", {"dp_epsilon_replace_one": spent["dp_epsilon_replace_one"]})
+
+    def received(_server, msg):
+        # a noisy release is every update a client sends that reaches the server, whether it is
+        # then aggregated, refused (admission), late or for another round; under secure
+        # aggregation, its masked input. The summary says it at once (no round may follow).
+        if msg.sender in noisy:
+            ledger.released((msg.sender,), noisy)
+            summarize(ledger.record())
+    for event in ("receiving_updates", "receiving_secagg_masked_input"):
+        course.server_table.observe(event, received)
+    clients = set(course.client_ids)
+
+    def accounted(aggregate, updates, round_):
+        out = dict(aggregate(updates, round_) or {})
+        # an edge's update (a tree) names the clients it sums in `contributors`: their releases
+        # reached the edge, not this server
+        ledger.released([c for u in updates if u.client_id not in clients
+                         for c in getattr(u, "contributors", ())], noisy)
+        out.update(ledger.record())
+        summarize(out)
         return out
     aggregator.wrap(Wrapper("differential_privacy accounting", "aggregate", accounted))
 

@@ -25,6 +25,10 @@ class DerivedTable(HandlerTable):
         self.overwritten: list[tuple[str, str, str]] = []
 
     @property
+    def observers(self) -> dict[str, list[Handler]]:   # the base role's watchers
+        return self.base.observers
+
+    @property
     def entries(self) -> dict[str, Registration]:  # read by dispatch and the completeness check
         return {**self.base.entries, **self.own}
 

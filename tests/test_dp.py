@@ -54,7 +54,7 @@ def test_central_rule_clips_each_update_and_noises_the_mean():
 
 
 def _run(tmp_path, **kw):
-    summary = Course(small_cfg(tmp_path, federate__total_round_num=3, **kw)).run()
+    summary = Course(small_cfg(tmp_path, **{"federate__total_round_num": 3, **kw})).run()
     return summary, [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -65,6 +65,23 @@ def test_local_dp_on_a_fraction_of_clients_reports_epsilon(tmp_path):
     # every client takes part each round: the noisy releases are 3 Gaussian mechanisms (q = 1)
     assert [r["dp_epsilon"] for r in records] == pytest.approx(
         [dp_epsilon(1.0, 2.0, k, 1e-5) for k in (1, 2, 3)])
+
+
+def test_local_dp_counts_every_release_received_refused_ones_included(tmp_path):
+    # clients 1 and 2 add noise of std 1 per coordinate (C = 1): their updates lie far beyond 3x
+    # the median distance of the others', so admission refuses both every round. Each was still
+    # released: round k's epsilon is that of k Gaussian mechanisms, RDP k alpha / (2 sigma^2)
+    summary, records = _run(tmp_path, federate__total_round_num=4, privacy__dp__mode="local",
+                            privacy__dp__clients=[1, 2], privacy__dp__noise_multiplier=1.0,
+                            privacy__dp__clip_norm=1.0, admission__norm_ratio=3.0,
+                            train__optimizer__lr=0.01)
+    assert [r["num_updates"] for r in records] == [4, 4, 4, 4]          # 6 sampled, the 2 noisy refused
+    assert sum(summary["admission"].values()) == 8
+    for k, r in zip((1, 2, 3, 4), records):
+        by_hand = min(k * a / (2 * 1.0 ** 2) + math.log1p(-1 / a) - (math.log(1e-5) + math.log(a)) / (a - 1)
+                      for a in DEFAULT_ORDERS)
+        assert r["dp_epsilon"] == pytest.approx(by_hand, rel=1e-12)
+    assert summary["dp_epsilon"] == records[-1]["dp_epsilon"]
 
 
 def test_local_dp_also_reports_epsilon_against_any_other_data_of_the_client(tmp_path):
@@ -101,6 +118,12 @@ def test_dp_config_errors():
         small_cfg(None, privacy__dp__mode="local", privacy__dp__clients=[1], privacy__dp__fraction=0.5)
     with pytest.raises(ConfigError, match="central DP .* aggregator.robust_rule"):
         small_cfg(None, privacy__dp__mode="central", aggregator__robust_rule="median")
+    # refusing updates by their distance from the others': with one client more, others' clipped
+    # updates could be refused, moving the sum by several C
+    with pytest.raises(ConfigError, match="admission.norm_ratio: under central DP"):
+        small_cfg(None, privacy__dp__mode="central", admission__norm_ratio=10.0)
+    small_cfg(None, privacy__dp__mode="central", admission__norm_ratio=float("inf"))   # off: allowed
+    small_cfg(None, privacy__dp__mode="local", admission__norm_ratio=10.0)   # after local noise: post-processing
     with pytest.raises(ConfigError, match="privacy.dp.clients: \\[9\\] are not client ids"):
         Course(small_cfg(None, privacy__dp__mode="local", privacy__dp__clients=[9])).build()
 

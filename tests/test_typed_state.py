@@ -17,10 +17,12 @@ from tests.conftest import small_cfg
 ROOT = Path(__file__).resolve().parents[1]
 
 # Client 2 sends 30 times its update: the norm rule (ratio 3) refuses it, and clients that
-# missed rounds are scaled to the bound as they return, so admission's history matters.
+# missed rounds are scaled to the bound as they return, so admission's history matters;
+# client 1 adds local DP noise, whose releases the privacy ledger counts.
 ADMISSION_AND_DP = dict(federate__sample_client_num=3, federate__total_round_num=6, eval__clients=False,
                         admission__norm_ratio=3.0, attack__type="scaled_replacement", attack__clients=[2],
-                        attack__scale=30.0, privacy__dp__mode="central", privacy__dp__noise_multiplier=0.3)
+                        attack__scale=30.0, privacy__dp__mode="local", privacy__dp__noise_multiplier=0.3,
+                        privacy__dp__clients=[1])
 FIELDS = ("round", "virtual_time", "num_updates", "bytes_up", "bytes_down", "test_acc", "test_loss",
           "dp_epsilon")
 

@@ -53,6 +53,7 @@ class HandlerTable:
         self.role = role
         self.entries: dict[str, Registration] = {}
         self.overwritten: list[tuple[str, str, str]] = []  # (event, old, new)
+        self.observers: dict[str, list[Handler]] = {}
 
     def register(self, event: str, fn: Handler, sends: Iterable[str] = (), replaces: bool = False,
                  reached_by: str = "") -> None:
@@ -73,6 +74,12 @@ class HandlerTable:
     def get(self, event: str) -> Registration | None:
         return self.entries.get(event)
 
+    def observe(self, event: str, fn: Handler) -> None:
+        """Call `fn(worker, payload)` before whichever handler `event` has, now or registered
+        later: a behaviour that watches an event without handling it (what DP's accounting
+        counts as a release is every update received, refused ones included). It sends nothing."""
+        self.observers.setdefault(event, []).append(fn)
+
     def describe(self) -> str:
         """The handlers.txt section for this role."""
         lines = [f"[{self.role}]"]
@@ -82,6 +89,8 @@ class HandlerTable:
             lines.append(f"  {event} -> {reg.name}{sends}")
         for event, old, new in self.overwritten:
             lines.append(f"  overwritten: {event}: {old} replaced by {new}")
+        for event in sorted(self.observers):
+            lines.append(f"  observed: {event} by {', '.join(handler_name(f) for f in self.observers[event])}")
         return "\n".join(lines)
 
 
@@ -117,6 +126,10 @@ class Worker(StateHolder):
             log.warning("%s %d: no handler for event '%s'; ignored", self.role, self.id, event)
             return
         try:
+            watchers = self.handlers.observers.get(event)
+            if watchers:
+                for watch in watchers:
+                    watch(self, payload)
             reg.fn(self, payload)
         except HandlerError:
             raise
@@ -138,6 +151,10 @@ class Worker(StateHolder):
             self._dispatch(event, msg)   # logs the missing handler
             return
         try:   # `_dispatch`, inlined: this runs for every message
+            watchers = self.handlers.observers.get(event)
+            if watchers:
+                for watch in watchers:
+                    watch(self, msg)
             reg.fn(self, msg)
         except HandlerError:
             raise
