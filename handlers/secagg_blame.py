@@ -111,11 +111,15 @@ def keys_problem(server, msg) -> str | None:
 
 
 def shares_problem(server, sr: ServerRound, msg, bundle: dict[int, tuple[bytes, bytes]]) -> str | None:
-    """What is wrong with a dealer's shares: commitments of the wrong size, or a ciphertext its
-    signature does not cover."""
+    """What is wrong with a dealer's shares: a neighbour left without one (its pairwise mask could
+    not be taken out of the sum if the dealer dropped), commitments of the wrong size, or a
+    ciphertext its signature does not cover."""
     from fedcore.algorithms.secagg_identity import course_identity, shares_statement, verify
     from fedcore.kernel.shamir import COMMITMENT_BYTES
     commitments, u = msg.content["commitments"], msg.sender
+    missing = sorted(set(sr.graph.get(u, ())) - set(bundle))
+    if missing:   # an honest dealer shares with every neighbour it was shown (or refuses the round)
+        return f"it sent no share to its neighbour(s) {missing}"
     if len(commitments) != 2 * sr.threshold * COMMITMENT_BYTES:
         return f"it sent {len(commitments)} bytes of commitments, not {2 * sr.threshold} commitments"
     roster = course_identity(server.course).roster

@@ -15,7 +15,8 @@ stages so that different clients are shown different survivor sets:
 - `withholding_server`: routes every share honestly except those meant for the victim (the
   lowest id), which gets none: masked by its self mask alone, its input would be open to the
   seed shares the others reveal.
-Client adversaries: `garbage_shares` (random ciphertexts, signed), `one_bad_share` (one
+Client adversaries: `garbage_shares` (random ciphertexts, signed), `omit_share` (its
+last neighbour gets no share; the rest honest), `one_bad_share` (one
 holder's share off by one, properly encrypted and signed), `false_weight` (declares 10^6),
 `replay` (resends its round-1 masked input), `replay_keys` (advertises its round-1 public
 keys again, signed for the new round), `withhold` (never answers the unmask request),
@@ -39,7 +40,7 @@ from fedcore.kernel.registry import behaviours
 from fedcore.kernel.shamir import random_secret
 
 SERVERS = ("pairs_server", "split_server", "padded_server", "overlap_server", "withholding_server")
-CLIENTS = ("garbage_shares", "one_bad_share", "false_weight", "replay", "replay_keys", "withhold",
+CLIENTS = ("garbage_shares", "omit_share", "one_bad_share", "false_weight", "replay", "replay_keys", "withhold",
            "out_of_range", "out_of_range_weight", "garbage_input", "false_reveal",
            "other_key_then_drop")
 declare("secagg_test.adversary", str, "none", "tests: the secure-aggregation adversary",
@@ -107,6 +108,10 @@ def _client_stage(kind):
     """(event, the bad client's version of its handler given the original)."""
     if kind == "garbage_shares":
         return "receiving_secagg_neighbour_keys", _rewriting("secagg_encrypted_shares", _garbage)
+    if kind == "omit_share":
+        def omit(client, content, round_):
+            return {**content, **{k: content[k][:-1] for k in ("to", "ciphertexts", "signatures")}}
+        return "receiving_secagg_neighbour_keys", _rewriting("secagg_encrypted_shares", omit)
     if kind == "one_bad_share":
         def bad(orig, client, msg):
             split = secagg_client.split

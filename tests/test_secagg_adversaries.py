@@ -134,6 +134,8 @@ def _run(course, caplog, logger="fedcore.secagg"):
 @pytest.mark.parametrize("adversary, what", [
     ("garbage_shares", "client 5 excluded: its shares failed their checks at client(s) [1, 2, 3, 4]"),
     ("false_weight", "client 5 excluded: it declared weight 1000000, outside 1..{train} (its join)"),
+    # its pairwise mask with client 4 could not be removed were it to drop: named, not summed
+    ("omit_share", "client 5 excluded: it sent no share to its neighbour(s) [4]"),
 ])
 def test_a_client_excluded_before_masking_leaves_the_course_of_the_others(tmp_path, caplog, adversary, what):
     course = _course(tmp_path / "out", adversary, bad=5, **FIVE)
