@@ -444,8 +444,23 @@ def install(course) -> None:
     server = getattr(course, "server", None)
     if server is not None:
         server.state(SecaggServer).timeout = _auto_timeout(course)
+        _say_if_no_loss_is_tolerated(course)
         if not course.wall_clock and course.timing.has_dropouts:
             course.comm.filters.append(_withhold_after_sharing(course.timing))
+
+
+def _say_if_no_loss_is_tolerated(course) -> None:
+    """t equal to k (2 neighbours a client, e.g. 3 clients a round) leaves no slack: a client
+    must keep every neighbour it masked with, so any loss after masking voids the round."""
+    s = Settings.of(course.cfg)
+    m = s.per_round
+    k = m - 1 if s.neighbours == 0 or s.neighbours >= m - 1 else s.neighbours
+    if s.threshold(k) == k and m > 1:
+        log.warning("secure aggregation: each client has %d neighbour(s) and threshold %d: one "
+                    "dropout, exclusion or report of a bad share after masking voids the round "
+                    "(a single misbehaving client can void every round); use 3 or more neighbours "
+                    "(4 or more clients a round, or secure_aggregation.num_neighbours) so that "
+                    "t < k", k, k)
 
 
 install.enabled = lambda cfg: cfg["secure_aggregation.enabled"]

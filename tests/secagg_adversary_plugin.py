@@ -16,7 +16,8 @@ stages so that different clients are shown different survivor sets:
   lowest id), which gets none: masked by its self mask alone, its input would be open to the
   seed shares the others reveal.
 Client adversaries: `garbage_shares` (random ciphertexts, signed), `omit_share` (its
-last neighbour gets no share; the rest honest), `one_bad_share` (one
+last neighbour gets no share; the rest honest), `false_report` (reports its lowest neighbour's
+good share as bad, every round), `one_bad_share` (one
 holder's share off by one, properly encrypted and signed), `false_weight` (declares 10^6),
 `replay` (resends its round-1 masked input), `replay_keys` (advertises its round-1 public
 keys again, signed for the new round), `withhold` (never answers the unmask request),
@@ -40,7 +41,7 @@ from fedcore.kernel.registry import behaviours
 from fedcore.kernel.shamir import random_secret
 
 SERVERS = ("pairs_server", "split_server", "padded_server", "overlap_server", "withholding_server")
-CLIENTS = ("garbage_shares", "omit_share", "one_bad_share", "false_weight", "replay", "replay_keys", "withhold",
+CLIENTS = ("garbage_shares", "omit_share", "false_report", "one_bad_share", "false_weight", "replay", "replay_keys", "withhold",
            "out_of_range", "out_of_range_weight", "garbage_input", "false_reveal",
            "other_key_then_drop")
 declare("secagg_test.adversary", str, "none", "tests: the secure-aggregation adversary",
@@ -112,6 +113,10 @@ def _client_stage(kind):
         def omit(client, content, round_):
             return {**content, **{k: content[k][:-1] for k in ("to", "ciphertexts", "signatures")}}
         return "receiving_secagg_neighbour_keys", _rewriting("secagg_encrypted_shares", omit)
+    if kind == "false_report":
+        def report(client, content, round_):
+            return {**content, "bad_shares": [min(client.secagg.neighbours)]}
+        return "receiving_secagg_routed_shares", _rewriting("secagg_masked_input", report)
     if kind == "one_bad_share":
         def bad(orig, client, msg):
             split = secagg_client.split

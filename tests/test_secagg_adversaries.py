@@ -151,6 +151,24 @@ def test_a_client_excluded_before_masking_leaves_the_course_of_the_others(tmp_pa
     assert _max_diff(course.server.aggregator.global_state, reference.server.aggregator.global_state) <= _bound(course)
 
 
+def test_a_false_report_of_a_good_share_changes_nothing_where_t_is_below_k(tmp_path, caplog):
+    """5 clients: k = 4, t = 3. Client 5 reports its lowest neighbour's good share as bad every
+    round: that client keeps 3 good holders, t, so nobody is excluded and all five are summed."""
+    course = _course(tmp_path / "out", "false_report", bad=5, **FIVE)
+    _run(course, caplog)
+    assert [(r["num_updates"], r["secagg_excluded"]) for r in course.monitor.records] == [(5, [])] * 3
+
+
+@pytest.mark.parametrize("clients, neighbours, warned", [(3, 0, True), (6, 2, True), (4, 0, False)])
+def test_a_course_whose_threshold_equals_its_neighbours_is_warned(tmp_path, caplog, clients, neighbours, warned):
+    # t = k: one loss after masking voids a round (3 clients: k = 2, t = 2; 4 clients: k = 3, t = 2)
+    with caplog.at_level(logging.WARNING, logger="fedcore.secagg"):
+        _course(tmp_path / "out", "none", federate__client_num=clients,
+                secure_aggregation__num_neighbours=neighbours)
+    assert ("one dropout, exclusion or report of a bad share after masking voids the round"
+            in caplog.text) == warned
+
+
 @pytest.mark.parametrize("adversary, extra, report", [
     # one holder (the lowest id) gets a share off by one: it reports it, the other three shares rebuild
     ("one_bad_share", {}, "client 1: round 1: the share from client 5 fails its check against the dealer's "
