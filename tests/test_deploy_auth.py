@@ -106,3 +106,10 @@ def test_course_fingerprint_names_the_keys_that_differ_and_not_their_values():
     assert differing_keys(server, other) == ["model.dtype", "model.type"]   # names, never our values
     own = small_cfg(None, model__type="mlp", distribute__own_data=True, data__synthetic__dim=5, seed=3)
     assert differing_keys(server, fingerprint(own)) == []  # a client's own data defines itself
+    # the privacy the server reports is that of the configured mechanism: a client started
+    # without the local noise (or with another) is refused, as a wrong model is
+    noisy = small_cfg(None, model__type="mlp", privacy__dp__mode="local", privacy__dp__noise_multiplier=2.0)
+    assert differing_keys(noisy, fingerprint(server)) == ["privacy.dp.mode", "privacy.dp.noise_multiplier"]
+    assert differing_keys(noisy, fingerprint(small_cfg(None, model__type="mlp", privacy__dp__mode="local",
+                                                       privacy__dp__noise_multiplier=0.5))) == \
+        ["privacy.dp.noise_multiplier"]

@@ -18,7 +18,10 @@ from typing import Any
 __all__ = ["course_keys", "fingerprint", "differing_keys"]
 
 SECTIONS = ("model", "algorithm", "data")
-KEYS = ("course", "seed", "federate.client_num", "federate.share_params", "train.loss")
+KEYS = ("course", "seed", "federate.client_num", "federate.share_params", "train.loss",
+        # the privacy the server reports (summary.json's dp_epsilon) is that of this mechanism
+        "privacy.dp.mode", "privacy.dp.noise_multiplier", "privacy.dp.clip_norm",
+        "privacy.dp.clip_each_step", "privacy.dp.clients", "privacy.dp.fraction")
 # Paths may differ between machines; what they hold is checked elsewhere (the model's layout on
 # the wire, a client's own data by its own partition).
 MACHINE_LOCAL = ("data.root", "model.init_from")
