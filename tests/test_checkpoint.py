@@ -101,7 +101,12 @@ def test_plugin_state_survives_resume(tmp_path, extra):
 def test_resume_refuses_a_checkpoint_without_a_plugins_state(tmp_path):
     common = dict(federate__total_round_num=3, eval__clients=False)
     Course(small_cfg(tmp_path / "full", checkpoint__every=1, **common)).run()
-    with pytest.raises(ConfigError, match="holds no state for 'privacy.dp'"):
+    # a server optimizer keeps state (its moments) and is not part of the course's fingerprint
+    with pytest.raises(ConfigError, match="holds no state for 'server_optimizer'"):
+        Course(small_cfg(tmp_path / "adam", server_optimizer__type="adam",
+                         resume_from=str(tmp_path / "full" / "checkpoints" / "round_1.pt"), **common)).build()
+    # the privacy mechanism is: a snapshot of a course without DP is another course's
+    with pytest.raises(ConfigError, match="snapshot of another course .*privacy.dp.mode"):
         Course(small_cfg(tmp_path / "dp", privacy__dp__mode="central",
                          resume_from=str(tmp_path / "full" / "checkpoints" / "round_1.pt"), **common)).build()
 
