@@ -28,6 +28,11 @@ def weighted_mean(tensors: list[torch.Tensor], weights: list[float]) -> torch.Te
     """
     total = float(sum(weights))
     ref = tensors[0]
+    if len(tensors) == 1 and total > 0:
+        # w t / w is t itself (x * 1.0 is exact; an integer exactly, not through float64): a
+        # copy, without the stacked one and the product (a folding round's mean arrives as one
+        # update: two models less at its aggregation)
+        return ref.clone()
     if not ref.is_floating_point():
         acc = torch.zeros(ref.shape, dtype=torch.float64, device=ref.device)
         for t, w in zip(tensors, weights):
