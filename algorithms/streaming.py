@@ -6,11 +6,10 @@ A FedAvg-family aggregator needs of a round's updates only sum_i w_i x_i and sum
 (uniform weights) and FedMoS's server momentum. So the synchronous course's buffer can be
 a `FoldingBuffer`: an arriving update passes admission's per-update checks, is weighted
 by the aggregator's own rule and added to a float64 running sum, and is let go. The
-server then holds the global model, the running sum (float64: twice a float32 model) and
-the update being folded (in deployment its tensors view its received bytes, wire/large.py),
-however many clients send; at the round's end the aggregator
-receives one update carrying the mean (with `contributors` naming the clients, as a
-secure sum does), whose weighted mean is itself.
+server then holds the global model and the running sum (float64: twice a float32 model),
+however many clients send; at the round's end the aggregator receives one update carrying
+the mean (with `contributors` naming the clients, as a secure sum does), whose weighted
+mean is itself.
 
 The float64 sum makes the result the exact mean up to float64 rounding, whatever the
 order updates arrive in, then rounded once to the model's dtype; the list-based path
@@ -19,13 +18,16 @@ relative). A sum in the model's own dtype would save a model, but its result wou
 on the arrival order (deployment against simulation); a compensated float32 sum needs a
 second float32 tensor, as much as the float64 one. An update is folded once whole: its
 checks (finite values, its weight, the message's SHA-256 at its end) come before it may
-touch the sum, and a float64 addition cannot be taken back exactly, so folding chunk by
-chunk from the wire would need a scratch copy of the update, the model it would save. Rules that need every update at once keep the list: robust rules and central
-DP (their combination replaces the mean, `combine.replace_combination`), admission's
-influence check (a median over the round, where `admission.norm_ratio` is set), FedEx, and aggregators with a rule of their own
-(SCAFFOLD, FedNova, FedDyn, FedBuff, pFedMe, asynchronous courses). Those hold k
-updates of a round: k times the model. See docs/compression.md (large models) and
-docs/performance.md (W8).
+touch the sum, and a float64 addition cannot be taken back exactly. A deployed server
+therefore receives a large update into a file (wire/spooled.py), not its memory, and the
+finiteness check and the fold read it a slice at a time, giving each slice's pages back;
+the sum is kept in pieces, so the mean is cast piece by piece as the sum is let go. Rules
+that need every update at once keep the list: robust rules and central DP (their
+combination replaces the mean, `combine.replace_combination`), admission's influence
+check (a median over the round, where `admission.norm_ratio` is set), FedEx, and
+aggregators with a rule of their own (SCAFFOLD, FedNova, FedDyn, FedBuff, pFedMe,
+asynchronous courses). Those hold k updates of a round: k times the model. See
+docs/compression.md (large models) and docs/performance.md (W8).
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ import math
 import torch
 
 from fedcore.runtime import admission
+from fedcore.wire.spooled import release
 
 from fedcore.kernel import registry
 from fedcore.kernel.config import declare
@@ -53,31 +56,37 @@ declare("aggregator.streaming", str, "auto", "fold each update into a running we
 class RunningMean:
     """sum_i w_i x_i (float64) and sum_i w_i over models folded one at a time.
 
-    As the list-based mean does, a round whose weights are all zero is averaged uniformly:
-    until a positive weight arrives the sum is unweighted, and it restarts at that weight."""
+    Each entry's sum is kept in pieces of SUM_PIECE elements, so that the mean, cast to the
+    entry's dtype into memory the system maps only as it is written, lets each piece go as
+    it is cast: the sum and the mean are never whole at once (2 models at the round's end,
+    not 3). As the list-based mean does, a round whose weights are all zero is averaged
+    uniformly: until a positive weight arrives the sum is unweighted, and it restarts at
+    that weight."""
 
     def __init__(self) -> None:
-        self.sum: dict[str, torch.Tensor] | None = None
+        self.sum: dict[str, list[torch.Tensor]] | None = None
         self.like: dict[str, tuple[torch.dtype, torch.Size]] = {}
         self.total = 0.0      # sum of the positive weights
         self.count = 0        # models folded while every weight was zero
 
     def fold(self, model: dict[str, torch.Tensor], weight: float) -> None:
         if self.sum is None:
-            self.sum = {n: torch.zeros(t.shape, dtype=torch.float64, device=t.device) for n, t in model.items()}
-            self.like = {n: (t.dtype, t.shape) for n, t in model.items()}
+            self.sum = {n: [torch.zeros(min(SUM_PIECE, t.numel() - at), dtype=torch.float64, device=t.device)
+                            for at in range(0, t.numel(), SUM_PIECE)] for n, t in model.items()}
+            self.like = {n: (t.dtype, t.shape, t.device) for n, t in model.items()}
         if weight > 0:
             if self.total == 0 and self.count:
-                for acc in self.sum.values():
-                    acc.zero_()
+                for pieces in self.sum.values():
+                    for piece in pieces:
+                        piece.zero_()
             self.total += weight
         elif self.total == 0:
             self.count += 1
             weight = 1.0
         else:
             return     # weight zero among positive weights: it adds nothing
-        for name, acc in self.sum.items():
-            _add_scaled(acc, model[name], weight)
+        for name, pieces in self.sum.items():
+            _add_scaled(pieces, model[name], weight)
 
     @property
     def weight(self) -> float:
@@ -88,22 +97,37 @@ class RunningMean:
         out, divisor, sums = {}, self.weight, self.sum or {}
         self.sum = None
         for name in list(sums):
-            acc, (dtype, _) = sums.pop(name), self.like[name]   # each sum let go once cast
-            acc.div_(divisor)
-            out[name] = acc.to(dtype) if dtype.is_floating_point else acc.round_().to(dtype)
+            pieces, (dtype, shape, device) = sums.pop(name), self.like[name]
+            mean = torch.empty(shape, dtype=dtype, device=device)   # mapped as it is written
+            flat, at = mean.view(-1), 0
+            pieces.reverse()
+            while pieces:
+                piece = pieces.pop()   # each piece let go once cast
+                piece.div_(divisor)
+                if not dtype.is_floating_point:
+                    piece.round_()
+                flat[at:at + piece.numel()].copy_(piece)
+                at += piece.numel()
+                del piece
+            out[name] = mean
         return out
 
 
 FOLD_STEP = 2 ** 20   # elements cast to float64 at a time while folding
+SUM_PIECE = 2 ** 21   # elements of one piece of a running sum (16 MiB in float64)
 
 
-def _add_scaled(acc: torch.Tensor, t: torch.Tensor, weight: float) -> None:
-    """acc += weight * t in float64, a slice at a time: adding a float32 tensor to a float64
+def _add_scaled(pieces: list[torch.Tensor], t: torch.Tensor, weight: float) -> None:
+    """pieces += weight * t in float64, a slice at a time: adding a float32 tensor to a float64
     one whole would first cast all of it (a temporary twice the tensor's size)."""
-    flat_acc, flat = acc.view(-1), t.reshape(-1)
-    for start in range(0, flat.numel(), FOLD_STEP):
-        part = flat[start:start + FOLD_STEP]
-        flat_acc[start:start + FOLD_STEP].add_(part.to(torch.float64), alpha=weight)
+    flat, base = t.reshape(-1), 0
+    for acc in pieces:
+        for start in range(0, acc.numel(), FOLD_STEP):
+            stop = min(start + FOLD_STEP, acc.numel())
+            part = flat[base + start:base + stop]
+            acc[start:stop].add_(part.to(torch.float64), alpha=weight)
+            release(part)   # a spooled update's pages go back once folded (wire/spooled.py)
+        base += acc.numel()
 
 
 class FoldingBuffer:

@@ -18,8 +18,9 @@ footprint, measured first with a 1 MB model) and the wall time of its last round
 (the wall time between the last two round records). The last line is
 `server_peak_rss_over_model=<the largest deployed server's ratio>`. Sizes that do not
 fit the machine's memory are left out with a line saying so (`fits`: a deployed server
-peaks at about 4x the model above its footprint (the global model, the float64 running sum
-and the update being folded, docs/compression.md), a client at about 4.3x, a simulation at
+peaks at about 3x the model above a 1 MB model's process (the global model and the float64
+running sum; the update being folded is spooled to disk, docs/compression.md), a client at
+about 4.3x, a simulation at
 about (clients + 4)x, plus ~0.4 GB per process).
 """
 from __future__ import annotations
@@ -120,11 +121,11 @@ def run_deploy(cfg: Path, out: Path, clients: int) -> tuple[int, float]:
 
 def fits(mode: str, size: int, clients: int, available: int) -> bool:
     """Whether a run should fit in `available` bytes, from what was measured: a deployed
-    server peaks at ~4x the model, a client at ~4.3x, but not at once (a 2.25 GB model, one
+    server peaks at ~3x the model, a client at ~4.3x, but not at once (a 2.25 GB model, one
     client: the machine's available memory fell by 6x the model at most); a simulation
     process at ~(clients + 4)x: the global model, which the server's module views, the
     trainer's module, the float64 running sum and each client's update in flight."""
-    need = ((4.5 + 2 * clients) * size + (clients + 1) * BASE_PROCESS if mode == "deploy"
+    need = ((3.5 + 2 * clients) * size + (clients + 1) * BASE_PROCESS if mode == "deploy"
             else (clients + 4) * size + BASE_PROCESS)
     return need < 0.9 * available
 

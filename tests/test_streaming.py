@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from fedcore.runtime.admission import finite_state
+from fedcore.algorithms import streaming
 from fedcore.algorithms.streaming import FoldingBuffer, RunningMean, round_buffer
 from fedcore.kernel.contract import evaluate_model, weighted_mean
 from fedcore.runtime.course import Course
@@ -46,6 +47,23 @@ def test_the_running_mean_is_the_weighted_mean_in_any_order():
     # float32 entries: the exact mean rounded once; the list-based mean sums in float32
     assert torch.equal(mean["b"], _exact_mean(models, weights, "b").float())
     assert torch.allclose(mean["b"], weighted_mean([m["b"] for m in models], weights), rtol=1e-6, atol=1e-7)
+    assert torch.equal(mean["count"], weighted_mean([m["count"] for m in models], weights))
+
+
+def test_a_sum_kept_in_pieces_folds_and_casts_across_their_boundaries(monkeypatch):
+    # pieces of 7 elements folded 3 at a time: slices straddle pieces, pieces end mid-tensor
+    monkeypatch.setattr(streaming, "SUM_PIECE", 7)
+    monkeypatch.setattr(streaming, "FOLD_STEP", 3)
+    models, weights = _models(4, seed=5), [2.0, 5.0, 1.0, 3.0]
+    running = RunningMean()
+    for m, w in zip(models, weights):
+        running.fold(m, w)
+    assert [p.numel() for p in running.sum["w"]] == [7] * (models[0]["w"].numel() // 7) + \
+        ([models[0]["w"].numel() % 7] if models[0]["w"].numel() % 7 else [])
+    mean = running.mean()
+    assert running.sum is None
+    assert (mean["w"] - _exact_mean(models, weights, "w")).abs().max() <= 1e-12
+    assert torch.equal(mean["b"], _exact_mean(models, weights, "b").float())
     assert torch.equal(mean["count"], weighted_mean([m["count"] for m in models], weights))
 
 
@@ -133,8 +151,9 @@ def test_a_folded_update_received_over_the_wire_is_let_go_before_the_round_aggre
     assert "model" not in wire.content and wire.content["num_samples"] == 10
     assert shared.content["model"] is model2
     assert server.selected == {3}                       # no aggregation yet
-    for name, acc in server.buffer.running.sum.items():   # both folded, weight 10 each
-        assert torch.equal(acc, 10 * model1[name].double() + 10 * model2[name].double()), name
+    for name, pieces in server.buffer.running.sum.items():   # both folded, weight 10 each
+        assert torch.equal(torch.cat(pieces).view(model1[name].shape),
+                           10 * model1[name].double() + 10 * model2[name].double()), name
 
 
 def test_a_folding_round_that_diverges_keeps_the_last_finite_model(tmp_path):
@@ -181,15 +200,16 @@ MODEL_MB = 17
 HIDDEN = MODEL_MB * 2 ** 20 // 4 // 69          # an MLP 64 -> HIDDEN -> 3 holds ~69 HIDDEN floats
 
 
-def _server_peak(tmp_path, procs, name: str, clients: int, streaming: str) -> int:
+def _server_peak(tmp_path, procs, name: str, clients: int, streaming: str, hidden: int = HIDDEN,
+                 **extra) -> int:
     """Peak RSS (bytes) of a deployed server aggregating `clients` updates of the MLP, sent by
     the protocol's load generator (bench/fleet.py: every client in one process, each
     returning the model it received, so a round costs the clients no training)."""
     cfg = write_cfg(tmp_path / f"{name}.yaml", {
         "federate.client_num": clients, "federate.total_round_num": 1, "eval.clients": False,
         "data.synthetic.dim": 64, "data.synthetic.samples_per_client": 2, "model.type": "mlp",
-        "model.hidden": [HIDDEN], "aggregator.streaming": streaming,
-        "admission.norm_ratio": float("inf"), "distribute.insecure": True, "distribute.token": "t"})
+        "model.hidden": [hidden], "aggregator.streaming": streaming,
+        "admission.norm_ratio": float("inf"), "distribute.insecure": True, "distribute.token": "t", **extra})
     out, peak = tmp_path / name, tmp_path / f"{name}.rss"
     server = procs.start(f"{name}_server", ["-m", "bench.peak_rss", str(peak), "fedcore.run", "--cfg",
                                             str(cfg), "federate.mode=distributed", "distribute.role=server",
@@ -217,3 +237,16 @@ def test_a_deployed_servers_memory_does_not_grow_with_the_clients(tmp_path, proc
     # a waiting client): twelve more clients cost less than one model
     assert many - few < 1.0 * model, (few, many, listed)
     assert listed - many > 8.0 * model, (few, many, listed)
+
+
+@pytest.mark.slow
+@pytest.mark.alone   # peaks compared between two runs: another worker's load would land on one only
+def test_a_spooled_update_is_no_model_of_the_servers_peak(tmp_path, procs):
+    # A 64 MiB model, 2 clients, one round. Held in memory, the update being folded is one
+    # model on top of the global model and the float64 sum; spooled to the outdir's disk and
+    # read a slice at a time, its pages go back as they are folded.
+    model = 64 * 2 ** 20
+    hidden = model // 4 // 69
+    spooled = _server_peak(tmp_path, procs, "spooled", 2, "on", hidden)
+    in_memory = _server_peak(tmp_path, procs, "in_memory", 2, "on", hidden, **{"distribute.spool_bytes": 0})
+    assert in_memory - spooled > 0.5 * model, (spooled, in_memory)

@@ -10,11 +10,14 @@ once the last byte is in. Every violation raises `WireError`.
 from __future__ import annotations
 
 import hashlib
+import logging
+import mmap
 import time
 from typing import Iterator, Sequence
 
 from fedcore.wire.codec import WireError, content_field, envelope_parts, uvarint
 from fedcore.wire import fedcore_pb2 as pb
+from fedcore.wire.spooled import Spool
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "FIRST_CHUNK", "FRAME_OVERHEAD", "first_chunk_size", "envelope_parts", "SharedContent",
            "chunk_frames", "Reassembler"]
@@ -148,6 +151,18 @@ def chunk_frames(parts: Sequence[bytes], message_id: int, chunk_size: int,
         first = False
 
 
+_said: list[str] = []
+
+
+def _spool_failed(exc: OSError | ValueError) -> None:
+    """A spool file could not be written or mapped: said once; the message goes on in memory."""
+    if not _said:
+        _said.append(str(exc))
+        logging.getLogger("fedcore.deploy").warning(
+            "distribute.spool_dir: a large message could not be kept in a file (%s); such "
+            "messages are held in memory", exc)
+
+
 def _verified(data: bytes | bytearray, sha: bytes, message_id: int) -> bytes | bytearray:
     """`data`, once its SHA-256 is the one its first chunk announced."""
     if hashlib.sha256(data).digest() != sha:
@@ -156,28 +171,38 @@ def _verified(data: bytes | bytearray, sha: bytes, message_id: int) -> bytes | b
 
 
 class Reassembler:
-    """Rebuilds the envelopes of one stream from its chunks, refusing anything irregular."""
+    """Rebuilds the envelopes of one stream from its chunks, refusing anything irregular.
 
-    def __init__(self, max_message_bytes: int, max_chunk_bytes: int):
+    A message of `spool_at` bytes or more is written to an unlinked file in `spool_dir` as it
+    arrives and returned mapped (wire/spooled.py); a smaller one, or any where `spool_at` is
+    None, is gathered in memory. A file that cannot be written (a full disk) is read back and
+    the message goes on in memory, said once in the log."""
+
+    def __init__(self, max_message_bytes: int, max_chunk_bytes: int, spool_at: int | None = None,
+                 spool_dir: str | None = None):
         self.max_message = max_message_bytes
         self.max_chunk = max_chunk_bytes
+        self.spool_at = spool_at
+        self.spool_dir = spool_dir
         self._buf: bytearray | None = None
+        self._spool: Spool | None = None
+        self._got = 0
         self._id = self._total = 0
         self._sha = b""
         self.started = self.last_chunk = 0.0  # time.monotonic() of the message's first, last chunk
 
     @property
     def in_progress(self) -> bool:
-        return self._buf is not None
+        return self._buf is not None or self._spool is not None
 
-    def feed(self, chunk: pb.Chunk) -> bytes | bytearray | None:
+    def feed(self, chunk: pb.Chunk) -> bytes | bytearray | mmap.mmap | None:
         """Take one chunk; return the whole envelope's bytes when this chunk completes it
-        (the chunk's own bytes, or the reassembly buffer: protobuf parses either without
-        another copy)."""
+        (the chunk's own bytes, the reassembly buffer, or a spooled message's mapping:
+        protobuf and the large-envelope decoder read any without another copy)."""
         data = chunk.data   # protobuf makes a new copy of a bytes field at each access
         if len(data) > self.max_chunk:
             raise WireError(f"chunk of {len(data)} bytes exceeds the {self.max_chunk}-byte limit")
-        if self._buf is None:
+        if not self.in_progress:
             if chunk.offset != 0:
                 raise WireError(f"message {chunk.message_id} starts at offset {chunk.offset}, not 0")
             if chunk.total_size > self.max_message:
@@ -189,47 +214,84 @@ class Reassembler:
                 self.last_chunk = time.monotonic()
                 return _verified(data, chunk.sha256, chunk.message_id)
             self._id, self._total, self._sha = chunk.message_id, chunk.total_size, chunk.sha256
-            self._buf = bytearray()
+            self._got = 0
+            self._start_buffer()
             self.started = time.monotonic()
         else:
             if chunk.message_id != self._id:
-                raise WireError(f"message {self._id} truncated at {len(self._buf)} of {self._total} "
+                raise WireError(f"message {self._id} truncated at {self._got} of {self._total} "
                                 f"bytes: message {chunk.message_id} began")
-            if chunk.offset != len(self._buf) or chunk.total_size != self._total:
+            if chunk.offset != self._got or chunk.total_size != self._total:
                 raise WireError(f"chunk of message {self._id} out of order (offset {chunk.offset}, "
-                                f"expected {len(self._buf)})")
+                                f"expected {self._got})")
         if not data and self._total:
             raise WireError("empty chunk inside a non-empty message")
-        if len(self._buf) + len(data) > self._total:
+        if self._got + len(data) > self._total:
             raise WireError(f"message {self._id} has more bytes than the {self._total} announced")
-        self._buf += data
+        self._append(data)
         self.last_chunk = time.monotonic()
-        if len(self._buf) < self._total:
+        if self._got < self._total:
             return None
+        if self._spool is not None:
+            spool, self._spool = self._spool, None
+            if spool.hash.digest() != self._sha:
+                spool.close()
+                raise WireError(f"message {self._id} failed its integrity check (SHA-256 mismatch)")
+            try:
+                return spool.mapping()
+            except (OSError, ValueError) as exc:   # no room to map it: the message in memory
+                _spool_failed(exc)
+                return spool.read_all()
         data, self._buf = self._buf, None
         return _verified(data, self._sha, self._id)
+
+    def _start_buffer(self) -> None:
+        if self.spool_at is not None and self._total >= self.spool_at:
+            try:
+                self._spool = Spool(self.spool_dir)
+                return
+            except OSError as exc:
+                _spool_failed(exc)
+        self._buf = bytearray()
+
+    def _append(self, data: bytes) -> None:
+        if self._spool is not None:
+            try:
+                self._spool.write(data)
+                self._got += len(data)
+                return
+            except OSError as exc:   # a full disk: what was written goes on in memory
+                _spool_failed(exc)
+                self._buf = self._spool.read_all()[:self._got]
+                self._spool = None
+        self._buf += data
+        self._got += len(data)
 
     def stalled(self, timeout: float, min_rate: float) -> str | None:
         """Why the message in progress has taken too long (None if it has not): a chunk must come
         within `timeout` plus a chunk's time at `min_rate` bytes/s, and the whole message within
         `timeout` plus its size's time at `min_rate`. Heartbeats do not keep a message alive."""
-        if self._buf is None:
+        if not self.in_progress:
             return None
         now = time.monotonic()
         if now - self.last_chunk > timeout + self.max_chunk / min_rate:
-            return (f"message {self._id} stalled at {len(self._buf)} of {self._total} bytes "
+            return (f"message {self._id} stalled at {self._got} of {self._total} bytes "
                     f"(no chunk for {now - self.last_chunk:.0f}s)")
         if now - self.started > timeout + self._total / min_rate:
-            return (f"message {self._id} too slow: {len(self._buf)} of {self._total} bytes in "
+            return (f"message {self._id} too slow: {self._got} of {self._total} bytes in "
                     f"{now - self.started:.0f}s (below distribute.min_bytes_per_second={min_rate:g})")
         return None
 
     def drop(self) -> None:
         """Forget the message in progress (its stream is being closed)."""
         self._buf = None
+        if self._spool is not None:
+            self._spool, spool = None, self._spool
+            spool.close()
 
     def end_of_stream(self) -> None:
         """The stream closed: a half-received message is an error worth naming."""
-        if self._buf is not None:
-            got, self._buf = len(self._buf), None
+        if self.in_progress:
+            got = self._got
+            self.drop()
             raise WireError(f"stream ended inside message {self._id} ({got} of {self._total} bytes)")

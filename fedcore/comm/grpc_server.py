@@ -82,6 +82,8 @@ class GrpcServerComm(CallAdmission, Inbound):
         self.token = read_token(d)
         self.tokens = read_tokens(d, self.num_clients)
         self.chunk_size = d["chunk_size"]
+        self.spool_at = d["spool_bytes"] or None   # messages this large arrive into a file
+        self.spool_dir = d["spool_dir"]            # None: the system's temporary folder
         self.max_message = d["max_message_bytes"] or 1024 ** 3  # the course sets a derived bound
         self.max_values = d["max_message_values"] or values_bound(256, self.num_clients)  # and here
         self.max_frame = self.chunk_size + FRAME_OVERHEAD
@@ -319,7 +321,7 @@ class GrpcServerComm(CallAdmission, Inbound):
 
     async def _stream(self, s: Session, token, context) -> None:
         """An admitted stream: the welcome, then the outbox's frames, until the stream ends."""
-        status = StreamStatus(Reassembler(self.max_message, self.chunk_size))
+        status = StreamStatus(Reassembler(self.max_message, self.chunk_size, self.spool_at, self.spool_dir))
         reader = asyncio.get_running_loop().create_task(self._read(s, context, status))
 
         def alive() -> bool:

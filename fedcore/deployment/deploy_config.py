@@ -57,6 +57,15 @@ declare("distribute.stream_window", int, 256 * 1024, "server: bytes a client's s
         "gRPC's bandwidth probe sizes it (about 8 MB a waiting client), as it does wherever the course's "
         "messages are too small to take turns (under 16 MiB)",
         check=lambda v: None if v == 0 or 64 * 1024 <= v <= 64 * 1024 * 1024 else "must be 0 or in 64 KiB..64 MiB")
+declare("distribute.spool_bytes", int, 16 * 1024 * 1024, "server: a received message this large or "
+        "larger is written to an unlinked file in distribute.spool_dir as it arrives and read from it "
+        "mapped, a slice at a time, so the update being folded is not one more model in the server's "
+        "memory (docs/compression.md, large models); 0: every message is held in memory",
+        check=lambda v: None if v == 0 or v >= 16 * 1024 * 1024 else
+        "must be 0 (off) or at least 16 MiB (16777216): smaller messages are parsed by protobuf, in memory")
+declare("distribute.spool_dir", str, None, "server: folder of distribute.spool_bytes' files, on a disk "
+        "(a tmpfs would keep them in memory) (default: the server's outdir, else the system's "
+        "temporary folder)")
 declare("distribute.max_message_bytes", int, None, "largest encoded message accepted; larger "
         "ones are refused (INVALID_ARGUMENT) before being buffered (default: 4 x the model's "
         "encoded size + 1 MiB)", check=positive)
@@ -133,6 +142,10 @@ def _check_distribute(cfg) -> None:
             if not isinstance(k, int) or not 1 <= k <= n or not isinstance(v, str) or not v:
                 raise ConfigError(f"distribute.tokens: entry {k!r}: keys must be client ids 1..{n} "
                                   "and values non-empty strings")
+        spool = cfg["distribute.spool_dir"]
+        if spool is not None and cfg["distribute.spool_bytes"] and not (
+                os.path.isdir(spool) and os.access(spool, os.W_OK | os.X_OK)):
+            raise ConfigError(f"distribute.spool_dir: {spool} is not a writable folder")
         m = cfg["distribute.min_clients"]
         if m is not None and m > n:
             raise ConfigError(f"distribute.min_clients: {m} exceeds federate.client_num {n}")

@@ -119,6 +119,8 @@ class ServerCourse(Course):
         self.comm = GrpcServerComm(cfg, self.scheduler, self._count_bytes, self._lost,
                                    self._maybe_stop)
         self.comm.device = self.device
+        if cfg["distribute.spool_dir"] is None and self.outdir is not None:
+            self.comm.spool_dir = str(self.outdir)   # on the disk the outputs go to
         self.comm.on_new_session = self._new_session
         self.comm.update_gate = lambda msg: not_aggregated_yet(self, msg)
         if cfg["distribute.max_message_bytes"] is None:

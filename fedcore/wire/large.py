@@ -10,7 +10,7 @@ WireError, as with protobuf. `decode_envelope` sends envelopes of `LARGE_ENVELOP
 (16 MiB) or more here; every smaller message still goes through protobuf as before.
 
 Where the caller gives the received bytes up (`consume`: a reassembled message's
-bytearray, read once), torch tensors of `IN_PLACE_BYTES` or more are not copied at all: each becomes a view of the received bytes, moved back by at
+bytearray or a spooled message's mapping (wire/spooled.py), read once), torch tensors of `IN_PLACE_BYTES` or more are not copied at all: each becomes a view of the received bytes, moved back by at
 most 7 bytes within them (over fields already read) to sit at an address its dtype
 allows. The message's buffer is then the update's memory, let go with its last view, so
 a server holds one copy of an update, not two (`_Placer`).
@@ -26,12 +26,14 @@ from typing import Any
 from fedcore.wire.tensor_forms import WIRE_DTYPES, get_form
 from fedcore.wire.census import _varint
 from fedcore.wire.errors import MAX_DEPTH, WireError
+from fedcore.wire.spooled import release
 
 __all__ = ["PROTOBUF_LIMIT", "LARGE_ENVELOPE", "IN_PLACE_BYTES", "RawValue", "LargeEnvelope", "decode_large", "decode_raw_value"]
 
 PROTOBUF_LIMIT = 2 ** 31 - 1   # protobuf parses messages below this size
 LARGE_ENVELOPE = 16 * 2 ** 20  # envelopes this large are read here (one copy of each tensor)
 IN_PLACE_BYTES = 2 ** 20       # tensors this large, received into a bytearray, are views of it
+MOVE_PIECE = 2 ** 22           # bytes moved at a time to align a tensor in place
 _DOUBLE = struct.Struct("<d")
 
 
@@ -54,8 +56,10 @@ class _Placer:
         dst = start - (self.address + start) % itemsize
         if dst < self.mark:
             return None
-        if dst != start:
-            ctypes.memmove(self.address + dst, self.address + start, n)
+        for at in range(0, n if dst != start else 0, MOVE_PIECE):   # a piece at a time: a spooled
+            k = min(MOVE_PIECE, n - at)                         # message's pages go back as moved
+            ctypes.memmove(self.address + dst + at, self.address + start + at, k)
+            release(self.bytes[dst + at:dst + at + k])
         self.mark = dst + n
         return self.bytes[dst:dst + n].view(getattr(torch, dtype)).view(shape)
 

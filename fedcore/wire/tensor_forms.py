@@ -21,8 +21,12 @@ from typing import Any
 
 import numpy as np
 
+from fedcore.wire.spooled import release
+
 __all__ = ["WIRE_DTYPES", "TensorForm", "NumpyForm", "TorchForm", "register_form", "get_form",
            "form_of", "wire_parts", "convert", "first_nonfinite"]
+
+CHECK_STEP = 2 ** 20   # elements checked for finiteness at a time
 
 # dtype name on the wire -> bytes per element (the names torch and numpy both use)
 WIRE_DTYPES: dict[str, int] = {
@@ -105,8 +109,18 @@ class TorchForm(TensorForm):
             return True
         if t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64, torch.float16):
             # numpy's check on the same memory: a fraction of torch's per-call cost, which
-            # a server pays for every tensor of every update it receives
-            return bool(np.isfinite(t.detach().numpy()).all())
+            # a server pays for every tensor of every update it receives; a slice at a time,
+            # so its flags take no quarter of a model and a spooled update's pages go back
+            if not t.is_contiguous():
+                return bool(np.isfinite(t.detach().numpy()).all())
+            flat = t.detach().view(-1)
+            for start in range(0, flat.numel(), CHECK_STEP):
+                part = flat[start:start + CHECK_STEP]
+                finite = np.isfinite(part.numpy()).all()
+                release(part)
+                if not finite:
+                    return False
+            return True
         return bool(torch.isfinite(t).all())
 
 

@@ -1,0 +1,99 @@
+"""Large received messages kept in a file and mapped, their pages given back once read.
+
+A server folding updates (algorithms/streaming.py) needs each update once, a slice at a
+time, but the update arrives whole before its integrity check (the SHA-256 at its end)
+lets it touch the running sum: held in memory, it is one model of the server's peak.
+Written instead to an unlinked file in `distribute.spool_dir` as its chunks arrive, it
+costs the system's page cache, not the server: the file is mapped shared (`Spool.mapping`),
+decoded tensors view the mapping as they view a received bytearray (wire/large.py), and
+whatever reads them a slice at a time (the finiteness check, the fold) calls `release`
+after each slice, which unmaps those pages from the process (`MADV_DONTNEED`; a shared
+mapping's bytes stay in the file, so a later read faults them in again, unchanged). The
+file goes when its last tensor does (the mapping closes, and with it the last reference).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import mmap
+import os
+import tempfile
+import weakref
+from typing import Any
+
+__all__ = ["Spool", "release", "mapped_bytes"]
+
+PAGE = mmap.PAGESIZE
+_MAPPINGS: dict[int, tuple[int, int, weakref.ref]] = {}   # id -> (address, size, mapping)
+
+
+class Spool:
+    """One message being received into an unlinked file, with the SHA-256 of what came so far."""
+
+    def __init__(self, folder: str | os.PathLike | None) -> None:
+        # unlinked at once, nothing left behind; unbuffered: what `size` counts is in the file
+        self.file = tempfile.TemporaryFile(dir=folder, buffering=0)
+        self.size = 0
+        self.hash = hashlib.sha256()
+
+    def write(self, data: bytes) -> None:
+        """Append `data` (OSError, a full disk: `size` still counts only what went in whole)."""
+        view, fd, done = memoryview(data), self.file.fileno(), 0
+        while done < len(view):
+            done += os.pwrite(fd, view[done:], self.size + done)
+        self.hash.update(view)
+        self.size += len(view)
+
+    def read_all(self) -> bytearray:
+        """What was written, in memory (where the file cannot go on: a full disk); closes it."""
+        out = bytearray(self.size)
+        view, fd, done = memoryview(out), self.file.fileno(), 0
+        try:
+            while done < self.size:
+                n = os.preadv(fd, [view[done:]], done)
+                if n == 0:
+                    raise OSError(f"spool file ended at {done} of {self.size} bytes")
+                done += n
+        finally:
+            self.close()
+        return out
+
+    def mapping(self) -> mmap.mmap:
+        """The whole message, mapped shared and writable (decoding aligns tensors in place);
+        the file is closed, the mapping holding it until it is let go."""
+        try:
+            mm = mmap.mmap(self.file.fileno(), self.size, access=mmap.ACCESS_WRITE)
+        finally:
+            self.close()
+        anchor = (ctypes.c_char * 1).from_buffer(mm)
+        address = ctypes.addressof(anchor)
+        del anchor   # an exported buffer would keep the mapping from closing
+        key = id(mm)
+        _MAPPINGS[key] = (address, self.size, weakref.ref(mm))
+        weakref.finalize(mm, _MAPPINGS.pop, key, None)
+        return mm
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def release(t: Any) -> None:
+    """Unmap the pages of a spooled mapping that torch tensor `t` lies on (no-op for any other
+    memory): `t` was read, the file keeps its bytes."""
+    if not _MAPPINGS:
+        return
+    start = t.data_ptr()
+    end = start + t.numel() * t.element_size()
+    for address, size, ref in list(_MAPPINGS.values()):
+        if address <= start < address + size:
+            mm = ref()
+            if mm is not None and not mm.closed:
+                lo = (start - address) // PAGE * PAGE
+                hi = min(size, end - address)
+                mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+            return
+
+
+def mapped_bytes() -> int:
+    """Bytes of spooled messages still mapped (tests: a message's file goes with its tensors)."""
+    return sum(size for _, size, ref in list(_MAPPINGS.values()) if ref() is not None)
