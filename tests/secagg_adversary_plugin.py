@@ -266,17 +266,12 @@ def _withholding_route(server, _event=None):
 
 def install(course) -> None:
     kind = course.cfg["secagg_test.adversary"]
-    if kind == "withholding_server":
+    one_stage = {"withholding_server": ("secagg_shares_collected", _withholding_route),
+                 "overlap_server": ("secagg_signatures_collected", _overlapping_unmask)}
+    if kind in one_stage:
         if course.server is not None:
-            t = course.server_table
-            t.register("secagg_shares_collected", _withholding_route,
-                       sends=t.get("secagg_shares_collected").sends)
-        return
-    if kind == "overlap_server":
-        if course.server is not None:
-            t = course.server_table
-            t.register("secagg_signatures_collected", _overlapping_unmask,
-                       sends=t.get("secagg_signatures_collected").sends)
+            event, fn = one_stage[kind]
+            course.server_table.register(event, fn, sends=course.server_table.get(event).sends)
         return
     if kind in SERVERS:
         if course.server is None:
