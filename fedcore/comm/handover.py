@@ -22,17 +22,17 @@ class Arrival:
 
     def __call__(self) -> None:
         comm, msg = self.comm, self.msg
-        if self.nbytes:
-            comm.count_bytes(msg, SERVER_ID, self.nbytes)
-        if msg.msg_type == "join_in":
-            comm.quiet_info(f"joined {msg.sender}", f"client {msg.sender} joined the course", logging.INFO)
-        elif msg.msg_type == "updates" and not comm.update_gate(msg):
-            return
-        elif msg.msg_type == "metrics" and not comm.metrics_gate.admit(msg):
-            return
         try:
+            if self.nbytes:
+                comm.count_bytes(msg, SERVER_ID, self.nbytes)
+            if msg.msg_type == "join_in":
+                comm.quiet_info(f"joined {msg.sender}", f"client {msg.sender} joined the course", logging.INFO)
+            elif msg.msg_type == "updates" and not comm.update_gate(msg):
+                return
+            elif msg.msg_type == "metrics" and not comm.metrics_gate.admit(msg):
+                return
             comm.server.deliver(msg)
-        finally:   # handled (an update folded): the next large message may come in
+        finally:   # handled (an update folded) or dropped: the next large message may come in
             self.msg = None
             if self.turn is not None and not comm._loop.is_closed():
                 comm._loop.call_soon_threadsafe(comm._turns.give_back, self.turn)
