@@ -14,9 +14,10 @@ mean is itself.
 The float64 sum makes the result the exact mean up to float64 rounding, whatever the
 order updates arrive in, then rounded once to the model's dtype; the list-based path
 sums in the model's dtype, so the two agree to that dtype's rounding (float32: ~1e-7
-relative). A sum in the model's own dtype would save a model, but its result would depend
-on the arrival order (deployment against simulation); a compensated float32 sum needs a
-second float32 tensor, as much as the float64 one. An update is folded once whole: its
+relative). A sum in the model's own dtype saves a model, but its result depends on the
+arrival order (deployment against simulation): it is offered, not the default
+(`aggregator.streaming_sum: model`); a compensated float32 sum needs a second float32
+tensor, as much as the float64 one. An update is folded once whole: its
 checks (finite values, its weight, the message's SHA-256 at its end) come before it may
 touch the sum, and a float64 addition cannot be taken back exactly. A deployed server
 therefore receives a large update into a file (wire/spooled.py), not its memory, and the
@@ -51,10 +52,16 @@ declare("aggregator.streaming", str, "auto", "fold each update into a running we
         "arrives, so server memory does not grow with the clients (FedAvg-family rules): on, off, "
         "or auto (on for models of 16 MiB or more, where the rule allows it)",
         choices=("auto", "on", "off"))
+declare("aggregator.streaming_sum", str, "float64", "dtype of the running sum of a folding round: "
+        "float64 (the exact mean, whatever order the updates arrive in; twice a float32 model) or "
+        "model (the model's own dtype: one float32 model less on the server, but a mean that "
+        "depends on the arrival order to that dtype's rounding, so a deployed course equals its "
+        "simulation only to that rounding)", choices=("float64", "model"))
 
 
 class RunningMean:
-    """sum_i w_i x_i (float64) and sum_i w_i over models folded one at a time.
+    """sum_i w_i x_i (float64, or each floating entry's own dtype) and sum_i w_i over models
+    folded one at a time.
 
     Each entry's sum is kept in pieces of SUM_PIECE elements, so that the mean, cast to the
     entry's dtype into memory the system maps only as it is written, lets each piece go as
@@ -63,7 +70,8 @@ class RunningMean:
     uniformly: until a positive weight arrives the sum is unweighted, and it restarts at
     that weight."""
 
-    def __init__(self) -> None:
+    def __init__(self, in_model_dtype: bool = False) -> None:
+        self.in_model_dtype = in_model_dtype   # floating entries summed in their own dtype
         self.sum: dict[str, list[torch.Tensor]] | None = None
         self.like: dict[str, tuple[torch.dtype, torch.Size]] = {}
         self.total = 0.0      # sum of the positive weights
@@ -71,7 +79,7 @@ class RunningMean:
 
     def fold(self, model: dict[str, torch.Tensor], weight: float) -> None:
         if self.sum is None:
-            self.sum = {n: [torch.zeros(min(SUM_PIECE, t.numel() - at), dtype=torch.float64, device=t.device)
+            self.sum = {n: [torch.zeros(min(SUM_PIECE, t.numel() - at), dtype=self._sum_dtype(t), device=t.device)
                             for at in range(0, t.numel(), SUM_PIECE)] for n, t in model.items()}
             self.like = {n: (t.dtype, t.shape, t.device) for n, t in model.items()}
         if weight > 0:
@@ -87,6 +95,9 @@ class RunningMean:
             return     # weight zero among positive weights: it adds nothing
         for name, pieces in self.sum.items():
             _add_scaled(pieces, model[name], weight)
+
+    def _sum_dtype(self, t: torch.Tensor) -> torch.dtype:
+        return t.dtype if self.in_model_dtype and t.is_floating_point() else torch.float64
 
     @property
     def weight(self) -> float:
@@ -118,14 +129,14 @@ SUM_PIECE = 2 ** 21   # elements of one piece of a running sum (16 MiB in float6
 
 
 def _add_scaled(pieces: list[torch.Tensor], t: torch.Tensor, weight: float) -> None:
-    """pieces += weight * t in float64, a slice at a time: adding a float32 tensor to a float64
-    one whole would first cast all of it (a temporary twice the tensor's size)."""
+    """pieces += weight * t in the pieces' dtype, a slice at a time: adding a float32 tensor to
+    a float64 one whole would first cast all of it (a temporary twice the tensor's size)."""
     flat, base = t.reshape(-1), 0
     for acc in pieces:
         for start in range(0, acc.numel(), FOLD_STEP):
             stop = min(start + FOLD_STEP, acc.numel())
             part = flat[base + start:base + stop]
-            acc[start:stop].add_(part.to(torch.float64), alpha=weight)
+            acc[start:stop].add_(part.to(acc.dtype), alpha=weight)
             release(part)   # a spooled update's pages go back once folded (wire/spooled.py)
         base += acc.numel()
 
@@ -136,7 +147,7 @@ class FoldingBuffer:
 
     def __init__(self, server) -> None:
         self.server = server
-        self.running = RunningMean()
+        self.running = RunningMean(server.course.cfg["aggregator.streaming_sum"] == "model")
         self.received: list[ReceivedUpdate] = []
         self.admitted: list[ReceivedUpdate] = []
 

@@ -1,6 +1,6 @@
 """W8: large models with bounded server memory.
 
-    python bench/w8_large_model.py [--runs 100MB:8,1GB:8,3GB:2] [--modes deploy,sim] [--rounds 2]
+    python bench/w8_large_model.py [--runs 100MB:8,1GB:8,3GB:2] [--modes deploy,sim] [--rounds 2] [--sum float64|model]
 
 For each model size and number of clients, one FedAvg course of an MLP 64 -> H -> 3
 (H chosen so its float32 weights take the size; one local step of 10 samples, so
@@ -12,6 +12,9 @@ the time goes to moving and aggregating the model) runs with streaming aggregati
 - `sim`: one simulation process, whose peak RSS holds the server and every simulated
   client's model and in-flight update (a simulation trains all of a round's clients
   before their replies arrive), so its ratio is not the server's alone.
+
+`--sum model` keeps the running sum in the model's dtype (`aggregator.streaming_sum`):
+a float32 model less on the server, for a mean that depends on the arrival order.
 
 Each run prints its peak RSS over the model's size (and the part above a process's own
 footprint, measured first with a 1 MB model) and the wall time of its last round
@@ -50,7 +53,7 @@ def parse_runs(text: str) -> list[tuple[str, int, int]]:
     return out
 
 
-def course_yaml(path: Path, size: int, clients: int, rounds: int) -> Path:
+def course_yaml(path: Path, size: int, clients: int, rounds: int, running_sum: str = "float64") -> Path:
     hidden = max(1, size // 4 // 69)     # 64*H + H + 3*H + 3 floats
     tree = {"seed": 0, "verbose": False,
             "federate": {"client_num": clients, "total_round_num": rounds},
@@ -58,7 +61,7 @@ def course_yaml(path: Path, size: int, clients: int, rounds: int) -> Path:
                      "synthetic": {"samples_per_client": 10, "dim": 64, "num_classes": 3}},
             "model": {"type": "mlp", "hidden": [hidden]},
             "train": {"batch_size": 10, "local_steps": 1, "optimizer": {"lr": 0.01}},
-            "eval": {"clients": False}, "aggregator": {"streaming": "on"},
+            "eval": {"clients": False}, "aggregator": {"streaming": "on", "streaming_sum": running_sum},
             "admission": {"norm_ratio": float("inf")},
             "distribute": {"insecure": True, "token": "w8", "heartbeat_timeout": 600.0}}
     path.write_text(yaml.safe_dump(tree))
@@ -142,6 +145,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--runs", default="100MB:8,1GB:8,3GB:2")
     p.add_argument("--modes", default="deploy,sim")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--sum", default="float64", choices=("float64", "model"),
+                   help="aggregator.streaming_sum: the running sum in float64 (exact in any order) "
+                        "or in the model's dtype (a model less)")
     args = p.parse_args(argv)
     largest = 0.0
     with tempfile.TemporaryDirectory() as tmp:
@@ -155,7 +161,8 @@ def main(argv: list[str]) -> int:
                           f"{available_bytes() / 1e9:.1f} GB available", flush=True)
                     continue
                 out = Path(tmp) / f"{mode}_{label}_{clients}"
-                cfg = course_yaml(Path(tmp) / f"{mode}_{label}_{clients}.yaml", size, clients, args.rounds)
+                cfg = course_yaml(Path(tmp) / f"{mode}_{label}_{clients}.yaml", size, clients, args.rounds,
+                                  args.sum)
                 peak, wall = (run_deploy(cfg, out, clients) if mode == "deploy" else run_sim(cfg, out))
                 ratio = peak / size
                 who = "server" if mode == "deploy" else "simulation process"

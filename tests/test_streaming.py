@@ -67,6 +67,22 @@ def test_a_sum_kept_in_pieces_folds_and_casts_across_their_boundaries(monkeypatc
     assert torch.equal(mean["count"], weighted_mean([m["count"] for m in models], weights))
 
 
+def test_a_sum_in_the_models_dtype_takes_half_the_memory_and_is_the_mean_to_its_rounding():
+    models, weights = _models(9, seed=4), [3.0, 1.0, 7.0, 2.0, 5.0, 4.0, 8.0, 6.0, 9.0]
+    running = RunningMean(in_model_dtype=True)
+    for m, w in zip(models, weights):
+        running.fold(m, w)
+    assert [p.dtype for p in running.sum["b"]] == [torch.float32]      # a float32 entry: float32
+    assert [p.dtype for p in running.sum["count"]] == [torch.float64]  # integers still in float64
+    mean = running.mean()
+    exact = _exact_mean(models, weights, "b")
+    # nine float32 roundings of sums of terms of the same sign or not: within 1e-6 relative of
+    # the largest partial sum, not bit-equal to the float64 mean rounded once
+    scale = sum(w * m["b"].double().abs() for m, w in zip(models, weights)) / sum(weights)
+    assert ((mean["b"].double() - exact).abs() <= 1e-6 * scale + 1e-12).all()
+    assert torch.equal(mean["count"], weighted_mean([m["count"] for m in models], weights))
+
+
 def test_zero_weights_average_uniformly_as_the_list_does():
     models = _models(3, seed=2)
     running = RunningMean()
@@ -91,6 +107,7 @@ def _final(tmp_path, name, **kw):
     {"algorithm__name": "diloco", "train__local_steps": 2, "train__preserve_optimizer_state": True},
     {"algorithm__name": "fedmos", "algorithm__fedmos__server_momentum": 0.5},
     {"algorithm__name": "fedavg", "federate__sample_client_num": 3, "server_optimizer__type": "sgdm"},
+    {"algorithm__name": "fedavg", "aggregator__streaming_sum": "model"},
 ])
 def test_a_folding_course_equals_the_list_based_one(tmp_path, algorithm):
     listed = _final(tmp_path, "list", aggregator__streaming="off", **algorithm)
