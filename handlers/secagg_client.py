@@ -199,11 +199,12 @@ def mask_input(client, msg) -> None:
             bad.append(v)
         else:
             st.held[v] = pair
-    if len(st.partners) < st.threshold:
-        # masked with fewer than t pairwise masks, the input would be protected by the self
-        # mask alone, whose seed shares the others reveal once this client is a survivor
-        return _abort(client, st, f"shares from {len(st.partners)} neighbour(s) reached me, fewer than "
-                                  f"the threshold {st.threshold}: my input would not be masked")
+    if len(st.held) < st.threshold:
+        # masked with fewer than t pairwise masks of dealers whose shares held (the others'
+        # are excluded, their masks taken out), the input would rest on the self mask alone,
+        # whose seed shares the others reveal once this client is a survivor
+        return _abort(client, st, f"good shares from {len(st.held)} neighbour(s) reached me, fewer "
+                                  f"than the threshold {st.threshold}: my input would not be masked")
     p = _settings(client).modulus
     n = st.vector.size
     y = field_add(st.vector, prg_field(st.seed, n, p), p)

@@ -111,7 +111,7 @@ def test_a_server_withholding_a_clients_shares_over_grpc_gets_no_input_from_it(t
     out = tmp_path / "deployed"
     launcher = procs.start("launch", ["-m", "fedcore.launch", *FORK, "--cfg", str(cfg), f"outdir={out}"])
     assert wait_exit(launcher, 300) == 0, text(launcher)[-3000:]
-    assert ("client 1: round 1: secure aggregation refused: shares from 0 neighbour(s) reached me, "
+    assert ("client 1: round 1: secure aggregation refused: good shares from 0 neighbour(s) reached me, "
             "fewer than the threshold 2") in text(launcher)
     assert [r["num_updates"] for r in _records(out / "metrics.jsonl")] == [3, 3]
 

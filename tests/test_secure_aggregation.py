@@ -111,6 +111,7 @@ def _masked_input(seed: int, vector: np.ndarray) -> np.ndarray:
     st = secagg_client.ClientRound(1, vector.copy(), keys[0], keys[1], threshold=1,
                                    neighbours={2: (b"", public_bytes(keys[2]))}, seed=rng.bytes(32))
     st.partners = {2}  # one neighbour that shared: one pairwise mask
+    st.held = {2: (1, 1)}   # ... whose shares passed their checks (t = 1)
     sent = []
     cfg = small_cfg(None, **SECURE)
     client = SimpleNamespace(id=1, course=SimpleNamespace(cfg=cfg), secagg=st,
