@@ -120,6 +120,15 @@ def test_a_spool_folder_that_cannot_take_the_file_leaves_the_message_in_memory(t
         got = _feed(Reassembler(len(data), 2 * MIB, spool_at=16 * MIB, spool_dir=str(gone)), _frames(data))
     assert isinstance(got, bytearray) and got == data
     assert "could not be kept in a file" in caplog.text
+    # a file that cannot be mapped (no address space left): read back whole
+    real_map = spooled.mmap.mmap
+
+    def no_room(*a, **k):
+        raise OSError(12, "Cannot allocate memory")
+    monkeypatch.setattr(spooled.mmap, "mmap", no_room)
+    got = _feed(Reassembler(len(data), 2 * MIB, spool_at=16 * MIB, spool_dir=str(tmp_path)), _frames(data))
+    assert isinstance(got, bytearray) and got == data and _open_files(tmp_path) == 0
+    monkeypatch.setattr(spooled.mmap, "mmap", real_map)
     # a write that fails half way (a full disk): what was written comes back, the rest follows
     writes = []
 

@@ -241,7 +241,11 @@ class Reassembler:
                 return spool.mapping()
             except (OSError, ValueError) as exc:   # no room to map it: the message in memory
                 _spool_failed(exc)
-                return spool.read_all()
+                try:
+                    return spool.read_all()
+                except OSError as again:
+                    raise WireError(f"message {self._id} could not be read back from its spool "
+                                    f"file: {again}") from None
         data, self._buf = self._buf, None
         return _verified(data, self._sha, self._id)
 

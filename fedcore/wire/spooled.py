@@ -60,11 +60,10 @@ class Spool:
 
     def mapping(self) -> mmap.mmap:
         """The whole message, mapped shared and writable (decoding aligns tensors in place);
-        the file is closed, the mapping holding it until it is let go."""
-        try:
-            mm = mmap.mmap(self.file.fileno(), self.size, access=mmap.ACCESS_WRITE)
-        finally:
-            self.close()
+        the file is closed, the mapping holding it until it is let go. Where it cannot be
+        mapped (OSError, e.g. no address space left) the file stays open for `read_all`."""
+        mm = mmap.mmap(self.file.fileno(), self.size, access=mmap.ACCESS_WRITE)
+        self.close()
         anchor = (ctypes.c_char * 1).from_buffer(mm)
         address = ctypes.addressof(anchor)
         del anchor   # an exported buffer would keep the mapping from closing
