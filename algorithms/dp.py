@@ -22,6 +22,7 @@ The neighbouring relation, sensitivities and assumptions: docs/algorithms/dp.md.
 """
 from __future__ import annotations
 
+import logging
 import math
 
 from typing import Any
@@ -43,6 +44,8 @@ from fedcore.runtime.sampling import PoissonSampler
 from fedcore.kernel.schema import clients_per_round
 
 __all__ = ["clip_delta", "gaussian_noise", "noise_generator", "privatize", "central_dp_rule", "install"]
+
+log = logging.getLogger("fedcore.dp")
 
 declare("privacy.dp.mode", str, "none", "differential privacy of updates: none, local (clients "
         "clip and add noise before sending) or central (the server clips each update and adds "
@@ -322,16 +325,18 @@ def install(course) -> None:
         if msg.sender in noisy:
             ledger.released((msg.sender,), noisy)
             summarize(ledger.record())
-    for event in ("receiving_updates", "receiving_secagg_masked_input"):
-        course.server_table.observe(event, received)
-    clients = set(course.client_ids)
+    # in a tree the clients' updates reach their edges: the edges' table is watched too (a
+    # simulated tree's edges share this process; deployed edges do not, see below)
+    for table in [course.server_table] + [t for t in course.extra_tables if t.role == "edge"]:
+        for event in ("receiving_updates", "receiving_secagg_masked_input"):
+            table.observe(event, received)
+    if cfg.get("topology.edges") and cfg["federate.mode"] == "distributed" and noisy:
+        log.warning("privacy.dp: the clients' noisy releases reach their edge processes, not this "
+                    "server: dp_epsilon is not reported (each client's is that of its releases, "
+                    "one a round of its edge)")
 
     def accounted(aggregate, updates, round_):
         out = dict(aggregate(updates, round_) or {})
-        # an edge's update (a tree) names the clients it sums in `contributors`: their releases
-        # reached the edge, not this server
-        ledger.released([c for u in updates if u.client_id not in clients
-                         for c in getattr(u, "contributors", ())], noisy)
         out.update(ledger.record())
         summarize(out)
         return out

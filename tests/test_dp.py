@@ -84,6 +84,24 @@ def test_local_dp_counts_every_release_received_refused_ones_included(tmp_path):
     assert summary["dp_epsilon"] == records[-1]["dp_epsilon"]
 
 
+@pytest.mark.parametrize("edge_rounds", [1, 2])
+def test_local_dp_in_a_tree_counts_the_releases_its_edges_receive(tmp_path, edge_rounds):
+    # 6 clients under 2 edges; clients 1 and 2 add noise. Their releases reach the edges, not
+    # the cloud: counted there, as many as the updates each sent (captured on the way)
+    course = Course(small_cfg(tmp_path, federate__total_round_num=3, topology__edges=2,
+                              topology__edge_rounds=edge_rounds, privacy__dp__mode="local",
+                              privacy__dp__clients=[1, 2], privacy__dp__noise_multiplier=1.0))
+    course.build()
+    sent = []
+    course.comm.filters.append(lambda msg, receiver: sent.append(msg) or True)
+    summary = course.run()
+    k = max(sum(1 for m in sent if m.msg_type == "updates" and m.sender == c) for c in (1, 2))
+    assert k == 3 * edge_rounds
+    by_hand = min(k * a / 2 + math.log1p(-1 / a) - (math.log(1e-5) + math.log(a)) / (a - 1)
+                  for a in DEFAULT_ORDERS)
+    assert summary["dp_epsilon"] == pytest.approx(by_hand, rel=1e-12)
+
+
 def test_local_dp_also_reports_epsilon_against_any_other_data_of_the_client(tmp_path):
     # replace-one: ||clip(a) - clip(b)|| <= 2C, so k Gaussian releases of noise sigma C have
     # RDP k alpha (2C)^2 / (2 sigma^2 C^2) = k alpha 2 / sigma^2 (Mironov 2017, Prop. 7)
