@@ -170,7 +170,7 @@ class FoldingBuffer:
         ids = sorted(r.client_id for r in self.admitted)
         weight = self.running.weight
         one = ReceivedUpdate(ids[0], {"model": self.running.mean(), "num_samples": weight},
-                             self.admitted[0].round, 0)
+                             self.admitted[0].round, 0, owned=True)
         one.contributors = ids
         return one
 

@@ -82,6 +82,9 @@ class ReceivedUpdate:
     content: dict[str, Any]
     round: int                   # the round of the global model the client started from
     staleness: int = 0           # rounds between that model and the current one
+    # its tensors were made for this aggregation alone (a folding round's mean): an aggregator
+    # may adopt them as the new global state instead of copying them
+    owned: bool = False
 
 
 class ShareFilter:
@@ -354,8 +357,11 @@ class Aggregator(Wrappable):
         if sum(weights) <= 0:
             weights = [1.0] * len(updates)
         new_state = dict(self.global_state)
-        for name in updates[0].content["model"]:
-            new_state[name] = weighted_mean([u.content["model"][name] for u in updates], weights)
+        if len(updates) == 1 and updates[0].owned:   # the mean of one update is itself
+            new_state.update(updates[0].content["model"])
+        else:
+            for name in updates[0].content["model"]:
+                new_state[name] = weighted_mean([u.content["model"][name] for u in updates], weights)
         self.global_state = new_state
         return {}
 
