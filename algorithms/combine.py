@@ -46,8 +46,12 @@ def unflatten(vec: torch.Tensor, like: dict[str, torch.Tensor], names: list[str]
     return out
 
 
-def replace_combination(aggregator: Aggregator, rule: CombineRule, label: str) -> None:
-    """Make `aggregator` combine updates with `rule` (applied before its own aggregate)."""
+def replace_combination(aggregator: Aggregator, rule: CombineRule, label: str,
+                        others: str = "mean") -> None:
+    """Make `aggregator` combine updates with `rule` (applied before its own aggregate). The
+    entries the rule does not combine (integers: a batch norm's counter) are the updates'
+    weighted mean, or with `others="global"` kept as the global model has them (central DP
+    releases nothing it has not noised)."""
     def aggregate(original, updates: list[ReceivedUpdate], round_: int) -> dict[str, float]:
         if not updates:
             return original(updates, round_)
@@ -69,6 +73,8 @@ def replace_combination(aggregator: Aggregator, rule: CombineRule, label: str) -
         for n in models[0]:
             if n in delta:
                 combined[n] = (base[n].to(torch.float64) + delta[n]).to(base[n].dtype)
+            elif others == "global":
+                combined[n] = base[n]
             else:
                 combined[n] = weighted_mean([m[n] for m in models], weights)
         one = ReceivedUpdate(updates[0].client_id, {"model": combined, "num_samples": sum(weights)},

@@ -79,6 +79,11 @@ def _check_dp(cfg) -> None:
         if cfg["aggregator.robust_rule"] != "none":
             raise ConfigError("privacy.dp.mode: central DP replaces the aggregation, so it cannot be "
                               "combined with aggregator.robust_rule; set one of them to none")
+        if cfg["fedex.candidates"] is not None:
+            # the arm weights are computed from the clients' un-noised validation losses
+            raise ConfigError("fedex.candidates: FedEx's arm weights come from each client's "
+                              "validation loss, which no noise covers, so central DP's bound would "
+                              "not hold for them; drop fedex.candidates or privacy.dp.mode")
         ratio = cfg["admission.norm_ratio"]
         if ratio is not None and not math.isinf(ratio):
             # whether an update is refused would depend on the round's others: one client's
@@ -91,6 +96,11 @@ def _check_dp(cfg) -> None:
                               f"{cfg['algorithm.name']} (its aggregation uses more than the mean "
                               "model); use privacy.dp.mode=local")
         _check_central_sampling(cfg)
+    if mode == "local" and cfg["fedex.candidates"] is not None:
+        raise ConfigError("fedex.candidates: FedEx sends each client's validation loss (and with "
+                          "fedex.diff its loss before training) as it is, beside the noised update, "
+                          "so local DP's bound would not cover what the server sees; drop "
+                          "fedex.candidates or privacy.dp.mode")
     if mode == "local" and cfg["algorithm.name"] == "scaffold":
         # dc_i = -c - dy_i/(K eta) would release the clipped-and-noised dy_i exactly
         raise ConfigError("privacy.dp.mode: local DP cannot wrap algorithm.name scaffold (its "
@@ -224,7 +234,7 @@ def _install_central(course, q: float) -> None:
     aggregator = server.aggregator
     replace_combination(aggregator, central_dp_rule(
         cfg["privacy.dp.clip_norm"], sigma, lambda round_: noise_source(cfg, 0, round_),
-        expected=clients_per_round(cfg)), "privacy.dp.mode central")
+        expected=clients_per_round(cfg)), "privacy.dp.mode central", others="global")
 
     def releasing_empty_rounds(combine, updates, round_):
         if not updates:  # the server's own unchanged model: a zero delta, so noise alone is added
@@ -305,6 +315,10 @@ def install(course) -> None:
     if server is None:
         return
     ledger = _Ledger(course)
+    if cfg["eval.clients"] and ledger.sigma > 0:
+        log.warning("privacy.dp: client evaluations (eval.clients) send each client's test loss and "
+                    "accuracy without noise: dp_epsilon does not cover them; set eval.clients: false "
+                    "for it to cover everything the server sees")
     if cfg["privacy.dp.mode"] == "central":
         _install_central(course, ledger.q)
     course.checkpointer.register("privacy.dp", ledger.state, ledger.restore)

@@ -142,6 +142,11 @@ def test_dp_config_errors():
         small_cfg(None, privacy__dp__mode="central", admission__norm_ratio=10.0)
     small_cfg(None, privacy__dp__mode="central", admission__norm_ratio=float("inf"))   # off: allowed
     small_cfg(None, privacy__dp__mode="local", admission__norm_ratio=10.0)   # after local noise: post-processing
+    # FedEx's arm weights come from the clients' un-noised validation losses
+    for mode in ("local", "central"):
+        with pytest.raises(ConfigError, match="fedex.candidates: FedEx"):
+            small_cfg(None, privacy__dp__mode=mode, fedex__candidates=[{"train.optimizer.lr": 0.1},
+                                                                        {"train.optimizer.lr": 0.01}])
     with pytest.raises(ConfigError, match="privacy.dp.clients: \\[9\\] are not client ids"):
         Course(small_cfg(None, privacy__dp__mode="local", privacy__dp__clients=[9])).build()
 
@@ -291,3 +296,18 @@ def test_clip_each_step_is_installed_on_the_clients_trainer_only_when_asked(each
     assert ("differential_privacy central (clip each step)" in names) == each_step
     with pytest.raises(ConfigError, match="executor vectorized cannot run behaviour differential_privacy central"):
         Course(small_cfg(None, privacy__dp__mode="central", executor="vectorized")).build()
+
+
+def test_central_dp_releases_no_entry_it_does_not_noise(tmp_path, caplog):
+    # a batch norm's counter (an integer) is not clipped or noised: averaged with the clients'
+    # sample counts it would follow their data sizes; it keeps the global model's value
+    with caplog.at_level("WARNING", logger="fedcore.dp"):
+        course = Course(small_cfg(tmp_path, model__type="mlp_bn", privacy__dp__mode="central",
+                                  privacy__dp__noise_multiplier=0.5, data__partition="quantity"))
+        course.build()
+        before = {n: t.clone() for n, t in course.server.aggregator.global_state.items()
+                  if not t.is_floating_point()}
+        course.run()
+    after = course.server.aggregator.global_state
+    assert before and all(torch.equal(after[n], t) for n, t in before.items())
+    assert "client evaluations (eval.clients)" in caplog.text   # said: outside the bound
