@@ -268,6 +268,13 @@ def test_a_late_evaluation_is_its_own_line_and_no_round_is_written_twice(tmp_pat
     late = _lines(tmp_path)[2]
     assert "round" not in late and late["late_eval"] == {"round": 1, "client": 2, "acc": 0.75, "loss": 0.5}
     assert m.lines_written == 3 and [r["round"] for r in m.records] == [1, 2]
+    # the round and the client of a late line are the server's: a metric of those names (which
+    # the wire refuses anyway) cannot credit another client or round
+    m.add_client_metrics(1, 2, {"acc": 0.999, "client": 1, "round": 5})
+    assert _lines(tmp_path)[3]["late_eval"] == {"acc": 0.999, "client": 2, "round": 1}
+    from fedcore.comm.validation import check_metrics
+    assert check_metrics({"acc": 0.5, "client": 1}, None) == "metric name 'client' is reserved for the server's record"
+    assert check_metrics({"acc": 0.5, "loss": 1.0}, None) is None
 
 
 def test_a_record_waits_its_hold_after_the_next_round_and_is_closed_by_the_watch(tmp_path):

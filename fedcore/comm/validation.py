@@ -26,6 +26,7 @@ __all__ = ["CHECKS", "check_content", "check_join_in", "check_updates", "check_m
 
 MAX_METRICS = 64        # entries in one metrics message
 MAX_METRIC_NAME = 64    # characters of a metric's name
+RESERVED_METRICS = frozenset({"round", "client"})   # what a late evaluation line says of itself
 
 Check = Callable[[Any, Any], "str | None"]  # (content, server worker) -> problem or None
 
@@ -132,6 +133,8 @@ def check_metrics(content: Any, server) -> str | None:
     for k, v in content.items():
         if len(k) > MAX_METRIC_NAME:
             return f"metric name of {len(k)} characters, more than {MAX_METRIC_NAME}"
+        if k in RESERVED_METRICS:   # the server's own fields of a record: a client cannot set them
+            return f"metric name '{k}' is reserved for the server's record"
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             return f"metric '{k[:MAX_METRIC_NAME]}' is not a number"
     return None

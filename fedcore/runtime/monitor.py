@@ -209,7 +209,8 @@ class Monitor:
         pending = self._pending.get(round_)
         if pending is None:
             if round_ in self._closed_rounds:   # its record was written without it
-                self._write_line({"late_eval": {"round": round_, "client": client_id, **metrics},
+                # the round and the client are the server's, never a metric's name
+                self._write_line({"late_eval": {**metrics, "round": round_, "client": client_id},
                                   "wall_time": self.wall_time})
             return  # arrived after the record was closed: nothing to attach it to
         pending.client_metrics.append(metrics)
