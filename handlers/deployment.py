@@ -214,6 +214,7 @@ class DeployWatch:
     seen_round: tuple[Any, float] = (None, 0.0)      # the round round_check last saw, since when
     reply_times: ReplyTimes = field(default_factory=lambda: ReplyTimes())
     benched: set[int] = field(default_factory=set)   # missed a deadline, not sampled until heard from
+    new_sessions: set[int] = field(default_factory=set)   # a new process each, whose join is to come
     model_bytes: int | None = None                   # the global model's size, measured once
 
 
@@ -222,22 +223,35 @@ def _times(server) -> ReplyTimes:
 
 
 def benched(server) -> set[int]:
-    """Clients dropped for missing a deadline: not sampled until they send an update or join."""
+    """Clients dropped for missing a deadline: not sampled until they send an update, or join
+    from a new process."""
     return server.state(DeployWatch).benched
+
+
+def new_session(server, client_id: int) -> None:
+    """A new process connected as `client_id`: its join may bring it back from the bench (a
+    join sent again on a session already in does not: a hung client would be waited for anew
+    at every deadline)."""
+    server.state(DeployWatch).new_sessions.add(client_id)
 
 
 
 def note_traffic(server, msg, receiver: int, now: float) -> None:
     """Every message the deployed server sends or receives: models sent and updates received
-    time the clients' replies; an update or a join from a benched client brings it back."""
+    time the clients' replies; an update, or the first join of a new process, from a benched
+    client brings it back."""
     if msg.msg_type == "models" and receiver != SERVER_ID:
         _times(server).model_sent(receiver, msg.round, now)
     elif receiver == SERVER_ID and msg.msg_type in ("updates", "join_in"):
+        watch = server.state(DeployWatch)
         if msg.msg_type == "updates":
             _times(server).replied(msg.sender, msg.round, now)
         else:
             check_state_round(server, msg)
-        benched(server).discard(msg.sender)
+            if msg.sender not in watch.new_sessions:
+                return
+            watch.new_sessions.discard(msg.sender)
+        watch.benched.discard(msg.sender)
 
 
 def _overdue(server, since: float) -> list[int]:

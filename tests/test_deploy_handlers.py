@@ -204,11 +204,16 @@ def test_the_derived_deadline_has_a_ceiling_and_is_the_ceiling_before_anyone_rep
     assert [e for e, _t in course.raised] == ["all_joined_in", "all_received"]
 
 
-def test_a_benched_client_comes_back_with_an_update_or_a_join_but_not_with_metrics():
+def test_a_benched_client_comes_back_with_an_update_or_a_new_processs_join_only():
     course, server = _timed_server()
     deployment.benched(server).update({2, 3})
     deployment.note_traffic(server, _Msg("metrics", 2, 4), SERVER_ID, 1.0)
     deployment.note_traffic(server, _Msg("updates", 2, 3), SERVER_ID, 1.0)   # a late one
+    # a join sent again on the session already in (a hung client with heartbeats on): still
+    # benched, or it would be sampled and waited for a deadline more every round
+    deployment.note_traffic(server, _Msg("join_in", 3, 0), SERVER_ID, 1.0)
+    assert deployment.benched(server) == {3}
+    deployment.new_session(server, 3)                                        # a restarted client
     deployment.note_traffic(server, _Msg("join_in", 3, 0), SERVER_ID, 1.0)
     assert deployment.benched(server) == set()
 

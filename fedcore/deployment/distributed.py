@@ -164,6 +164,7 @@ class ServerCourse(Course):
         from fedcore.runtime.admission import AdmissionState
         self.server.state(AdmissionState).declared.pop(client_id, None)
         self._departed.discard(client_id)
+        self.deployment.new_session(self.server, client_id)
 
     def updates_refused(self, received: list, admitted: list) -> None:
         """Admission refused some of `received`: each of their clients is told, with the kinds of
