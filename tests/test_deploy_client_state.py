@@ -101,6 +101,33 @@ def test_a_flipped_byte_is_refused_too(tmp_path, caplog):
     assert client2.state_round == 1
 
 
+@pytest.mark.parametrize("header, why", [
+    (b"not json", "has a header that is not a JSON object"),
+    (b"[1, 2]", "has a header that is not a JSON object"),
+    (None, "names its previous round 'x', not a round"),
+])
+def test_a_rewritten_header_with_a_matching_checksum_is_refused_in_one_line(tmp_path, caplog, header, why):
+    # whoever can write the folder can recompute the (unkeyed) checksum: the header is still
+    # checked, and the file refused and kept aside instead of a traceback at every restart
+    import hashlib
+    durable, course, _ = _durable(tmp_path)
+    _train(durable, course, 1, 1.0)
+    _train(durable, course, 2, 2.0)
+    f = durable.files.path(2)
+    magic, _, rest = f.read_bytes().partition(b"\n")
+    _digest, _, body = rest.partition(b"\n")
+    line, _, payload = body.partition(b"\n")
+    if header is None:
+        header = json.dumps({**json.loads(line), "previous": "x"}).encode()
+    body = header + b"\n" + payload
+    f.write_bytes(magic + b"\n" + hashlib.sha256(body).hexdigest().encode() + b"\n" + body)
+    (f.parent / "round_\u00b2.state").write_bytes(b"")   # a name whose 'digit' int() refuses: ignored
+    with caplog.at_level(logging.WARNING, logger="fedcore.deploy"):
+        _, course2, client2 = _durable(tmp_path)
+    assert len(_warnings(caplog)) == 1 and why in _warnings(caplog)[0]
+    assert client2.state_round == 1 and f.with_name(f.name + ".refused").exists()
+
+
 def test_another_courses_state_is_refused_in_one_line_naming_the_keys(tmp_path, caplog):
     durable, course, _ = _durable(tmp_path, small_cfg(seed=1))
     _train(durable, course, 1, 1.0)

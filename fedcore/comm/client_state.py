@@ -96,7 +96,7 @@ class ClientStateDir:
         out = []
         for f in self.folder.glob("round_*.state"):
             stem = f.name[6:-6]
-            if stem.isdigit():
+            if stem.isascii() and stem.isdigit():   # "²".isdigit() holds, int("²") fails
                 out.append(int(stem))
         return sorted(out)
 
@@ -124,7 +124,12 @@ class ClientStateDir:
         if hashlib.sha256(body).hexdigest().encode() != digest:
             raise StateRefused("is damaged or cut short (its checksum does not match)")
         line, _, payload = body.partition(b"\n")
-        meta = json.loads(line)
+        try:
+            meta = json.loads(line)
+        except (ValueError, UnicodeDecodeError):
+            meta = None
+        if not isinstance(meta, dict):
+            raise StateRefused("has a header that is not a JSON object")
         # compared as the server compares a joining client's: keys that only one side declares
         # (a module the other process never imported) are not the course's difference
         theirs = str(meta.get("fingerprint") or "")
@@ -159,10 +164,13 @@ class ClientStateDir:
             return None
         try:
             meta, state = self.read(round_)
+            previous = meta.get("previous", FRESH)
+            if isinstance(previous, bool) or not isinstance(previous, int):
+                raise StateRefused(f"names its previous round {str(previous)[:20]!r}, not a round")
         except StateRefused as why:
             self.refuse(round_, str(why))
             return None
-        return round_, int(meta.get("previous", FRESH)), state
+        return round_, previous, state
 
     def newest(self) -> tuple[int, int, dict[str, Any]] | None:
         """The newest good state; the bad ones met on the way are refused."""
