@@ -147,10 +147,10 @@ def _server_that(frames_for):
     return server, server.add_insecure_port("127.0.0.1:0")
 
 
-def _welcome(client_id):
+def _welcome(client_id, **fields):
     from fedcore.wire import fedcore_pb2 as pb
     return pb.Frame(welcome=pb.Welcome(client_id=client_id, server_session="s",
-                                       max_chunk_bytes=1 << 20)).SerializeToString()
+                                       max_chunk_bytes=1 << 20, **fields)).SerializeToString()
 
 
 def _message(msg_type, content, message_id):
@@ -164,6 +164,9 @@ def _message(msg_type, content, message_id):
 SERVERS = {   # what a broken or hostile server does on every call, and how the client ends
     "welcomes-another-id": (lambda n: [_welcome(99)], 4, "welcome names client id 99, not 1"),
     "welcomes-twice": (lambda n: [_welcome(1), _welcome(1)], 4, "a second welcome on one stream"),
+    # a negative resumed round would roll the client's saved state back to none
+    "welcomes-resumed-at-a-negative-round": (lambda n: [_welcome(1, resumed_round=-3)], 4,
+                                             "names resumed round -3, not a round"),
     "welcomes-then-hangs-up": (lambda n: [_welcome(1)], 4, "the server closed the stream"),
     "sends-an-unusable-model": (lambda n: [_welcome(1), *_message("models", {}, 1),
                                            *_message("finish", {}, 2)] if n == 1 else [],

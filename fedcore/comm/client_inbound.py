@@ -105,13 +105,16 @@ class ClientInbound:
         if not 1 <= w.client_id <= top or (expected and w.client_id != expected):
             raise WireError(f"the server's welcome names client id {w.client_id}, not "
                             + (f"{expected}" if expected else f"one in 1..{self.num_clients}"))
+        resumed = getattr(w, "resumed_round", 0)
+        if resumed < 0:   # a round of the course, or 0: anything else would roll the state back to none
+            raise WireError(f"the server's welcome names resumed round {resumed}, not a round")
         stream.welcomed = True
         stream.last_recv = time.monotonic()
         new_server = self.server_session is not None and w.server_session != self.server_session
         self.client_id, self.server_session, self.connected = w.client_id, w.server_session, True
         # a resuming server says from which round (a field of newer servers' welcomes); the
         # state kept on disk goes back to that round first, so the join declares one it can take
-        resumed = getattr(w, "resumed_round", 0)
+        self.resumed_round = resumed
         if resumed and self.durable_state is not None:
             self.scheduler.call_soon(lambda: self.durable_state.resume_at(resumed))
         if new_server:

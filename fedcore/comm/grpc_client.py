@@ -124,6 +124,7 @@ class GrpcClientComm(ClientInbound):
         self.quiet = QuietLog(log)   # per kind of unusable message, a line now and then
         self.refusals: list[tuple[int, str]] = []   # (round, why) of each update the server refused
         self.durable_state = None   # the course's client state on disk, once attached
+        self.resumed_round = 0      # what the latest welcome said the server resumed from
 
     @property
     def who(self) -> str:
@@ -154,6 +155,8 @@ class GrpcClientComm(ClientInbound):
         if getattr(course, "trainer", None) is not None:
             from fedcore.comm.client_state import keep_client_state
             self.durable_state = keep_client_state(course, self.cfg)
+            if self.durable_state is not None and self.resumed_round:   # welcomed before attaching
+                self.durable_state.resume_at(self.resumed_round)
         early, self._early = self._early, []
         for msg in early:
             self.scheduler.call_soon(Delivery(self, msg))
