@@ -1,5 +1,6 @@
 """FedBN keeps BatchNorm out of the payload; Ditto and fine-tuning personalize; performance_drop."""
 import copy
+import json
 
 import pytest
 import torch
@@ -189,6 +190,45 @@ def test_ditto_lambda_zero_is_local_training_from_the_initial_model():
             continue
         expected = model.state_dict()
         assert all(torch.equal(state["ditto_model"][k], expected[k]) for k in expected), cid
+
+
+def test_each_rounds_personalized_evaluation_sees_the_personal_models_of_that_round(tmp_path):
+    # With lambda = 0 each v_k is local training from w^0 over the rounds k was sampled in
+    # (above). Round r's client_test_loss_mean is then the mean over clients of the loss of v_k
+    # after its rounds <= r (w^0 for a client not yet sampled): a client sampled again in round
+    # r+1 must be evaluated before it trains that round (the next round's smaller `models`
+    # overtook the evaluation request in the simulation, so it was evaluated after).
+    cfg = small_cfg(tmp_path, personalization__method="ditto", personalization__ditto_lambda=0.0,
+                    federate__sample_client_num=3, train__local_steps=3, eval__clients=True,
+                    **dict(SKEWED, federate__total_round_num=4))
+    course = Course(cfg).build()
+    w0 = {k: v.clone() for k, v in course.server.aggregator.global_state.items()}
+    fits = _record_fits(course)
+    course.run()
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    models = {}
+    for cid in course.client_ids:
+        model = copy.deepcopy(course.trainer.model)
+        model.load_state_dict(w0)
+        models[cid] = model
+    again = [c for c in course.client_ids if sum(k == c for k, _ in fits) > 1]
+    assert again, "some client must be sampled in two rounds"
+    for r, record in enumerate(records, 1):
+        for cid, model in models.items():
+            if (cid, r) not in fits:
+                continue
+            train = course.clients[cid].data.train
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            batches = BatchStream(len(train), 10, cfg["seed"] * 1009 + 3 * r + 1, cid)   # Ditto's v-stream
+            model.train()
+            for _ in range(3):
+                idx = batches.next()
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(model(train.x[idx]), train.y[idx]).backward()
+                opt.step()
+        losses = [evaluate_model(m, course.clients[c].data.test.x, course.clients[c].data.test.y,
+                                 "cross_entropy")["loss"] for c, m in sorted(models.items())]
+        assert record["client_test_loss_mean"] == pytest.approx(sum(losses) / len(losses), rel=1e-6), r
 
 
 def test_a_never_trained_ditto_client_is_evaluated_with_the_initial_model():

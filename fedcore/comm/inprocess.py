@@ -1,7 +1,11 @@
 """Simulation: messages become events on the shared scheduler, timed by the time model.
 
 Content is passed by reference (no copies, no serialization); the bytes a
-message would take on the wire are computed exactly and counted.
+message would take on the wire are computed exactly and counted. A link keeps its
+order, as a deployed stream does: a message never arrives before one sent earlier
+from the same sender to the same receiver (a smaller one would otherwise overtake
+it: a round's `models` arriving before the previous round's `eval_request`, so a
+personalized client was evaluated after training the next round).
 """
 from __future__ import annotations
 
@@ -24,6 +28,8 @@ class InProcessComm:
         self.count_bytes = count_bytes
         self.workers: dict = {}
         self.filters: list[Callable[[Message, int], bool]] = []
+        self._last_arrival: dict[tuple[int, int], float] = {}   # (sender, receiver) -> latest arrival
+        self._prune_at = _PRUNE_AT
 
     def attach(self, worker) -> None:
         self.workers[worker.id] = worker
@@ -33,6 +39,7 @@ class InProcessComm:
         workers, filters, count = self.workers, self.filters, self.count_bytes
         transfer, schedule = self.timing.transfer_time, self.scheduler.schedule
         sender, sent = msg.sender, msg.timestamp
+        last = self._last_arrival
         for receiver in msg.receivers:
             worker = workers.get(receiver)
             if worker is None:
@@ -41,8 +48,25 @@ class InProcessComm:
                 continue  # e.g. a dropped-out client's reply never arrives
             nbytes = msg.nbytes_to(receiver)
             count(msg, receiver, nbytes)
-            schedule(sent + transfer(sender, receiver, nbytes, SERVER_ID), PRIORITY_MESSAGE,
-                     _Delivery(worker, msg))
+            arrival = sent + transfer(sender, receiver, nbytes, SERVER_ID)
+            link = (sender, receiver)
+            earlier = last.get(link)
+            if earlier is not None and earlier > arrival:
+                arrival = earlier   # behind the link's previous message (the scheduler keeps ties in order)
+            last[link] = arrival
+            schedule(arrival, PRIORITY_MESSAGE, _Delivery(worker, msg))
+        if len(last) > self._prune_at:
+            self._forget_past_links()
+
+    def _forget_past_links(self) -> None:
+        """Links whose last message has arrived constrain nothing: drop them (a course of a
+        million clients touches a million links)."""
+        now = self.scheduler.now
+        self._last_arrival = {k: t for k, t in self._last_arrival.items() if t > now}
+        self._prune_at = max(_PRUNE_AT, 2 * len(self._last_arrival))   # amortized, however many are ahead
+
+
+_PRUNE_AT = 4096   # links remembered before those in the past are dropped
 
 
 def _kept(filters: list, msg: Message, receiver: int) -> bool:
