@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+import numpy as np
+
 from fedcore.kernel.message import SERVER_ID, Message
 from fedcore.kernel.scheduler import PRIORITY_MESSAGE, Scheduler
 from fedcore.runtime.timing import TimeModel
@@ -30,6 +32,8 @@ class InProcessComm:
         self.filters: list[Callable[[Message, int], bool]] = []
         self._last_arrival: dict[tuple[int, int], float] = {}   # (sender, receiver) -> latest arrival
         self._prune_at = _PRUNE_AT
+        self._up = np.full(0, -1.0)     # client -> server: latest arrival, by client id
+        self._down = np.full(0, -1.0)   # server -> client
 
     def attach(self, worker) -> None:
         self.workers[worker.id] = worker
@@ -39,7 +43,6 @@ class InProcessComm:
         workers, filters, count = self.workers, self.filters, self.count_bytes
         transfer, schedule = self.timing.transfer_time, self.scheduler.schedule
         sender, sent = msg.sender, msg.timestamp
-        last = self._last_arrival
         for receiver in msg.receivers:
             worker = workers.get(receiver)
             if worker is None:
@@ -48,15 +51,43 @@ class InProcessComm:
                 continue  # e.g. a dropped-out client's reply never arrives
             nbytes = msg.nbytes_to(receiver)
             count(msg, receiver, nbytes)
-            arrival = sent + transfer(sender, receiver, nbytes, SERVER_ID)
-            link = (sender, receiver)
-            earlier = last.get(link)
-            if earlier is not None and earlier > arrival:
-                arrival = earlier   # behind the link's previous message (the scheduler keeps ties in order)
-            last[link] = arrival
+            arrival = self._in_order(sender, receiver, sent + transfer(sender, receiver, nbytes, SERVER_ID))
             schedule(arrival, PRIORITY_MESSAGE, _Delivery(worker, msg))
-        if len(last) > self._prune_at:
-            self._forget_past_links()
+
+    def _in_order(self, sender: int, receiver: int, arrival: float) -> float:
+        """`arrival`, or the link's previous message's if later: behind it (the scheduler keeps
+        ties in the order they were scheduled). A star's links, each a client's with the server,
+        are two arrays indexed by the client (a million clients: 16 MB); any other link a dict."""
+        if receiver == SERVER_ID and sender > 0:
+            times, i = self._up, sender
+        elif sender == SERVER_ID and receiver > 0:
+            times, i = self._down, receiver
+        else:
+            last = self._last_arrival
+            earlier = last.get((sender, receiver))
+            if earlier is not None and earlier > arrival:
+                arrival = earlier
+            last[(sender, receiver)] = arrival
+            if len(last) > self._prune_at:
+                self._forget_past_links()
+            return arrival
+        if i >= len(times):
+            times = self._grow(times is self._up, i)
+        earlier = times[i]
+        if earlier > arrival:
+            arrival = float(earlier)
+        times[i] = arrival
+        return arrival
+
+    def _grow(self, up: bool, i: int) -> np.ndarray:
+        old = self._up if up else self._down
+        times = np.full(max(2 * len(old), i + 1, 1024), -1.0)
+        times[:len(old)] = old
+        if up:
+            self._up = times
+        else:
+            self._down = times
+        return times
 
     def _forget_past_links(self) -> None:
         """Links whose last message has arrived constrain nothing: drop them (a course of a
