@@ -157,6 +157,19 @@ def _record_fits(course) -> list[tuple[int, int]]:
     return fits
 
 
+def _local_ditto_round(model, train, seed: int, r: int, cid: int, momentum: float) -> None:
+    """Ditto's personal update of round `r` with lambda = 0: 3 SGD steps (lr 0.1) on the client's
+    own loss, on its v-stream of batches of 10."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
+    batches = BatchStream(len(train), 10, seed * 1009 + 3 * r + 1, cid)
+    model.train()
+    for _ in range(3):
+        idx = batches.next()
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(train.x[idx]), train.y[idx]).backward()
+        opt.step()
+
+
 def test_ditto_lambda_zero_is_local_training_from_the_initial_model():
     # Li et al. 2021, Algorithm 1: every personal model v_k starts from w^0; with lambda = 0 its
     # update is plain SGD on the client's own loss, so v_k is local training from w^0.
@@ -176,14 +189,7 @@ def test_ditto_lambda_zero_is_local_training_from_the_initial_model():
         model.load_state_dict(w0)
         train = course.clients[cid].data.train
         for r in (r for k, r in fits if k == cid):       # the rounds this client was sampled in
-            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
-            batches = BatchStream(len(train), 10, cfg["seed"] * 1009 + 3 * r + 1, cid)  # Ditto's v-stream
-            model.train()
-            for _ in range(3):
-                idx = batches.next()
-                opt.zero_grad()
-                torch.nn.functional.cross_entropy(model(train.x[idx]), train.y[idx]).backward()
-                opt.step()
+            _local_ditto_round(model, train, cfg["seed"], r, cid, momentum=0.5)
         state = course.trainer.store.load(cid)
         if cid not in {k for k, _ in fits}:
             assert "ditto_model" not in state
@@ -217,15 +223,7 @@ def test_each_rounds_personalized_evaluation_sees_the_personal_models_of_that_ro
         for cid, model in models.items():
             if (cid, r) not in fits:
                 continue
-            train = course.clients[cid].data.train
-            opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            batches = BatchStream(len(train), 10, cfg["seed"] * 1009 + 3 * r + 1, cid)   # Ditto's v-stream
-            model.train()
-            for _ in range(3):
-                idx = batches.next()
-                opt.zero_grad()
-                torch.nn.functional.cross_entropy(model(train.x[idx]), train.y[idx]).backward()
-                opt.step()
+            _local_ditto_round(model, course.clients[cid].data.train, cfg["seed"], r, cid, momentum=0.0)
         losses = [evaluate_model(m, course.clients[c].data.test.x, course.clients[c].data.test.y,
                                  "cross_entropy")["loss"] for c, m in sorted(models.items())]
         assert record["client_test_loss_mean"] == pytest.approx(sum(losses) / len(losses), rel=1e-6), r
