@@ -32,8 +32,8 @@ class InProcessComm:
         self.filters: list[Callable[[Message, int], bool]] = []
         self._last_arrival: dict[tuple[int, int], float] = {}   # (sender, receiver) -> latest arrival
         self._prune_at = _PRUNE_AT
-        self._up = np.full(0, -1.0)     # client -> server: latest arrival, by client id
-        self._down = np.full(0, -1.0)   # server -> client
+        # a star's links: the latest arrival by client id, [towards the server, from it]
+        self._star = [np.full(0, -1.0), np.full(0, -1.0)]
 
     def attach(self, worker) -> None:
         self.workers[worker.id] = worker
@@ -59,9 +59,9 @@ class InProcessComm:
         ties in the order they were scheduled). A star's links, each a client's with the server,
         are two arrays indexed by the client (a million clients: 16 MB); any other link a dict."""
         if receiver == SERVER_ID and sender > 0:
-            times, i = self._up, sender
+            side, i = 0, sender
         elif sender == SERVER_ID and receiver > 0:
-            times, i = self._down, receiver
+            side, i = 1, receiver
         else:
             last = self._last_arrival
             earlier = last.get((sender, receiver))
@@ -71,23 +71,16 @@ class InProcessComm:
             if len(last) > self._prune_at:
                 self._forget_past_links()
             return arrival
+        times = self._star[side]
         if i >= len(times):
-            times = self._grow(times is self._up, i)
+            grown = np.full(max(2 * len(times), i + 1, 1024), -1.0)
+            grown[:len(times)] = times
+            self._star[side] = times = grown
         earlier = times[i]
         if earlier > arrival:
             arrival = float(earlier)
         times[i] = arrival
         return arrival
-
-    def _grow(self, up: bool, i: int) -> np.ndarray:
-        old = self._up if up else self._down
-        times = np.full(max(2 * len(old), i + 1, 1024), -1.0)
-        times[:len(old)] = old
-        if up:
-            self._up = times
-        else:
-            self._down = times
-        return times
 
     def _forget_past_links(self) -> None:
         """Links whose last message has arrived constrain nothing: drop them (a course of a
