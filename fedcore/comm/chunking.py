@@ -241,13 +241,17 @@ class Reassembler:
                 return spool.mapping()
             except (OSError, ValueError) as exc:   # no room to map it: the message in memory
                 _spool_failed(exc)
-                try:
-                    return spool.read_all()
-                except OSError as again:
-                    raise WireError(f"message {self._id} could not be read back from its spool "
-                                    f"file: {again}") from None
+                return self._read_back(spool)
         data, self._buf = self._buf, None
         return _verified(data, self._sha, self._id)
+
+    def _read_back(self, spool: Spool) -> bytearray:
+        """What `spool` holds, in memory (its file closed), or WireError if it cannot be read."""
+        try:
+            return spool.read_all()
+        except OSError as exc:
+            raise WireError(f"message {self._id} could not be read back from its spool file: "
+                            f"{exc}") from None
 
     def _start_buffer(self) -> None:
         if self.spool_at is not None and self._total >= self.spool_at:
@@ -266,8 +270,8 @@ class Reassembler:
                 return
             except OSError as exc:   # a full disk: what was written goes on in memory
                 _spool_failed(exc)
-                self._buf = self._spool.read_all()[:self._got]
-                self._spool = None
+                spool, self._spool = self._spool, None
+                self._buf = self._read_back(spool)
         self._buf += data
         self._got += len(data)
 
