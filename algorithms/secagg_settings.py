@@ -95,10 +95,9 @@ def _check(cfg) -> None:
     if not is_prime(cfg["secure_aggregation.modulus"]):
         raise ConfigError(f"secure_aggregation.modulus: {cfg['secure_aggregation.modulus']} is not prime "
                           f"(e.g. {MERSENNE_61} = 2^61 - 1)")
-    m = clients_per_round(cfg)
-    k = cfg["secure_aggregation.num_neighbours"]
-    k_eff = m - 1 if k == 0 or k >= m - 1 else k
-    t = Settings.of(cfg).threshold(k_eff)
+    settings = Settings.of(cfg)
+    m, k_eff = settings.per_round, settings.neighbours_each
+    t = settings.threshold(k_eff)
     if m < 2 or t > k_eff:
         raise ConfigError(f"secure_aggregation.threshold: {t} exceeds the {k_eff} neighbour(s) a client "
                           f"has with {m} clients per round; lower it or sample more clients")
@@ -132,6 +131,12 @@ class Settings:
                    cfg["secure_aggregation.modulus"], clients_per_round(cfg),
                    cfg["secure_aggregation.signature_quorum"], uniform,
                    cfg["privacy.dp.clip_norm"] if central else None)
+
+    @property
+    def neighbours_each(self) -> int:
+        """k: each client's neighbours with `per_round` clients a round (0 configured: all others)."""
+        m = self.per_round
+        return m - 1 if self.neighbours == 0 or self.neighbours >= m - 1 else self.neighbours
 
     def threshold(self, neighbours: int) -> int:
         return self.fixed_threshold if self.fixed_threshold is not None else neighbours // 2 + 1

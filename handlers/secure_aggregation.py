@@ -453,9 +453,8 @@ def _say_if_no_loss_is_tolerated(course) -> None:
     """t equal to k (2 neighbours a client, e.g. 3 clients a round) leaves no slack: a client
     must keep every neighbour it masked with, so any loss after masking voids the round."""
     s = Settings.of(course.cfg)
-    m = s.per_round
-    k = m - 1 if s.neighbours == 0 or s.neighbours >= m - 1 else s.neighbours
-    if s.threshold(k) == k and m > 1:
+    k = s.neighbours_each
+    if s.threshold(k) == k and s.per_round > 1:
         log.warning("secure aggregation: each client has %d neighbour(s) and threshold %d: one "
                     "dropout, exclusion or report of a bad share after masking voids the round "
                     "(a single misbehaving client can void every round); use 3 or more neighbours "
