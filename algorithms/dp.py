@@ -194,11 +194,9 @@ class _Ledger:
         self.central.steps = int(state["steps"])
         self.releases = {int(c): int(n) for c, n in state["releases"].items()}
 
-    def released(self, client_ids, noisy: set[int]) -> None:
-        """Local DP: each of `client_ids` that adds noise released one noisy update."""
-        for c in client_ids:
-            if c in noisy:
-                self.releases[c] = self.releases.get(c, 0) + 1
+    def released(self, client: int) -> None:
+        """Local DP: `client`, which adds noise, released one noisy update."""
+        self.releases[client] = self.releases.get(client, 0) + 1
 
     def record(self) -> dict[str, Any]:
         if self.sigma == 0:
@@ -337,7 +335,7 @@ def install(course) -> None:
         # then aggregated, refused (admission), late or for another round; under secure
         # aggregation, its masked input. The summary says it at once (no round may follow).
         if msg.sender in noisy:
-            ledger.released((msg.sender,), noisy)
+            ledger.released(msg.sender)
             summarize(ledger.record())
     # in a tree the clients' updates reach their edges: the edges' table is watched too (a
     # simulated tree's edges share this process; deployed edges do not, see below)
