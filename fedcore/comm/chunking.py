@@ -17,7 +17,7 @@ from typing import Iterator, Sequence
 
 from fedcore.wire.codec import WireError, content_field, envelope_parts, uvarint
 from fedcore.wire import fedcore_pb2 as pb
-from fedcore.wire.spooled import Spool
+from fedcore.wire.spooled import Spool, release_view
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "FIRST_CHUNK", "FRAME_OVERHEAD", "first_chunk_size", "envelope_parts", "SharedContent",
            "chunk_frames", "Reassembler"]
@@ -38,6 +38,7 @@ def first_chunk_size(chunk_size: int, heartbeat_timeout: float, min_rate: float)
 
 
 SHARED_PIECE = 2 ** 20   # pieces of content this large are sent from where they lie, not copied
+HASH_PIECE = 2 ** 24     # bytes of a piece hashed at a time
 
 
 class SharedContent:
@@ -63,7 +64,10 @@ class SharedContent:
         self.field = content_field(sum(len(p) for p in self.pieces))
         self._digest = hashlib.sha256(self.field)
         for piece in self.pieces:
-            self._digest.update(piece)
+            view = memoryview(piece).cast("B")
+            for at in range(0, len(view), HASH_PIECE):   # a parked model's pages go back as hashed
+                self._digest.update(view[at:at + HASH_PIECE])
+                release_view(view[at:at + HASH_PIECE])
 
     def envelope(self, header: pb.Envelope) -> tuple[tuple[bytes, ...], bytes]:
         """(parts, SHA-256) of the envelope carrying this content under `header`."""
@@ -146,7 +150,11 @@ def chunk_frames(parts: Sequence[bytes], message_id: int, chunk_size: int,
                 n += take
                 views[0] = v[take:]
         head, _ = _chunk_head(message_id, offset, total, sha if first else b"", n)
-        yield b"".join([head, *pieces])
+        frame = b"".join([head, *pieces])
+        for piece in pieces:   # copied: a parked model's pages go back (wire/spooled.py)
+            release_view(piece)
+        yield frame
+        frame = None
         offset += n
         first = False
 

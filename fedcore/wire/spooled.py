@@ -10,6 +10,11 @@ whatever reads them a slice at a time (the finiteness check, the fold) calls `re
 after each slice, which unmaps those pages from the process (`MADV_DONTNEED`; a shared
 mapping's bytes stay in the file, so a later read faults them in again, unchanged). The
 file goes when its last tensor does (the mapping closes, and with it the last reference).
+
+`park` puts tensors there on purpose: a folding round's global model, idle while the round
+collects (runtime/parking.py), is written to such a file and replaced by views of its
+mapping; sending it reads it through those views, and `release_view` gives each frame's
+pages back once the frame is built (comm/chunking.py).
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ import tempfile
 import weakref
 from typing import Any
 
-__all__ = ["Spool", "release", "mapped_bytes"]
+__all__ = ["Spool", "release", "release_view", "park", "is_mapped", "mapped_bytes"]
 
 PAGE = mmap.PAGESIZE
 _MAPPINGS: dict[int, tuple[int, int, weakref.ref]] = {}   # id -> (address, size, mapping)
@@ -30,18 +35,19 @@ _MAPPINGS: dict[int, tuple[int, int, weakref.ref]] = {}   # id -> (address, size
 class Spool:
     """One message being received into an unlinked file, with the SHA-256 of what came so far."""
 
-    def __init__(self, folder: str | os.PathLike | None) -> None:
+    def __init__(self, folder: str | os.PathLike | None, hashed: bool = True) -> None:
         # unlinked at once, nothing left behind; unbuffered: what `size` counts is in the file
         self.file = tempfile.TemporaryFile(dir=folder, buffering=0)
         self.size = 0
-        self.hash = hashlib.sha256()
+        self.hash = hashlib.sha256() if hashed else None
 
     def write(self, data: bytes) -> None:
         """Append `data` (OSError, a full disk: `size` still counts only what went in whole)."""
         view, fd, done = memoryview(data), self.file.fileno(), 0
         while done < len(view):
             done += os.pwrite(fd, view[done:], self.size + done)
-        self.hash.update(view)
+        if self.hash is not None:
+            self.hash.update(view)
         self.size += len(view)
 
     def read_all(self) -> bytearray:
@@ -79,10 +85,27 @@ class Spool:
 def release(t: Any) -> None:
     """Unmap the pages of a spooled mapping that torch tensor `t` lies on (no-op for any other
     memory): `t` was read, the file keeps its bytes."""
-    if not _MAPPINGS:
-        return
+    if _MAPPINGS:
+        _release_span(t.data_ptr(), t.numel() * t.element_size())
+
+
+def release_view(view: Any) -> None:
+    """`release` for a buffer (a memoryview of a tensor's bytes, a frame's slice of it)."""
+    if _MAPPINGS and len(view):
+        import numpy
+        data = numpy.frombuffer(view, dtype=numpy.uint8)
+        _release_span(data.ctypes.data, data.nbytes)
+
+
+def is_mapped(t: Any) -> bool:
+    """Whether torch tensor `t` lies on a spooled mapping."""
     start = t.data_ptr()
-    end = start + t.numel() * t.element_size()
+    return any(address <= start < address + size and ref() is not None
+               for address, size, ref in list(_MAPPINGS.values()))
+
+
+def _release_span(start: int, nbytes: int) -> None:
+    end = start + nbytes
     for address, size, ref in list(_MAPPINGS.values()):
         if address <= start < address + size:
             mm = ref()
@@ -91,6 +114,39 @@ def release(t: Any) -> None:
                 hi = min(size, end - address)
                 mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
             return
+
+
+ALIGN = 64   # a parked tensor's offset in its file: aligned for any dtype (and SIMD loads)
+WRITE_PIECE = 2 ** 26   # bytes written at a time
+
+
+def park(tensors: dict[str, Any], folder: str | os.PathLike | None) -> dict[str, Any]:
+    """`tensors` (CPU torch tensors) copied into one unlinked file in `folder`, returned as
+    views of its shared mapping: equal values, the same dtypes and shapes, and no page in the
+    process until something reads them (`release` gives them back). The file goes with the
+    last view. OSError where the file cannot be written or mapped (nothing is then replaced)."""
+    import torch
+    spool = Spool(folder, hashed=False)
+    spans: dict[str, tuple[int, Any]] = {}
+    try:
+        for name, t in tensors.items():
+            pad = -spool.size % ALIGN
+            if pad:
+                spool.write(bytes(pad))
+            spans[name] = (spool.size, t)
+            data = t.detach().reshape(-1).view(torch.uint8).numpy()   # a copy only if not contiguous
+            for at in range(0, len(data), WRITE_PIECE):
+                spool.write(memoryview(data[at:at + WRITE_PIECE]))
+        if not spool.size:   # nothing to map (empty tensors): they stay as they are
+            spool.close()
+            return dict(tensors)
+        mm = spool.mapping()
+    except BaseException:
+        spool.close()
+        raise
+    whole = torch.frombuffer(mm, dtype=torch.uint8)
+    return {name: whole[at:at + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            for name, (at, t) in spans.items()}
 
 
 def mapped_bytes() -> int:
