@@ -7,7 +7,8 @@ A FedAvg-family aggregator needs of a round's updates only sum_i w_i x_i and sum
 a `FoldingBuffer`: an arriving update passes admission's per-update checks, is weighted
 by the aggregator's own rule and added to a float64 running sum, and is let go. The
 server then holds the global model and the running sum (float64: twice a float32 model),
-however many clients send; at the round's end the aggregator receives one update carrying
+however many clients send (a deployed server keeps the global model in a file meanwhile,
+runtime/parking.py); at the round's end the aggregator receives one update carrying
 the mean (with `contributors` naming the clients, as a secure sum does), whose weighted
 mean is itself.
 

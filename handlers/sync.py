@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 
-from fedcore.runtime import admission
+from fedcore.runtime import admission, parking
 from fedcore.algorithms.streaming import FoldingBuffer, round_buffer
 from fedcore.kernel.contract import ReceivedUpdate
 from fedcore.handlers import evaluation, join, rounds, training
@@ -40,6 +40,8 @@ def _start_one_round(server) -> None:
     candidates = server.course.client_ids
     server.selected = set(server.sampler.sample(k, candidates))
     server.buffer = round_buffer(server)   # a list, or a running sum that folds each update
+    if isinstance(server.buffer, FoldingBuffer):
+        parking.park_global(server)   # deployed: idle in a file until the round's end
     server.send("models", sorted(server.selected), server.aggregator.broadcast(server.round))
     if not server.selected and candidates:   # an empty sample (Poisson): the round aggregates nothing now
         server.trigger("all_received")

@@ -258,12 +258,14 @@ def test_a_deployed_servers_memory_does_not_grow_with_the_clients(tmp_path, proc
 
 @pytest.mark.slow
 @pytest.mark.alone   # peaks compared between two runs: another worker's load would land on one only
-def test_a_spooled_update_is_no_model_of_the_servers_peak(tmp_path, procs):
+def test_a_spooled_update_and_the_parked_model_are_no_models_of_the_servers_peak(tmp_path, procs):
     # A 64 MiB model, 2 clients, one round. Held in memory, the update being folded is one
-    # model on top of the global model and the float64 sum; spooled to the outdir's disk and
-    # read a slice at a time, its pages go back as they are folded.
+    # model on top of the global model and the float64 sum (two models); spooled to the
+    # outdir's disk and read a slice at a time, its pages go back as they are folded, and the
+    # global model waits in a file while the round collects (runtime/parking.py): two models
+    # fewer, the float64 sum left
     model = 64 * 2 ** 20
     hidden = model // 4 // 69
     spooled = _server_peak(tmp_path, procs, "spooled", 2, "on", hidden)
     in_memory = _server_peak(tmp_path, procs, "in_memory", 2, "on", hidden, **{"distribute.spool_bytes": 0})
-    assert in_memory - spooled > 0.5 * model, (spooled, in_memory)
+    assert in_memory - spooled > 1.5 * model, (spooled, in_memory)

@@ -60,7 +60,8 @@ declare("distribute.stream_window", int, 256 * 1024, "server: bytes a client's s
 declare("distribute.spool_bytes", int, 16 * 1024 * 1024, "server: a received message this large or "
         "larger is written to an unlinked file in distribute.spool_dir as it arrives and read from it "
         "mapped, a slice at a time, so the update being folded is not one more model in the server's "
-        "memory (docs/compression.md, large models); 0: every message is held in memory",
+        "memory; a global model this large waits in such a file while a folding round collects "
+        "(docs/compression.md, large models); 0: every message and the model are held in memory",
         check=lambda v: None if v == 0 or v >= 16 * 1024 * 1024 else
         "must be 0 (off) or at least 16 MiB (16777216): smaller messages are parsed by protobuf, in memory")
 declare("distribute.spool_dir", str, None, "server: folder of distribute.spool_bytes' files, on a disk "

@@ -36,6 +36,7 @@ from fedcore.execution.form_boundary import make_trainer
 from fedcore.kernel.hooks import deployment_refusal
 from fedcore.kernel.scheduler import PRIORITY_TIMER, WallClockScheduler
 from fedcore.kernel.state import make_state_store
+from fedcore.runtime.parking import Parking
 from fedcore.runtime.timing import TimeModel
 from fedcore.kernel.worker import Client
 
@@ -128,6 +129,9 @@ class ServerCourse(Course):
         if cfg["distribute.max_message_values"] is None:
             self.comm.max_values = value_bound(model, cfg)
         self.make_server(model, self._all_ids)
+        if cfg["distribute.spool_bytes"]:   # a large global model waits in a file while rounds collect
+            self.server.state(Parking).min_bytes = cfg["distribute.spool_bytes"]
+            self.server.state(Parking).folder = self.comm.spool_dir
         self.clients = {}
         self.install_handlers()
         _refuse_undeployable(self.server.aggregator)

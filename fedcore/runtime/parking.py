@@ -1,0 +1,67 @@
+"""Where a deployed server keeps the global model while a folding round collects: in a file.
+
+A folding round (algorithms/streaming.py) needs of the global model only what it sends at
+the round's start; FedAvg replaces it with the round's mean, a server optimizer reads it
+once more at the end. Held in memory meanwhile, it is one model of the server's peak beside
+the float64 running sum (two more). So a deployed server whose model is at least
+`distribute.spool_bytes` writes it, as the round starts, to an unlinked file in
+`distribute.spool_dir` (wire/spooled.py `park`) and keeps views of the file's mapping
+instead: the broadcast is hashed and framed from those views, a slice at a time, each
+slice's pages given back once copied (comm/chunking.py), and the aggregation that ends the
+round reads whatever it needs back from the file. The server then holds the running sum and
+a constant; the system's page cache holds the parked model, which the kernel may write to
+disk and drop under memory pressure (it is clean once written back). A model that is
+already parked (a round that changed nothing) is not written again. Where the file cannot
+be written (a full disk), that is said once and the model stays in memory.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from fedcore.kernel.server_state import worker_state
+from fedcore.wire.spooled import is_mapped, park
+
+__all__ = ["Parking", "park_global", "PARKED_TENSOR_BYTES"]
+
+log = logging.getLogger("fedcore.deploy")
+
+PARKED_TENSOR_BYTES = 2 ** 20   # tensors this large are parked; smaller ones stay in memory
+
+
+@worker_state("parking")
+@dataclass
+class Parking:
+    """Set by the deployment on its server: models of `min_bytes` or more (0: never) are
+    parked in `folder` (None: the system's temporary folder). Nothing to save: the
+    deployment sets it again when a course resumes."""
+    transient = True
+    min_bytes: int = 0
+    folder: str | None = None
+
+
+def park_global(server) -> None:
+    """Park the server's global model (its large CPU tensors) if the deployment asks for it:
+    the aggregator and the server's module then view the file's mapping."""
+    parking = server.state(Parking)
+    if parking.min_bytes <= 0:
+        return
+    state = server.aggregator.global_state
+    large = {k: t for k, t in state.items()
+             if t.device.type == "cpu" and t.numel() * t.element_size() >= PARKED_TENSOR_BYTES}
+    if sum(t.numel() * t.element_size() for t in state.values()) < parking.min_bytes:
+        return
+    large = {k: t for k, t in large.items() if not is_mapped(t)}
+    if not large:
+        return
+    try:
+        parked = park(large, parking.folder)
+    except OSError as exc:
+        log.warning("distribute.spool_dir: the global model could not be kept in a file (%s); it "
+                    "stays in memory while rounds collect", exc)
+        parking.min_bytes = 0
+        return
+    server.aggregator.global_state = {**state, **parked}
+    server.course.monitor.tally("parking", "parked_rounds")   # summary.json: rounds whose model waited in a file
+    # the module views the global model (handlers/evaluation.py `load_global`): it views the file now
+    server.model.load_state_dict(parked, strict=False, assign=True)
