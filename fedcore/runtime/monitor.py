@@ -375,9 +375,18 @@ class Monitor:
             if self._metrics_file is not None:
                 self._metrics_file.close()
             if global_state is not None:
-                torch.save({k: v.detach().cpu().clone() for k, v in global_state.items()},
-                           self.outdir / "final_model.pt")
+                torch.save({k: _alone(v) for k, v in global_state.items()}, self.outdir / "final_model.pt")
             (self.outdir / "summary.json").write_text(_dumps(summary, indent=2) + "\n")
         for callback in self.callbacks:
             callback.on_end(summary)
         return summary
+
+
+def _alone(t: torch.Tensor) -> torch.Tensor:
+    """`t` on the CPU as `torch.save` should get it: a tensor that is the whole of its storage as
+    it is (a large model's final mean: no copy at the course's end); a view of a larger storage
+    (a received message's bytes, a file the model waited in) copied, or all of it would be saved."""
+    t = t.detach().cpu()
+    if t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    return t.clone()
