@@ -21,8 +21,8 @@ footprint, measured first with a 1 MB model) and the wall time of its last round
 (the wall time between the last two round records). The last line is
 `server_peak_rss_over_model=<the largest deployed server's ratio>`. Sizes that do not
 fit the machine's memory are left out with a line saying so (`fits`: a deployed server
-peaks at about 3x the model above a 1 MB model's process (the global model and the float64
-running sum; the update being folded is spooled to disk, docs/compression.md), a client at
+peaks at about 2x the model above a 1 MB model's process (the float64 running sum; the
+global model and the update being folded wait in files, docs/compression.md), a client at
 about 4.3x, a simulation at
 about (clients + 4)x, plus ~0.4 GB per process).
 """
@@ -124,7 +124,7 @@ def run_deploy(cfg: Path, out: Path, clients: int) -> tuple[int, float]:
 
 def fits(mode: str, size: int, clients: int, available: int) -> bool:
     """Whether a run should fit in `available` bytes, from what was measured: a deployed
-    server peaks at ~3x the model, a client at ~4.3x, but not at once (a 2.25 GB model, one
+    server peaks at ~2x the model, a client at ~4.3x, but not at once (a 2.25 GB model, one
     client: the machine's available memory fell by 6x the model at most); a simulation
     process at ~(clients + 4)x: the global model, which the server's module views, the
     trainer's module, the float64 running sum and each client's update in flight."""
