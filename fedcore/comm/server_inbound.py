@@ -24,6 +24,7 @@ from fedcore.kernel.message import SERVER_ID, Message
 from fedcore.wire.serialization import WireError, decode_envelope, from_value
 from fedcore.wire import fedcore_pb2 as pb
 from fedcore.wire.census import check_values
+from fedcore.wire.spooled import release_view
 
 log = logging.getLogger("fedcore.deploy")
 
@@ -128,9 +129,12 @@ class Inbound:
         return True
 
     def _decode_large(self, s: Session, data: bytearray) -> Message:
-        """`_decode`, then the heaps' free pages go back before the update is folded (allocator.py)."""
+        """`_decode`, then the heaps' free pages go back before the update is folded (allocator.py),
+        and so do a spooled message's pages that decoding read (its headers, the small tensors it
+        copied: about a megabyte an update otherwise, that a round keeping its list would hold)."""
         msg = self._decode(s, data)
         trim()
+        release_view(data)
         return msg
 
     def _decode(self, s: Session, data: bytes) -> Message:

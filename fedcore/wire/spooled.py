@@ -104,13 +104,21 @@ def is_mapped(t: Any) -> bool:
                for address, size, ref in list(_MAPPINGS.values()))
 
 
+RELEASE_BEHIND = 2 ** 21   # bytes before a released span given back too (see `_release_span`)
+
+
 def _release_span(start: int, nbytes: int) -> None:
+    """Unmap [start, start + nbytes) of the mapping it lies in, and the RELEASE_BEHIND bytes
+    before it: a read maps the whole page-cache folio it touches (up to 2 MiB), so the next
+    span's first read maps the tail of this one's last folio again, which its own release
+    would not cover (read forward a span at a time, a quarter to a half of a file stayed
+    resident)."""
     end = start + nbytes
     for address, size, ref in list(_MAPPINGS.values()):
         if address <= start < address + size:
             mm = ref()
             if mm is not None and not mm.closed:
-                lo = (start - address) // PAGE * PAGE
+                lo = max(0, (start - address - RELEASE_BEHIND) // PAGE * PAGE)
                 hi = min(size, end - address)
                 mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
             return
