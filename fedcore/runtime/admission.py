@@ -40,6 +40,7 @@ from fedcore.kernel.config import declare, positive
 from fedcore.kernel.contract import ReceivedUpdate, clone_tree
 from fedcore.runtime.quiet import QuietLog
 from fedcore.kernel.server_state import Outcome, transient, worker_state
+from fedcore.wire.spooled import release
 from fedcore.wire.tensor_forms import get_form
 
 __all__ = ["admit_updates", "AdmissionState", "Returning", "scaled_update", "Snapshot", "finite_state",
@@ -92,11 +93,27 @@ def _distance(content: dict, reference: dict[str, torch.Tensor]) -> float:
         for name, t in value.items():
             if not isinstance(t, torch.Tensor) or not t.is_floating_point():
                 continue
-            d = t.double()
-            if key == "model" and name in reference:
-                d = d - reference[name]
-            total += float(torch.sum(d * d))
+            ref = reference.get(name) if key == "model" else None
+            if t.numel() <= DISTANCE_PIECE:
+                d = t.double()
+                if ref is not None:
+                    d = d - ref
+                total += float(torch.sum(d * d))
+                continue
+            # a large tensor a piece at a time: no float64 copy of it, and a spooled update's
+            # pages go back once read (wire/spooled.py)
+            flat, ref_flat = t.reshape(-1), None if ref is None else ref.reshape(-1)
+            for at in range(0, flat.numel(), DISTANCE_PIECE):
+                piece = flat[at:at + DISTANCE_PIECE]
+                d = piece.double()
+                if ref_flat is not None:
+                    d = d - ref_flat[at:at + DISTANCE_PIECE]
+                total += float(torch.sum(d * d))
+                release(piece)
     return math.sqrt(total)
+
+
+DISTANCE_PIECE = 2 ** 20   # elements of a large tensor read at a time for its distance
 
 
 def medians_of_others(values: list[float]) -> list[float]:
@@ -141,7 +158,7 @@ def admit_updates(server, updates: list[ReceivedUpdate]) -> list[ReceivedUpdate]
         else:
             kept.append(u)
     ratio = norm_ratio(course)
-    if ratio is None:
+    if ratio is None or math.isinf(ratio):   # .inf: the check is off (and reads no update)
         return kept
     if state.history is None:
         state.history = Returning(server.round)
