@@ -30,12 +30,12 @@ import math
 import torch
 
 from fedcore.kernel import registry
-from fedcore.algorithms.combine import Deltas, flatten, replace_combination, unflatten
+from fedcore.algorithms.combine import BandedRule, Columns, replace_combination
 from fedcore.kernel.config import declare, non_negative, positive, resolver, validator
 from fedcore.kernel.contract import Aggregator
 from fedcore.kernel.errors import ConfigError
 
-__all__ = ["RULES", "INCOMPATIBLE", "krum_scores", "krum_select", "coordinate_median",
+__all__ = ["RULES", "INCOMPATIBLE", "squared_distances", "krum_scores", "krum_select", "coordinate_median",
            "trimmed_mean", "clip_to_norm", "centered_clip", "make_rule", "install"]
 
 RULES = ("none", "krum", "multi_krum", "median", "trimmed_mean", "norm_bound", "centered_clip")
@@ -141,26 +141,40 @@ def edge_rule(cfg):
     return make_rule(_AtTheEdge(cfg))
 
 # ---------------------------------------------------------------- the rules on vectors
-def krum_scores(vectors: torch.Tensor, f: int) -> torch.Tensor:
-    """Krum score of each row: summed squared distances to its n - f - 2 nearest other rows."""
-    n = vectors.shape[0]
-    k = n - f - 2
-    if k < 1:
+def squared_distances(vectors: torch.Tensor) -> torch.Tensor:
+    """The rows' pairwise squared distances. Squared differences summed, row against rows:
+    exactly symmetric, and equal distances stay equal (cdist's square root squared again, or
+    its |x|^2 + |y|^2 - 2xy form past 25 rows, rounds them apart and can change the choice
+    between near or exact ties); over bands of columns, the bands' matrices add up."""
+    return torch.stack([(vectors - v).square_().sum(dim=1) for v in vectors])
+
+
+def _scores(d2: torch.Tensor, f: int) -> torch.Tensor:
+    """Krum score of each row from the squared distances `d2` (overwritten)."""
+    d2.fill_diagonal_(math.inf)
+    return d2.topk(d2.shape[0] - f - 2, dim=1, largest=False).values.sum(dim=1)
+
+
+def _check_krum(n: int, f: int) -> None:
+    if n - f - 2 < 1:
         raise ValueError(f"Krum needs n > f + 2 updates (n={n}, f={f}); lower "
                          "aggregator.byzantine_num or sample more clients")
-    # squared differences summed, row against rows: exactly symmetric, and equal distances stay
-    # equal (cdist's square root squared again, or its |x|^2 + |y|^2 - 2xy form past 25 rows,
-    # rounds them apart and can change the choice between near or exact ties)
-    d2 = torch.stack([(vectors - v).square_().sum(dim=1) for v in vectors])
-    d2.fill_diagonal_(math.inf)
-    return d2.topk(k, dim=1, largest=False).values.sum(dim=1)
+
+
+def _best(scores: torch.Tensor, m: int) -> list[int]:
+    order = sorted(range(len(scores)), key=lambda i: (scores[i].item(), i))
+    return order[:max(1, min(m, len(order)))]
+
+
+def krum_scores(vectors: torch.Tensor, f: int) -> torch.Tensor:
+    """Krum score of each row: summed squared distances to its n - f - 2 nearest other rows."""
+    _check_krum(vectors.shape[0], f)
+    return _scores(squared_distances(vectors), f)
 
 
 def krum_select(vectors: torch.Tensor, f: int, m: int = 1) -> list[int]:
     """Indices of the `m` best-scored rows (ties broken by index)."""
-    scores = krum_scores(vectors, f)
-    order = sorted(range(len(scores)), key=lambda i: (scores[i].item(), i))
-    return order[:max(1, min(m, len(order)))]
+    return _best(krum_scores(vectors, f), m)
 
 
 def coordinate_median(vectors: torch.Tensor) -> torch.Tensor:
@@ -202,7 +216,11 @@ def centered_clip(vectors: torch.Tensor, weights: torch.Tensor, center: torch.Te
 
 # ---------------------------------------------------------------- as a combination rule
 def make_rule(cfg):
-    """The configured rule as a `CombineRule`, or None for `none`."""
+    """The configured rule as a `BandedRule` (the round's deltas read a band of columns at a
+    time, combine.py), or None for `none`. Coordinate-wise rules and the averages of chosen or
+    scaled rows are computed band by band as on the whole matrix; the distances and norms
+    that Krum, norm_bound and centered_clip need are summed over the bands first (one band,
+    a model of up to `combine.BAND` values: exactly the whole matrix's computation)."""
     name = cfg["aggregator.robust_rule"]
     if name == "none":
         return None
@@ -211,35 +229,77 @@ def make_rule(cfg):
     tau, iters = cfg["aggregator.cc_tau"], cfg["aggregator.cc_iters"]
     history: dict[str, torch.Tensor] = {}   # centered_clip: the previous combined delta
 
-    def rule(deltas: Deltas, weights: list[float], client_ids: list[int], round_: int):
-        names = list(deltas[0])
-        vecs = torch.stack([flatten(d, names) for d in deltas])
+    def combine(cols: Columns, weights: list[float], client_ids: list[int], round_: int, emit) -> dict:
         metrics: dict = {}
         if name in ("krum", "multi_krum"):
-            keep = m if m is not None else (1 if name == "krum" else len(deltas) - f)
-            chosen = krum_select(vecs, f, keep)
-            w = torch.tensor([weights[i] for i in chosen], dtype=torch.float64, device=vecs.device)
-            out = (vecs[chosen] * (w / w.sum())[:, None]).sum(dim=0)
+            keep = m if m is not None else (1 if name == "krum" else len(weights) - f)
+            _check_krum(len(weights), f)
+            d2 = None
+            for a, b in cols.bands():
+                part = squared_distances(cols.band(a, b))
+                d2 = part if d2 is None else d2.add_(part)
+            chosen = _best(_scores(d2, f), keep)
+            w = torch.tensor([weights[i] for i in chosen], dtype=torch.float64, device=cols.device)
+            for a, b in cols.bands():
+                emit(a, b, (cols.band(a, b)[chosen] * (w / w.sum())[:, None]).sum(dim=0))
             metrics["robust_selected"] = sorted(client_ids[i] for i in chosen)
         elif name == "median":
-            out = coordinate_median(vecs)
+            for a, b in cols.bands():
+                emit(a, b, coordinate_median(cols.band(a, b)))
         elif name == "trimmed_mean":
-            out = trimmed_mean(vecs, ratio)
+            for a, b in cols.bands():
+                emit(a, b, trimmed_mean(cols.band(a, b), ratio))
         elif name == "centered_clip":
-            w = torch.tensor(weights, dtype=torch.float64, device=vecs.device)
-            center = history.get("v")
-            if center is None or center.shape != vecs[0].shape:
-                center = torch.zeros_like(vecs[0])
-            out, metrics["robust_clipped"] = centered_clip(vecs, w, center, tau, iters)
-            history["v"] = out
+            metrics["robust_clipped"] = _centered_clip(cols, weights, history, tau, iters, emit)
         else:  # norm_bound
-            norms = vecs.norm(dim=1)
+            norms = _row_norms(cols, None)
             scale = torch.clamp(bound / norms.clamp_min(1e-300), max=1.0)
-            w = torch.tensor(weights, dtype=torch.float64, device=vecs.device)
-            out = ((vecs * scale[:, None]) * (w / w.sum())[:, None]).sum(dim=0)
+            w = torch.tensor(weights, dtype=torch.float64, device=norms.device)
+            for a, b in cols.bands():
+                emit(a, b, ((cols.band(a, b) * scale[:, None]) * (w / w.sum())[:, None]).sum(dim=0))
             metrics["robust_clipped"] = int((norms > bound).sum().item())
-        return unflatten(out, deltas[0], names), metrics
-    return rule
+        return metrics
+    return BandedRule(combine)
+
+
+def _row_norms(cols: Columns, center: torch.Tensor | None) -> torch.Tensor:
+    """||x_i - center|| of each row (center None: 0); over several bands, the bands' sums of
+    squares add up before the square root."""
+    if cols.single:
+        block = cols.band(0, cols.n)
+        return (block if center is None else block - center).norm(dim=1)
+    sums = None
+    for a, b in cols.bands():
+        block = cols.band(a, b)
+        part = (block if center is None else block - center[a:b]).square_().sum(dim=1)
+        sums = part if sums is None else sums.add_(part)
+    return sums.sqrt_()
+
+
+def _centered_clip(cols: Columns, weights: list[float], history: dict, tau: float, iters: int, emit) -> int:
+    """`centered_clip` over the bands, from the last round's combined delta; keeps the new one."""
+    center = history.get("v")
+    if center is None or center.shape != (cols.n,):
+        center = torch.zeros(cols.n, dtype=torch.float64, device=cols.device)
+    w = torch.tensor(weights, dtype=torch.float64, device=cols.device)
+    if cols.single:
+        v, clipped = centered_clip(cols.band(0, cols.n), w, center, tau, iters)
+    else:
+        p = w / w.sum()
+        v, clipped = center, 0
+        for _ in range(iters):
+            norms = _row_norms(cols, v)
+            scale = torch.clamp(tau / norms.clamp_min(1e-300), max=1.0)
+            moved = torch.empty_like(v)
+            for a, b in cols.bands():
+                diff = cols.band(a, b) - v[a:b]
+                moved[a:b] = v[a:b] + ((p * scale)[:, None] * diff).sum(dim=0)
+            v = moved
+            clipped = int((norms > tau).sum().item())
+    history["v"] = v
+    for a, b in cols.bands():
+        emit(a, b, v[a:b])
+    return clipped
 
 
 def install(course) -> None:

@@ -33,6 +33,7 @@ docs/compression.md (large models) and docs/performance.md (W8).
 """
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -44,6 +45,9 @@ from fedcore.kernel import registry
 from fedcore.kernel.config import declare
 from fedcore.kernel.contract import Aggregator, ReceivedUpdate
 from fedcore.kernel.errors import ConfigError
+from fedcore.kernel.schema import clients_per_round
+
+log = logging.getLogger("fedcore.course")
 
 __all__ = ["RunningMean", "FoldingBuffer", "folds", "round_buffer", "AUTO_MIN_BYTES"]
 
@@ -195,8 +199,9 @@ def _why_not(server) -> str | None:
     if cfg["fedex.candidates"] is not None:
         return "FedEx's aggregation reads each update's feedback"
     if not folds(server.aggregator):
-        return (f"the {cfg['algorithm.name']} aggregation (or aggregator.robust_rule / central DP) "
-                "needs every update at once")
+        label = getattr(server.aggregator, "combination", None)   # a rule that replaced the mean
+        return (f"{label} needs every update at once" if label else
+                f"the {cfg['algorithm.name']} aggregation needs every update at once")
     ratio = admission.norm_ratio(server.course)
     if ratio is not None and not math.isinf(ratio):
         return ("admission.norm_ratio compares each update with the round's others (set "
@@ -216,15 +221,26 @@ def round_buffer(server) -> list | FoldingBuffer:
 
 
 def install(course) -> None:
-    """`aggregator.streaming: on` where no update can be folded is refused when the course is built."""
-    if course.server is None or course.cfg["course"] != "sync":
+    """`aggregator.streaming: on` where no update can be folded is refused when the course is
+    built; under `auto`, a model that would fold but cannot says so, with what a round holds."""
+    cfg = course.cfg
+    if course.server is None or cfg["course"] != "sync":
         why = None if course.server is None else "only synchronous rounds fold (course: sync)"
     else:
         why = _why_not(course.server)
-    if why is not None:
+    if why is None:
+        return
+    if cfg["aggregator.streaming"] == "on":
         raise ConfigError(f"aggregator.streaming: on cannot fold updates here: {why}; "
                           "set aggregator.streaming to auto or off")
+    size = _model_bytes(course.server.aggregator)
+    if cfg["course"] == "sync" and size >= AUTO_MIN_BYTES:
+        k = clients_per_round(cfg)
+        log.warning("aggregator.streaming: updates are not folded (%s): a round holds its %d updates "
+                    "until it aggregates them, %d x %.0f MB (a deployed server keeps each in a file, "
+                    "distribute.spool_bytes; the robust rules read them a band at a time)",
+                    why, k, k, size / 1e6)
 
 
-install.enabled = lambda cfg: cfg["aggregator.streaming"] == "on"
+install.enabled = lambda cfg: cfg["aggregator.streaming"] != "off"
 registry.behaviours.register("streaming_aggregation", install)
