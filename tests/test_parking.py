@@ -78,6 +78,22 @@ def test_a_deployed_folding_round_parks_the_global_model_where_nothing_holds_its
     assert {n: t.data_ptr() for n, t in server.aggregator.global_state.items()} == pointers
 
 
+def test_only_the_entries_a_round_replaces_are_parked(tmp_path):
+    # `federate.share_params` exchanges the first layer only: the second layer's weights (2 MB)
+    # stay on the server across rounds, and parked they would keep the whole file
+    from fedcore.deployment.distributed import ServerCourse
+    cfg = small_cfg(tmp_path, distribute__role="server", distribute__insecure=True,
+                    distribute__server_host="127.0.0.1", distribute__server_port=0,
+                    **{**LARGE, "model__hidden": [HIDDEN, 8]}, federate__share_params=["1.*"])
+    server = ServerCourse(cfg).build().server
+    server.buffer = round_buffer(server)
+    park_global(server)
+    state = server.aggregator.global_state
+    assert spooled.is_mapped(state["1.weight"])
+    kept = [n for n, t in state.items() if not n.startswith("1.") and t.numel() * t.element_size() >= PARKED_TENSOR_BYTES]
+    assert kept and not any(spooled.is_mapped(state[n]) for n in kept)
+
+
 def test_a_parked_model_is_sent_as_the_same_frames_and_its_pages_go_back(tmp_path):
     server = _deployed_server(tmp_path)
     expected = _frames({"model": {k: v.clone() for k, v in server.aggregator.global_state.items()}})

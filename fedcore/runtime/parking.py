@@ -10,9 +10,11 @@ instead: the broadcast is hashed and framed from those views, a slice at a time,
 slice's pages given back once copied (comm/chunking.py), and the aggregation that ends the
 round reads whatever it needs back from the file. The server then holds the running sum and
 a constant; the system's page cache holds the parked model, which the kernel may write to
-disk and drop under memory pressure (it is clean once written back). A model that is
-already parked (a round that changed nothing) is not written again. Where the file cannot
-be written (a full disk), that is said once and the model stays in memory.
+disk and drop under memory pressure (it is clean once written back). Only the entries the
+round replaces are parked (those exchanged, `federate.share_params`): one kept across
+rounds would keep the whole file. A model that is already parked (a round that changed
+nothing) is not written again. Where the file cannot be written (a full disk), that is
+said once and the model stays in memory.
 """
 from __future__ import annotations
 
@@ -46,9 +48,11 @@ def park_global(server) -> None:
     parking = server.state(Parking)
     if parking.min_bytes <= 0:
         return
-    state = server.aggregator.global_state
-    large = {k: t for k, t in state.items()
-             if t.device.type == "cpu" and t.numel() * t.element_size() >= PARKED_TENSOR_BYTES}
+    aggregator = server.aggregator
+    state = aggregator.global_state
+    # only entries the round replaces: one it keeps (not shared) would hold the whole file
+    large = {k: t for k, t in state.items() if aggregator.shared(k)
+             and t.device.type == "cpu" and t.numel() * t.element_size() >= PARKED_TENSOR_BYTES}
     if sum(t.numel() * t.element_size() for t in state.values()) < parking.min_bytes:
         return
     large = {k: t for k, t in large.items() if not is_mapped(t)}
@@ -61,7 +65,7 @@ def park_global(server) -> None:
                     "stays in memory while rounds collect", exc)
         parking.min_bytes = 0
         return
-    server.aggregator.global_state = {**state, **parked}
-    server.course.monitor.tally("parking", "parked_rounds")   # summary.json: rounds whose model waited in a file
+    aggregator.global_state = {**state, **parked}
+    server.course.monitor.tally("parking", "parked_rounds")   # summary.json: models this process parked
     # the module views the global model (handlers/evaluation.py `load_global`): it views the file now
     server.model.load_state_dict(parked, strict=False, assign=True)
