@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 
 import torch
 
@@ -213,34 +214,37 @@ def round_buffer(server) -> list | FoldingBuffer:
     """The buffer a synchronous round collects into: folding where the rule and the config
     allow it (`aggregator.streaming`), else a list."""
     mode = server.course.cfg["aggregator.streaming"]
-    if mode == "off" or _why_not(server) is not None:
+    if mode == "off":
         return []
-    if mode == "auto" and _model_bytes(server.aggregator) < AUTO_MIN_BYTES:
+    why = _why_not(server)
+    size = _model_bytes(server.aggregator)
+    if why is not None:
+        if mode == "auto" and size >= AUTO_MIN_BYTES and server not in _TOLD:
+            _TOLD.add(server)   # said once, as the first round starts
+            k = clients_per_round(server.course.cfg)
+            log.warning("aggregator.streaming: updates are not folded (%s): a round holds its %d "
+                        "updates until it aggregates them, %d x %.0f MB (a deployed server keeps "
+                        "each in a file, distribute.spool_bytes; the robust rules read them a band "
+                        "at a time)", why, k, k, size / 1e6)
+        return []
+    if mode == "auto" and size < AUTO_MIN_BYTES:
         return []
     return FoldingBuffer(server)
 
 
+_TOLD: "weakref.WeakSet" = weakref.WeakSet()   # servers told that a large model's rounds keep their list
+
+
 def install(course) -> None:
-    """`aggregator.streaming: on` where no update can be folded is refused when the course is
-    built; under `auto`, a model that would fold but cannot says so, with what a round holds."""
-    cfg = course.cfg
-    if course.server is None or cfg["course"] != "sync":
+    """`aggregator.streaming: on` where no update can be folded is refused when the course is built."""
+    if course.server is None or course.cfg["course"] != "sync":
         why = None if course.server is None else "only synchronous rounds fold (course: sync)"
     else:
         why = _why_not(course.server)
-    if why is None:
-        return
-    if cfg["aggregator.streaming"] == "on":
+    if why is not None:
         raise ConfigError(f"aggregator.streaming: on cannot fold updates here: {why}; "
                           "set aggregator.streaming to auto or off")
-    size = _model_bytes(course.server.aggregator)
-    if cfg["course"] == "sync" and size >= AUTO_MIN_BYTES:
-        k = clients_per_round(cfg)
-        log.warning("aggregator.streaming: updates are not folded (%s): a round holds its %d updates "
-                    "until it aggregates them, %d x %.0f MB (a deployed server keeps each in a file, "
-                    "distribute.spool_bytes; the robust rules read them a band at a time)",
-                    why, k, k, size / 1e6)
 
 
-install.enabled = lambda cfg: cfg["aggregator.streaming"] != "off"
+install.enabled = lambda cfg: cfg["aggregator.streaming"] == "on"
 registry.behaviours.register("streaming_aggregation", install)

@@ -11,6 +11,7 @@ import torch
 from fedcore.algorithms import combine
 from fedcore.algorithms.combine import Columns, flatten, float_names, replace_combination, unflatten
 from fedcore.algorithms.fedavg import FedAvgAggregator
+from fedcore.algorithms.streaming import round_buffer
 from fedcore.algorithms.robust import (centered_clip, coordinate_median, krum_select, make_rule,
                                        trimmed_mean)
 from fedcore.kernel.contract import ReceivedUpdate
@@ -142,7 +143,10 @@ def test_a_large_model_that_cannot_fold_says_what_a_round_holds(caplog):
     cfg = small_cfg(None, model__type="mlp", model__hidden=[64500], data__synthetic__dim=64,
                     aggregator__robust_rule="median", federate__sample_client_num=5)
     with caplog.at_level(logging.WARNING, logger="fedcore.course"):
-        Course(cfg).build()
+        course = Course(cfg).build()
+        for round_ in (1, 2):   # said as the first round starts, once
+            course.server.round = round_
+            round_buffer(course.server)
     said = [r.getMessage() for r in caplog.records if "updates are not folded" in r.getMessage()]
     assert len(said) == 1 and "aggregator.robust_rule median needs every update at once" in said[0]
     assert "holds its 5 updates" in said[0] and "5 x 18 MB" in said[0]
