@@ -19,6 +19,7 @@ from fedcore.algorithms.participants import chosen_clients
 from fedcore.kernel.config import declare, fraction, positive, validator
 from fedcore.kernel.errors import ConfigError
 from fedcore.handlers.derived_role import DerivedTable
+from fedcore.handlers.evaluation import load_global
 from fedcore.handlers.rounds import is_eval_round
 from fedcore.kernel.hooks import Wrapper
 from fedcore.kernel.message import SERVER_ID
@@ -158,7 +159,8 @@ def install(course) -> None:
             out = dict(aggregate(updates, round_) or {})
             if is_eval_round(server):
                 test = course.data.server_test
-                server.model.load_state_dict(server.aggregator.global_state, strict=False)
+                load_global(server)   # viewed, not copied into the module: its tensors are the
+                # previous model's, which admission's snapshot may still have to put back
                 rate = backdoor_success(server.model, test.x, test.y, attack.target, *attack.trigger)
                 if rate is not None:
                     out["backdoor_acc"] = rate

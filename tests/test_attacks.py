@@ -114,3 +114,20 @@ def test_a_drifting_client_under_admissions_bound_is_held_by_centered_clipping()
         assert plain["final_test_acc"] < honest - 0.05
         held = _drift_course(aggregator__robust_rule="centered_clip", aggregator__cc_tau=0.1, **drift)
         assert held["final_test_acc"] >= honest - 0.05, (attacker, held["final_test_acc"], honest)
+
+
+def test_a_backdoor_round_that_diverges_keeps_the_last_finite_model(tmp_path):
+    """The backdoor metric evaluates the new model in the server's module by viewing it, not by
+    copying it into the module's tensors: those are the previous model's, which a folding
+    round's snapshot holds (not a copy) to put back when the new one is not finite."""
+    from fedcore.algorithms.streaming import FoldingBuffer
+    from fedcore.kernel.errors import CourseDiverged
+    from fedcore.runtime.admission import finite_state
+    course = Course(small_cfg(tmp_path, attack__type="backdoor", attack__fraction=0.2, attack__target_label=1,
+                              attack__trigger_size=2, attack__trigger_value=1.5, model__type="mlp",
+                              aggregator__streaming="on", train__optimizer__lr=1000.0,
+                              federate__total_round_num=8))
+    with pytest.raises(CourseDiverged):
+        course.run()
+    assert isinstance(course.server.buffer, FoldingBuffer)
+    assert finite_state(course.server.aggregator.global_state)
