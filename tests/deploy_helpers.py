@@ -220,3 +220,17 @@ def make_certs(folder: Path) -> dict[str, str]:
     return {"ca": str(files["ca"]), "server_cert": str(files["server_cert"]),
             "server_key": str(files["server_key"]), "client_cert": str(files["client_1_cert"]),
             "client_key": str(files["client_1_key"])}
+
+
+def mapping_rss_kib(address: int) -> int:
+    """Resident size (KiB) of this process's mapping that holds `address`, from /proc/self/smaps."""
+    with open("/proc/self/smaps") as smaps:
+        inside = False
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and line.startswith("Rss:"):
+                return int(line.split()[1])
+    raise AssertionError("mapping not found")

@@ -16,7 +16,7 @@ from fedcore.wire import fedcore_pb2 as pb
 from fedcore.wire import spooled
 from fedcore.wire.codec import encode_value_parts
 from tests.conftest import small_cfg
-from tests.deploy_helpers import FORK, text, wait_exit, write_cfg
+from tests.deploy_helpers import FORK, mapping_rss_kib, text, wait_exit, write_cfg
 
 MIB = 2 ** 20
 HIDDEN = 17 * MIB // 4 // 69   # an MLP 64 -> HIDDEN -> 3: ~69 HIDDEN floats, above spool_bytes' 16 MiB
@@ -34,20 +34,6 @@ def _deployed_server(tmp_path):
     return server
 
 
-def _resident_kib(address: int) -> int:
-    """Resident size of the mapping holding `address`, from /proc/self/smaps."""
-    with open("/proc/self/smaps") as smaps:
-        inside = False
-        for line in smaps:
-            head = line.split()[0]
-            if "-" in head and all(c in "0123456789abcdef-" for c in head):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= address < hi
-            elif inside and line.startswith("Rss:"):
-                return int(line.split()[1])
-    raise AssertionError("mapping not found")
-
-
 def _frames(content) -> list[bytes]:
     shared = SharedContent(encode_value_parts(content))
     parts, sha = shared.envelope(pb.Envelope(msg_type="models", sender=0, receivers=[1], round=1))
@@ -63,7 +49,7 @@ def test_a_deployed_folding_round_parks_the_global_model_where_nothing_holds_its
     assert large and large != set(before)            # the hidden layer's weights; the rest are small
     # written with pwrite, mapped, not read yet: none of the file's pages are in the process
     weights = max(large, key=lambda n: state[n].numel())
-    assert _resident_kib(state[weights].data_ptr()) <= 8
+    assert mapping_rss_kib(state[weights].data_ptr()) <= 8
     with open("/proc/self/maps") as maps:             # the file lies in the spool folder (the outdir)
         assert any(str(tmp_path) in line for line in maps)
     for name, t in state.items():
@@ -104,7 +90,7 @@ def test_a_parked_model_is_sent_as_the_same_frames_and_its_pages_go_back(tmp_pat
     assert _frames(content) == expected
     # hashed, then framed 2 MiB at a time: at most a frame's pages (and the pages a frame's edge
     # shares with the next) stay, not the 15.8 MiB the frames read
-    assert _resident_kib(weights.data_ptr()) <= 2 * 1024 + 8
+    assert mapping_rss_kib(weights.data_ptr()) <= 2 * 1024 + 8
 
 
 def test_a_disk_that_refuses_the_file_leaves_the_model_in_memory_said_once(tmp_path, monkeypatch, caplog):

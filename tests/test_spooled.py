@@ -15,6 +15,7 @@ from fedcore.wire import large, spooled
 from fedcore.wire.codec import WireError, decode_envelope, from_value
 from fedcore.wire.serialization import encode_envelope
 from fedcore.wire.tensor_forms import get_form
+from tests.deploy_helpers import mapping_rss_kib
 
 MIB = 2 ** 20
 
@@ -153,17 +154,8 @@ def test_pages_read_a_slice_at_a_time_go_back_and_read_again_unchanged(tmp_path)
 
     address = t.data_ptr()
 
-    def resident_kib() -> int:   # this mapping's resident size, from /proc/self/smaps
-        with open("/proc/self/smaps") as smaps:
-            inside = False
-            for line in smaps:
-                head = line.split()[0]
-                if "-" in head and all(c in "0123456789abcdef-" for c in head):
-                    lo, hi = (int(x, 16) for x in head.split("-"))
-                    inside = lo <= address < hi
-                elif inside and line.startswith("Rss:"):
-                    return int(line.split()[1])
-        raise AssertionError("mapping not found")
+    def resident_kib() -> int:
+        return mapping_rss_kib(address)
     assert bool(torch.equal(t, values))                      # read whole: every page resident
     assert resident_kib() >= 16 * 1024 - 64
     assert get_form("torch").all_finite(t)                   # the check reads a slice at a time
