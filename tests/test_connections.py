@@ -20,10 +20,18 @@ def test_peer_strings_and_addresses_are_inverse(peer, address):
     assert _address(peer) == address and _peer_string(address) == peer
 
 
-def _closed(s: socket.socket) -> bool:
+def _closed(s: socket.socket, said: list | None = None) -> bool:
+    """Whether the other end shut `s` down (what it sent first appended to `said`)."""
     s.settimeout(0.5)   # a shut down end reads as closed at once
+    got = b""
     try:
-        return s.recv(1, socket.MSG_PEEK) == b""
+        while True:
+            part = s.recv(4096)
+            if not part:
+                if said is not None:
+                    said.append(got)
+                return True
+            got += part
     except TimeoutError:
         return False
 
@@ -52,8 +60,12 @@ def test_a_sweep_closes_the_connections_beyond_an_addresss_cap_but_not_admitted_
     guard = ConnectionGuard(_Loop(), lambda peer: _address(peer) in keep, per_address=2)
     guard._sweep()
     assert guard.over_cap == 3
-    ended = {s.getsockname() for s in dialled if _closed(s)}
+    said = []
+    ended = {s.getsockname() for s in dialled if _closed(s, said)}
     assert len(ended) == 3 and not ended & keep   # the admitted one is kept
+    # each told first: a GOAWAY frame (RFC 9113 6.8: length 8, type 7, no flags, stream 0),
+    # last stream id 0, error ENHANCE_YOUR_CALM (0xb)
+    assert said == [bytes.fromhex("000008" "07" "00" "00000000" "00000000" "0000000b")] * 3
     assert guard.loop.later and guard.loop.later[-1][0] >= 1.0   # the next sweep is scheduled
     for s in dialled + accepted + [listener]:
         s.close()

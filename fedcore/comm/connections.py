@@ -16,7 +16,11 @@ that opens calls faster than the handler can refuse them (rapid reset, header fl
 closed at its BURST-th refusal; gRPC's own limit on a connection's open streams
 (`grpc.max_concurrent_streams`, set by the server) bounds the calls it queues meanwhile,
 and those reach the handler as `closing` peers', ended unread. gRPC's asyncio API cannot
-send GOAWAY on one connection: the peer sees its connection end.
+send GOAWAY on one connection, so the guard writes the frame itself on the socket before
+shutting it down (ENHANCE_YOUR_CALM, last stream 0: none of the connection's calls was
+served): the socket is gRPC's, so where gRPC's own last frame was cut short by a full
+socket buffer the GOAWAY lands inside it, and a peer whose buffer is full gets none (the
+write never waits); either way the connection ends.
 
 gRPC has no cap per peer address either, so the guard counts the sockets of each address
 every SWEEP_EVERY seconds (less often if counting takes more than a tenth of that; scans
@@ -31,7 +35,7 @@ import socket
 import time
 from typing import Callable
 
-__all__ = ["RESERVED_FILES", "ADDRESS_SHARE", "connection_cap", "address_cap", "ConnectionGuard"]
+__all__ = ["RESERVED_FILES", "ADDRESS_SHARE", "GOAWAY_CALM", "connection_cap", "address_cap", "ConnectionGuard"]
 
 
 RESERVED_FILES = 64   # descriptors kept for the server's own files (outputs, logs, libraries)
@@ -42,6 +46,9 @@ SCAN_SHARE = 10       # a scan of the descriptors waits 10x the last one's durat
 SWEEP_EVERY = 1.0     # seconds between two counts of the connections of each address
 SHUT_MEMORY = 2.0     # seconds a closed connection's peer is remembered (its queued calls end unread)
 _LATER = object()
+# HTTP/2 GOAWAY (RFC 9113 6.8): 8 bytes of payload, type 7, no flags, stream 0; last stream 0
+# (every call of a connection closed here was refused), error ENHANCE_YOUR_CALM (0xb)
+GOAWAY_CALM = (8).to_bytes(3, "big") + bytes([0x7, 0]) + bytes(4) + bytes(4) + (0xB).to_bytes(4, "big")
 
 
 def connection_cap(configured: int | None) -> int | None:
@@ -165,7 +172,8 @@ class ConnectionGuard:
                 del self._shut_at[next(iter(self._shut_at))]
 
     def _shut(self, address: tuple[str, int], fd: int) -> bool:
-        """End the connection on `fd` (gRPC then frees it and its descriptor)."""
+        """Send GOAWAY (ENHANCE_YOUR_CALM) on the connection on `fd` and end it (gRPC then frees
+        it and its descriptor)."""
         self._fds.pop(address, None)
         try:
             dup = os.dup(fd)
@@ -173,6 +181,10 @@ class ConnectionGuard:
         except OSError:
             return False
         try:
+            try:   # never waits: a peer that reads nothing gets no GOAWAY, only the close
+                s.send(GOAWAY_CALM, socket.MSG_DONTWAIT)
+            except OSError:
+                pass
             s.shutdown(socket.SHUT_RDWR)
             return True
         except OSError:
