@@ -287,7 +287,7 @@ class Snapshot:
         self.versions = None if copy else {k: v._version for k, v in self.global_state.items()}
         self.extra = clone_tree(aggregator.state_dict())
         self.optimizer = getattr(aggregator, "server_optimizer", None)
-        self.moments = clone_tree(self.optimizer.state_dict()) if self.optimizer else None
+        self.moments = self.optimizer.snapshot() if self.optimizer else None
 
     def restore(self) -> None:
         if self.versions is not None and any(t._version != self.versions[k] for k, t in self.global_state.items()):

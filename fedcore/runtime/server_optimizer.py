@@ -144,13 +144,26 @@ class ServerOptimizer:
         new = dict(aggregate)
         if self.identity:
             return new, {}
-        present = [n for n in names if n in aggregate]
-        deltas = {n: aggregate[n] - x[n] for n in present}
-        steps = self.updates(deltas)
-        for n in present:
-            new[n] = x[n] + steps[n]
-        return new, {"server_pseudo_grad_norm": l2_norm(deltas.values()),
-                     "server_update_norm": l2_norm(steps.values())}
+        # entry by entry: one entry's pseudo-gradient and step alive at a time, not the whole
+        # model's (the same operations, and the norms' squares summed in the same order)
+        self.t += 1
+        deltas_sq = steps_sq = 0.0
+        with torch.no_grad():
+            for n in (n for n in names if n in aggregate):
+                delta = aggregate[n] - x[n]
+                deltas_sq += _square_sum(delta)
+                step = self._update(n, delta)
+                del delta
+                steps_sq += _square_sum(step)
+                new[n] = x[n] + step
+        return new, {"server_pseudo_grad_norm": math.sqrt(deltas_sq),
+                     "server_update_norm": math.sqrt(steps_sq)}
+
+    def snapshot(self) -> dict[str, Any]:
+        """The state as `load_state_dict` takes it, holding the moments themselves, not copies
+        (two models less in an aggregation that may be rejected): a step replaces each moment
+        with a new tensor and never writes one in place."""
+        return {"m": dict(self.m), "v": dict(self.v), "t": self.t}
 
     def state_dict(self) -> dict[str, Any]:
         return {"m": {k: v.clone() for k, v in self.m.items()},
@@ -163,7 +176,13 @@ class ServerOptimizer:
 
 
 def l2_norm(tensors) -> float:
-    return math.sqrt(sum(float(t.double().square().sum()) for t in tensors))
+    return math.sqrt(sum(_square_sum(t) for t in tensors))
+
+
+def _square_sum(t: torch.Tensor) -> float:
+    """sum(t^2) in float64, squaring the float64 copy in place (never `t` itself)."""
+    d = t.double()
+    return float((d.square() if d is t else d.square_()).sum())
 
 
 def from_config(cfg) -> ServerOptimizer:
