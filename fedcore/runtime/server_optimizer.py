@@ -118,24 +118,31 @@ class ServerOptimizer:
             m = delta if m is None else self.momentum * m + delta
             self.m[name] = m
             return lr * (delta + self.momentum * m) if kind == "nesterov" else lr * m
+        # b1 m + (1 - b1) d and the rest, with the temporaries reused in place: the very same
+        # operations (products commute exactly), a few models fewer alive at once
         b1, b2 = self.beta1, self.beta2
-        m = self.m.get(name, torch.zeros_like(delta)) * b1 + (1 - b1) * delta
+        m = self.m.get(name, torch.zeros_like(delta)) * b1
+        m.add_(delta * (1 - b1))
         v = self.v.get(name)
         if v is None:
             v = torch.full_like(delta, self.tau ** 2)
         sq = delta * delta
         if kind == "adagrad":
-            v = v + sq
+            v = sq.add_(v)
         elif kind == "adam":
-            v = b2 * v + (1 - b2) * sq
-        else:  # yogi
-            v = v - (1 - b2) * sq * torch.sign(v - sq)
+            v = (v * b2).add_(sq.mul_(1 - b2))
+        else:  # yogi: v - (1 - b2) sq sign(v - sq)
+            sign = (v - sq).sign_()
+            v = v - sq.mul_(1 - b2).mul_(sign)
+            del sign
+        del sq
         self.m[name], self.v[name] = m, v
         if self.bias_correction:
             m = m / (1 - b1 ** self.t)
-            if kind != "adagrad":
-                v = v / (1 - b2 ** self.t)
-        return lr * m / (v.sqrt() + self.tau)
+            root = (v / (1 - b2 ** self.t)).sqrt_() if kind != "adagrad" else v.sqrt()
+        else:
+            root = v.sqrt()
+        return (m * lr).div_(root.add_(self.tau))
 
     def apply(self, x: dict[str, torch.Tensor], aggregate: dict[str, torch.Tensor],
               names: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
