@@ -3,6 +3,7 @@ against hand-computed two-round numbers in float64, the limiting cases (sgd with
 plain aggregate, sgdm with momentum 0 is sgd), composition with other aggregators and rules,
 refusals, checkpoint/resume with Adam and Yogi state, and the vectorized executor."""
 import json
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -333,3 +334,53 @@ def test_unknown_kind_is_refused():
         small_cfg(server_optimizer__type="lamb")
     with pytest.raises(ValueError, match="lamb"):
         ServerOptimizer("lamb", 0.1)
+
+
+def _textbook_step(opt, state, name, d):
+    """One step of Reddi et al.'s server optimizers written as the paper's expressions (new
+    tensors everywhere), against which the optimizer's in-place step must agree bit for bit."""
+    kind, lr, b1, b2, tau = opt.kind, opt.lr, opt.beta1, opt.beta2, opt.tau
+    if kind in ("sgdm", "nesterov"):
+        m = state.get(("m", name))
+        m = d if m is None else opt.momentum * m + d
+        state[("m", name)] = m
+        return lr * (d + opt.momentum * m) if kind == "nesterov" else lr * m
+    if kind == "sgd":
+        return lr * d
+    m = state.get(("m", name), torch.zeros_like(d)) * b1 + (1 - b1) * d
+    v = state.get(("v", name), torch.full_like(d, tau ** 2))
+    if kind == "adagrad":
+        v = v + d * d
+    elif kind == "adam":
+        v = b2 * v + (1 - b2) * (d * d)
+    else:
+        v = v - (1 - b2) * (d * d) * torch.sign(v - d * d)
+    state[("m", name)], state[("v", name)] = m, v
+    t = state["t"]
+    if opt.bias_correction:
+        m = m / (1 - b1 ** t)
+        if kind != "adagrad":
+            v = v / (1 - b2 ** t)
+    return lr * m / (v.sqrt() + tau)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "sgdm", "nesterov", "adam", "yogi", "adagrad"])
+def test_the_server_step_is_the_textbook_expression_bit_for_bit(kind):
+    g = torch.Generator().manual_seed(7)
+    for bias_correction in (False, True):
+        for dtype in (torch.float32, torch.float64):
+            opt = ServerOptimizer(kind, 0.3, bias_correction=bias_correction)
+            state = {"t": 0}
+            x = {"w": torch.randn(40, 5, generator=g).to(dtype), "b": torch.randn(5, generator=g).to(dtype)}
+            for r in range(4):
+                agg = {k: v + torch.randn(v.shape, generator=g).to(dtype) * (0.01 if r % 2 else 3.0)
+                       for k, v in x.items()}
+                state["t"] += 1
+                steps = {n: _textbook_step(opt, state, n, agg[n] - x[n]) for n in x}
+                expected = {n: x[n] + steps[n] for n in x}
+                norm = lambda ts: math.sqrt(sum(float(t.double().square().sum()) for t in ts))  # noqa: E731
+                new, metrics = opt.apply(x, agg, ["w", "b"])
+                assert all(torch.equal(new[n], expected[n]) for n in x), (kind, bias_correction, dtype, r)
+                assert metrics == {"server_pseudo_grad_norm": norm(agg[n] - x[n] for n in x),
+                                   "server_update_norm": norm(steps.values())}
+                x = new
