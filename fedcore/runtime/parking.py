@@ -50,12 +50,12 @@ def park_global(server) -> None:
         return
     aggregator = server.aggregator
     state = aggregator.global_state
-    # only entries the round replaces: one it keeps (not shared) would hold the whole file
-    large = {k: t for k, t in state.items() if aggregator.shared(k)
-             and t.device.type == "cpu" and t.numel() * t.element_size() >= PARKED_TENSOR_BYTES}
     if sum(t.numel() * t.element_size() for t in state.values()) < parking.min_bytes:
         return
-    large = {k: t for k, t in large.items() if not is_mapped(t)}
+    # only entries the round replaces (one it keeps, not shared, would hold the whole file),
+    # and not those parked already (a round that changed nothing)
+    large = {k: t for k, t in state.items() if aggregator.shared(k) and t.device.type == "cpu"
+             and t.numel() * t.element_size() >= PARKED_TENSOR_BYTES and not is_mapped(t)}
     if not large:
         return
     try:
