@@ -218,9 +218,11 @@ def centered_clip(vectors: torch.Tensor, weights: torch.Tensor, center: torch.Te
 def make_rule(cfg):
     """The configured rule as a `BandedRule` (the round's deltas read a band of columns at a
     time, combine.py), or None for `none`. Coordinate-wise rules and the averages of chosen or
-    scaled rows are computed band by band as on the whole matrix; the distances and norms
-    that Krum, norm_bound and centered_clip need are summed over the bands first (one band,
-    a model of up to `combine.BAND` values: exactly the whole matrix's computation)."""
+    scaled rows are computed band by band, column by column as on the whole matrix (the
+    median bit for bit; torch may sum a narrower block's rows in another order, so the others
+    to float64 rounding); the distances and norms that Krum, norm_bound and centered_clip
+    need are summed over the bands first. A model of up to `combine.ONE_BAND` values is one
+    band: exactly the whole matrix's computation."""
     name = cfg["aggregator.robust_rule"]
     if name == "none":
         return None
