@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from fedcore.comm.connections import ConnectionGuard, _address, _peer_string, address_cap
+from fedcore.comm.connections import ConnectionGuard, _address, _peer_string, address_cap, peer_key
 
 
 def test_address_cap_is_a_quarter_of_the_total_at_least_16_unless_configured():
@@ -68,4 +68,53 @@ def test_a_sweep_closes_the_connections_beyond_an_addresss_cap_but_not_admitted_
     assert said == [bytes.fromhex("000008" "07" "00" "00000000" "00000000" "0000000b")] * 3
     assert guard.loop.later and guard.loop.later[-1][0] >= 1.0   # the next sweep is scheduled
     for s in dialled + accepted + [listener]:
+        s.close()
+
+
+def test_peers_are_the_same_connection_however_grpc_writes_them():
+    # gRPC 1.85 writes an IPv6 peer with its brackets escaped; older releases did not
+    assert _address("ipv6:%5B::1%5D:5") == _address("ipv6:[::1]:5") == ("::1", 5)
+    assert peer_key("ipv6:%5B::1%5D:5") == peer_key(_peer_string(("::1", 5)))
+    assert peer_key("ipv4:127.0.0.1:7") == ("127.0.0.1", 7) and peer_key("unix:/x") == "unix:/x"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the guard counts sockets in /proc/self/fd")
+def test_an_ipv6_sweep_keeps_the_admitted_connection_named_as_grpc_names_it():
+    from types import SimpleNamespace
+
+    from fedcore.comm.sessions import CallAdmission
+    try:
+        listener = socket.create_server(("::1", 0), family=socket.AF_INET6)
+    except OSError as exc:
+        pytest.skip(f"no IPv6 loopback here: {exc}")
+    dialled = [socket.create_connection(listener.getsockname()[:2]) for _ in range(5)]
+    accepted = [listener.accept()[0] for _ in dialled]
+    # the accepted ends' peers are five connections from ::1, over a cap of 2; the last one
+    # (the highest descriptor, the first the sweep would close) was admitted, recorded under
+    # the peer string gRPC 1.85 gives it (brackets escaped)
+    host, port = dialled[-1].getsockname()[:2]
+    sessions = SimpleNamespace(_admitted_peers={})
+    sessions._admitted_peers[peer_key(f"ipv6:%5B{host}%5D:{port}")] = None
+    guard = ConnectionGuard(_Loop(), lambda peer: CallAdmission._admitted_on(sessions, peer), per_address=2)
+    guard._sweep()
+    assert not _closed(dialled[-1])                   # the admitted connection is kept
+    assert all(_closed(s) for s in dialled[:-1])       # the others beyond the cap are closed
+    for s in dialled + accepted + [listener]:
+        s.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the guard counts sockets in /proc/self/fd")
+def test_a_descriptor_reused_since_the_scan_is_left_alone_and_tls_gets_no_plaintext_goaway():
+    listener = socket.create_server(("127.0.0.1", 0))
+    a = socket.create_connection(listener.getsockname())
+    server_end = listener.accept()[0]
+    guard = ConnectionGuard(_Loop(), lambda peer: False, goaway=False)
+    # the descriptor now holds another peer than the one scanned: not written, not shut
+    assert not guard._shut(("127.0.0.1", 1), server_end.fileno())
+    assert not _closed(a)
+    # the right peer: shut down, and without TLS access no bytes are written into its stream
+    said = []
+    assert guard._shut(server_end.getpeername()[:2], server_end.fileno())
+    assert _closed(a, said) and said == [b""]
+    for s in (a, server_end, listener):
         s.close()

@@ -412,8 +412,8 @@ def test_a_rapid_reset_or_header_flood_is_closed_fast_and_keeps_no_client_out(tm
     # An outsider opens token-less calls on 8 connections as fast as its socket allows, each
     # reset at once (rapid reset) or left open (header flood), reopening every connection the
     # server closes. Each client has its own process, so a connection may open 4 streams
-    # (distribute.max_streams_per_connection); each is sent GOAWAY (ENHANCE_YOUR_CALM) and
-    # closed at its 4th refused call, the calls it still has queued are ended unread, so the
+    # (distribute.max_streams_per_connection); each is sent GOAWAY (ENHANCE_YOUR_CALM: the
+    # server is plaintext here, under TLS it could not be) and closed at its 4th refused call, the calls it still has queued are ended unread, so the
     # course goes on through every window of the flood, the server's memory comes back, and a
     # client started during the flood joins. The rate it keeps (at least half, against a
     # control) is a speed figure: bench/flood_rate.py.

@@ -16,11 +16,13 @@ that opens calls faster than the handler can refuse them (rapid reset, header fl
 closed at its BURST-th refusal; gRPC's own limit on a connection's open streams
 (`grpc.max_concurrent_streams`, set by the server) bounds the calls it queues meanwhile,
 and those reach the handler as `closing` peers', ended unread. gRPC's asyncio API cannot
-send GOAWAY on one connection, so the guard writes the frame itself on the socket before
-shutting it down (ENHANCE_YOUR_CALM, last stream 0: none of the connection's calls was
-served): the socket is gRPC's, so where gRPC's own last frame was cut short by a full
-socket buffer the GOAWAY lands inside it, and a peer whose buffer is full gets none (the
-write never waits); either way the connection ends.
+send GOAWAY on one connection, so on a plaintext server (`distribute.insecure`) the guard
+writes the frame itself on the socket before shutting it down (ENHANCE_YOUR_CALM, last
+stream 0: none of the connection's calls was served): the socket is gRPC's, so where
+gRPC's own last frame was cut short by a full send buffer the GOAWAY lands inside it, and
+with the buffer full there is none (the write never waits). Under TLS the frame would have
+to go through gRPC's TLS session, which the guard cannot reach: the connection just ends.
+Either way it ends.
 
 gRPC has no cap per peer address either, so the guard counts the sockets of each address
 every SWEEP_EVERY seconds (less often if counting takes more than a tenth of that; scans
@@ -34,8 +36,10 @@ import os
 import socket
 import time
 from typing import Callable
+from urllib.parse import unquote
 
-__all__ = ["RESERVED_FILES", "ADDRESS_SHARE", "GOAWAY_CALM", "connection_cap", "address_cap", "ConnectionGuard"]
+__all__ = ["RESERVED_FILES", "ADDRESS_SHARE", "GOAWAY_CALM", "connection_cap", "address_cap", "peer_key",
+           "ConnectionGuard"]
 
 
 RESERVED_FILES = 64   # descriptors kept for the server's own files (outputs, logs, libraries)
@@ -81,15 +85,21 @@ def _peer_string(address: tuple[str, int]) -> str:
 
 
 def _address(peer: str) -> tuple[str, int] | None:
-    """gRPC's peer string ("ipv4:1.2.3.4:5", "ipv6:[::1]:5") as (host, port)."""
+    """gRPC's peer string ("ipv4:1.2.3.4:5", "ipv6:[::1]:5", or as gRPC 1.85 writes it,
+    "ipv6:%5B::1%5D:5") as (host, port)."""
     kind, _, rest = peer.partition(":")
     if kind not in ("ipv4", "ipv6"):
         return None
-    host, _, port = rest.rpartition(":")
+    host, _, port = unquote(rest).rpartition(":")
     try:
         return host.strip("[]"), int(port)
     except ValueError:
         return None
+
+
+def peer_key(peer: str):
+    """What identifies a peer's connection whatever way its string was written: (host, port)."""
+    return _address(peer) or peer
 
 
 def _peer_of(fd: int) -> tuple[str, int] | None:
@@ -103,25 +113,32 @@ def _peer_of(fd: int) -> tuple[str, int] | None:
         os.close(dup)
         return None
     try:
-        peer = s.getpeername()
-        if not isinstance(peer, tuple):
-            return None
-        host = peer[0]   # gRPC listens on IPv6 sockets: its IPv4 peers are mapped addresses
-        return (host[7:] if host.startswith("::ffff:") else host, peer[1])
-    except OSError:
-        return None
+        return _peer_of_socket(s)
     finally:
         s.close()
+
+
+def _peer_of_socket(s: socket.socket) -> tuple[str, int] | None:
+    try:
+        peer = s.getpeername()
+    except OSError:
+        return None
+    if not isinstance(peer, tuple):
+        return None
+    host = peer[0]   # gRPC listens on IPv6 sockets: its IPv4 peers are mapped addresses
+    return (host[7:] if host.startswith("::ffff:") else host, peer[1])
 
 
 class ConnectionGuard:
     """Closes, on the server's event loop, the connections whose calls were refused and those
     beyond their address's cap (`per_address`, None: no cap)."""
 
-    def __init__(self, loop, admitted: Callable[[str], bool], per_address: int | None = None):
+    def __init__(self, loop, admitted: Callable[[str], bool], per_address: int | None = None,
+                 goaway: bool = True):
         self.loop = loop
         self.admitted = admitted       # whether a call was ever admitted on this peer's connection
         self.per_address = per_address
+        self.goaway = goaway           # plaintext only: under TLS the frame would have to be encrypted
         self.closed = 0                # connections closed for their refusals
         self.over_cap = 0              # connections closed beyond their address's cap
         self._fds: dict[tuple[str, int], int] = {}
@@ -172,19 +189,28 @@ class ConnectionGuard:
                 del self._shut_at[next(iter(self._shut_at))]
 
     def _shut(self, address: tuple[str, int], fd: int) -> bool:
-        """Send GOAWAY (ENHANCE_YOUR_CALM) on the connection on `fd` and end it (gRPC then frees
-        it and its descriptor)."""
+        """Send GOAWAY (ENHANCE_YOUR_CALM) on the connection from `address` on `fd` and end it
+        (gRPC then frees it and its descriptor). The duplicate holds the connection, so its
+        peer, checked first, is the one written to: a descriptor gRPC closed and reused for a
+        new connection since the scan is left alone."""
         self._fds.pop(address, None)
         try:
             dup = os.dup(fd)
-            s = socket.socket(fileno=dup)
         except OSError:
             return False
         try:
-            try:   # never waits: a peer that reads nothing gets no GOAWAY, only the close
-                s.send(GOAWAY_CALM, socket.MSG_DONTWAIT)
-            except OSError:
-                pass
+            s = socket.socket(fileno=dup)
+        except OSError:   # not a socket any more
+            os.close(dup)
+            return False
+        try:
+            if _peer_of_socket(s) != address:
+                return False
+            if self.goaway:
+                try:   # never waits: with the send buffer full there is no GOAWAY, only the close
+                    s.send(GOAWAY_CALM, socket.MSG_DONTWAIT)
+                except OSError:
+                    pass
             s.shutdown(socket.SHUT_RDWR)
             return True
         except OSError:

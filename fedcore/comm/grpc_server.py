@@ -109,7 +109,7 @@ class GrpcServerComm(CallAdmission, Inbound):
         self._grace = 1.0
         self._handover: list = []         # events for the scheduler, gathered on the loop
         self._open: dict[int, int] = {}   # client id -> its calls still running (under _lock)
-        self._admitted_peers: dict[str, None] = {}   # connections that carried an admitted call
+        self._admitted_peers: dict = {}   # connections that carried an admitted call, by `peer_key`
         self.on_new_session: Callable[[int], None] = lambda client_id: None   # on the scheduler thread
         self.update_gate: Callable[[Message], bool] = lambda msg: True       # False: dropped unseen
 
@@ -187,7 +187,8 @@ class GrpcServerComm(CallAdmission, Inbound):
         await server.start()
         self._loop, self._stopping, self._grpc = loop, asyncio.Event(), server
         self._closer = ConnectionGuard(loop, self._admitted_on,
-                                       address_cap(self.cfg["distribute.max_connections_per_address"], cap))
+                                       address_cap(self.cfg["distribute.max_connections_per_address"], cap),
+                                       goaway=self.insecure)
         self._decoder = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="fedcore-decode")
         self._turns = Turns()
         bound.set_result(port)

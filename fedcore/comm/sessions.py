@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from fedcore.comm.async_outbox import AsyncOutbox
+from fedcore.comm.connections import peer_key
 from fedcore.comm.fingerprint import differing_keys
 from fedcore.comm.handover import NewSession
 from fedcore.comm.stream import MD_CLIENT_ID, MD_COURSE, MD_SESSION, MD_TOKEN
@@ -83,7 +84,7 @@ class CallAdmission:
 
     def _admitted_on(self, peer: str) -> bool:
         """Whether a call was ever admitted on `peer`'s connection (its refusals do not close it)."""
-        return peer in self._admitted_peers
+        return peer_key(peer) in self._admitted_peers
 
     def _authorized(self, cid: int, token: str) -> bool:
         expected = self.tokens.get(cid, self.token)
@@ -166,7 +167,7 @@ class CallAdmission:
                          f"it leaves or is silent for distribute.heartbeat_timeout={self.hb_timeout:g}s",
                          f"refused {peer}: a second session for client {cid}, whose session from "
                          f"{live.peer} is alive")
-        self._admitted_peers[peer] = None   # on the loop; the oldest forgotten beyond a fleet's worth
+        self._admitted_peers[peer_key(peer)] = None   # on the loop; the oldest forgotten beyond a fleet's worth
         if len(self._admitted_peers) > 4 * self.num_clients + 1024:
             del self._admitted_peers[next(iter(self._admitted_peers))]
         if how == "reconnected":  # a peer may reconnect on purpose, again and again
