@@ -99,9 +99,17 @@ def release_view(view: Any) -> None:
 
 def is_mapped(t: Any) -> bool:
     """Whether torch tensor `t` lies on a spooled mapping."""
-    start = t.data_ptr()
-    return any(address <= start < address + size and ref() is not None
-               for address, size, ref in list(_MAPPINGS.values()))
+    return _mapping_at(t.data_ptr()) is not None
+
+
+def _mapping_at(start: int) -> tuple[int, int, mmap.mmap] | None:
+    """(address, size, mapping) of the open spooled mapping that address `start` lies in."""
+    for address, size, ref in list(_MAPPINGS.values()):
+        if address <= start < address + size:
+            mm = ref()
+            if mm is not None and not mm.closed:
+                return address, size, mm
+    return None
 
 
 RELEASE_BEHIND = 2 ** 21   # bytes before a released span given back too (see `_release_span`)
@@ -113,15 +121,12 @@ def _release_span(start: int, nbytes: int) -> None:
     span's first read maps the tail of this one's last folio again, which its own release
     would not cover (read forward a span at a time, a quarter to a half of a file stayed
     resident)."""
-    end = start + nbytes
-    for address, size, ref in list(_MAPPINGS.values()):
-        if address <= start < address + size:
-            mm = ref()
-            if mm is not None and not mm.closed:
-                lo = max(0, (start - address - RELEASE_BEHIND) // PAGE * PAGE)
-                hi = min(size, end - address)
-                mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
-            return
+    found = _mapping_at(start)
+    if found is not None:
+        address, size, mm = found
+        lo = max(0, (start - address - RELEASE_BEHIND) // PAGE * PAGE)
+        hi = min(size, start + nbytes - address)
+        mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
 
 ALIGN = 64   # a parked tensor's offset in its file: aligned for any dtype (and SIMD loads)
