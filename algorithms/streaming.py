@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import logging
 import math
-import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -47,6 +47,7 @@ from fedcore.kernel.config import declare
 from fedcore.kernel.contract import Aggregator, ReceivedUpdate
 from fedcore.kernel.errors import ConfigError
 from fedcore.kernel.schema import clients_per_round
+from fedcore.kernel.server_state import worker_state
 
 log = logging.getLogger("fedcore.course")
 
@@ -219,8 +220,9 @@ def round_buffer(server) -> list | FoldingBuffer:
     why = _why_not(server)
     size = _model_bytes(server.aggregator)
     if why is not None:
-        if mode == "auto" and size >= AUTO_MIN_BYTES and server not in _TOLD:
-            _TOLD.add(server)   # said once, as the first round starts
+        told = server.state(StreamingState)
+        if mode == "auto" and size >= AUTO_MIN_BYTES and not told.said_not_folded:
+            told.said_not_folded = True   # said once, as the first round starts
             k = clients_per_round(server.course.cfg)
             log.warning("aggregator.streaming: updates are not folded (%s): a round holds its %d "
                         "updates until it aggregates them, %d x %.0f MB (a deployed server keeps "
@@ -232,7 +234,13 @@ def round_buffer(server) -> list | FoldingBuffer:
     return FoldingBuffer(server)
 
 
-_TOLD: "weakref.WeakSet" = weakref.WeakSet()   # servers told that a large model's rounds keep their list
+@worker_state("streaming")
+@dataclass
+class StreamingState:
+    """Whether the server has said that a large model's rounds keep their list (a restarted
+    server says it again)."""
+    transient = True
+    said_not_folded: bool = False
 
 
 def install(course) -> None:
