@@ -1,12 +1,13 @@
 """Flood: the rate a deployed course keeps under a flood of token-less calls.
 
-    python -m bench.flood_rate [--kind rapid-reset|header-flood|both] [--windows 8] [--window 3]
+    python -m bench.flood_rate [--kind rapid-reset|header-flood|both] [--windows 8] [--window 3] [--tls]
 
 A server and 3 clients, each its own process on loopback, run a small FedAvg course of
 endless rounds (`distribute.max_streams_per_connection: 4`). `tests.h2_attack` floods the
 server from its own process at the lowest CPU priority: 8 connections opening token-less
 calls as fast as their sockets allow, each reset at once (rapid reset) or left open (header
-flood), every connection the server closes opened again. The flood is paused and resumed
+flood), every connection the server closes opened again; with `--tls` the course and the
+flood speak TLS (certificates made for the run). The flood is paused and resumed
 (SIGSTOP, SIGCONT) in alternating windows, so the rest of the machine's load falls on both
 alike; the rate with the flood over the rate without it is the figure.
 
@@ -67,23 +68,31 @@ def _wait(what, seconds: float, label: str):
 
 
 class Course:
-    """The server and its 3 clients, each `python -m fedcore.run`, writing under `folder`."""
+    """The server and its 3 clients, each `python -m fedcore.run`, writing under `folder`;
+    over TLS where `tls` (the server's certificate checked by the clients, tokens admitting them)."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, tls: bool = False):
         self.folder, self.procs = folder, []
         cfg = folder / "course.yaml"
         cfg.write_text(yaml.safe_dump(COURSE))
         out = folder / "out"
         self.metrics = out / "metrics.jsonl"
+        server_tls, client_tls = [], []
+        if tls:
+            from fedcore.certs import make_certificates
+            files = make_certificates(folder / "certs", clients=0, days=1)
+            server_tls = ["distribute.insecure=false", f"distribute.tls.cert={files['server_cert']}",
+                          f"distribute.tls.key={files['server_key']}"]
+            client_tls = ["distribute.insecure=false", f"distribute.tls.ca={files['ca']}"]
         base = [sys.executable, "-m", "fedcore.run", "--cfg", str(cfg), "federate.mode=distributed"]
         self.server = self._start("server", base + ["distribute.role=server", "distribute.server_port=0",
-                                                    f"outdir={out}"])
+                                                    f"outdir={out}", *server_tls])
         address = _wait(lambda: (out / "server_address").exists() and (out / "server_address").read_text().strip(),
                         120, "the server to listen")
         self.port = int(address.rsplit(":", 1)[1])
         for k in (1, 2, 3):
             self._start(f"client{k}", base + ["distribute.role=client", f"distribute.server_port={self.port}",
-                                              f"distribute.client_id={k}"])
+                                              f"distribute.client_id={k}", *client_tls])
         _wait(lambda: self.rounds() >= 20, 120, "the course's first rounds")
 
     def _start(self, name: str, argv: list[str]) -> subprocess.Popen:
@@ -127,13 +136,14 @@ def windows(course: Course, disturber: subprocess.Popen, n: int, seconds: float)
     return out
 
 
-def measure(kind: str, n: int, seconds: float) -> tuple[dict, dict]:
+def measure(kind: str, n: int, seconds: float, tls: bool = False) -> tuple[dict, dict]:
     with tempfile.TemporaryDirectory(prefix="fedcore-flood-") as tmp:
-        course = Course(Path(tmp))
+        course = Course(Path(tmp), tls)
         try:
             report = Path(tmp) / "attack.json"
             attacker = subprocess.Popen([sys.executable, "-m", "tests.h2_attack", str(course.port), kind, "8",
-                                         str(n * (seconds + 0.5) + 30), str(report)], cwd=ROOT)
+                                         str(n * (seconds + 0.5) + 30), str(report), *(["tls"] if tls else [])],
+                                        cwd=ROOT)
             flood = windows(course, attacker, n, seconds)
             attacker.terminate()
             attacker.wait(60)
@@ -156,18 +166,19 @@ def main(argv=None) -> None:
     ap.add_argument("--kind", choices=["rapid-reset", "header-flood", "both"], default="both")
     ap.add_argument("--windows", type=int, default=8, help="alternating windows, half of them disturbed")
     ap.add_argument("--window", type=float, default=3.0, help="seconds a window is measured")
+    ap.add_argument("--tls", action="store_true", help="the course and the flood over TLS (needs the 'certs' extra)")
     args = ap.parse_args(argv)
     kinds = ["rapid-reset", "header-flood"] if args.kind == "both" else [args.kind]
     last = []
     for kind in kinds:
-        flood, control = measure(kind, args.windows, args.window)
+        flood, control = measure(kind, args.windows, args.window, args.tls)
         print(f"{kind}: {flood['rate_off']:.1f} rounds/s without the flood, {flood['rate_on']:.1f} with it "
               f"(ratio {flood['ratio']:.2f}; {flood['calls']:,} calls, {flood['closed']:,} connections closed "
               f"by the server); server {flood['server_cores_off']:.2f} -> {flood['server_cores_on']:.2f} cores, "
               f"attacker {flood['disturber_cores_on']:.2f} cores")
         print(f"{kind} control: a CPU loop at the attacker's priority ({control['disturber_cores_on']:.2f} cores) "
               f"left {control['ratio']:.2f} of the rate ({control['rate_off']:.1f} -> {control['rate_on']:.1f})")
-        last.append(f"flood_{kind.replace('-', '_')}_ratio={flood['ratio']:.2f} "
+        last.append(f"flood_{kind.replace('-', '_')}{'_tls' if args.tls else ''}_ratio={flood['ratio']:.2f} "
                     f"control_ratio={control['ratio']:.2f}")
     print(" ".join(last))
 

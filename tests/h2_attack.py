@@ -6,12 +6,14 @@ its simplest form: every header a literal without indexing, no Huffman coding.
 
 `StreamFlood` opens calls as fast as it can on a few connections, each reset at once by a
 RST_STREAM (rapid reset, CVE-2023-44487) or left open (header flood), and reconnects when the
-server closes a connection; it runs as its own process (`python -m tests.h2_attack`), at the
+server closes a connection, over TLS where the server speaks it (any certificate accepted:
+an outsider needs none); it runs as its own process (`python -m tests.h2_attack`), at the
 lowest CPU priority, standing in for an attacker on another machine.
 """
 from __future__ import annotations
 
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -32,10 +34,10 @@ def _literal(name: bytes, value: bytes) -> bytes:
     return b"\x00" + bytes([len(name)]) + name + bytes([len(value)]) + value
 
 
-def call_headers(port: int, stream: int, end_stream: bool = True) -> bytes:
+def call_headers(port: int, stream: int, end_stream: bool = True, scheme: bytes = b"http") -> bytes:
     """A HEADERS frame opening a fedcore Connect call with no token (and, by default, no body)."""
     block = b"".join(_literal(n, v) for n, v in [
-        (b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/fedcore.Fedcore/Connect"),
+        (b":method", b"POST"), (b":scheme", scheme), (b":path", b"/fedcore.Fedcore/Connect"),
         (b":authority", f"127.0.0.1:{port}".encode()), (b"content-type", b"application/grpc"),
         (b"te", b"trailers"), (b"fedcore-client-id", b"1")])
     return frame(HEADERS, END_HEADERS | (END_STREAM if end_stream else 0), stream, block)
@@ -131,21 +133,39 @@ def _goaways(data: bytes) -> tuple[int, bytes]:
     return n, data[at:]
 
 
+def tls_context() -> ssl.SSLContext:
+    """An outsider's TLS: HTTP/2 by ALPN, any server certificate accepted."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)   # no system roots loaded: none is checked
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    ctx.set_alpn_protocols(["h2"])
+    return ctx
+
+
+# reading a socket that has nothing yet: plain sockets raise the first, TLS ones the others
+_NOTHING_YET = (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
+
+
 class StreamFlood:
     """`conns` connections opening token-less calls in batches of `batch` as fast as the socket
-    takes them: each reset at once (`reset=True`, rapid reset) or left open (header flood).
-    A connection the server closes is reopened. Counts calls opened, connections closed by the
-    server, GOAWAY frames seen, and each connection's lifetime (seconds from its preface to
-    its close)."""
+    takes them: each reset at once (`reset=True`, rapid reset) or left open (header flood),
+    over TLS where `tls`. A connection the server closes is reopened. Counts calls opened,
+    connections closed by the server, GOAWAY frames seen, and each connection's lifetime
+    (seconds from its preface to its close)."""
 
-    def __init__(self, port: int, conns: int, reset: bool, batch: int = 100):
+    def __init__(self, port: int, conns: int, reset: bool, batch: int = 100, tls: bool = False,
+                 stop: threading.Event | None = None):
         self.port, self.conns, self.reset, self.batch = port, conns, reset, batch
+        self.tls = tls_context() if tls else None
+        self.scheme = b"https" if tls else b"http"
         self.calls = self.closed = self.goaways = self.stalled = 0
         self.lifetimes: list[float] = []
-        self.stop = threading.Event()
+        self.stop = stop or threading.Event()
 
     def _open(self):
         s = socket.create_connection(("127.0.0.1", self.port), timeout=10)
+        if self.tls is not None:
+            s = self.tls.wrap_socket(s)   # the handshake, blocking (10 s at most)
         s.sendall(PREFACE + frame(SETTINGS, 0, 0) + frame(SETTINGS, ACK, 0))
         return {"sock": s, "stream": 1, "opened": time.monotonic(), "rx": b""}
 
@@ -154,7 +174,7 @@ class StreamFlood:
         s, data = conn["sock"], []
         for _ in range(self.batch):
             sid = conn["stream"]
-            data.append(call_headers(self.port, sid, end_stream=False))
+            data.append(call_headers(self.port, sid, end_stream=False, scheme=self.scheme))
             if self.reset:
                 data.append(frame(RST_STREAM, 0, sid, struct.pack(">I", CANCEL)))
             conn["stream"] = sid + 2
@@ -166,7 +186,7 @@ class StreamFlood:
                     return False
                 n, conn["rx"] = _goaways(conn["rx"] + got)
                 self.goaways += n
-        except BlockingIOError:
+        except _NOTHING_YET:
             pass
         except OSError:
             return False
@@ -204,7 +224,7 @@ class StreamFlood:
 
 
 def main(argv=None) -> None:
-    """python -m tests.h2_attack PORT (rapid-reset|header-flood) CONNS SECONDS REPORT.json
+    """python -m tests.h2_attack PORT (rapid-reset|header-flood) CONNS SECONDS REPORT.json [tls]
 
     Runs at the lowest CPU priority, standing in for an attacker on another machine: what is
     measured is what its calls cost the server, not the CPU its own process takes. Ends after
@@ -213,10 +233,12 @@ def main(argv=None) -> None:
     import os
     import signal
     import sys
-    port, kind, conns, seconds, report = (argv or sys.argv[1:])
+    args = argv or sys.argv[1:]
+    port, kind, conns, seconds, report = args[:5]
     os.nice(19)
-    flood = StreamFlood(int(port), int(conns), reset=kind == "rapid-reset")
-    signal.signal(signal.SIGTERM, lambda *_: flood.stop.set())
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    flood = StreamFlood(int(port), int(conns), reset=kind == "rapid-reset", tls=args[5:] == ["tls"], stop=stop)
     flood.run(float(seconds))
     lifetimes = sorted(flood.lifetimes)
     with open(report, "w") as fh:
