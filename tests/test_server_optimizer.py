@@ -384,3 +384,39 @@ def test_the_server_step_is_the_textbook_expression_bit_for_bit(kind):
                 assert metrics == {"server_pseudo_grad_norm": norm(agg[n] - x[n] for n in x),
                                    "server_update_norm": norm(steps.values())}
                 x = new
+
+
+@pytest.mark.parametrize("kind", ["sgd", "sgdm", "nesterov", "adam", "yogi", "adagrad"])
+def test_a_large_entry_is_stepped_band_by_band_to_the_same_bits(kind, monkeypatch):
+    # Past server_optimizer.BAND values an entry is stepped a band at a time (a band's
+    # temporaries, not a model's). Every value goes through the textbook expression's
+    # operations, so the new model and the moments are the same bits; only the norms' squares
+    # are summed in another order (float64 rounding). Bands of 1,000 values here stand in for
+    # 2^20: 2,345 values make two whole bands and a short one.
+    import fedcore.runtime.server_optimizer as so
+    monkeypatch.setattr(so, "BAND", 1000)
+    g = torch.Generator().manual_seed(11)
+    for bias_correction in (False, True):
+        opt = ServerOptimizer(kind, 0.3, bias_correction=bias_correction)
+        state = {"t": 0}
+        x = {"w": torch.randn(2345, generator=g), "b": torch.randn(7, generator=g)}
+        for r in range(3):
+            agg = {k: v + torch.randn(v.shape, generator=g) * (0.01 if r % 2 else 3.0) for k, v in x.items()}
+            state["t"] += 1
+            steps = {n: _textbook_step(opt, state, n, agg[n] - x[n]) for n in x}
+            before = {k: dict(getattr(opt, k)) for k in ("m", "v")}
+            kept = {k: {n: t.clone() for n, t in before[k].items()} for k in before}
+            new, metrics = opt.apply(x, agg, ["w", "b"])
+            assert all(torch.equal(new[n], x[n] + steps[n]) for n in x), (kind, bias_correction, r)
+            for n in x:   # the moments too, and the old ones were not written in place
+                if ("m", n) in state and kind != "sgd":
+                    assert torch.equal(opt.m[n], state[("m", n)])
+                if ("v", n) in state:
+                    assert torch.equal(opt.v[n], state[("v", n)])
+                for k in ("m", "v"):
+                    if n in before[k]:
+                        assert before[k][n] is not getattr(opt, k)[n] and torch.equal(before[k][n], kept[k][n])
+            norm = lambda ts: math.sqrt(sum(float(t.double().square().sum()) for t in ts))  # noqa: E731
+            assert metrics["server_pseudo_grad_norm"] == pytest.approx(norm(agg[n] - x[n] for n in x), rel=1e-12)
+            assert metrics["server_update_norm"] == pytest.approx(norm(steps.values()), rel=1e-12)
+            x = new

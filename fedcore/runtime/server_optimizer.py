@@ -30,6 +30,7 @@ import torch
 from fedcore.kernel.config import declare, positive, validator
 from fedcore.kernel.hooks import Wrapper
 from fedcore.kernel.errors import ConfigError
+from fedcore.wire.spooled import release
 
 __all__ = ["ServerOptimizer", "KINDS", "from_config", "install", "l2_norm", "optimized_names"]
 
@@ -110,20 +111,28 @@ class ServerOptimizer:
         return {name: self._update(name, d) for name, d in deltas.items()}
 
     def _update(self, name: str, delta: torch.Tensor) -> torch.Tensor:
+        step, m, v = self._moments(delta, self.m.get(name), self.v.get(name))
+        if m is not None:
+            self.m[name] = m
+        if v is not None:
+            self.v[name] = v
+        return step
+
+    def _moments(self, delta: torch.Tensor, m: torch.Tensor | None,
+                 v: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(u, m', v') for `delta`, a whole entry or a band of one, from the moments before
+        (None at the first step); `m` and `v` are read, never written."""
         kind, lr = self.kind, self.lr
         if kind == "sgd":
-            return lr * delta
+            return lr * delta, None, None
         if kind in ("sgdm", "nesterov"):
-            m = self.m.get(name)
             m = delta if m is None else self.momentum * m + delta
-            self.m[name] = m
-            return lr * (delta + self.momentum * m) if kind == "nesterov" else lr * m
+            return (lr * (delta + self.momentum * m) if kind == "nesterov" else lr * m), m, None
         # b1 m + (1 - b1) d and the rest, with the temporaries reused in place: the very same
         # operations (products commute exactly), a few models fewer alive at once
         b1, b2 = self.beta1, self.beta2
-        m = self.m.get(name, torch.zeros_like(delta)) * b1
+        m = (torch.zeros_like(delta) if m is None else m) * b1
         m.add_(delta * (1 - b1))
-        v = self.v.get(name)
         if v is None:
             v = torch.full_like(delta, self.tau ** 2)
         sq = delta * delta
@@ -136,13 +145,13 @@ class ServerOptimizer:
             v = v - sq.mul_(1 - b2).mul_(sign)
             del sign
         del sq
-        self.m[name], self.v[name] = m, v
+        moments = m, v
         if self.bias_correction:
             m = m / (1 - b1 ** self.t)
             root = (v / (1 - b2 ** self.t)).sqrt_() if kind != "adagrad" else v.sqrt()
         else:
             root = v.sqrt()
-        return (m * lr).div_(root.add_(self.tau))
+        return (m * lr).div_(root.add_(self.tau)), *moments
 
     def apply(self, x: dict[str, torch.Tensor], aggregate: dict[str, torch.Tensor],
               names: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
@@ -157,6 +166,11 @@ class ServerOptimizer:
         deltas_sq = steps_sq = 0.0
         with torch.no_grad():
             for n in (n for n in names if n in aggregate):
+                if _banded(aggregate[n], x[n]):
+                    new[n], squares = self._apply_banded(n, x[n], aggregate[n])
+                    deltas_sq += squares[0]
+                    steps_sq += squares[1]
+                    continue
                 delta = aggregate[n] - x[n]
                 deltas_sq += _square_sum(delta)
                 step = self._update(n, delta)
@@ -165,6 +179,41 @@ class ServerOptimizer:
                 new[n] = x[n] + step
         return new, {"server_pseudo_grad_norm": math.sqrt(deltas_sq),
                      "server_update_norm": math.sqrt(steps_sq)}
+
+    def _apply_banded(self, name: str, x: torch.Tensor,
+                      aggregate: torch.Tensor) -> tuple[torch.Tensor, tuple[float, float]]:
+        """x + u(aggregate - x) for one large entry, BAND values at a time: the new moments and
+        the result are written band by band into tensors of their own (the old moments stay
+        as they are for a snapshot that may restore them), so the pseudo-gradient, the step
+        and their temporaries take a band each, not a model each. Each value goes through the
+        same operations as in `_update`; the norms' squares are summed band by band."""
+        adaptive, momentum = self.kind in ADAPTIVE, self.kind != "sgd"
+        old_m, old_v = self.m.get(name), self.v.get(name)
+        out = torch.empty_like(aggregate)
+        new_m = torch.empty_like(aggregate) if momentum else None
+        new_v = torch.empty_like(aggregate) if adaptive else None
+        flat = lambda t: None if t is None else t.view(-1)  # noqa: E731
+        xs, ys, outs, ms, vs, new_ms, new_vs = map(flat, (x, aggregate, out, old_m, old_v, new_m, new_v))
+        deltas_sq = steps_sq = 0.0
+        for at in range(0, ys.numel(), BAND):
+            band = slice(at, at + BAND)
+            delta = ys[band] - xs[band]
+            deltas_sq += _square_sum(delta)
+            step, m, v = self._moments(delta, None if ms is None else ms[band], None if vs is None else vs[band])
+            if m is not None:
+                new_ms[band].copy_(m)
+            if v is not None:
+                new_vs[band].copy_(v)
+            del delta, m, v
+            steps_sq += _square_sum(step)
+            torch.add(xs[band], step, out=outs[band])
+            release(xs[band])   # a parked global model's pages go back once read (wire/spooled.py)
+            release(ys[band])
+        if momentum:
+            self.m[name] = new_m
+        if adaptive:
+            self.v[name] = new_v
+        return out, (deltas_sq, steps_sq)
 
     def snapshot(self) -> dict[str, Any]:
         """The state as `load_state_dict` takes it, holding the moments themselves, not copies
@@ -180,6 +229,17 @@ class ServerOptimizer:
         self.m = {k: v.clone() for k, v in state.get("m", {}).items()}
         self.v = {k: v.clone() for k, v in state.get("v", {}).items()}
         self.t = int(state.get("t", 0))
+
+
+BAND = 2 ** 20   # values of a large entry stepped at a time (a float32 band's temporaries: ~4 MiB each)
+
+
+def _banded(aggregate: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether an entry is stepped a band at a time: more than one band of values, both
+    tensors contiguous and alike (smaller entries keep the whole-tensor step, and their norms
+    stay the same sums bit for bit)."""
+    return (aggregate.numel() > BAND and aggregate.is_contiguous() and x.is_contiguous()
+            and aggregate.shape == x.shape and aggregate.dtype == x.dtype and aggregate.device == x.device)
 
 
 def l2_norm(tensors) -> float:
