@@ -80,8 +80,10 @@ class ExcludeEntries:
 
 def local_train(trainer: Trainer, client_id: int, data, steps: int, seed: int,
                 penalty: Callable[[], torch.Tensor] | None = None) -> int:
-    """`steps` SGD steps of the plain local loss (+ `penalty`) on the model as loaded.
-    A fresh optimizer and batch stream: nothing of the round's training state is touched."""
+    """`steps` SGD steps of the plain local loss (+ `penalty`) on the model as loaded, each
+    on `train.grad_accum_steps` micro-batches as the trainer's own steps are (each loss
+    weighted by its share of the step's samples, the penalty once). A fresh optimizer and
+    batch stream: nothing of the round's training state is touched."""
     train = data.train
     if not len(train) or steps <= 0:
         return 0
@@ -92,14 +94,17 @@ def local_train(trainer: Trainer, client_id: int, data, steps: int, seed: int,
     trainer.model.train()
     work = 0
     for _ in range(steps):
-        idx = stream.next()
+        batches = [stream.next() for _ in range(trainer.grad_accum)]
+        total = sum(len(idx) for idx in batches)
         opt.zero_grad(set_to_none=True)
-        loss = Trainer.objective(trainer, train.x[idx].to(trainer.device), train.y[idx].to(trainer.device))
-        if penalty is not None:
-            loss = loss + penalty()
-        loss.backward()
+        for i, idx in enumerate(batches):
+            loss = Trainer.objective(trainer, train.x[idx].to(trainer.device), train.y[idx].to(trainer.device))
+            loss = loss * (len(idx) / total)   # one micro-batch: x 1.0, the loss unchanged
+            if penalty is not None and i == len(batches) - 1:
+                loss = loss + penalty()
+            loss.backward()
         opt.step()
-        work += len(idx)
+        work += total
     return work
 
 

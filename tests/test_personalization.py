@@ -157,14 +157,14 @@ def _record_fits(course) -> list[tuple[int, int]]:
     return fits
 
 
-def _local_ditto_round(model, train, seed: int, r: int, cid: int, momentum: float) -> None:
+def _local_ditto_round(model, train, seed: int, r: int, cid: int, momentum: float, accum: int = 1) -> None:
     """Ditto's personal update of round `r` with lambda = 0: 3 SGD steps (lr 0.1) on the client's
-    own loss, on its v-stream of batches of 10."""
+    own loss, each on the mean loss over the next `accum` batches of 10 of its v-stream."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
     batches = BatchStream(len(train), 10, seed * 1009 + 3 * r + 1, cid)
     model.train()
     for _ in range(3):
-        idx = batches.next()
+        idx = torch.cat([torch.as_tensor(batches.next()) for _ in range(accum)]) if accum > 1 else batches.next()
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(train.x[idx]), train.y[idx]).backward()
         opt.step()
@@ -227,6 +227,34 @@ def test_each_rounds_personalized_evaluation_sees_the_personal_models_of_that_ro
         losses = [evaluate_model(m, course.clients[c].data.test.x, course.clients[c].data.test.y,
                                  "cross_entropy")["loss"] for c, m in sorted(models.items())]
         assert record["client_test_loss_mean"] == pytest.approx(sum(losses) / len(losses), rel=1e-6), r
+
+
+def test_a_ditto_personal_step_takes_the_trainers_micro_batches():
+    # With train.grad_accum_steps = 2 a global step's gradient is that of the mean loss over two
+    # micro-batches; a personal step is the same kind of step: the mean loss over the union of
+    # the next two batches of the v-stream (here computed as one batch of 20: the same mean up
+    # to float rounding; a model without BatchNorm, whose batch statistics would tell the two apart).
+    cfg = small_cfg(None, personalization__method="ditto", personalization__ditto_lambda=0.0,
+                    federate__sample_client_num=3, train__local_steps=3, train__grad_accum_steps=2,
+                    train__optimizer__momentum=0.5,
+                    **dict(SKEWED, federate__total_round_num=3, model__type="mlp"))
+    course = Course(cfg).build()
+    w0 = {k: v.clone() for k, v in course.server.aggregator.global_state.items()}
+    fits = _record_fits(course)
+    course.run()
+    for cid in {k for k, _ in fits}:
+        model = copy.deepcopy(course.trainer.model)
+        model.load_state_dict(w0)
+        for r in (r for k, r in fits if k == cid):
+            _local_ditto_round(model, course.clients[cid].data.train, cfg["seed"], r, cid, momentum=0.5, accum=2)
+        personal = course.trainer.store.load(cid)["ditto_model"]
+        for k, v in model.state_dict().items():
+            assert torch.allclose(personal[k], v, rtol=0, atol=1e-6), (cid, k)
+        one_batch = copy.deepcopy(course.trainer.model)   # and not the old one micro-batch a step
+        one_batch.load_state_dict(w0)
+        for r in (r for k, r in fits if k == cid):
+            _local_ditto_round(one_batch, course.clients[cid].data.train, cfg["seed"], r, cid, momentum=0.5)
+        assert any((personal[k] - v).abs().max() > 1e-4 for k, v in one_batch.state_dict().items()), cid
 
 
 def test_a_never_trained_ditto_client_is_evaluated_with_the_initial_model():

@@ -25,7 +25,8 @@ declare("train.scheduler.type", str, "none", "client LR schedule over the client
 declare("train.scheduler.warmup_steps", int, 0, "cosine: optimizer steps of linear warmup",
         check=non_negative)
 declare("train.scheduler.total_steps", int, None, "cosine: optimizer steps (warmup included) "
-        "after which the LR stays at min_lr_ratio x lr",
+        "after which the LR stays at min_lr_ratio x lr; counted within each fit, or over the "
+        "course with train.preserve_optimizer_state",
         check=lambda v: None if v >= 1 else "must be >= 1")
 declare("train.scheduler.min_lr_ratio", float, 0.0, "cosine: final LR as a fraction of lr",
         check=lambda v: None if 0 <= v <= 1 else "must be in [0, 1]")
@@ -37,8 +38,11 @@ def _check_scheduler(cfg) -> None:
         return
     total = cfg["train.scheduler.total_steps"]
     if total is None:
-        raise ConfigError("train.scheduler.total_steps: required by train.scheduler.type=cosine "
-                          "(set it to the optimizer steps a client takes over the course)")
+        over = ("the optimizer steps a client takes over the course" if cfg["train.preserve_optimizer_state"]
+                else "the optimizer steps of one fit: the schedule starts again with each fit unless "
+                     "train.preserve_optimizer_state is true")
+        raise ConfigError(f"train.scheduler.total_steps: required by train.scheduler.type=cosine "
+                          f"(set it to {over})")
     if cfg["train.scheduler.warmup_steps"] > total:
         raise ConfigError(f"train.scheduler.warmup_steps: {cfg['train.scheduler.warmup_steps']} "
                           f"exceeds train.scheduler.total_steps {total}")
