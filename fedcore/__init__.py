@@ -8,7 +8,14 @@ returns a `fedcore.api.RunResult`; `fedcore.configure(...)` builds a validated
 config without running it. Both import torch only when called, so importing
 fedcore (and its torch-free wire) stays light.
 """
+import os as _os
+
 __version__ = "0.1.0"
+
+# gRPC writes an INFO line for every failed TLS handshake, as fast as outsiders fail them
+# (2.4 MB/s of log measured): only its errors, before any module here imports it, unless
+# GRPC_VERBOSITY says otherwise (it is read once, when gRPC is first imported)
+_os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 __all__ = ["run", "configure", "__version__"]
 

@@ -301,7 +301,11 @@ def main(argv: list[str] | None = None) -> int:
     tree = None
     if cfg["topology.edges"]:   # a hierarchical course: edge processes between server and clients
         from fedcore.deployment.launch_tree import LaunchTree
-        tree = LaunchTree(cfg, n)
+        try:
+            tree = LaunchTree(cfg, n)
+        except FedcoreError as exc:
+            print(f"fedcore: {exc}", file=sys.stderr)
+            return exc.exit_code
     if not any(cfg[k] for k in ("distribute.token", "distribute.tokens", "distribute.token_file",
                                 "distribute.tokens_file")) and not os.environ.get(TOKEN_ENV):
         tokens = {k: secrets.token_hex(16) for k in range(1, n + 1)}

@@ -110,10 +110,13 @@ class Hostile:
     """One stream to the server under a chosen id, token and session."""
 
     def __init__(self, pb, port: int, client_id: int, token: str, session: str = "hostile",
-                 course: str | None = None):
+                 course: str | None = None, own_connection: bool = False):
         self.pb = pb
+        # channels to one address share their connection unless each has its own subchannel pool
+        own = [("grpc.use_local_subchannel_pool", 1)] if own_connection else []
         self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[
-            ("grpc.max_receive_message_length", 64 * 2 ** 20), ("grpc.max_send_message_length", 64 * 2 ** 20)])
+            ("grpc.max_receive_message_length", 64 * 2 ** 20), ("grpc.max_send_message_length", 64 * 2 ** 20),
+            *own])
         self.md = [("fedcore-client-id", str(client_id)), ("fedcore-session", session),
                    ("authorization", f"Bearer {token}")]
         if course is not None:
@@ -125,6 +128,7 @@ class Hostile:
         self.status: grpc.StatusCode | None = None
         self.details = ""
         self._buf: dict[int, bytearray] = {}
+        self.welcomed = threading.Event()   # the server's welcome came: the call was admitted
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def start(self) -> "Hostile":
@@ -150,6 +154,8 @@ class Hostile:
 
     def _on_frame(self, raw: bytes) -> None:
         frame = self.pb.Frame.FromString(raw)
+        if frame.WhichOneof("kind") == "welcome":
+            self.welcomed.set()
         if frame.WhichOneof("kind") != "chunk":
             return
         c = frame.chunk

@@ -1,5 +1,6 @@
 """The connection guard's arithmetic and its per-address sweep, on real loopback sockets."""
 import socket
+import threading
 import sys
 
 import pytest
@@ -93,8 +94,9 @@ def test_an_ipv6_sweep_keeps_the_admitted_connection_named_as_grpc_names_it():
     # (the highest descriptor, the first the sweep would close) was admitted, recorded under
     # the peer string gRPC 1.85 gives it (brackets escaped)
     host, port = dialled[-1].getsockname()[:2]
-    sessions = SimpleNamespace(_admitted_peers={})
-    sessions._admitted_peers[peer_key(f"ipv6:%5B{host}%5D:{port}")] = None
+    peer = f"ipv6:%5B{host}%5D:{port}"   # client 1's live session is on it
+    sessions = SimpleNamespace(_admitted_peers={peer_key(peer): {1}}, _lock=threading.Lock(),
+                               sessions={1: SimpleNamespace(state="live", peer=peer)})
     guard = ConnectionGuard(_Loop(), lambda peer: CallAdmission._admitted_on(sessions, peer), per_address=2)
     guard._sweep()
     assert not _closed(dialled[-1])                   # the admitted connection is kept

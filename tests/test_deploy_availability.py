@@ -332,6 +332,71 @@ def test_connections_beyond_an_addresss_cap_are_closed_and_other_addresses_keep_
     assert refused["connections closed beyond their address's cap"] == 40
 
 
+def test_calls_to_a_method_the_server_does_not_serve_close_their_connection(tmp_path, procs):
+    # An outsider's connection sends a call to a made-up method every 0.3 s: gRPC would answer
+    # each itself (UNIMPLEMENTED) without the guard ever hearing of it, and the calls would
+    # keep the connection from gRPC's idle timeout (10 s) for as long as the outsider likes.
+    # The server refuses them as it refuses calls without a token: the connection is closed
+    # half a second after the first, and a client joins and finishes the course meanwhile.
+    from tests.h2_attack import call_headers, closed_by_server, idle_connections
+    cfg = write_cfg(tmp_path / "course.yaml", {**FAST, "federate.client_num": 1, "federate.total_round_num": 1})
+    out = tmp_path / "out"
+    server = procs.fedcore("server", cfg, "distribute.role=server", "distribute.server_port=0", f"outdir={out}")
+    port = server_port(out, server)
+    conn = idle_connections(port, 1)[0]
+    started, stream, closed = time.monotonic(), 1, False
+    while time.monotonic() - started < 8.0 and not closed:
+        try:
+            conn.send(call_headers(port, stream, path=b"/fedcore.Fedcore/Connecx"))
+        except OSError:
+            pass
+        stream += 2
+        time.sleep(0.3)
+        closed = closed_by_server(conn)
+    took = time.monotonic() - started
+    conn.close()
+    assert closed and took < 5.0, took   # the guard's doing: gRPC's idle timeout is 10 s away
+    client = procs.fedcore("client", cfg, "distribute.role=client", f"distribute.server_port={port}",
+                           "distribute.client_id=1")
+    assert wait_exit(server, 120) == 0, text(server)[-3000:]
+    assert wait_exit(client, 60) == 0, text(client)[-3000:]
+    refused = json.loads((out / "summary.json").read_text())["deployment"]["refused"]
+    assert refused["unknown method"] >= 1 and refused["connections closed after a refused call"] >= 1, refused
+    print(f"\nfigures: the connection was closed {took:.2f} s after its first call to an unknown method")
+
+
+def test_a_session_that_moves_to_another_connection_leaves_the_old_one_closed(tmp_path, procs):
+    # A token holder is admitted as client 3 on one connection after another, under one
+    # session (each admission a reconnect), keeping each connection it leaves busy. Only the
+    # connection its session is on now is a participant's: each one left behind is closed
+    # half a second later, so one token cannot hold a connection per admission (it held all
+    # 960 of a server at ulimit 1024 this way). Then the real client 3 joins and the course ends.
+    pb = load_proto(tmp_path / "proto")
+    out, server, port, client = _serve(procs, tmp_path, {"federate.total_round_num": 2})
+    honest = {k: client(k) for k in (1, 2)}
+    squatters = []
+    try:
+        for _ in range(5):
+            h = Hostile(pb, port, 3, "t", session="squat", own_connection=True).start()
+            h.heartbeat()
+            assert h.welcomed.wait(30), (h.status, h.details)   # admitted
+            squatters.append(h)
+            time.sleep(1.5)
+            for earlier in squatters[:-1]:   # still sending, as an attacker keeping them busy
+                earlier.heartbeat()
+        assert all(h.status is not None for h in squatters[:-1]), [h.status for h in squatters]
+        assert squatters[-1].status is None
+    finally:
+        for h in squatters:
+            h.close()
+    honest[3] = client(3)
+    assert wait_exit(server, 120) == 0, text(server)[-3000:]
+    for k, p in honest.items():
+        assert wait_exit(p, 60) == 0, text(p)[-3000:]
+    refused = json.loads((out / "summary.json").read_text())["deployment"]["refused"]
+    assert refused["connections closed after their session moved to another"] == 4, refused
+
+
 def _rss_kib(pid: int) -> int:
     for line in open(f"/proc/{pid}/status"):
         if line.startswith("VmRSS:"):

@@ -140,15 +140,15 @@ def test_a_peer_that_stops_reading_holds_at_most_three_streams_and_locks_no_one_
             yield beat
 
     md = [("fedcore-client-id", "2"), ("fedcore-session", "stuck"), ("authorization", "Bearer t")]
-    channels, calls = [], []
+    # one connection, none of whose streams is read, and whose receive window never grows
+    # (gRPC's bandwidth probe could take it to ~8 MB, room for the whole model, whose write
+    # would then not wait): each write waits for good. (Streams on connections of their own
+    # would not stay: a session that moves to another connection leaves the old one closed.)
+    channels = [grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.http2.bdp_probe", 0)])]
+    calls = []
     try:
-        for k in range(5):   # a connection of its own for each: none of them is read
-            # and none grows its receive window (gRPC's bandwidth probe could take it to ~8 MB, room
-            # for the whole model, whose write would then not wait): each write waits for good
-            channels.append(grpc.insecure_channel(f"127.0.0.1:{port}",
-                                                  options=[("grpc.use_local_subchannel_pool", 1),
-                                                           ("grpc.http2.bdp_probe", 0)]))
-            calls.append(channels[-1].stream_stream(METHOD)(frames([join] if k == 0 else []), metadata=md))
+        for k in range(5):
+            calls.append(channels[0].stream_stream(METHOD)(frames([join] if k == 0 else []), metadata=md))
             if k == 0:   # the round starts once both joined: the model's write then waits
                 wait_for(lambda: "client 1 joined the course" in text(server)
                          and "client 2 joined the course" in text(server), 60, "both clients to join")

@@ -140,6 +140,20 @@ def test_launch_starts_the_edges(tmp_path, procs):
         assert torch.allclose(deployed[entry], simulated[entry], rtol=0, atol=1e-6), entry
 
 
+@pytest.mark.parametrize("assignment", ["by_label", "by_profile"])
+def test_launch_refuses_an_assignment_no_deployed_process_can_make_in_one_line(tmp_path, procs, assignment):
+    """by_label and by_profile read every client's data or device profile: the launcher, which
+    holds neither, refuses them before starting anything, in one line (exit 2), as each
+    deployed process would."""
+    field = {"topology.profile_field": "latency"} if assignment == "by_profile" else {}
+    cfg = write_cfg(tmp_path / "course.yaml", {**COURSE, "topology.assign": assignment, **field})
+    launcher = procs.start("launch", ["-m", "fedcore.launch", *FORK, "--cfg", str(cfg), f"outdir={tmp_path / 'out'}"])
+    assert wait_exit(launcher, 120) == 2, text(launcher)[-3000:]
+    lines = text(launcher).strip().splitlines()
+    assert lines[-1].startswith(f"fedcore: topology.assign: {assignment} reads every client's data")
+    assert "Traceback" not in text(launcher)
+
+
 def test_launch_tokens_give_each_tier_only_its_own(tmp_path):
     """The launcher's tokens for a tree: the cloud accepts the edges' tokens only, each edge its
     own clients' only, and each edge alone holds the token the cloud accepts for it."""

@@ -141,6 +141,7 @@ class ConnectionGuard:
         self.goaway = goaway           # plaintext only: under TLS the frame would have to be encrypted
         self.closed = 0                # connections closed for their refusals
         self.over_cap = 0              # connections closed beyond their address's cap
+        self.left = 0                  # connections closed after their session moved to another
         self._fds: dict[tuple[str, int], int] = {}
         self._scanned = self._scan_took = 0.0
         self._pending: dict[str, int] = {}   # peer -> its refusals not yet acted on
@@ -160,6 +161,23 @@ class ConnectionGuard:
             self.loop.call_later(CLOSE_AFTER, self._close, peer)
         elif n == BURST:
             self.loop.call_soon(self._close, peer)
+
+    def left_behind(self, peer: str) -> None:
+        """A session admitted on `peer`'s connection moved to another: close it in CLOSE_AFTER
+        seconds unless a live session still uses it. Without this a token holder kept a
+        connection per admission of one id, each alive by being admitted on again."""
+        if self.enabled:
+            self.loop.call_later(CLOSE_AFTER, self._close_left, peer)
+
+    def _close_left(self, peer: str) -> None:
+        address = _address(peer)
+        if address is None or self.admitted(peer):
+            return
+        fd = self._find(address)
+        if fd is _LATER:
+            self.loop.call_later(SCAN_SHARE * self._scan_took, self._close_left, peer)
+        elif fd is not None and self._shut(address, fd, goaway=False):   # its calls were served
+            self.left += 1
 
     def closing(self, peer: str) -> bool:
         """Whether `peer`'s connection is being or was just closed for its refusals: its calls
@@ -188,9 +206,9 @@ class ConnectionGuard:
             while now - next(iter(self._shut_at.values())) > SHUT_MEMORY:
                 del self._shut_at[next(iter(self._shut_at))]
 
-    def _shut(self, address: tuple[str, int], fd: int) -> bool:
-        """Send GOAWAY (ENHANCE_YOUR_CALM) on the connection from `address` on `fd` and end it
-        (gRPC then frees it and its descriptor). The duplicate holds the connection, so its
+    def _shut(self, address: tuple[str, int], fd: int, goaway: bool = True) -> bool:
+        """Send GOAWAY (ENHANCE_YOUR_CALM, where `goaway` and the server is plaintext) on the
+        connection from `address` on `fd` and end it (gRPC then frees it and its descriptor). The duplicate holds the connection, so its
         peer, checked first, is the one written to: a descriptor gRPC closed and reused for a
         new connection since the scan is left alone."""
         self._fds.pop(address, None)
@@ -206,7 +224,7 @@ class ConnectionGuard:
         try:
             if _peer_of_socket(s) != address:
                 return False
-            if self.goaway:
+            if self.goaway and goaway:
                 try:   # never waits: with the send buffer full there is no GOAWAY, only the close
                     s.send(GOAWAY_CALM, socket.MSG_DONTWAIT)
                 except OSError:

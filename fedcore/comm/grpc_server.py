@@ -22,6 +22,7 @@ received message is decoded off the loop, so it never delays other clients.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import secrets
@@ -109,7 +110,7 @@ class GrpcServerComm(CallAdmission, Inbound):
         self._grace = 1.0
         self._handover: list = []         # events for the scheduler, gathered on the loop
         self._open: dict[int, int] = {}   # client id -> its calls still running (under _lock)
-        self._admitted_peers: dict = {}   # connections that carried an admitted call, by `peer_key`
+        self._admitted_peers: dict = {}   # `peer_key` -> ids of the sessions admitted on that connection
         self.on_new_session: Callable[[int], None] = lambda client_id: None   # on the scheduler thread
         self.update_gate: Callable[[Message], bool] = lambda msg: True       # False: dropped unseen
 
@@ -168,7 +169,9 @@ class GrpcServerComm(CallAdmission, Inbound):
                                  maximum_concurrent_rpcs=calls)
         handler = grpc.method_handlers_generic_handler(
             "fedcore.Fedcore", {"Connect": grpc.stream_stream_rpc_method_handler(self._connect)})
-        server.add_generic_rpc_handlers((handler,))
+        # every other method is refused here, not by gRPC itself: gRPC's own UNIMPLEMENTED
+        # never reaches the guard, so calls to a made-up method kept their connection open
+        server.add_generic_rpc_handlers((handler, _Unknown(self._unknown)))
         address = f"{self.host}:{self.port}"
         try:
             if self.insecure:
@@ -320,6 +323,16 @@ class GrpcServerComm(CallAdmission, Inbound):
                     if left:
                         self._open[s.client_id] = left
 
+    async def _unknown(self, method: str, request_iterator, context) -> None:
+        """A call to a method the server does not serve: refused like a call without a token
+        (counted, logged now and then, its connection closed unless a live session uses it)."""
+        peer = context.peer()
+        if self._closer.closing(peer):
+            return
+        self._closer.refused(peer)
+        self.quiet("unknown method", f"refused {peer}: unknown method {method[:80]!r}")
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "unknown method", REFUSED)
+
     async def _stream(self, s: Session, token, context) -> None:
         """An admitted stream: the welcome, then the outbox's frames, until the stream ends."""
         status = StreamStatus(Reassembler(self.max_message, self.chunk_size, self.spool_at, self.spool_dir))
@@ -368,3 +381,15 @@ def _finish_tasks(loop: asyncio.AbstractEventLoop) -> None:
         loop.run_until_complete(loop.shutdown_asyncgens())
     except Exception as exc:  # noqa: BLE001 - the server is stopping: say so, go on stopping
         log.debug("gRPC server loop: tasks left at stop: %s: %s", type(exc).__name__, exc)
+
+
+class _Unknown(grpc.GenericRpcHandler):
+    """Serves every method no other handler does, with `refuse(method, requests, context)`
+    (bytes in, nothing out: nothing of the call is decoded)."""
+
+    def __init__(self, refuse):
+        self.refuse = refuse
+
+    def service(self, details):
+        method = details.method if isinstance(details.method, str) else repr(details.method)
+        return grpc.stream_stream_rpc_method_handler(functools.partial(self.refuse, method))

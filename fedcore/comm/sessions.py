@@ -80,11 +80,23 @@ class CallAdmission:
             counts["connections closed after a refused call"] = closer.closed
         if closer is not None and closer.over_cap:
             counts["connections closed beyond their address's cap"] = closer.over_cap
+        if closer is not None and closer.left:
+            counts["connections closed after their session moved to another"] = closer.left
         return dict(sorted(counts.items()))
 
     def _admitted_on(self, peer: str) -> bool:
-        """Whether a call was ever admitted on `peer`'s connection (its refusals do not close it)."""
-        return peer_key(peer) in self._admitted_peers
+        """Whether `peer`'s connection carries a live session now (its refusals do not close it,
+        nor does its address's cap). A connection whose sessions all ended is judged like any
+        other: a token holder cannot keep connections by having been admitted on them once."""
+        ids = self._admitted_peers.get(peer_key(peer))
+        if not ids:
+            return False
+        with self._lock:
+            for cid in ids:
+                s = self.sessions.get(cid)
+                if s is not None and s.state == "live" and peer_key(s.peer) == peer_key(peer):
+                    return True
+        return False
 
     def _authorized(self, cid: int, token: str) -> bool:
         expected = self.tokens.get(cid, self.token)
@@ -157,7 +169,7 @@ class CallAdmission:
                     how = "connected"
                 else:
                     how = "reconnected"
-                s.peer, s.last_seen = peer, time.monotonic()
+                before, s.peer, s.last_seen = s.peer, peer, time.monotonic()
                 s.streams += 1
                 self._open[cid] = busy + 1
                 token_ = s.outbox.claim()
@@ -167,9 +179,13 @@ class CallAdmission:
                          f"it leaves or is silent for distribute.heartbeat_timeout={self.hb_timeout:g}s",
                          f"refused {peer}: a second session for client {cid}, whose session from "
                          f"{live.peer} is alive")
-        self._admitted_peers[peer_key(peer)] = None   # on the loop; the oldest forgotten beyond a fleet's worth
+        key = peer_key(peer)   # on the loop; moved last, so the oldest forgotten beyond a fleet's worth
+        self._admitted_peers[key] = self._admitted_peers.pop(key, set()) | {cid}   # are not in use
         if len(self._admitted_peers) > 4 * self.num_clients + 1024:
             del self._admitted_peers[next(iter(self._admitted_peers))]
+        closer = getattr(self, "_closer", None)
+        if how == "reconnected" and peer_key(before) != key and closer is not None:
+            closer.left_behind(before)
         if how == "reconnected":  # a peer may reconnect on purpose, again and again
             self.quiet_info(f"reconnected {cid}", f"client {cid} reconnected from {peer}", logging.INFO)
         else:

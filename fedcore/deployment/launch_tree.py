@@ -20,7 +20,7 @@ import yaml
 
 from fedcore.comm.stream import write_secret
 from fedcore.deployment.edge_process import CLOUD_TOKEN_ENV, address_file
-from fedcore.runtime.topology import assign
+from fedcore.runtime.topology import assign, check_deployable_assignment
 
 __all__ = ["LaunchTree"]
 
@@ -30,6 +30,7 @@ class LaunchTree:
     processes (`start`, once the cloud listens)."""
 
     def __init__(self, cfg, n: int):
+        check_deployable_assignment(cfg)
         self.topology = assign(cfg.with_overrides(federate__client_num=n), list(range(1, n + 1)))
         self.edge_extra: dict[int, list[str]] = {e: [] for e in self.topology.edges}
         self.edge_env: dict[int, dict] = {e: dict(os.environ) for e in self.topology.edges}

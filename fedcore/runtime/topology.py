@@ -22,7 +22,7 @@ from fedcore.kernel.config import validator
 from fedcore.kernel.errors import ConfigError, IncompleteCourseError
 from fedcore.kernel.message import SERVER_ID
 
-__all__ = ["Topology", "assign", "check", "tier_graph", "TierLinks", "TIERS", "ASSIGNMENTS"]
+__all__ = ["Topology", "assign", "check", "check_deployable_assignment", "tier_graph", "TierLinks", "TIERS", "ASSIGNMENTS"]
 
 TIERS = ("client_edge", "edge_cloud")
 ASSIGNMENTS = ("contiguous", "random", "by_label", "by_profile")
@@ -52,10 +52,8 @@ def _check_topology_keys(cfg) -> None:
         if cfg["topology.cloud_buffer"] > edges:
             raise ConfigError(f"topology.cloud_buffer: {cfg['topology.cloud_buffer']} edge updates "
                               f"per aggregation, but only {edges} edges")
-    if cfg.get("distribute.role") and cfg["topology.assign"] not in ("contiguous", "random"):
-        raise ConfigError(f"topology.assign: {cfg['topology.assign']} reads every client's data or "
-                          "device profile, which no deployed process holds; deployed, use "
-                          "contiguous or random")
+    if cfg.get("distribute.role"):
+        check_deployable_assignment(cfg)
     if cfg.get("distribute.role") and cfg["eval.clients"]:
         raise ConfigError("eval.clients: deployed, the clients of a hierarchical course talk only to "
                           "their edges, which do not relay evaluation; set eval.clients=false (the "
@@ -102,6 +100,15 @@ class Topology:
     def describe(self) -> dict[str, Any]:
         """The tree as written to the summary: edge id -> its client ids."""
         return {str(e): members for e, members in self.edges.items()}
+
+
+def check_deployable_assignment(cfg) -> None:
+    """Deployed (or launched), clients can only be placed by id: the other rules read data and
+    device profiles that no one process holds."""
+    if cfg["topology.assign"] not in ("contiguous", "random"):
+        raise ConfigError(f"topology.assign: {cfg['topology.assign']} reads every client's data or "
+                          "device profile, which no deployed process holds; deployed, use "
+                          "contiguous or random")
 
 
 def assign(cfg, client_ids: list[int], data=None, timing=None) -> Topology:
