@@ -10,8 +10,10 @@ hold them all. gRPC's asyncio API shows a call's peer ("ipv4:10.0.0.7:51324")
 but offers no way to close its connection, so `ConnectionGuard` finds the
 socket with that peer among the process's descriptors and shuts it down a
 moment after the refusal (time for the status to reach the peer); gRPC sees
-the connection end and frees it. Only connections that never carried an
-admitted call are closed this way: those that produce nothing but refusals. A connection
+the connection end and frees it. Only connections that no live session uses
+are closed this way: those that produce nothing but refusals (calls to a method the server
+does not serve count as refusals too: gRPC would answer those itself, unseen). A connection
+a session moved away from (it reconnected on another) is closed likewise. A connection
 that opens calls faster than the handler can refuse them (rapid reset, header floods) is
 closed at its BURST-th refusal; gRPC's own limit on a connection's open streams
 (`grpc.max_concurrent_streams`, set by the server) bounds the calls it queues meanwhile,
@@ -27,7 +29,7 @@ Either way it ends.
 gRPC has no cap per peer address either, so the guard counts the sockets of each address
 every SWEEP_EVERY seconds (less often if counting takes more than a tenth of that; scans
 for a refused peer's socket are paced alike) and shuts down, from an address holding more than its cap, the
-connections beyond it that never carried an admitted call. Linux only (`/proc/self/fd`);
+connections beyond it that no live session uses. Linux only (`/proc/self/fd`);
 elsewhere refused connections are left to gRPC's idle timeout and addresses are not capped.
 """
 from __future__ import annotations
@@ -136,7 +138,7 @@ class ConnectionGuard:
     def __init__(self, loop, admitted: Callable[[str], bool], per_address: int | None = None,
                  goaway: bool = True):
         self.loop = loop
-        self.admitted = admitted       # whether a call was ever admitted on this peer's connection
+        self.admitted = admitted       # whether a live session uses this peer's connection
         self.per_address = per_address
         self.goaway = goaway           # plaintext only: under TLS the frame would have to be encrypted
         self.closed = 0                # connections closed for their refusals
@@ -238,7 +240,7 @@ class ConnectionGuard:
 
     def _sweep(self) -> None:
         """Count each address's connections; from one holding more than `per_address`, close
-        the newest of those beyond the cap that never carried an admitted call."""
+        the newest of those beyond the cap that no live session uses."""
         try:
             if len(os.listdir("/proc/self/fd")) > self.per_address:   # else no address can exceed it
                 self._scan()

@@ -74,7 +74,7 @@ declare("distribute.max_connections", int, None, "server: connections taken at o
         "closed as they come (default: the open-files limit less 64, kept for the server's own "
         "files)", check=positive)
 declare("distribute.max_connections_per_address", int, None, "server: connections one peer address "
-        "may hold; those beyond it that never carried an admitted call are closed within a second "
+        "may hold; those beyond it that no live session uses are closed within a second "
         "(default: a quarter of distribute.max_connections' value, at least 16; Linux only)",
         check=positive)
 declare("distribute.max_streams_per_connection", int, None, "server: calls one connection may have "
