@@ -64,3 +64,26 @@ def test_a_course_runs_over_mutual_tls_with_the_files_made(tmp_path, procs):
         assert wait_exit(client, 60) == 0, text(client)[-3000:]
     assert "insecure" not in text(server)
     assert (out / "summary.json").is_file() and len((out / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_tls_files_that_do_not_fit_are_refused_in_one_line_naming_the_key(tmp_path, procs):
+    # gRPC rejects a key that is not the certificate's only as the server starts, which the
+    # server then reported as a port it could not listen on; the files are checked first.
+    from fedcore.comm.stream import check_tls_files
+    from fedcore.kernel.errors import ConfigError
+    files = {k: str(v) for k, v in make_certificates(tmp_path / "certs", clients=1).items()}
+    check_tls_files({"cert": files["server_cert"], "key": files["server_key"], "ca": files["ca"]}, server=True)
+    check_tls_files({"cert": files["client_1_cert"], "key": files["client_1_key"], "ca": files["ca"]}, server=False)
+    with pytest.raises(ConfigError, match=r"^distribute\.tls\.key: .*key values mismatch"):
+        check_tls_files({"cert": files["server_cert"], "key": files["client_1_key"]}, server=True)
+    with pytest.raises(ConfigError, match=r"^distribute\.tls\.key: "):
+        check_tls_files({"cert": files["ca_key"], "key": files["server_key"]}, server=True)
+    with pytest.raises(ConfigError, match=r"^distribute\.tls\.ca: .* holds no PEM certificate"):
+        check_tls_files({"ca": files["server_key"]}, server=False)
+    cfg = write_cfg(tmp_path / "course.yaml", {"distribute.token": "t"})
+    server = procs.fedcore("server", cfg, "distribute.role=server", "distribute.server_port=0",
+                           f"outdir={tmp_path / 'out'}", f"distribute.tls.cert={files['server_cert']}",
+                           f"distribute.tls.key={files['client_1_key']}")
+    assert wait_exit(server, 120) == 2
+    lines = text(server).strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fedcore: distribute.tls.key: "), lines

@@ -41,7 +41,7 @@ from fedcore.comm.fingerprint import fingerprint
 from fedcore.comm.handover import Delivery, Raise
 from fedcore.comm.stream import (METHOD, MD_CLIENT_ID, MD_COURSE, MD_REFUSED, MD_SESSION, MD_TOKEN, Outbox,
                                  allowed_silence, bye_frame, channel_credentials, grpc_options,
-                                 heartbeat_frame, parse_frame, read_token)
+                                 heartbeat_frame, parse_frame, read_token, check_tls_files)
 from fedcore.kernel.errors import EXIT_SERVER_GONE, ConfigError, FedcoreError
 from fedcore.kernel.message import SERVER_ID, Message
 from fedcore.runtime.quiet import QuietLog
@@ -87,6 +87,8 @@ class GrpcClientComm(ClientInbound):
         self.address = f"{d['server_host']}:{d['server_port']}"
         self.insecure = d["insecure"]
         self.tls = {k: d.get(f"tls.{k}") for k in ("cert", "key", "ca")}
+        if not self.insecure:
+            check_tls_files(self.tls, server=False)
         self.server_name = d["tls.server_name"]
         self.chunk_size = d["chunk_size"]
         # a course's client: bounds from its model, once built (`set_bounds`); nothing past the

@@ -42,7 +42,7 @@ from fedcore.comm.handover import Arrival
 from fedcore.comm.server_inbound import Inbound, StreamStatus
 from fedcore.comm.sessions import OPEN_PER_ID, CallAdmission, Refused, Session
 from fedcore.comm.stream import (REFUSED, allowed_silence, grpc_options, heartbeat_frame, read_token,
-                                 read_tokens, server_credentials)
+                                 read_tokens, server_credentials, check_tls_files)
 from fedcore.comm.metrics_gate import MetricsGate
 from fedcore.comm.turns import TURN_BYTES, Turns
 from fedcore.kernel.errors import ConfigError
@@ -80,6 +80,8 @@ class GrpcServerComm(CallAdmission, Inbound):
         self.host, self.port = d["server_host"], d["server_port"]
         self.insecure = d["insecure"]
         self.tls = {k: d.get(f"tls.{k}") for k in ("cert", "key", "ca")}
+        if not self.insecure:
+            check_tls_files(self.tls, server=True)
         self.token = read_token(d)
         self.tokens = read_tokens(d, self.num_clients)
         self.chunk_size = d["chunk_size"]

@@ -23,7 +23,7 @@ from fedcore.wire.codec import WireError
 from fedcore.wire import fedcore_pb2 as pb
 
 __all__ = ["METHOD", "OwnedQueue", "Outbox", "heartbeat_frame", "bye_frame", "parse_frame", "grpc_options",
-           "server_credentials", "channel_credentials", "MD_TOKEN", "MD_CLIENT_ID", "MD_SESSION",
+           "server_credentials", "channel_credentials", "check_tls_files", "MD_TOKEN", "MD_CLIENT_ID", "MD_SESSION",
            "MD_COURSE", "TOKEN_ENV", "REFUSED_NOTICE", "read_token", "read_tokens", "allowed_silence"]
 
 METHOD = "/fedcore.Fedcore/Connect"
@@ -267,6 +267,34 @@ def _read(key: str, path: str | None) -> bytes | None:
     if not p.is_file():
         raise ConfigError(f"{key}: file '{p}' does not exist")
     return p.read_bytes()
+
+
+def check_tls_files(tls: dict, server: bool) -> None:
+    """Refuse, in one line, TLS files gRPC would reject only once it starts (a server then
+    reports a port it cannot listen on, a client a server it cannot reach): the certificate
+    and key must load as a pair, the CA as certificates."""
+    import ssl
+    cert, key, ca = tls.get("cert"), tls.get("key"), tls.get("ca")
+    _read("distribute.tls.cert", cert), _read("distribute.tls.key", key), _read("distribute.tls.ca", ca)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
+    if cert and key:
+        try:
+            ctx.load_cert_chain(cert, key)
+        except (ssl.SSLError, ValueError) as exc:
+            raise ConfigError(f"distribute.tls.key: '{key}' and distribute.tls.cert '{cert}' are not a PEM "
+                              f"certificate and its own private key ({_ssl_reason(exc)})") from None
+    if ca:
+        try:
+            ctx.load_verify_locations(cafile=ca)
+        except (ssl.SSLError, ValueError) as exc:
+            raise ConfigError(f"distribute.tls.ca: '{ca}' holds no PEM certificate ({_ssl_reason(exc)})") from None
+
+
+def _ssl_reason(exc: Exception) -> str:
+    """OpenSSL's reason, readable: 'key values mismatch', 'pem lib', ..."""
+    import re
+    reason = getattr(exc, "reason", None) or re.sub(r"^\[\w+\]\s*|\s*\(_ssl\.c:\d+\)$", "", str(exc))
+    return (reason or type(exc).__name__).replace("_", " ").lower()
 
 
 def server_credentials(tls: dict) -> grpc.ServerCredentials:
