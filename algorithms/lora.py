@@ -177,13 +177,11 @@ def _cut(a: torch.Tensor, b: torch.Tensor, rank: int) -> tuple[torch.Tensor, tor
 
 
 def install(course) -> None:
-    """Report the parameter counts; give clients their ranks and the server exact aggregation."""
+    """Give clients their ranks and the server exact aggregation (the summary's parameter
+    counts, the adapters' against the whole model's, are every course's: runtime/course.py)."""
     cfg = course.cfg
     trainer, server = getattr(course, "trainer", None), getattr(course, "server", None)
     model = trainer.model if trainer is not None else server.model
-    if server is not None and hasattr(model, "parameter_counts"):
-        trainable, total = model.parameter_counts()
-        course.monitor.add_summary("lora", {"trainable_params": trainable, "total_params": total})
     if cfg["model.lora.r"] == 0:
         return
     pairs = lora_pairs(model.state_dict())

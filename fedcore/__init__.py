@@ -32,6 +32,15 @@ def configure(cfg_or_path=None, /, **overrides):
     return _configure(cfg_or_path, **overrides)
 
 
+def __getattr__(name: str):
+    """`fedcore.api` without importing it first (`fedcore.api.RunResult.load(outdir)`), still
+    without importing torch until it is used."""
+    if name == "api":
+        import importlib
+        return importlib.import_module("fedcore.api")
+    raise AttributeError(f"module 'fedcore' has no attribute {name!r}")
+
+
 # ---------------------------------------------------------------- the old module names
 # The modules live in role subpackages (kernel, execution, runtime, deployment, comm, wire).
 # Code written against the flat layout (`import fedcore.runtime.course`, `python -m fedcore.kernel.key_index`)

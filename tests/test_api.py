@@ -16,6 +16,20 @@ SMALL = {"seed": 0, "verbose": False,
          "train": {"batch_size": 10, "optimizer": {"lr": 0.1}}}
 
 
+def test_the_summary_counts_the_models_parameters_and_a_run_reads_back_from_fedcore_api(tmp_path):
+    # the contract's summary fields for every course: SMALL's model is one Linear 8 -> 3,
+    # 8 x 3 weights and 3 biases, all trained; then, in a fresh interpreter, `import fedcore`
+    # alone gives fedcore.api.RunResult.load (the docs' way to read a run back)
+    import subprocess
+    import sys
+    result = fedcore.run(SMALL, outdir=str(tmp_path / "a"))
+    assert result.summary["trainable_params"] == result.summary["total_params"] == 8 * 3 + 3
+    read = subprocess.run([sys.executable, "-c", "import sys, fedcore; r = fedcore.api.RunResult.load(sys.argv[1]); "
+                           "print(r.summary['total_params'])", str(tmp_path / "a")],
+                          capture_output=True, text=True, timeout=120)
+    assert read.returncode == 0 and read.stdout.strip() == "27", read.stderr[-2000:]
+
+
 def test_result_holds_what_the_run_wrote(tmp_path):
     result = fedcore.run(SMALL, outdir=str(tmp_path / "a"), train__optimizer__lr=0.2)
     assert result.outdir == tmp_path / "a"

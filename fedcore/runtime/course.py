@@ -230,6 +230,11 @@ class Course:
         self.behaviours = registry.selected_behaviours(self.cfg)
         for name in self.behaviours:
             registry.behaviours.get(name)(self)
+        server = getattr(self, "server", None)
+        if server is not None:   # every course's summary: what the global model holds, what trains
+            params = list(server.model.parameters())   # a shared tensor once
+            self.monitor.add_summary("model", {"trainable_params": sum(p.numel() for p in params if p.requires_grad),
+                                               "total_params": sum(p.numel() for p in params)})
 
     @property
     def tables(self) -> list[HandlerTable]:
