@@ -30,6 +30,15 @@ def _is_ip(host: str) -> bool:
         return False
 
 
+def _is_dns_name(host: str) -> bool:
+    """A DNS name a certificate may carry: labels of letters, digits and inner hyphens, at most
+    63 characters each and 253 in all, the first possibly a wildcard."""
+    import re
+    labels = host[2:].split(".") if host.startswith("*.") else host.split(".")
+    return (0 < len(host) <= 253
+            and all(re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?", label) for label in labels))
+
+
 def make_certificates(folder: str | Path, hosts: list[str] = ("localhost", "127.0.0.1"),
                       clients: int = 1, days: int = 365, force: bool = False) -> dict[str, Path]:
     """Write a CA, a server certificate for `hosts` and `clients` client certificates into
@@ -44,6 +53,10 @@ def make_certificates(folder: str | Path, hosts: list[str] = ("localhost", "127.
                           'pip install "fedcore[certs]"') from None
     if not hosts:
         raise ConfigError("--hosts: name at least one host name or address the server is reached at")
+    for host in hosts:
+        if not (_is_ip(host) or _is_dns_name(host)):
+            raise ConfigError(f"--hosts: '{host}' is neither an IP address nor a DNS name (letters, "
+                              "digits and hyphens, dot-separated; '*.' may start it)")
     if clients < 0 or days < 1:
         raise ConfigError("--clients must be >= 0 and --days >= 1")
     folder = Path(folder)
@@ -131,11 +144,14 @@ def main(argv: list[str] | None = None) -> int:
     d = Path(args.folder)
     print(f"wrote a CA, a server certificate for {', '.join(args.hosts)} and {args.clients} client "
           f"certificate(s) to {d}/ (keep ca.key off the course's machines)")
-    print(f"  server: distribute.tls.cert={d / 'server.pem'} distribute.tls.key={d / 'server.key'} "
-          f"distribute.tls.ca={d / 'ca.pem'}")
-    if args.clients:
+    server = f"  server: distribute.tls.cert={d / 'server.pem'} distribute.tls.key={d / 'server.key'}"
+    if args.clients:   # the CA on the server asks every client for a certificate (mutual TLS)
+        print(f"{server} distribute.tls.ca={d / 'ca.pem'}")
         print(f"  client K: distribute.tls.ca={d / 'ca.pem'} distribute.tls.cert={d / 'client-K.pem'} "
               f"distribute.tls.key={d / 'client-K.key'}")
+    else:              # no client certificates: TLS with tokens, the server's CA not set
+        print(server)
+        print(f"  clients: distribute.tls.ca={d / 'ca.pem'} (and a token)")
     return EXIT_OK
 
 

@@ -87,3 +87,17 @@ def test_tls_files_that_do_not_fit_are_refused_in_one_line_naming_the_key(tmp_pa
     assert wait_exit(server, 120) == 2
     lines = text(server).strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("fedcore: distribute.tls.key: "), lines
+
+
+def test_host_names_are_checked_and_no_client_certificates_means_no_ca_on_the_server(tmp_path, capsys):
+    from fedcore.kernel.errors import ConfigError
+    with pytest.raises(ConfigError, match=r"^--hosts: 'bad host!' is neither an IP address nor a DNS name"):
+        make_certificates(tmp_path / "a", ["bad host!"])
+    make_certificates(tmp_path / "b", ["*.example.org", "fl-1.example.org", "10.0.0.7", "::1"], clients=0)
+    # with no client certificate made, the server line has no CA (a CA on the server demands
+    # client certificates: mutual TLS no client could pass); the clients get it to check the server
+    assert main([str(tmp_path / "c"), "--clients", "0"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    server = next(line for line in out if line.strip().startswith("server:"))
+    assert "distribute.tls.ca" not in server
+    assert any(line.strip().startswith("clients: distribute.tls.ca=") for line in out)

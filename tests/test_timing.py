@@ -113,6 +113,16 @@ def test_json_trace_and_bad_traces(tmp_path):
         build({"type": "trace", "path": str(bad)})
 
 
+def test_a_trace_column_no_profile_field_has_is_named_in_a_warning(tmp_path, caplog):
+    # a misspelt column is ignored (a real trace may carry more columns), but not unseen
+    f = tmp_path / "devices.csv"
+    f.write_text("compute_sped,upload_bandwidth,model\n10,100,a\n")
+    with caplog.at_level("WARNING", logger="fedcore.timing"):
+        p = build({"type": "trace", "path": str(f)}, ids=[1])
+    assert p[1].compute_speed == DeviceProfile().compute_speed and p[1].upload_bandwidth == 100
+    assert "columns ignored: compute_sped, model" in caplog.text
+
+
 def test_time_formulas():
     tm = TimeModel({1: DeviceProfile(compute_speed=200, upload_bandwidth=1000, download_bandwidth=4000,
                                      latency=0.5),

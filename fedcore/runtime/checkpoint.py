@@ -47,8 +47,8 @@ declare("checkpoint.keep", int, None, "newest checkpoints kept in checkpoint.pat
         "removed once a new one is complete (0: all; default: all in simulation, 2 on a deployed "
         "server)", check=non_negative)
 declare("resume_from", str, None, "a checkpoint file (round_<k>.pt) to resume a course from, or "
-        "latest: the newest complete one in checkpoint.path (a corrupted one is skipped for the "
-        "one before it)")
+        "latest: the newest complete one in checkpoint.path (either way, a round_<k>.pt that does "
+        "not load is skipped, with a warning line, for the newest older one beside it)")
 
 
 @validator

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -235,8 +236,14 @@ def read_trace(path: str | Path) -> list[dict[str, float]]:
     if not rows:
         raise ConfigError(f"time.profiles.path: trace '{p}' has no devices")
     out = []
+    known = PROFILE_FIELDS + ("client_id",)
+    ignored = sorted({str(k).strip() for row in rows for k in row if k and str(k).strip() not in known})
+    if ignored:   # a real trace may carry more (device names, ...); a misspelt field must not pass unseen
+        logging.getLogger("fedcore.timing").warning(
+            "time.profiles.path: trace '%s': columns ignored: %s (known: %s)", p, ", ".join(ignored[:8]),
+            ", ".join(known))
     for i, row in enumerate(rows):
-        keep = {k.strip(): v for k, v in row.items() if k and k.strip() in PROFILE_FIELDS + ("client_id",)}
+        keep = {k.strip(): v for k, v in row.items() if k and k.strip() in known}
         if not (set(keep) & set(PROFILE_FIELDS)):
             raise ConfigError(f"time.profiles.path: trace '{p}' row {i + 1} has none of the fields "
                               f"{', '.join(PROFILE_FIELDS)}")

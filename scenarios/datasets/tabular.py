@@ -22,7 +22,8 @@ def csv_dataset(cfg) -> RawDataset:
         raise ConfigError("data.root: csv data needs data.root=<path to the .csv file>")
     path = Path(root).expanduser()
     if not path.is_file():
-        raise ConfigError(f"data.root: csv file '{path}' does not exist; expected a CSV file with a "
+        what = "is a directory" if path.is_dir() else "does not exist"
+        raise ConfigError(f"data.root: csv file '{path}' {what}; expected a CSV file with a "
                           f"header row and a '{cfg['data.label_column']}' column")
     label_col, client_col = cfg["data.label_column"], cfg["data.client_column"]
     with path.open(newline="") as f:
