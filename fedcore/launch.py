@@ -339,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     starter.watch(guardian)
     port = "0"
     ports: dict[int, str] = {}   # with edges: the port of each client's edge
+    if cfg.source("distribute.server_port") != "default":
+        print(f"fedcore.launch: distribute.server_port={cfg['distribute.server_port']} ignored: the launcher "
+              "gives its server a free loopback port (written to server_address)", file=sys.stderr, flush=True)
 
     def start_server(first: bool) -> subprocess.Popen:
         again = [] if first else ["resume_from=latest"]   # the same course, on the same port
