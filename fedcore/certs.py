@@ -31,12 +31,13 @@ def _is_ip(host: str) -> bool:
 
 
 def _is_dns_name(host: str) -> bool:
-    """A DNS name a certificate may carry: labels of letters, digits and inner hyphens, at most
-    63 characters each and 253 in all, the first possibly a wildcard."""
+    """A DNS name a certificate may carry: labels of letters, digits, underscores (found in
+    internal names) and inner hyphens, at most 63 characters each and 253 in all, the first
+    possibly a wildcard."""
     import re
     labels = host[2:].split(".") if host.startswith("*.") else host.split(".")
     return (0 < len(host) <= 253
-            and all(re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?", label) for label in labels))
+            and all(re.fullmatch(r"\w([\w-]{0,61}\w)?", label, re.ASCII) for label in labels))
 
 
 def make_certificates(folder: str | Path, hosts: list[str] = ("localhost", "127.0.0.1"),
@@ -56,7 +57,8 @@ def make_certificates(folder: str | Path, hosts: list[str] = ("localhost", "127.
     for host in hosts:
         if not (_is_ip(host) or _is_dns_name(host)):
             raise ConfigError(f"--hosts: '{host}' is neither an IP address nor a DNS name (letters, "
-                              "digits and hyphens, dot-separated; '*.' may start it)")
+                              "digits, underscores and hyphens, dot-separated, no final dot; '*.' may "
+                              "start it)")
     if clients < 0 or days < 1:
         raise ConfigError("--clients must be >= 0 and --days >= 1")
     folder = Path(folder)

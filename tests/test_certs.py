@@ -101,3 +101,31 @@ def test_host_names_are_checked_and_no_client_certificates_means_no_ca_on_the_se
     server = next(line for line in out if line.strip().startswith("server:"))
     assert "distribute.tls.ca" not in server
     assert any(line.strip().startswith("clients: distribute.tls.ca=") for line in out)
+
+
+def test_the_tls_file_check_takes_what_grpc_takes_and_names_an_encrypted_key(tmp_path):
+    # The check is whether the files fit, not Python's policy: a 1024-bit RSA key (which gRPC
+    # accepts, and Python's default security level refuses) passes. An encrypted key, which gRPC cannot
+    # use, is refused in one line, without asking for a passphrase.
+    import datetime
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+    from cryptography.x509.oid import NameOID
+    from fedcore.comm.stream import check_tls_files
+    from fedcore.kernel.errors import ConfigError
+    key = rsa.generate_private_key(public_exponent=65537, key_size=1024)
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(1).not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
+            .sign(key, hashes.SHA256()))
+    (tmp_path / "weak.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (tmp_path / "weak.key").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                          serialization.NoEncryption()))
+    (tmp_path / "locked.key").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                            serialization.BestAvailableEncryption(b"secret")))
+    check_tls_files({"cert": str(tmp_path / "weak.pem"), "key": str(tmp_path / "weak.key"),
+                     "ca": str(tmp_path / "weak.pem")}, server=True)
+    with pytest.raises(ConfigError, match=r"^distribute\.tls\.key: '.*locked\.key' is encrypted"):
+        check_tls_files({"cert": str(tmp_path / "weak.pem"), "key": str(tmp_path / "locked.key")}, server=True)

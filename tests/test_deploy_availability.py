@@ -397,6 +397,55 @@ def test_a_session_that_moves_to_another_connection_leaves_the_old_one_closed(tm
     assert refused["connections closed after their session moved to another"] == 4, refused
 
 
+def test_a_session_may_not_hop_back_to_a_connection_it_left(tmp_path, procs):
+    # A connection a session left is closed half a second later unless a live session uses it
+    # then; a session hopping back in time would keep it (a token holder kept 10 connections
+    # under one id so). Coming back within REVISIT seconds is refused, so the connection ends.
+    from fedcore.comm.sessions import REVISIT
+    pb = load_proto(tmp_path / "proto")
+    out, server, port, client = _serve(procs, tmp_path, {"federate.total_round_num": 1,
+                                                         "distribute.heartbeat_timeout": 30.0})
+    md = [("fedcore-client-id", "3"), ("fedcore-session", "hop"), ("authorization", "Bearer t")]
+    beat = pb.Frame(heartbeat=pb.Heartbeat(sent_at=0.0)).SerializeToString()
+    stop = threading.Event()
+
+    def beats():
+        while not stop.wait(0.1):
+            yield beat
+
+    def call(channel):
+        rpc = channel.stream_stream(METHOD)(beats(), metadata=md)
+        first = next(iter(rpc))   # the welcome, or the refusal raised here
+        assert pb.Frame.FromString(first).WhichOneof("kind") == "welcome"
+        return rpc
+
+    a, b = (grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)])
+            for _ in range(2))
+    states = []   # a's connectivity: READY while its connection is up, IDLE once the server closed it
+    a.subscribe(states.append)
+    try:
+        call(a)
+        on_b = call(b)                 # the session moves to b: a is left
+        with pytest.raises(grpc.RpcError) as back:
+            call(a)                    # back to a at once, before its closing
+        assert back.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert "moved off this connection" in back.value.details() and f"{REVISIT:g}s" in back.value.details()
+        wait_for(lambda: states and states[-1] != grpc.ChannelConnectivity.READY, 10,
+                 "the server to close the connection left behind")
+        assert not on_b.done()
+    finally:
+        stop.set()
+        for ch in (a, b):
+            ch.close()
+    interrupt(server)
+    assert wait_exit(server, 60) == 130, text(server)[-3000:]
+    refused = json.loads((out / "summary.json").read_text())["deployment"]["refused"]
+    assert refused["session back on a connection it left"] == 1, refused
+    # closed as left behind, or for the refusal on it, whichever came first
+    assert (refused.get("connections closed after their session moved to another", 0)
+            + refused.get("connections closed after a refused call", 0)) >= 1, refused
+
+
 def _rss_kib(pid: int) -> int:
     for line in open(f"/proc/{pid}/status"):
         if line.startswith("VmRSS:"):

@@ -420,3 +420,26 @@ def test_a_large_entry_is_stepped_band_by_band_to_the_same_bits(kind, monkeypatc
             assert metrics["server_pseudo_grad_norm"] == pytest.approx(norm(agg[n] - x[n] for n in x), rel=1e-12)
             assert metrics["server_update_norm"] == pytest.approx(norm(steps.values()), rel=1e-12)
             x = new
+
+
+def test_moments_laid_out_otherwise_keep_the_whole_entry_step(monkeypatch):
+    # moments left non-contiguous by a step on transposed tensors (a checkpoint of another
+    # layout): the next, contiguous round cannot step them band by band (a band is a slice of
+    # the flat tensor) and takes the whole-entry step, with the same numbers
+    import fedcore.runtime.server_optimizer as so
+    monkeypatch.setattr(so, "BAND", 100)
+    g = torch.Generator().manual_seed(5)
+    for kind in ("sgdm", "adam"):
+        opt, state = ServerOptimizer(kind, 0.3), {"t": 0}
+        x = torch.randn(30, 20, generator=g)
+        agg = x + torch.randn(30, 20, generator=g)
+        state["t"] += 1
+        step = _textbook_step(opt, state, "w", agg.t() - x.t())
+        new, _ = opt.apply({"w": x.t()}, {"w": agg.t()}, ["w"])
+        assert torch.equal(new["w"], x.t() + step) and not opt.m["w"].is_contiguous()
+        x2 = new["w"].contiguous()
+        agg2 = x2 + torch.randn(20, 30, generator=g)
+        state["t"] += 1
+        step = _textbook_step(opt, state, "w", agg2 - x2)
+        new, _ = opt.apply({"w": x2}, {"w": agg2}, ["w"])
+        assert torch.equal(new["w"], x2 + step), kind

@@ -40,6 +40,7 @@ class Session:
     streams: int = 0              # streams opened by this session (1 + reconnects)
     receiving: bool = False       # one of its messages is half-received (a slow link may be busy)
     calls: set = field(default_factory=set)   # the tasks of its calls still running (on the loop)
+    left: dict = field(default_factory=dict)  # `peer_key` -> when it moved off that connection
 
     def end_calls(self, keep=None, uncount: bool = False) -> None:
         """On the loop: end every call this session opened (but `keep`), the ones whose write
@@ -58,6 +59,11 @@ class Session:
 # asyncio API cannot reset one stream). Beyond that its calls are refused, so the limit on
 # concurrent calls, sized to this many per id, always leaves room for every other client.
 OPEN_PER_ID = 3
+# Seconds a session may not come back to a connection it moved away from: a connection it left
+# is closed unless a live session uses it a moment later, which a session hopping back and forth
+# would otherwise arrange, keeping a connection per hop (an honest client's old connection is
+# broken: it never returns to one).
+REVISIT = 5.0
 
 
 class Refused(Exception):
@@ -159,6 +165,15 @@ class CallAdmission:
                              f"refused {peer}: client {cid} already has {busy} streams open "
                              "(its earlier ones are not reading what they were sent)")
             live = None
+            key = peer_key(peer)
+            if s is not None and s.state == "live" and s.session_id == session_id:
+                now = time.monotonic()
+                s.left = {k: t for k, t in s.left.items() if now - t < REVISIT}
+                if key in s.left:
+                    self._refuse(grpc.StatusCode.ALREADY_EXISTS, "session back on a connection it left",
+                                 f"client id {cid}'s session moved off this connection "
+                                 f"{now - s.left[key]:.1f}s ago; it may not come back for {REVISIT:g}s",
+                                 f"refused {peer}: client {cid}'s session hopping back to a connection it left")
             if s is not None and s.state == "live" and s.session_id != session_id:
                 # Never swapped in: a live session keeps its id until it leaves or goes silent.
                 live = s
@@ -170,6 +185,8 @@ class CallAdmission:
                 else:
                     how = "reconnected"
                 before, s.peer, s.last_seen = s.peer, peer, time.monotonic()
+                if how == "reconnected" and peer_key(before) != key:
+                    s.left[peer_key(before)] = s.last_seen
                 s.streams += 1
                 self._open[cid] = busy + 1
                 token_ = s.outbox.claim()
@@ -179,8 +196,8 @@ class CallAdmission:
                          f"it leaves or is silent for distribute.heartbeat_timeout={self.hb_timeout:g}s",
                          f"refused {peer}: a second session for client {cid}, whose session from "
                          f"{live.peer} is alive")
-        key = peer_key(peer)   # on the loop; moved last, so the oldest forgotten beyond a fleet's worth
-        self._admitted_peers[key] = self._admitted_peers.pop(key, set()) | {cid}   # are not in use
+        # on the loop; moved last, so the oldest forgotten beyond a fleet's worth are not in use
+        self._admitted_peers[key] = self._admitted_peers.pop(key, set()) | {cid}
         if len(self._admitted_peers) > 4 * self.num_clients + 1024:
             del self._admitted_peers[next(iter(self._admitted_peers))]
         closer = getattr(self, "_closer", None)

@@ -277,16 +277,23 @@ def check_tls_files(tls: dict, server: bool) -> None:
     cert, key, ca = tls.get("cert"), tls.get("key"), tls.get("ca")
     _read("distribute.tls.cert", cert), _read("distribute.tls.key", key), _read("distribute.tls.ca", ca)
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
+    ctx.set_ciphers("DEFAULT:@SECLEVEL=0")   # whether the files fit, not Python's policy on key sizes
+
+    def no_passphrase():   # never a prompt: gRPC takes no passphrase either
+        raise ValueError("encrypted")
     if cert and key:
         try:
-            ctx.load_cert_chain(cert, key)
-        except (ssl.SSLError, ValueError) as exc:
+            ctx.load_cert_chain(cert, key, password=no_passphrase)
+        except (ssl.SSLError, ValueError, OSError) as exc:
+            if str(exc) == "encrypted":
+                raise ConfigError(f"distribute.tls.key: '{key}' is encrypted; gRPC needs the key without "
+                                  "a passphrase (keep the file readable by the course's user only)") from None
             raise ConfigError(f"distribute.tls.key: '{key}' and distribute.tls.cert '{cert}' are not a PEM "
                               f"certificate and its own private key ({_ssl_reason(exc)})") from None
     if ca:
         try:
             ctx.load_verify_locations(cafile=ca)
-        except (ssl.SSLError, ValueError) as exc:
+        except (ssl.SSLError, ValueError, OSError) as exc:
             raise ConfigError(f"distribute.tls.ca: '{ca}' holds no PEM certificate ({_ssl_reason(exc)})") from None
 
 

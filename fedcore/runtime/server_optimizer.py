@@ -166,7 +166,7 @@ class ServerOptimizer:
         deltas_sq = steps_sq = 0.0
         with torch.no_grad():
             for n in (n for n in names if n in aggregate):
-                if _banded(aggregate[n], x[n]):
+                if _banded(aggregate[n], x[n], self.m.get(n), self.v.get(n)):
                     new[n], squares = self._apply_banded(n, x[n], aggregate[n])
                     deltas_sq += squares[0]
                     steps_sq += squares[1]
@@ -234,12 +234,14 @@ class ServerOptimizer:
 BAND = 2 ** 20   # values of a large entry stepped at a time (a float32 band's temporaries: ~4 MiB each)
 
 
-def _banded(aggregate: torch.Tensor, x: torch.Tensor) -> bool:
-    """Whether an entry is stepped a band at a time: more than one band of values, both
-    tensors contiguous and alike (smaller entries keep the whole-tensor step, and their norms
-    stay the same sums bit for bit)."""
-    return (aggregate.numel() > BAND and aggregate.is_contiguous() and x.is_contiguous()
-            and aggregate.shape == x.shape and aggregate.dtype == x.dtype and aggregate.device == x.device)
+def _banded(aggregate: torch.Tensor, x: torch.Tensor, *moments: torch.Tensor | None) -> bool:
+    """Whether an entry is stepped a band at a time: more than one band of values, the
+    tensors (and the moments so far) contiguous and alike (smaller entries keep the
+    whole-tensor step, and their norms stay the same sums bit for bit)."""
+    alike = [t for t in (x, *moments) if t is not None]
+    return (aggregate.numel() > BAND and aggregate.is_contiguous()
+            and all(t.is_contiguous() and t.shape == aggregate.shape and t.dtype == aggregate.dtype
+                    and t.device == aggregate.device for t in alike))
 
 
 def l2_norm(tensors) -> float:
