@@ -185,7 +185,8 @@ class CallAdmission:
                 else:
                     how = "reconnected"
                 before, s.peer, s.last_seen = s.peer, peer, time.monotonic()
-                if how == "reconnected" and peer_key(before) != key:
+                moved = how == "reconnected" and peer_key(before) != key   # off another connection
+                if moved:
                     s.left[peer_key(before)] = s.last_seen
                 s.streams += 1
                 self._open[cid] = busy + 1
@@ -201,7 +202,7 @@ class CallAdmission:
         if len(self._admitted_peers) > 4 * self.num_clients + 1024:
             del self._admitted_peers[next(iter(self._admitted_peers))]
         closer = getattr(self, "_closer", None)
-        if how == "reconnected" and peer_key(before) != key and closer is not None:
+        if moved and closer is not None:
             closer.left_behind(before)
         if how == "reconnected":  # a peer may reconnect on purpose, again and again
             self.quiet_info(f"reconnected {cid}", f"client {cid} reconnected from {peer}", logging.INFO)
