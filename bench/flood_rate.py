@@ -87,13 +87,17 @@ class Course:
         base = [sys.executable, "-m", "fedcore.run", "--cfg", str(cfg), "federate.mode=distributed"]
         self.server = self._start("server", base + ["distribute.role=server", "distribute.server_port=0",
                                                     f"outdir={out}", *server_tls])
-        address = _wait(lambda: (out / "server_address").exists() and (out / "server_address").read_text().strip(),
-                        120, "the server to listen")
-        self.port = int(address.rsplit(":", 1)[1])
-        for k in (1, 2, 3):
-            self._start(f"client{k}", base + ["distribute.role=client", f"distribute.server_port={self.port}",
-                                              f"distribute.client_id={k}", *client_tls])
-        _wait(lambda: self.rounds() >= 20, 120, "the course's first rounds")
+        try:
+            address = _wait(lambda: (out / "server_address").exists()
+                            and (out / "server_address").read_text().strip(), 120, "the server to listen")
+            self.port = int(address.rsplit(":", 1)[1])
+            for k in (1, 2, 3):
+                self._start(f"client{k}", base + ["distribute.role=client", f"distribute.server_port={self.port}",
+                                                  f"distribute.client_id={k}", *client_tls])
+            _wait(lambda: self.rounds() >= 20, 120, "the course's first rounds")
+        except BaseException:   # a course that never started leaves no process behind
+            self.close()
+            raise
 
     def _start(self, name: str, argv: list[str]) -> subprocess.Popen:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
