@@ -275,7 +275,8 @@ def check_tls_files(tls: dict, server: bool) -> None:
     and key must load as a pair, the CA as certificates."""
     import ssl
     cert, key, ca = tls.get("cert"), tls.get("key"), tls.get("ca")
-    _read("distribute.tls.cert", cert), _read("distribute.tls.key", key), _read("distribute.tls.ca", ca)
+    for name, path in (("cert", cert), ("key", key), ("ca", ca)):
+        _read(f"distribute.tls.{name}", path)   # a missing file named first
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
     ctx.set_ciphers("DEFAULT:@SECLEVEL=0")   # whether the files fit, not Python's policy on key sizes
 
