@@ -91,6 +91,7 @@ def test_bad_keys_raise_config_errors():
                     distribute__insecure=True)
 
 
+@pytest.mark.extra("plot")
 def test_the_sweep_example_runs_and_plots(tmp_path):
     import runpy
     from pathlib import Path

@@ -57,6 +57,7 @@ def test_a_handler_reached_from_outside_the_flow_says_by_what_and_adds_no_path()
     assert result.graph.nodes["server:receiving_intrusion"]["reached_by"] == "a client that breaks the protocol"
 
 
+@pytest.mark.extra("secagg")
 def test_the_secure_course_is_checked_without_warnings(tmp_path):
     course = Course(small_cfg(tmp_path, secure_aggregation__enabled=True)).build()
     result = course.check()

@@ -84,6 +84,7 @@ def test_the_snapshot_holds_each_registered_state_that_is_not_transient(full_cou
     assert course.monitor.extra_summary["admission"] == admission.counts
 
 
+@pytest.mark.extra("secagg")
 def test_a_secure_course_saves_its_rounds_and_the_keys_it_has_seen(tmp_path):
     from fedcore.handlers.secagg_blame import SecaggServer
     common = dict(federate__total_round_num=3, eval__clients=False, secure_aggregation__enabled=True)
