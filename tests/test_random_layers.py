@@ -85,6 +85,28 @@ def test_a_clients_draws_do_not_depend_on_what_ran_before():
     assert torch.equal(first, torch.rand(4, generator=torch.Generator().manual_seed(round_seed(0, 5, 2))))
 
 
+def test_masks_drawn_by_many_threads_are_the_ones_each_clients_own_dropout_draws(monkeypatch):
+    """The engine's masks for a group, drawn by several threads at once, are what each
+    client's `nn.Dropout` layers draw in its sequential fit: one layer after the other, step by
+    step, from the client's round stream (p = 0 and 1 draw nothing)."""
+    from fedcore.execution import random_layers
+    layers = [nn.Dropout(0.25), nn.Dropout(0.0), nn.Dropout(0.5), nn.Dropout(1.0)]
+    model = nn.Sequential(nn.Flatten(), layers[0], nn.Linear(48, 6), layers[1], layers[2],
+                          nn.Linear(6, 3), layers[3])
+    monkeypatch.setattr(random_layers, "_PER_THREAD", 1)           # a thread per client ...
+    monkeypatch.setattr(random_layers, "usable_cores", lambda: 4)   # ... up to 4 at once
+    clients, sizes, seed, round_ = [3, 9, 4, 12, 7, 1], (10, 10, 4), 11, 6
+    feed = random_layers.MaskFeed.install(model, copied=False)[1]
+    masks = feed.draws(clients, round_, seed, sizes, torch.zeros(10, 3, 4, 4), torch.device("cpu"))
+    for j, cid in enumerate(clients):
+        with client_randomness(seed, cid, round_):
+            for s, b in enumerate(sizes):
+                inputs = [torch.ones(b, 48), torch.ones(b, 6), torch.ones(b, 6), torch.ones(b, 3)]
+                for k, (layer, x) in enumerate(zip(layers, inputs)):
+                    expected = nn.functional.dropout(x, layer.p, training=True)
+                    assert torch.equal(masks[s][k][j], expected), (cid, s, k)
+
+
 def test_random_layers_that_are_not_replayed_are_named():
     model = nn.Sequential(nn.Flatten(), nn.Linear(4, 4), nn.Dropout2d(0.2), nn.Linear(4, 2))
     assert "layer 2 (Dropout2d)" in random_layer_reason(model, torch.device("cpu"))

@@ -29,17 +29,20 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
 import torch
 from torch import nn
 
 from fedcore.kernel.batch_order import round_seed
+from fedcore.execution.executor import usable_cores
 
 __all__ = ["random_layer_reason", "draw_on_client_stream", "MaskFeed", "ReplayedDropout",
            "StreamDropout"]
 
 _OTHER_RANDOM = (nn.modules.dropout._DropoutNd, nn.RReLU)
+_PER_THREAD = 2 ** 18   # mask elements below which another drawing thread costs more than it saves
 
 
 def random_layer_reason(model: nn.Module, device: torch.device) -> str | None:
@@ -161,24 +164,49 @@ class MaskFeed:
         """Each step's masks for the clients of a group, as [clients, batch, ...] tensors on
         `device`: what each client's sequential fit draws in `round_` for batches of `sizes`.
         All are drawn before the first step; for a GPU into page-locked memory, whose copies
-        then run without waiting for the GPU."""
+        then run without waiting for the GPU. Clients draw from generators of their own, so
+        threads draw for different clients at once (torch releases the GIL while it draws):
+        on the CPU the draws cost more than a small model's batched GPU step."""
         layout = self._layout(sample)
-        gens = [torch.Generator().manual_seed(round_seed(seed, cid, round_)) for cid in client_ids]
         pinned = device.type == "cuda"
-        steps = []
+        n = len(client_ids)
+        steps = []   # step by step, layer by layer: the tensor, and whether the clients draw it
         for b in sizes:
             step = []
             for p, shape, dtype in layout:
                 if p == 0:   # dropout with p=0 draws nothing and returns its input
-                    step.append(torch.ones((len(gens), b) + shape, dtype=dtype, device=device))
+                    step.append((torch.ones((n, b) + shape, dtype=dtype, device=device), False))
                     continue
-                out = torch.empty((len(gens), b) + shape, dtype=dtype, pin_memory=pinned)
+                out = torch.empty((n, b) + shape, dtype=dtype, pin_memory=pinned)
                 if p == 1:   # nor does p=1: it zeroes its input
                     out.zero_()
-                else:
-                    for j, g in enumerate(gens):
-                        out[j].bernoulli_(1 - p, generator=g)
-                    out.div_(1 - p)
-                step.append(out.to(device, non_blocking=pinned))
-            steps.append(tuple(step))
-        return steps
+                step.append((out, p < 1))
+            steps.append(step)
+        keeps = [1 - p for p, _, _ in layout]
+
+        def draw(first: int, last: int) -> None:
+            for j in range(first, last):   # client j: its draws in its sequential fit's order
+                g = torch.Generator().manual_seed(round_seed(seed, client_ids[j], round_))
+                for step in steps:
+                    for keep, (out, drawn) in zip(keeps, step):
+                        if drawn:
+                            out[j].bernoulli_(keep, generator=g)
+
+        elements = sum(out[0].numel() for step in steps for out, drawn in step if drawn)
+        threads = min(n, usable_cores(), max(1, n * elements // _PER_THREAD))
+        if threads > 1:
+            bounds = [n * t // threads for t in range(threads + 1)]
+            with ThreadPoolExecutor(threads, thread_name_prefix="fedcore-masks") as pool:
+                for done in [pool.submit(draw, a, b) for a, b in zip(bounds, bounds[1:])]:
+                    done.result()
+        else:
+            draw(0, n)
+        out = []
+        for step in steps:
+            masks = []
+            for keep, (mask, drawn) in zip(keeps, step):
+                if drawn:
+                    mask.div_(keep)
+                masks.append(mask.to(device, non_blocking=pinned))
+            out.append(tuple(masks))
+        return out
