@@ -13,14 +13,18 @@ Data are synthetic, made on access from (seed, client): class patterns under noi
 system runs in a process of its own (forked from this one), so its peak resident memory is
 its own: the plain loop (one torch thread unless --plain-threads), fedcore sequential (the default config),
 sequential with all cores, vectorized and processes (on the CPU) or vectorized without CUDA
-graphs (on a GPU). Equal work is checked first: with dropout 0 (and on a GPU cuDNN's TF32
-convolutions off), each of fedcore's executors ends on the model of a plain loop replaying
-its client choice and batch order, to `TOLERANCE` (the vectorized engine sums in another
-order: on the CPU P1's 2 rounds at lr 0.1 move its model by up to 1e-5 from the plain loop's).
-A system that does not is named on stderr and the exit status is 1, after the figures. The
-timed runs have dropout on (and torch's default precision); the vectorized model is compared
-with the sequential one. One table, then one `key=value` line. Time per round is the median
-wall time of the rounds after the first; whole run is build to final model.
+graphs (on a GPU). Equal work is checked first, in `--check-dtype` (float64 by default: P1's
+course at lr 0.1 turns float32 rounding into differences of 1e-5 on the CPU and 3e-4 on a GPU,
+where grouped and single convolutions round differently, which would hide whether two systems
+did the same work; in float64 that rounding stays far below the tolerance). With dropout 0
+each of fedcore's executors must end on the model of a plain loop replaying its client choice
+and batch order; with dropout on, each executor on the sequential one's model (the same
+masks, drawn from each client's own stream). Both to `TOLERANCE[dtype]`; on a GPU cuDNN's
+TF32 convolutions are off for the check. A system that fails a check is named on stderr and
+the exit status is 1, after the figures. The timed runs have dropout on, float32 and torch's
+default precision; their vectorized model is compared with the sequential one. One table,
+then one `key=value` line. Time per round is the median wall time of the rounds after the
+first; whole run is build to final model.
 """
 from __future__ import annotations
 
@@ -51,7 +55,7 @@ WORKLOADS = {
                model={"model.type": "logreg"}),
 }
 CLASSES = 10
-TOLERANCE = 1e-4   # largest |difference| of a parameter from the plain loop's, dropout 0
+TOLERANCE = {"float64": 1e-9, "float32": 1e-4}   # largest |difference| of a parameter
 SYSTEMS = ("sequential", "sequential-all-cores", "vectorized", "vectorized-eager", "processes")
 
 
@@ -63,17 +67,20 @@ def _templates(seed: int, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def _shard(seed: int, client_id: int, n: int, templates: torch.Tensor) -> Split:
-    """Client `client_id`'s n images: its labels' patterns under Gaussian noise."""
+    """Client `client_id`'s n images: its labels' patterns under Gaussian noise, in the
+    templates' dtype."""
     g = torch.Generator().manual_seed(seed + client_id)
     y = torch.randint(0, CLASSES, (n,), generator=g)
-    return Split(templates[y] + 2.0 * torch.randn((n,) + tuple(templates.shape[1:]), generator=g), y)
+    noise = torch.randn((n,) + tuple(templates.shape[1:]), generator=g).to(templates.dtype)
+    return Split(templates[y] + 2.0 * noise, y)
 
 
-def workload_data(name: str, users: int, seed: int = 0, resident: bool = False) -> FederatedData:
-    """The workload's data, each client's made on access; with `resident` all made at once
-    (what a GPU course needs to keep them on the device)."""
+def workload_data(name: str, users: int, seed: int = 0, resident: bool = False,
+                  dtype: str = "float32") -> FederatedData:
+    """The workload's data in `dtype`, each client's made on access; with `resident` all made
+    at once (what a GPU course needs to keep them on the device)."""
     w = WORKLOADS[name]
-    templates = _templates(seed, w["shape"])
+    templates = _templates(seed, w["shape"]).to(getattr(torch, dtype))
     clients = _LazyClients(seed, users, w["samples"], templates, _shard)
     if resident:
         clients = {cid: ClientData(c.train, c.val, c.test)
@@ -82,7 +89,7 @@ def workload_data(name: str, users: int, seed: int = 0, resident: bool = False) 
 
 
 def workload_cfg(name: str, users: int, rounds: int, device: str, executor: str = "sequential",
-                 dropout: bool = True, **extra):
+                 dropout: bool = True, dtype: str = "float32", **extra):
     w = WORKLOADS[name]
     model = dict(w["model"])
     if not dropout and "model.dropout" in model:
@@ -91,7 +98,8 @@ def workload_cfg(name: str, users: int, rounds: int, device: str, executor: str 
         "federate.client_num": users, "federate.sample_client_num": min(w["per_round"], users),
         "federate.total_round_num": rounds, "train.local_steps": w["steps"],
         "train.batch_size": 10, "train.optimizer.lr": w["lr"], "device": device,
-        "executor": executor, "torch_threads": "auto", **model, **extra})   # fedcore's default
+        "executor": executor, "torch_threads": "auto", "model.dtype": dtype,   # fedcore's default
+        **model, **extra})
 
 
 # ---------------------------------------------------------------- one system, one process
@@ -133,10 +141,14 @@ def in_child(fn: Callable[[], tuple], exact: bool = False) -> dict:
     return out
 
 
+def _data(name: str, users: int, cfg) -> FederatedData:
+    return workload_data(name, users, resident=cfg["device"] != "cpu", dtype=cfg["model.dtype"])
+
+
 def _fedcore(name: str, users: int, cfg) -> Callable[[], tuple]:
     def run():
         seen = {}
-        times = run_fedcore(cfg, workload_data(name, users, resident=cfg["device"] != "cpu"),
+        times = run_fedcore(cfg, _data(name, users, cfg),
                             before_run=lambda course: seen.setdefault("course", course))
         summary = seen["course"].monitor.extra_summary
         return (times, [summary.get("batched_fits", 0), summary.get("sequential_fits", 0)],
@@ -149,17 +161,19 @@ def _plain(name: str, users: int, cfg, device: str, threads: int | None) -> Call
         if threads is not None:
             torch.set_num_threads(threads)
         # on a GPU the plain loop's data are there before it starts, as fedcore keeps them
-        data = place_data(workload_data(name, users, resident=device != "cpu"), torch.device(device), None)
+        data = place_data(_data(name, users, cfg), torch.device(device), None)
         return run_plain(cfg, data, device), [0, 0], 0
     return run
 
 
 # ---------------------------------------------------------------- the run
 def systems(name: str, users: int, rounds: int, device: str, dropout: bool, workers: int,
-            plain_threads: int | None = 1, chosen: tuple[str, ...] = SYSTEMS):
+            plain_threads: int | None = 1, chosen: tuple[str, ...] = SYSTEMS,
+            dtype: str = "float32"):
     """(label, thunk) per system, the plain loop first. Each thunk makes its data itself: this
     process computes nothing with torch, so its forked children start with no thread pool."""
-    cfg = lambda executor, **extra: workload_cfg(name, users, rounds, device, executor, dropout, **extra)  # noqa: E731
+    cfg = lambda executor, **extra: workload_cfg(name, users, rounds, device, executor, dropout,  # noqa: E731
+                                                 dtype, **extra)
     out = [("plain", _plain(name, users, cfg("sequential"), device, plain_threads)),
            ("sequential", _fedcore(name, users, cfg("sequential"))),
            ("sequential-all-cores", _fedcore(name, users, cfg("sequential", torch_threads=None))),
@@ -172,21 +186,36 @@ def systems(name: str, users: int, rounds: int, device: str, dropout: bool, work
     return [(label, fn) for label, fn in out if label in ("plain", "sequential") + tuple(chosen)]
 
 
-def check_equal_work(name: str, checks: dict[str, dict]) -> list[str]:
-    """The systems whose final model is not the plain loop's to float tolerance, in `checks`
-    (runs with dropout 0); each difference is printed. Called once every process has run: a
-    tensor operation here would start torch's thread pool in this process, and a child forked
-    after that can hang in its first parallel one."""
-    ref = checks["plain"]["state"]
+def check(name: str, runs: dict[str, dict], reference: str, what: str, tolerance: float) -> list[str]:
+    """The systems in `runs` whose final model is not `reference`'s to `tolerance` (or that
+    failed), each difference printed. Called once every process has run: a tensor operation
+    here would start torch's thread pool in this process, and a child forked after that can
+    hang in its first parallel one."""
+    if "error" in runs[reference]:
+        print(f"equal work ({name}, {what}): {reference} failed: {runs[reference]['error']}")
+        return [f"{reference} ({what}: failed)"]
+    ref = runs[reference]["state"]
     unequal = []
-    for label, r in checks.items():
-        if label == "plain":
+    for label, r in runs.items():
+        if label == reference:
+            continue
+        if "error" in r:
+            print(f"equal work ({name}, {what}): {label} failed: {r['error']}")
+            unequal.append(f"{label} ({what}: failed)")
             continue
         d = max_abs_diff(r["state"], ref)
-        print(f"equal work ({name}, dropout 0): {label} vs plain loop max |diff| {d:.2e}")
-        if d > TOLERANCE:
-            unequal.append(f"{label} ({d:.2e})")
+        print(f"equal work ({name}, {what}): {label} vs {reference} max |diff| {d:.2e}")
+        if d > tolerance:
+            unequal.append(f"{label} ({what}: {d:.2e})")
     return unequal
+
+
+def _checked(fn: Callable[[], tuple]) -> dict:
+    """`in_child` for a check: a system that fails is reported with the others, after them."""
+    try:
+        return in_child(fn, exact=True)
+    except RuntimeError as exc:
+        return {"error": str(exc)}
 
 
 def _mb(r: dict, label: str, workers: int) -> float:
@@ -203,6 +232,8 @@ def main(argv=None) -> int:
     p.add_argument("--workers", type=int, default=usable_cores(), help="processes executor")
     p.add_argument("--systems", default=",".join(SYSTEMS),
                    help="fedcore's systems to run beside the plain loop (sequential is always run)")
+    p.add_argument("--check-dtype", choices=sorted(TOLERANCE), default="float64",
+                   help="dtype of the equal-work checks (the timed runs are float32)")
     p.add_argument("--plain-threads", type=int, default=1,
                    help="torch threads of the plain loop (0: torch's default, all cores)")
     a = p.parse_args(argv)
@@ -224,11 +255,18 @@ def main(argv=None) -> int:
     unknown = set(chosen) - set(SYSTEMS)
     if unknown:
         p.error(f"--systems: unknown {', '.join(sorted(unknown))} (choose from {', '.join(SYSTEMS)})")
-    checks = {label: in_child(fn, exact=True) for label, fn in
-              systems(name, a.users, min(rounds, 2), a.device, False, a.workers, threads, chosen)}
+    check_rounds, dtype = min(rounds, 2), a.check_dtype
+    replays = {label: _checked(fn) for label, fn in systems(
+        name, a.users, check_rounds, a.device, False, a.workers, threads, chosen, dtype)}
+    has_dropout = "model.dropout" in WORKLOADS[name]["model"]
+    masks = {label: _checked(fn) for label, fn in systems(
+        name, a.users, check_rounds, a.device, True, a.workers, threads, chosen, dtype)
+        if label != "plain"} if has_dropout else {}
     results = {label: in_child(fn) for label, fn in
                systems(name, a.users, rounds, a.device, True, a.workers, threads, chosen)}
-    unequal = check_equal_work(name, checks)
+    unequal = check(name, replays, "plain", f"{dtype}, dropout 0", TOLERANCE[dtype])
+    if masks:
+        unequal += check(name, masks, "sequential", f"{dtype}, dropout on", TOLERANCE[dtype])
     per_round = {k: statistics.median(r["rounds"][1:]) for k, r in results.items()}
     plain = results["plain"]
     print(f"\n{'system':<22}{'s/round':>10}{'x plain':>9}{'whole run s':>13}{'peak MB':>10}"
@@ -252,7 +290,7 @@ def main(argv=None) -> int:
           f"peak_rss_over_plain={_mb(results['sequential'], 'sequential', 1) / _mb(plain, 'plain', 1):.3f} "
           f"batched_fits={batched} sequential_fits={sequential} vectorized_vs_sequential_diff={vec_diff:.2e}")
     if unequal:   # the figures above are printed all the same, for the record
-        print(f"bench.peers: not the plain loop's work to {TOLERANCE:g}: {', '.join(unequal)}",
+        print(f"bench.peers: not the same work to {TOLERANCE[dtype]:g}: {', '.join(unequal)}",
               file=sys.stderr)
         return 1
     return 0
