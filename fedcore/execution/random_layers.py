@@ -190,7 +190,7 @@ class MaskFeed:
                 for step in steps:
                     for keep, (out, drawn) in zip(keeps, step):
                         if drawn:
-                            out[j].bernoulli_(keep, generator=g)
+                            out[j].bernoulli_(keep, generator=g).div_(keep)
 
         elements = sum(out[0].numel() for step in steps for out, drawn in step if drawn)
         threads = min(n, usable_cores(), max(1, n * elements // _PER_THREAD))
@@ -201,12 +201,4 @@ class MaskFeed:
                     done.result()
         else:
             draw(0, n)
-        out = []
-        for step in steps:
-            masks = []
-            for keep, (mask, drawn) in zip(keeps, step):
-                if drawn:
-                    mask.div_(keep)
-                masks.append(mask.to(device, non_blocking=pinned))
-            out.append(tuple(masks))
-        return out
+        return [tuple(mask.to(device, non_blocking=pinned) for mask, _ in step) for step in steps]
