@@ -97,6 +97,7 @@ def test_an_ipv6_sweep_keeps_the_admitted_connection_named_as_grpc_names_it():
     peer = f"ipv6:%5B{host}%5D:{port}"   # client 1's live session is on it
     sessions = SimpleNamespace(_admitted_peers={peer_key(peer): {1}}, _lock=threading.Lock(),
                                sessions={1: SimpleNamespace(state="live", peer=peer)})
+    sessions._in_use = lambda key, ids: CallAdmission._in_use(sessions, key, ids)
     guard = ConnectionGuard(_Loop(), lambda peer: CallAdmission._admitted_on(sessions, peer), per_address=2)
     guard._sweep()
     assert not _closed(dialled[-1])                   # the admitted connection is kept
@@ -120,3 +121,32 @@ def test_a_descriptor_reused_since_the_scan_is_left_alone_and_tls_gets_no_plaint
     assert _closed(a, said) and said == [b""]
     for s in (a, server_end, listener):
         s.close()
+
+
+def test_admissions_churned_by_a_token_holder_never_push_out_a_live_sessions_connection():
+    """The server remembers the connections sessions were admitted on, the oldest forgotten
+    beyond 4 x num_clients + 1024. A token holder admitted again and again as one id on new
+    connections (each session ending) must not make an honest client's older connection
+    look unused, or the per-address sweep would close it."""
+    from types import SimpleNamespace
+
+    from fedcore.comm.sessions import CallAdmission
+
+    honest = "ipv4:127.0.0.1:40000"
+    sessions = SimpleNamespace(_admitted_peers={}, _lock=threading.Lock(), num_clients=3,
+                               sessions={1: SimpleNamespace(state="live", peer=honest)})
+    remember = lambda key, cid: CallAdmission._remember_admission(sessions, key, cid)  # noqa: E731
+    sessions._in_use = lambda key, ids: CallAdmission._in_use(sessions, key, ids)
+    remember(peer_key(honest), 1)
+    bound = 4 * 3 + 1024
+    for port in range(41000, 41000 + 3 * bound):   # id 3 admitted, then gone, on each connection
+        peer = f"ipv4:127.0.0.1:{port}"
+        sessions.sessions[3] = SimpleNamespace(state="live", peer=peer)
+        remember(peer_key(peer), 3)
+        sessions.sessions[3].state = "left"
+    assert len(sessions._admitted_peers) == bound              # still bounded
+    assert CallAdmission._admitted_on(sessions, honest)         # the honest connection is known
+    sessions.sessions[1].state = "lost"                         # once its session ends ...
+    for port in range(50000, 50000 + bound):
+        remember(peer_key(f"ipv4:127.0.0.1:{port}"), 3)
+    assert peer_key(honest) not in sessions._admitted_peers    # ... it is forgotten like the rest

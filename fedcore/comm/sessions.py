@@ -94,15 +94,32 @@ class CallAdmission:
         """Whether `peer`'s connection carries a live session now (its refusals do not close it,
         nor does its address's cap). A connection whose sessions all ended is judged like any
         other: a token holder cannot keep connections by having been admitted on them once."""
-        ids = self._admitted_peers.get(peer_key(peer))
+        key = peer_key(peer)
+        return self._in_use(key, self._admitted_peers.get(key))
+
+    def _in_use(self, key, ids) -> bool:
+        """Whether one of the sessions `ids` is live on the connection `key` (a `peer_key`)."""
         if not ids:
             return False
         with self._lock:
             for cid in ids:
                 s = self.sessions.get(cid)
-                if s is not None and s.state == "live" and peer_key(s.peer) == peer_key(peer):
+                if s is not None and s.state == "live" and peer_key(s.peer) == key:
                     return True
         return False
+
+    def _remember_admission(self, key, cid: int) -> None:
+        """On the loop: `cid` was admitted on the connection `key`, the most recent last. Beyond a
+        fleet's worth of connections the oldest are forgotten, but never one a live session
+        uses: a token holder admitted again and again on new connections would otherwise push
+        an honest client's connection out, and the address cap's sweep would then close it."""
+        peers = self._admitted_peers
+        peers[key] = peers.pop(key, set()) | {cid}
+        while len(peers) > 4 * self.num_clients + 1024:   # live sessions are at most num_clients
+            oldest = next(iter(peers))
+            ids = peers.pop(oldest)
+            if self._in_use(oldest, ids):
+                peers[oldest] = ids   # kept, now the most recent
 
     def _authorized(self, cid: int, token: str) -> bool:
         expected = self.tokens.get(cid, self.token)
@@ -197,10 +214,7 @@ class CallAdmission:
                          f"it leaves or is silent for distribute.heartbeat_timeout={self.hb_timeout:g}s",
                          f"refused {peer}: a second session for client {cid}, whose session from "
                          f"{live.peer} is alive")
-        # on the loop; moved last, so the oldest forgotten beyond a fleet's worth are not in use
-        self._admitted_peers[key] = self._admitted_peers.pop(key, set()) | {cid}
-        if len(self._admitted_peers) > 4 * self.num_clients + 1024:
-            del self._admitted_peers[next(iter(self._admitted_peers))]
+        self._remember_admission(key, cid)
         closer = getattr(self, "_closer", None)
         if moved and closer is not None:
             closer.left_behind(before)
