@@ -110,6 +110,49 @@ def test_a_client_whose_updates_are_refused_says_why_and_exits_non_zero(tmp_path
     assert all(wait_exit(clients[k], 60) == 0 for k in (1, 2))
 
 
+def test_a_token_holder_trickling_a_large_message_gives_its_turn_to_the_waiting_updates(tmp_path, procs):
+    # Messages of 16 MiB or more are received one at a time. A token holder (id 3, which never
+    # joins) announces a 17 MiB message, then sends a byte every half second with heartbeats:
+    # within distribute.min_bytes_per_second's allowance for the whole message (about 30 min),
+    # so it kept the turn and the honest clients' 19 MB updates waited behind it, round after
+    # round. While others wait, the message holding the turn must come at
+    # distribute.turn_bytes_per_second after 5 s: the turn is taken back, the trickler's stream
+    # ends UNAVAILABLE (its client would send the message again, behind the others), and the
+    # course finishes at its own pace.
+    pb = load_proto(tmp_path / "proto")
+    out, server, port, client = _serve(procs, tmp_path, {
+        "federate.total_round_num": 2, "model.type": "mlp", "model.hidden": [400_000],
+        "distribute.min_clients": 2, "distribute.join_timeout": 2.0, "distribute.retry_timeout": 60.0})
+    holder = Hostile(pb, port, 3, "t", session="trickle").start()
+    total, got = 17 * 2 ** 20, 1024
+    holder.out.put(pb.Frame(chunk=pb.Chunk(message_id=1, offset=0, total_size=total, data=bytes(got),
+                                           sha256=bytes(32))).SerializeToString())
+    assert holder.welcomed.wait(30), "the trickler was not admitted"
+    stop = threading.Event()
+
+    def trickle(got=got):
+        while not stop.wait(0.5):
+            holder.heartbeat()
+            holder.out.put(pb.Frame(chunk=pb.Chunk(message_id=1, offset=got, total_size=total,
+                                                   data=b"x")).SerializeToString())
+            got += 1
+    threading.Thread(target=trickle, daemon=True).start()
+    try:
+        clients = {k: client(k) for k in (1, 2)}
+        assert wait_exit(server, 120) == 0, text(server)[-3000:]
+    finally:
+        stop.set()
+    holder._thread.join(30)
+    assert holder.status == grpc.StatusCode.UNAVAILABLE and "gave up its turn" in holder.details, \
+        (holder.status, holder.details)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["trainable_params"] * 4 >= 16 * 2 ** 20          # the updates take turns too
+    assert summary["deployment"]["refused"]["turn taken back"] == 1
+    assert [r["num_updates"] for r in _records(out)] == [2, 2]
+    assert all(wait_exit(c, 60) == 0 for c in clients.values())
+    holder.close()
+
+
 def test_a_squatters_stuck_streams_end_with_its_session_and_keep_no_one_out(tmp_path, procs):
     # A token holder takes the free id 3 on three calls, joins, and reads none of them: the
     # 4.8 MB model's writes wait in flow control. It sends no heartbeat, so its session is

@@ -32,3 +32,31 @@ def test_a_large_message_gives_the_turn_back_whether_handled_or_dropped(msg_type
         return seen
     seen = asyncio.run(run())
     assert bool(seen) == delivered
+
+
+def test_the_turn_is_taken_back_only_from_a_slow_message_while_another_waits(monkeypatch):
+    """After TURN_GRACE seconds with the turn, a message must have come at `rate` bytes/s
+    since then, but only while another stream waits: alone, a slow link keeps its turn."""
+    from fedcore.comm import turns as turns_module
+    now = [100.0]
+    monkeypatch.setattr(turns_module, "monotonic", lambda: now[0])
+    grace, rate = turns_module.TURN_GRACE, 1000.0
+
+    async def run():
+        turns, holder, waiter = Turns(rate), object(), object()
+        await turns.take(holder, lambda: None)
+        now[0] += grace + 10                               # 10 s past the grace
+        alone = turns.overdue(holder, 0)                   # nobody waits: kept, however slow
+        waiting = asyncio.ensure_future(turns.take(waiter, lambda: None, interval=0.01))
+        await asyncio.sleep(0.05)
+        verdicts = (turns.overdue(holder, 10_000),         # rate x 10 s: on time
+                    turns.overdue(holder, 9_999),          # one byte short
+                    turns.overdue(waiter, 0),              # only the holder can be overdue
+                    Turns(None).overdue(holder, 0))        # rate 0 (None): never taken back
+        turns.give_back(holder)
+        await asyncio.wait_for(waiting, 2.0)               # the waiter gets the turn
+        return alone, verdicts, turns.waiting
+    alone, (on_time, short, other, never), waiting = asyncio.run(run())
+    assert alone is None and on_time is None and other is None and never is None
+    assert short.startswith("gave up its turn for large messages: 9999 bytes in 15s while 1 other")
+    assert waiting == 0

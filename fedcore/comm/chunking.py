@@ -203,6 +203,11 @@ class Reassembler:
     def in_progress(self) -> bool:
         return self._buf is not None or self._spool is not None
 
+    @property
+    def received(self) -> int:
+        """Bytes of the message in progress received so far."""
+        return self._got
+
     def feed(self, chunk: pb.Chunk) -> bytes | bytearray | mmap.mmap | None:
         """Take one chunk; return the whole envelope's bytes when this chunk completes it
         (the chunk's own bytes, the reassembly buffer, or a spooled message's mapping:

@@ -195,7 +195,7 @@ class GrpcServerComm(CallAdmission, Inbound):
                                        address_cap(self.cfg["distribute.max_connections_per_address"], cap),
                                        goaway=self.insecure)
         self._decoder = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="fedcore-decode")
-        self._turns = Turns()
+        self._turns = Turns(self.cfg["distribute.turn_bytes_per_second"])
         bound.set_result(port)
         try:
             await self._stopping.wait()
@@ -349,6 +349,12 @@ class GrpcServerComm(CallAdmission, Inbound):
                 status.reasm.drop()
                 self.quiet("stalled message", f"client {s.client_id} ({s.peer}): refused a message: {stalled}")
                 return False
+            overdue = status.reasm.in_progress and self._turns.overdue(status.reasm, status.reasm.received)
+            if overdue:  # the turn goes to a waiting upload; this one comes again (the session stays)
+                status.resend = overdue
+                status.reasm.drop()
+                self.quiet("turn taken back", f"client {s.client_id} ({s.peer}): message {overdue}")
+                return False
             return True
 
         try:
@@ -368,6 +374,8 @@ class GrpcServerComm(CallAdmission, Inbound):
             reader.cancel()   # the call is ending: nothing more will be read from it
         if status.error is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, status.error, REFUSED)
+        if status.resend is not None:   # not a refusal: the client redials and sends it again
+            await context.abort(grpc.StatusCode.UNAVAILABLE, status.resend)
 
 
 def _finish_tasks(loop: asyncio.AbstractEventLoop) -> None:

@@ -35,11 +35,12 @@ DECODE_OFF_LOOP = 256 * 1024
 class StreamStatus:
     """What one stream's reader and writer share: its reassembler, whether it ended and why."""
 
-    __slots__ = ("done", "error", "reasm", "task")
+    __slots__ = ("done", "error", "resend", "reasm", "task")
 
     def __init__(self, reasm: Reassembler) -> None:
         self.done = False
-        self.error: str | None = None
+        self.error: str | None = None    # the stream is refused (INVALID_ARGUMENT)
+        self.resend: str | None = None   # its message is to be sent again (UNAVAILABLE)
         self.reasm = reasm
         self.task = asyncio.current_task()   # the call's own task
 

@@ -88,6 +88,11 @@ declare("distribute.max_message_values", int, None, "largest number of values (f
 declare("distribute.min_bytes_per_second", float, 10_000.0, "slowest link served: a half-received "
         "message must keep arriving at this rate (it may take a chunk's time at this rate between "
         "frames), or its stream is closed and its memory freed", check=positive)
+declare("distribute.turn_bytes_per_second", float, 1_000_000.0, "server: large messages (16 MiB "
+        "or more) are received one at a time; while another waits, the one being received must "
+        "arrive at this rate after its first 5 seconds, or its stream is ended (UNAVAILABLE) and "
+        "its client sends it again, behind the others: a slow or trickling sender cannot hold "
+        "every other upload back. 0: a turn is never taken back", check=lambda v: None if v >= 0 else "must be >= 0")
 declare("distribute.heartbeat_interval", float, 2.0, "seconds between heartbeats on an idle stream",
         check=positive)
 declare("distribute.heartbeat_timeout", float, 10.0, "seconds without any frame after which a peer "
