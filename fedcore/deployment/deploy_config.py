@@ -92,7 +92,9 @@ declare("distribute.turn_bytes_per_second", float, 1_000_000.0, "server: large m
         "or more) are received one at a time; while another waits, the one being received must "
         "arrive at this rate after its first 5 seconds, or its stream is ended (UNAVAILABLE) and "
         "its client sends it again, behind the others: a slow or trickling sender cannot hold "
-        "every other upload back. 0: a turn is never taken back", check=lambda v: None if v >= 0 else "must be >= 0")
+        "every other upload back. A client on a slower link uploads a large message only while no "
+        "other waits (a token holder keeping an upload waiting can keep it out): set this below the "
+        "slowest honest link. 0: a turn is never taken back", check=lambda v: None if v >= 0 else "must be >= 0")
 declare("distribute.heartbeat_interval", float, 2.0, "seconds between heartbeats on an idle stream",
         check=positive)
 declare("distribute.heartbeat_timeout", float, 10.0, "seconds without any frame after which a peer "
