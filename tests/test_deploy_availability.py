@@ -153,6 +153,43 @@ def test_a_token_holder_trickling_a_large_message_gives_its_turn_to_the_waiting_
     holder.close()
 
 
+def test_a_trickler_that_stops_reading_its_stream_gives_its_turn_up_all_the_same(tmp_path, procs):
+    # As above, but the token holder joins as client 3 and then reads nothing: the model sent
+    # to it waits in flow control, so its stream's writer never gets to judge its pace. The
+    # streams waiting for the turn judge it instead, and end it.
+    pb = load_proto(tmp_path / "proto")
+    out, server, port, client = _serve(procs, tmp_path, {
+        "federate.total_round_num": 2, "model.type": "mlp", "model.hidden": [400_000],
+        "distribute.round_deadline": 40.0, "distribute.retry_timeout": 60.0})
+    total, stop = 17 * 2 ** 20, threading.Event()
+
+    def frames(got=1024):   # its join, a large message's first chunk, then a byte every 0.5 s
+        yield _join_frame(pb, 3, 30)
+        yield pb.Frame(chunk=pb.Chunk(message_id=2, offset=0, total_size=total, data=bytes(got),
+                                      sha256=bytes(32))).SerializeToString()
+        while not stop.wait(0.5):
+            yield pb.Frame(heartbeat=pb.Heartbeat(sent_at=0.0)).SerializeToString()
+            yield pb.Frame(chunk=pb.Chunk(message_id=2, offset=got, total_size=total,
+                                          data=b"x")).SerializeToString()
+            got += 1
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[
+        ("grpc.use_local_subchannel_pool", 1), ("grpc.http2.bdp_probe", 0)])
+    md = [("fedcore-client-id", "3"), ("fedcore-session", "stuck"), ("authorization", "Bearer t")]
+    call = channel.stream_stream(METHOD)(frames(), metadata=md)   # its replies are never read
+    try:
+        wait_for(lambda: "client 3 joined" in text(server), 30, "the trickler to join")
+        clients = {k: client(k) for k in (1, 2)}
+        assert wait_exit(server, 180) == 0, text(server)[-3000:]
+    finally:
+        stop.set()
+        call.cancel()
+        channel.close()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["deployment"]["refused"]["turn taken back"] == 1, summary["deployment"]
+    assert [r["num_updates"] for r in _records(out)] == [2, 2], _records(out)   # the trickler's never comes
+    assert all(wait_exit(c, 60) == 0 for c in clients.values())
+
+
 def test_a_squatters_stuck_streams_end_with_its_session_and_keep_no_one_out(tmp_path, procs):
     # A token holder takes the free id 3 on three calls, joins, and reads none of them: the
     # 4.8 MB model's writes wait in flow control. It sends no heartbeat, so its session is

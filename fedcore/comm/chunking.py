@@ -203,10 +203,10 @@ class Reassembler:
     def in_progress(self) -> bool:
         return self._buf is not None or self._spool is not None
 
-    @property
-    def received(self) -> int:
-        """Bytes of the message in progress received so far."""
-        return self._got
+    def progress(self) -> tuple[float, int] | None:
+        """The message in progress: when its first chunk came and its bytes so far (None
+        between messages)."""
+        return (self.started, self._got) if self.in_progress else None
 
     def feed(self, chunk: pb.Chunk) -> bytes | bytearray | mmap.mmap | None:
         """Take one chunk; return the whole envelope's bytes when this chunk completes it

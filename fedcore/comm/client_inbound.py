@@ -27,10 +27,11 @@ class ClientStream:
     """One call to the server as this client sees it: its reassembler, whether the server
     welcomed it, when it last heard from it."""
 
-    __slots__ = ("done", "last_recv", "call", "reasm", "welcomed", "why")
+    __slots__ = ("done", "last_recv", "call", "reasm", "welcomed", "why", "large")
 
     def __init__(self, reasm: Reassembler):
         self.done = False
+        self.large = False   # whether a message that takes turns (turns.TURN_BYTES) went out on it
         self.last_recv = time.monotonic()   # the last frame after the welcome (or the dial)
         self.call = None
         self.reasm = reasm

@@ -38,8 +38,9 @@ from fedcore.comm.client_inbound import MESSAGE, ClientInbound, ClientStream
 from fedcore.comm.allocator import release_large_blocks
 from fedcore.comm.chunking import FRAME_OVERHEAD, Reassembler, SharedContent, first_chunk_size
 from fedcore.comm.fingerprint import fingerprint
+from fedcore.comm.turns import TURN_BYTES
 from fedcore.comm.handover import Delivery, Raise
-from fedcore.comm.stream import (METHOD, MD_CLIENT_ID, MD_COURSE, MD_REFUSED, MD_SESSION, MD_TOKEN, Outbox,
+from fedcore.comm.stream import (METHOD, MD_CLIENT_ID, MD_COURSE, MD_REFUSED, MD_RESEND, MD_SESSION, MD_TOKEN, Outbox,
                                  allowed_silence, bye_frame, channel_credentials, grpc_options,
                                  heartbeat_frame, parse_frame, read_token, check_tls_files)
 from fedcore.kernel.errors import EXIT_SERVER_GONE, ConfigError, FedcoreError
@@ -272,7 +273,7 @@ class GrpcClientComm(ClientInbound):
                                                f"this client (UNAUTHENTICATED: {detail}); check the token"))
                         return
                     if code == grpc.StatusCode.RESOURCE_EXHAUSTED and not answered \
-                            and not _refused_by_server(exc):
+                            and not _marked(exc, MD_REFUSED):
                         # gRPC's own limit on concurrent calls (a burst of connections, or
                         # streams of peers that stopped reading): the server is busy, not refusing
                         reason = f"server busy ({code.name}: {detail})"
@@ -284,6 +285,12 @@ class GrpcClientComm(ClientInbound):
                             self._fail(ProtocolRefused(f"the server refused a message from client "
                                                        f"{self.client_id} ({code.name}: {detail})"))
                         return
+                    elif code == grpc.StatusCode.UNAVAILABLE and stream.large and _marked(exc, MD_RESEND):
+                        # the server took back the turn of a large message of this client's, which
+                        # it wants again: a working server (only one that ran a round gets a large
+                        # update from this client), so retry_timeout starts again
+                        reason = f"{code.name}: {detail}"
+                        last_ok, attempt = time.monotonic(), 0
                     else:
                         reason = stream.why or f"{code.name}: {detail}"
                         if code == grpc.StatusCode.ALREADY_EXISTS:
@@ -344,13 +351,17 @@ class GrpcClientComm(ClientInbound):
                 return None
             return heartbeat_frame()
 
-        yield from self.outbox.frames(token, alive, self.hb_interval, idle)
+        def on_message(size: int) -> None:
+            stream.large = stream.large or size >= TURN_BYTES
+
+        yield from self.outbox.frames(token, alive, self.hb_interval, idle, on_message)
 
 
-def _refused_by_server(exc: grpc.RpcError) -> bool:
-    """Whether fedcore's server refused the call itself (it says so in the trailing metadata),
-    rather than gRPC on its behalf."""
+def _marked(exc: grpc.RpcError, key: str) -> bool:
+    """Whether fedcore's server ended the call with `key` in its trailing metadata (MD_REFUSED:
+    it refused the call itself, rather than gRPC on its behalf; MD_RESEND: it wants the large
+    message in progress again)."""
     try:
-        return any(key == MD_REFUSED for key, _ in exc.trailing_metadata() or ())
+        return any(k == key for k, _ in exc.trailing_metadata() or ())
     except Exception:  # noqa: BLE001 - an error without a call's metadata was not the server's
         return False

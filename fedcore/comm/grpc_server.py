@@ -41,7 +41,7 @@ from fedcore.comm.chunking import FRAME_OVERHEAD, Reassembler, SharedContent, fi
 from fedcore.comm.handover import Arrival
 from fedcore.comm.server_inbound import Inbound, StreamStatus
 from fedcore.comm.sessions import OPEN_PER_ID, CallAdmission, Refused, Session
-from fedcore.comm.stream import (REFUSED, allowed_silence, grpc_options, heartbeat_frame, read_token,
+from fedcore.comm.stream import (REFUSED, RESEND, allowed_silence, grpc_options, heartbeat_frame, read_token,
                                  read_tokens, server_credentials, check_tls_files)
 from fedcore.comm.metrics_gate import MetricsGate
 from fedcore.comm.turns import TURN_BYTES, Turns
@@ -349,13 +349,20 @@ class GrpcServerComm(CallAdmission, Inbound):
                 status.reasm.drop()
                 self.quiet("stalled message", f"client {s.client_id} ({s.peer}): refused a message: {stalled}")
                 return False
-            overdue = status.reasm.in_progress and self._turns.overdue(status.reasm, status.reasm.received)
-            if overdue:  # the turn goes to a waiting upload; this one comes again (the session stays)
-                status.resend = overdue
-                status.reasm.drop()
-                self.quiet("turn taken back", f"client {s.client_id} ({s.peer}): message {overdue}")
-                return False
-            return True
+            return status.resend is None
+
+        def give_up_turn(why: str) -> None:
+            """On the loop, from a stream waiting for the turn this one's message is too slow
+            to keep: the message comes again (the session stays), behind the waiting ones."""
+            if status.done or status.resend is not None:
+                return
+            status.resend = why
+            status.reasm.drop()
+            self._turns.give_back(status.reasm)
+            reader.cancel()
+            s.outbox.wake()
+            self.quiet("turn taken back", f"client {s.client_id} ({s.peer}): message {why}")
+        status.give_up_turn = give_up_turn
 
         try:
             await context.write(pb.Frame(welcome=pb.Welcome(
@@ -375,7 +382,7 @@ class GrpcServerComm(CallAdmission, Inbound):
         if status.error is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, status.error, REFUSED)
         if status.resend is not None:   # not a refusal: the client redials and sends it again
-            await context.abort(grpc.StatusCode.UNAVAILABLE, status.resend)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, status.resend, RESEND)
 
 
 def _finish_tasks(loop: asyncio.AbstractEventLoop) -> None:

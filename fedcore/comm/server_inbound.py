@@ -35,12 +35,13 @@ DECODE_OFF_LOOP = 256 * 1024
 class StreamStatus:
     """What one stream's reader and writer share: its reassembler, whether it ended and why."""
 
-    __slots__ = ("done", "error", "resend", "reasm", "task")
+    __slots__ = ("done", "error", "resend", "give_up_turn", "reasm", "task")
 
     def __init__(self, reasm: Reassembler) -> None:
         self.done = False
         self.error: str | None = None    # the stream is refused (INVALID_ARGUMENT)
         self.resend: str | None = None   # its message is to be sent again (UNAVAILABLE)
+        self.give_up_turn = None         # ends the stream for a message too slow to keep the turn
         self.reasm = reasm
         self.task = asyncio.current_task()   # the call's own task
 
@@ -58,7 +59,7 @@ class Inbound:
                     reasm.end_of_stream()
                     break
                 s.last_seen = time.monotonic()
-                more = await self._take(s, parse_frame(raw, self.max_frame), reasm)
+                more = await self._take(s, parse_frame(raw, self.max_frame), status)
                 raw = None   # not kept while waiting for the next frame: a fleet waits at once
                 if not more:   # the client left: its other calls end with this one
                     s.end_calls(keep=status.task)
@@ -96,12 +97,14 @@ class Inbound:
         events, self._handover = self._handover, []
         self.scheduler.call_soon(events[0] if len(events) == 1 else Batch(events, self.scheduler))
 
-    async def _take(self, s: Session, frame: pb.Frame, reasm: Reassembler) -> bool:
+    async def _take(self, s: Session, frame: pb.Frame, status: StreamStatus) -> bool:
         """One frame from `s`'s stream; False once the stream is to end (the client left)."""
+        reasm = status.reasm
         kind = frame.WhichOneof("kind")
         if kind == "chunk":
             if frame.chunk.offset == 0 and frame.chunk.total_size >= TURN_BYTES:
-                await self._turns.take(reasm, lambda: setattr(s, "last_seen", time.monotonic()))
+                await self._turns.take(reasm, lambda: setattr(s, "last_seen", time.monotonic()),
+                                       reasm.progress, status.give_up_turn)
             data = reasm.feed(frame.chunk)
             s.receiving = reasm.in_progress
             if data is None:

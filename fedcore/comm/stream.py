@@ -33,6 +33,8 @@ MD_SESSION = "fedcore-session"      # random per client process: tells a reconne
 MD_COURSE = "fedcore-course"        # fingerprint of the course-defining config (comm/fingerprint.py)
 MD_REFUSED = "fedcore-refused"      # trailing metadata: the server refused the call itself (not gRPC)
 REFUSED = ((MD_REFUSED, "1"),)
+MD_RESEND = "fedcore-resend"        # trailing metadata: the server took a large message's turn back
+RESEND = ((MD_RESEND, "1"),)
 TOKEN_ENV = "FEDCORE_TOKEN"         # where a process finds its token when no file or key names it
 INSECURE_NOTED_ENV = "FEDCORE_INSECURE_NOTED"  # "1": fedcore.launch warned of plaintext once for all its processes
 INSECURE_WARNING = ("distribute.insecure: true: plaintext gRPC without TLS; models and tokens can be read "
@@ -137,12 +139,14 @@ class Outbox(OwnedQueue):
             self._cond.notify_all()
 
     def frames(self, token: object, alive: Callable[[], bool], interval: float,
-               on_idle: Callable[[], bytes | None]) -> Iterator[bytes]:
+               on_idle: Callable[[], bytes | None],
+               on_message: Callable[[int], None] | None = None) -> Iterator[bytes]:
         """Frames to write, for as long as this stream owns the outbox and `alive()` holds.
 
         An item is removed only when the stream asks for the frame after its
         last one, i.e. once gRPC has taken all of it; a heartbeat (from
         `on_idle`, which may return None to end the stream) fills idle intervals.
+        `on_message(size)` is told each message's size as its first frame goes.
         """
         def mine() -> bool:
             return self._owner is token and alive()
@@ -164,6 +168,8 @@ class Outbox(OwnedQueue):
             if kind == "frame":
                 yield body
             else:
+                if on_message is not None:
+                    on_message(sum(len(part) for part in body))
                 for frame in chunk_frames(body, mid, self.chunk_size, self.first_size, sha=sha):
                     if not mine():
                         return

@@ -37,11 +37,18 @@ class Turns:
     def __init__(self, rate: float | None = None) -> None:
         self._lock = asyncio.Lock()
         self._owner: object | None = None
-        self._since = 0.0      # when the owner took the turn
+        self._progress: Callable[[], tuple[float, int] | None] | None = None
+        self._lose: Callable[[str], None] | None = None
         self.waiting = 0       # streams waiting for the turn
         self.rate = rate or None
 
-    async def take(self, owner: object, keep_alive: Callable[[], None], interval: float = 1.0) -> None:
+    async def take(self, owner: object, keep_alive: Callable[[], None],
+                   progress: Callable[[], tuple[float, int] | None] | None = None,
+                   lose: Callable[[str], None] | None = None, interval: float = 1.0) -> None:
+        """Wait for the turn (keeping the waiting stream alive every `interval` seconds, and
+        judging the holder's pace meanwhile). `progress()` gives the owner's message in
+        progress as (when it started, bytes received), None between messages; `lose(why)`
+        ends the owner's stream and gives the turn back, if it is too slow."""
         self.waiting += 1
         try:
             while True:
@@ -50,26 +57,39 @@ class Turns:
                     await asyncio.wait_for(self._lock.acquire(), interval)
                     break
                 except asyncio.TimeoutError:
-                    continue
+                    self._judge()
         finally:
             self.waiting -= 1
-        self._owner, self._since = owner, monotonic()
+        self._owner, self._progress, self._lose = owner, progress, lose
 
-    def overdue(self, owner: object, received: int) -> str | None:
-        """Why `owner`, holding the turn, must give it up (None if it may keep it): another
-        stream waits, and of its message, fewer than `rate` bytes a second have arrived since
-        its first TURN_GRACE seconds with the turn (`received`: its bytes so far)."""
-        if self.rate is None or self._owner is not owner or not self.waiting:
+    def overdue(self) -> str | None:
+        """Why the holder must give up the turn (None if it may keep it): another stream waits,
+        and of the message it is receiving fewer than `rate` bytes a second have come since the
+        message's first TURN_GRACE seconds. A holder between messages (its last one being
+        handled) is not judged."""
+        if self.rate is None or not self.waiting or self._progress is None:
             return None
-        held = monotonic() - self._since
-        if received >= self.rate * (held - TURN_GRACE):
+        progress = self._progress()
+        if progress is None:
             return None
-        return (f"gave up its turn for large messages: {received} bytes in {held:.0f}s while "
+        started, received = progress
+        took = monotonic() - started
+        if received >= self.rate * (took - TURN_GRACE):
+            return None
+        return (f"gave up its turn for large messages: {received} bytes in {took:.0f}s while "
                 f"{self.waiting} other upload(s) waited (distribute.turn_bytes_per_second="
                 f"{self.rate:g}); it is to be sent again")
+
+    def _judge(self) -> None:
+        """By a waiting stream: end the holder's stream if it is overdue. Judged here, not by
+        the holder's own stream, whose writer may be stuck on a peer that stopped reading."""
+        why = self.overdue()
+        if why is not None and self._lose is not None:
+            lose, self._lose = self._lose, None
+            lose(why)
 
     def give_back(self, owner: object) -> None:
         """On the loop: release the turn if `owner` holds it (idempotent)."""
         if owner is not None and self._owner is owner and self._lock.locked():
-            self._owner = None
+            self._owner = self._progress = self._lose = None
             self._lock.release()

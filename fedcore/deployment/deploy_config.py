@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 from fedcore.comm.stream import TOKEN_ENV
+from fedcore.comm.turns import TURN_BYTES, TURN_GRACE
 from fedcore.kernel.config import declare, non_negative, positive, validator
 from fedcore.kernel.errors import ConfigError
 from fedcore.wire.census import values_bound
@@ -88,13 +89,14 @@ declare("distribute.max_message_values", int, None, "largest number of values (f
 declare("distribute.min_bytes_per_second", float, 10_000.0, "slowest link served: a half-received "
         "message must keep arriving at this rate (it may take a chunk's time at this rate between "
         "frames), or its stream is closed and its memory freed", check=positive)
-declare("distribute.turn_bytes_per_second", float, 1_000_000.0, "server: large messages (16 MiB "
-        "or more) are received one at a time; while another waits, the one being received must "
-        "arrive at this rate after its first 5 seconds, or its stream is ended (UNAVAILABLE) and "
-        "its client sends it again, behind the others: a slow or trickling sender cannot hold "
-        "every other upload back. A client on a slower link uploads a large message only while no "
-        "other waits (a token holder keeping an upload waiting can keep it out): set this below the "
-        "slowest honest link. 0: a turn is never taken back", check=lambda v: None if v >= 0 else "must be >= 0")
+declare("distribute.turn_bytes_per_second", float, 1_000_000.0, "server: large messages (of "
+        f"{TURN_BYTES >> 20} MiB or more) are received one at a time; while another waits, the one "
+        f"being received must arrive at this rate after its first {TURN_GRACE:g} seconds, or its "
+        "stream is ended (UNAVAILABLE) and its client sends it again, behind the others: a slow or "
+        "trickling sender cannot hold every other upload back. A client on a slower link uploads a "
+        "large message only while no other waits (a token holder keeping an upload waiting can keep "
+        "it out): set this below the slowest honest link. 0: a turn is never taken back",
+        check=non_negative)
 declare("distribute.heartbeat_interval", float, 2.0, "seconds between heartbeats on an idle stream",
         check=positive)
 declare("distribute.heartbeat_timeout", float, 10.0, "seconds without any frame after which a peer "
