@@ -31,10 +31,13 @@ def test_plaintext_client_and_wrong_token_are_refused_by_a_tls_server(tmp_path, 
                           "distribute.token=wrong-token")
 
     # Plaintext against TLS never gets through the handshake: the client gives up after
-    # distribute.retry_timeout with its one documented line and exit code 4.
+    # distribute.retry_timeout with its one documented line and exit code 4, asking whether
+    # the server speaks TLS (each connection was closed at once).
     assert wait_exit(plaintext, 120) == 4
     last = text(plaintext).strip().splitlines()[-1]
     assert last.startswith("fedcore: no server at 127.0.0.1:") and "giving up" in last
+    assert last.endswith("; the server closed each connection at once: does it speak TLS, where "
+                         "this client is plaintext (distribute.insecure)?"), last
 
     # A wrong token is refused at once with UNAUTHENTICATED (a configuration error: exit 2).
     assert wait_exit(wrong, 120) == 2

@@ -319,7 +319,10 @@ class GrpcClientComm(ClientInbound):
                         + (f"; before, the server refused this client's id: {held} (another process "
                            "with the same distribute.client_id?)" if held else "")
                         + ("; the TLS handshake failed: is the server plaintext (distribute.insecure) "
-                           "or its certificate from another authority?" if "handshake" in reason.lower() else "")))
+                           "or its certificate from another authority?" if "handshake" in reason.lower() else "")
+                        + ("; the server closed each connection at once: does it speak TLS, where this "
+                           "client is plaintext (distribute.insecure)?" if self.insecure
+                           and not self._welcomed.is_set() and "socket closed" in reason.lower() else "")))
                     return
                 delay = min(backoff_delay(attempt, *self.backoff, self._rng),
                             max(0.05, self.retry_timeout - gone))
