@@ -260,3 +260,26 @@ def test_a_server_waiting_for_every_client_says_so_at_the_join_timeout(tmp_path,
              60, "the join timeout's line")
     time.sleep(1.5)
     assert text(server).count("join timeout:") == 1 and server.poll() is None   # said once; waiting
+
+
+def test_a_course_on_an_ipv6_address_named_without_brackets_runs(tmp_path, procs):
+    """`distribute.server_host: ::1` is an address as a user writes it; gRPC takes IPv6
+    addresses in brackets, and the server used to fail to listen on it."""
+    import socket
+    try:
+        socket.create_server(("::1", 0), family=socket.AF_INET6).close()
+    except OSError as exc:
+        pytest.skip(f"no IPv6 loopback here: {exc}")
+    cfg = write_cfg(tmp_path / "course.yaml", {**FAST_FAULTS, "federate.total_round_num": 2,
+                                               "federate.client_num": 2, "slow_test.pause": 0.0,
+                                               "distribute.server_host": "::1"})
+    out = tmp_path / "out"
+    server = procs.fedcore("server", cfg, "distribute.role=server", "distribute.server_port=0",
+                           f"outdir={out}")
+    port = server_port(out, server)
+    assert (out / "server_address").read_text().strip() == f"[::1]:{port}"
+    clients = [procs.fedcore(f"client{k}", cfg, "distribute.role=client", f"distribute.server_port={port}",
+                             f"distribute.client_id={k}") for k in (1, 2)]
+    assert wait_exit(server, 120) == 0, text(server)[-3000:]
+    assert all(wait_exit(c, 60) == 0 for c in clients)
+    assert f"server listening on [::1]:{port}" in text(server)

@@ -42,7 +42,7 @@ from fedcore.comm.turns import TURN_BYTES
 from fedcore.comm.handover import Delivery, Raise
 from fedcore.comm.stream import (METHOD, MD_CLIENT_ID, MD_COURSE, MD_REFUSED, MD_RESEND, MD_SESSION, MD_TOKEN, Outbox,
                                  allowed_silence, bye_frame, channel_credentials, grpc_options,
-                                 heartbeat_frame, parse_frame, read_token, check_tls_files)
+                                 heartbeat_frame, host_port, parse_frame, read_token, check_tls_files)
 from fedcore.kernel.errors import EXIT_SERVER_GONE, ConfigError, FedcoreError
 from fedcore.kernel.message import SERVER_ID, Message
 from fedcore.runtime.quiet import QuietLog
@@ -85,7 +85,7 @@ class GrpcClientComm(ClientInbound):
         self.scheduler = scheduler
         self.tensor_form = get_form(tensor_form).name  # received tensors are decoded into it
         self.device = None   # a torch device to put received tensors on (the course sets it)
-        self.address = f"{d['server_host']}:{d['server_port']}"
+        self.address = host_port(d['server_host'], d['server_port'])
         self.insecure = d["insecure"]
         self.tls = {k: d.get(f"tls.{k}") for k in ("cert", "key", "ca")}
         if not self.insecure:

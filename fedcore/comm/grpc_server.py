@@ -41,7 +41,7 @@ from fedcore.comm.chunking import FRAME_OVERHEAD, Reassembler, SharedContent, fi
 from fedcore.comm.handover import Arrival
 from fedcore.comm.server_inbound import Inbound, StreamStatus
 from fedcore.comm.sessions import OPEN_PER_ID, CallAdmission, Refused, Session
-from fedcore.comm.stream import (REFUSED, RESEND, allowed_silence, grpc_options, heartbeat_frame, read_token,
+from fedcore.comm.stream import (REFUSED, RESEND, allowed_silence, grpc_options, heartbeat_frame, host_port, read_token,
                                  read_tokens, server_credentials, check_tls_files)
 from fedcore.comm.metrics_gate import MetricsGate
 from fedcore.comm.turns import TURN_BYTES, Turns
@@ -174,7 +174,7 @@ class GrpcServerComm(CallAdmission, Inbound):
         # every other method is refused here, not by gRPC itself: gRPC's own UNIMPLEMENTED
         # never reaches the guard, so calls to a made-up method kept their connection open
         server.add_generic_rpc_handlers((handler, _Unknown(self._unknown)))
-        address = f"{self.host}:{self.port}"
+        address = host_port(self.host, self.port)
         try:
             if self.insecure:
                 port = server.add_insecure_port(address)

@@ -195,6 +195,11 @@ class Outbox(OwnedQueue):
             return True
 
 
+def host_port(host: str, port: int) -> str:
+    """`host:port` as gRPC and a server_address file take it: an IPv6 address in brackets."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
 # ---------------------------------------------------------------- gRPC settings
 
 def grpc_options(chunk_size: int, server: bool) -> list[tuple[str, int]]:

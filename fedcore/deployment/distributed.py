@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from fedcore.kernel import registry
-from fedcore.comm.stream import INSECURE_NOTED_ENV, INSECURE_WARNING, REFUSED_NOTICE
+from fedcore.comm.stream import INSECURE_NOTED_ENV, INSECURE_WARNING, REFUSED_NOTICE, host_port
 from fedcore.runtime.checkpoint import interrupted_message
 from fedcore.comm.client_state import write_atomic
 from fedcore.runtime.course import Course, StartEvent, collector_for_run, raise_if_diverged
@@ -241,8 +241,8 @@ class ServerCourse(Course):
         _warn_if_insecure(self.cfg)
         if self.outdir is not None:
             # whole or absent: a launcher or script polling for it never reads it half-written
-            write_atomic(self.outdir / "server_address", f"{host}:{port}\n".encode())
-        log.info("server listening on %s:%d for %d clients", host, port, self.num_clients)
+            write_atomic(self.outdir / "server_address", f"{host_port(host, port)}\n".encode())
+        log.info("server listening on %s for %d clients", host_port(host, port), self.num_clients)
         self.scheduler.schedule(0.0, PRIORITY_TIMER, StartEvent(self.server, "start"))
         self.scheduler.schedule(0.0, PRIORITY_TIMER, self._watch)
         try:

@@ -20,6 +20,7 @@ import logging
 import os
 from pathlib import Path
 
+from fedcore.comm.stream import host_port
 from fedcore.runtime.admission import AdmissionState
 from fedcore.deployment.deploy_config import message_bound, value_bound
 from fedcore.deployment.distributed import ServerCourse, _measured_time, deployed_process
@@ -168,9 +169,9 @@ class EdgeCourse(ServerCourse):
         host = self.cfg["distribute.server_host"]
         if self.address_dir is not None and self.cfg["distribute.server_port"] == 0:
             self.address_dir.mkdir(parents=True, exist_ok=True)
-            address_file(self.address_dir, self.edge.id).write_text(f"{host}:{port}\n")
-        log.info("edge %d listening on %s:%d for clients %s; cloud at %s", self.edge.id, host, port,
-                 self.edge.children, self.up.address)
+            address_file(self.address_dir, self.edge.id).write_text(f"{host_port(host, port)}\n")
+        log.info("edge %d listening on %s for clients %s; cloud at %s", self.edge.id,
+                 host_port(host, port), self.edge.children, self.up.address)
         self.up.start()
         self.scheduler.schedule(0.0, PRIORITY_TIMER, self._watch)
         try:
