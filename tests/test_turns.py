@@ -74,3 +74,48 @@ def test_the_turn_is_taken_back_only_from_a_slow_message_while_another_waits(mon
         "gave up its turn for large messages: 9999 bytes in 15s while 1 other")
     assert waiting == 0
     assert Turns(None).rate is None and Turns(0).rate is None   # 0: a turn is never taken back
+
+
+def test_a_small_messages_delivery_leaves_the_turn_its_streams_next_large_message_took():
+    # A stream's small message (a join) is handed to the scheduler; before the scheduler
+    # delivers it, the same stream starts a large message and takes the turn. Delivering the
+    # small message must not give that turn back: it did (the turn's owner is the stream's
+    # reassembler), so a trickler's large message was out of every judgement, and two large
+    # messages could be buffered at once.
+    import hashlib
+    from fedcore.comm.chunking import Reassembler
+    from fedcore.comm.server_inbound import Inbound, StreamStatus
+    from fedcore.comm.turns import TURN_BYTES
+    from fedcore.wire import fedcore_pb2 as pb
+
+    class Server(Inbound):
+        def __init__(self, loop):
+            self._turns, self._loop, self.handed = Turns(), loop, []
+            self.count_bytes = self.after_delivery = self.quiet_info = lambda *a: None
+            self.server = types.SimpleNamespace(deliver=lambda m: None)
+
+        def _decode(self, s, data):
+            return Message("join_in", s.client_id, (SERVER_ID,), 0, 0.0, {})
+
+        def _hand_over(self, event):
+            self.handed.append(event)
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        server = Server(loop)
+        status = StreamStatus(Reassembler(64 << 20, 1 << 20))
+        s = types.SimpleNamespace(client_id=3, last_delivered=0, receiving=False, last_seen=0.0)
+        small = b"join"
+        await server._take(s, pb.Frame(chunk=pb.Chunk(message_id=1, offset=0, total_size=len(small), data=small,
+                                                      sha256=hashlib.sha256(small).digest())), status)
+        await server._take(s, pb.Frame(chunk=pb.Chunk(message_id=2, offset=0, total_size=TURN_BYTES + 1,
+                                                      data=bytes(1024), sha256=bytes(32))), status)
+        assert len(server.handed) == 1
+        server.handed[0]()                      # the join delivered on the scheduler thread
+        await asyncio.sleep(0.05)               # where it would have given the turn back
+        other = asyncio.ensure_future(server._turns.take(object(), lambda: None))
+        await asyncio.sleep(0.2)
+        held = not other.done()                 # another client's large message still waits
+        other.cancel()
+        return held
+    assert asyncio.run(run())

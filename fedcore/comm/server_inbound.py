@@ -109,10 +109,13 @@ class Inbound:
             s.receiving = reasm.in_progress
             if data is None:
                 return True
+            # the turn is this message's only if it took one: a small message's delivery comes
+            # after the stream may have taken the turn for its next, large one
+            turn = reasm if len(data) >= TURN_BYTES else None
             if frame.chunk.message_id <= s.last_delivered:
                 self.quiet("duplicate message", f"client {s.client_id}: dropped message "
                            f"{frame.chunk.message_id}, already received", logging.INFO)
-                self._turns.give_back(reasm)
+                self._turns.give_back(turn)
                 return True  # sent again after a reconnect; we already have it
             if len(data) >= TURN_BYTES:   # decoded off the loop; the frames' leftovers given back
                 msg = await asyncio.get_running_loop().run_in_executor(self._decoder, self._decode_large, s, data)
@@ -121,7 +124,7 @@ class Inbound:
             else:
                 msg = self._decode(s, data)
             s.last_delivered = frame.chunk.message_id
-            self._hand_over(Arrival(self, msg, len(data), reasm))
+            self._hand_over(Arrival(self, msg, len(data), turn))
         elif kind == "bye":
             with self._lock:
                 if s.state == "live":
