@@ -151,7 +151,7 @@ def measure(kind: str, n: int, seconds: float, tls: bool = False) -> tuple[dict,
             flood = windows(course, attacker, n, seconds)
             attacker.terminate()
             attacker.wait(60)
-            flood.update({k: v for k, v in json.loads(report.read_text()).items() if k != "lifetimes"})
+            flood.update({k: v for k, v in json.loads(report.read_text()).items() if k != "spans"})
             hog = subprocess.Popen([sys.executable, "-c", HOG])
             try:
                 control = windows(course, hog, n, seconds)

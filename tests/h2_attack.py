@@ -152,8 +152,9 @@ class StreamFlood:
     """`conns` connections opening token-less calls in batches of `batch` as fast as the socket
     takes them: each reset at once (`reset=True`, rapid reset) or left open (header flood),
     over TLS where `tls`. A connection the server closes is reopened. Counts calls opened,
-    connections closed by the server, GOAWAY frames seen, and each connection's lifetime
-    (seconds from its preface to its close)."""
+    connections closed by the server, GOAWAY frames seen, and each connection's span (when
+    its preface was sent and when its close was seen, `time.monotonic()`: the system's clock,
+    which another process can set against the times it paused this one)."""
 
     def __init__(self, port: int, conns: int, reset: bool, batch: int = 100, tls: bool = False,
                  stop: threading.Event | None = None):
@@ -161,7 +162,7 @@ class StreamFlood:
         self.tls = tls_context() if tls else None
         self.scheme = b"https" if tls else b"http"
         self.calls = self.closed = self.goaways = self.stalled = 0
-        self.lifetimes: list[float] = []
+        self.spans: list[tuple[float, float]] = []
         self.stop = stop or threading.Event()
 
     def _open(self):
@@ -220,7 +221,7 @@ class StreamFlood:
                     conn["sock"].close()
                     if self.stalled == stalled:   # closed by the server
                         self.closed += 1
-                        self.lifetimes.append(time.monotonic() - conn["opened"])
+                        self.spans.append((conn["opened"], time.monotonic()))
         for conn in conns:
             conn["sock"].close()
 
@@ -242,10 +243,9 @@ def main(argv=None) -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     flood = StreamFlood(int(port), int(conns), reset=kind == "rapid-reset", tls=args[5:] == ["tls"], stop=stop)
     flood.run(float(seconds))
-    lifetimes = sorted(flood.lifetimes)
     with open(report, "w") as fh:
         json.dump({"calls": flood.calls, "closed": flood.closed, "goaways": flood.goaways, "stalled": flood.stalled,
-                   "lifetimes": lifetimes}, fh)
+                   "spans": flood.spans}, fh)
 
 
 if __name__ == "__main__":

@@ -150,3 +150,51 @@ def test_admissions_churned_by_a_token_holder_never_push_out_a_live_sessions_con
     for port in range(50000, 50000 + bound):
         remember(peer_key(f"ipv4:127.0.0.1:{port}"), 3)
     assert peer_key(honest) not in sessions._admitted_peers    # ... it is forgotten like the rest
+
+
+class _RecordingLoop(_Loop):
+    def __init__(self):
+        super().__init__()
+        self.soon = []
+
+    def call_soon(self, fn, *args):
+        self.soon.append((fn, args))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the guard counts sockets in /proc/self/fd")
+def test_a_connection_of_4_streams_has_its_first_refusal_answered_the_next_four_held_and_is_closed_at_the_sixth():
+    # Held calls keep the connection's stream slots taken, so gRPC refuses its further calls
+    # in the transport; a connection whose calls come anyway (reset by their sender) is
+    # closed at once. A connection a live session uses is never held nor closed.
+    from fedcore.comm.connections import CLOSE_AFTER
+    admitted = {"ipv4:127.0.0.1:2"}
+    guard = ConnectionGuard(_RecordingLoop(), lambda peer: peer in admitted, streams=4)
+    peer = "ipv4:127.0.0.1:1"
+    held = [guard.refused(peer) for _ in range(8)]
+    assert held == [False, True, True, True, True, False, False, False]
+    assert [d for d, _ in guard.loop.later] == [CLOSE_AFTER]    # closed CLOSE_AFTER after the first...
+    assert [args for _, args in guard.loop.soon] == [(peer,)]    # ...or at once, at the 6th
+    assert guard.closing(peer)
+    assert [guard.refused("ipv4:127.0.0.1:2") for _ in range(3)] == [False] * 3
+    assert not guard.closing("ipv4:127.0.0.1:2")
+
+
+def test_held_calls_end_when_cancelled_and_no_more_than_held_max_are_held():
+    import asyncio
+    from fedcore.comm.connections import HELD_MAX, HOLD_FOR
+
+    async def main():
+        guard = ConnectionGuard(asyncio.get_running_loop(), lambda peer: False)
+        holds = [asyncio.ensure_future(guard.hold()) for _ in range(HELD_MAX + 3)]
+        await asyncio.sleep(0.05)
+        # the calls beyond HELD_MAX were answered at once; the others wait for their close
+        assert sum(h.done() for h in holds) == 3 and guard.held == HELD_MAX
+        for h in holds:
+            h.cancel()   # their connection closed: gRPC cancels the calls
+        await asyncio.gather(*holds, return_exceptions=True)
+        assert guard.held == 0
+        started = asyncio.get_running_loop().time()
+        await guard.hold()   # a connection that outlives its close: answered after HOLD_FOR
+        return asyncio.get_running_loop().time() - started
+
+    assert HOLD_FOR - 0.01 <= asyncio.run(main()) < HOLD_FOR + 1.0

@@ -13,11 +13,23 @@ moment after the refusal (time for the status to reach the peer); gRPC sees
 the connection end and frees it. Only connections that no live session uses
 are closed this way: those that produce nothing but refusals (calls to a method the server
 does not serve count as refusals too: gRPC would answer those itself, unseen). A connection
-a session moved away from (it reconnected on another) is closed likewise. A connection
-that opens calls faster than the handler can refuse them (rapid reset, header floods) is
-closed at its BURST-th refusal; gRPC's own limit on a connection's open streams
-(`grpc.max_concurrent_streams`, set by the server) bounds the calls it queues meanwhile,
-and those reach the handler as `closing` peers', ended unread. gRPC's asyncio API cannot
+a session moved away from (it reconnected on another) is closed likewise.
+
+Until it is closed, a connection that only brings refusals is tarpitted: its first refused
+call is answered at once (an honest client with a wrong token is told why), its next ones
+(as many as it may open streams) are held unanswered until the close ends them. Held calls
+keep the connection's stream slots (`grpc.max_concurrent_streams`, set by the server) taken, so gRPC
+refuses every further call on it in its transport, at a small fraction of what a call costs
+on its way through the asyncio API to a handler: under a header flood (calls opened as fast
+as a socket allows and left open) answering each refusal at once kept the server's event
+loop busy with one refused call after another, and left the course about half its rate,
+holding them about 0.7 (`python -m bench.flood_rate`). A connection whose calls reach the
+handler faster than they are held (reset by their sender: rapid reset) is closed at once,
+at its refusal beyond the first and its stream slots within CLOSE_AFTER; the calls it still
+has queued reach the handler as a `closing` peer's and are held too, ended unread. At most
+HELD_MAX calls are held in all (the server leaves room for them in its limit on concurrent
+calls, so they never take an honest client's); beyond that a refused call is answered at once.
+gRPC's asyncio API cannot
 send GOAWAY on one connection, so on a plaintext server (`distribute.insecure`) the guard
 writes the frame itself on the socket before shutting it down (ENHANCE_YOUR_CALM, last
 stream 0: none of the connection's calls was served): the socket is gRPC's, so where
@@ -34,23 +46,25 @@ elsewhere refused connections are left to gRPC's idle timeout and addresses are 
 """
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import time
 from typing import Callable
 from urllib.parse import unquote
 
-__all__ = ["RESERVED_FILES", "ADDRESS_SHARE", "GOAWAY_CALM", "connection_cap", "address_cap", "peer_key",
-           "ConnectionGuard"]
+__all__ = ["RESERVED_FILES", "ADDRESS_SHARE", "GOAWAY_CALM", "HELD_MAX", "connection_cap", "address_cap",
+           "peer_key", "ConnectionGuard"]
 
 
 RESERVED_FILES = 64   # descriptors kept for the server's own files (outputs, logs, libraries)
 ADDRESS_SHARE = 4     # by default one peer address may hold a quarter of the connections
 CLOSE_AFTER = 0.5     # seconds between a refusal and the closing of its connection
-BURST = 4             # refusals on one connection within CLOSE_AFTER that close it at once
+HELD_MAX = 256        # refused calls held at once, all connections together
 SCAN_SHARE = 10       # a scan of the descriptors waits 10x the last one's duration after it
 SWEEP_EVERY = 1.0     # seconds between two counts of the connections of each address
 SHUT_MEMORY = 2.0     # seconds a closed connection's peer is remembered (its queued calls end unread)
+HOLD_FOR = CLOSE_AFTER + SHUT_MEMORY   # the longest a call is held (where its connection outlives the close)
 _LATER = object()
 # HTTP/2 GOAWAY (RFC 9113 6.8): 8 bytes of payload, type 7, no flags, stream 0; last stream 0
 # (every call of a connection closed here was refused), error ENHANCE_YOUR_CALM (0xb)
@@ -136,8 +150,12 @@ class ConnectionGuard:
     beyond their address's cap (`per_address`, None: no cap)."""
 
     def __init__(self, loop, admitted: Callable[[str], bool], per_address: int | None = None,
-                 goaway: bool = True):
+                 goaway: bool = True, streams: int = 4):
         self.loop = loop
+        # refusals within CLOSE_AFTER that close a connection at once: the first (answered) and
+        # one per stream slot (held) reach the handler under a header flood; more come only
+        # where its calls end anyway (reset by their sender)
+        self.burst = streams + 2
         self.admitted = admitted       # whether a live session uses this peer's connection
         self.per_address = per_address
         self.goaway = goaway           # plaintext only: under TLS the frame would have to be encrypted
@@ -148,21 +166,37 @@ class ConnectionGuard:
         self._scanned = self._scan_took = 0.0
         self._pending: dict[str, int] = {}   # peer -> its refusals not yet acted on
         self._shut_at: dict[str, float] = {}   # peer -> when its connection was closed
+        self.held = 0                  # refused calls held unanswered now
         self.enabled = os.path.isdir("/proc/self/fd")
         if self.enabled and per_address is not None:
             self.loop.call_later(SWEEP_EVERY, self._sweep)
 
-    def refused(self, peer: str) -> None:
+    def refused(self, peer: str) -> bool:
         """A call from `peer` was refused: close its connection in CLOSE_AFTER seconds (time
-        for the status to reach an honest peer), or now if it keeps opening refused calls."""
+        for the status to reach an honest peer), or now if its refused calls keep coming.
+        Whether to `hold` the call before answering it: the connection's refusals after the
+        first, as many as it has stream slots, unless a live session uses the connection
+        (which is not closed for them)."""
         if not self.enabled:
-            return
+            return False
         n = self._pending.get(peer, 0) + 1
         self._pending[peer] = n
         if n == 1:
             self.loop.call_later(CLOSE_AFTER, self._close, peer)
-        elif n == BURST:
+        elif n == self.burst:
             self.loop.call_soon(self._close, peer)
+        return 1 < n < self.burst and not self.admitted(peer)
+
+    async def hold(self) -> None:
+        """Keep a refused call unanswered (its stream slot taken) until its connection's close
+        cancels it, at most HOLD_FOR seconds; not at all while HELD_MAX calls are held."""
+        if self.held >= HELD_MAX:
+            return
+        self.held += 1
+        try:
+            await asyncio.sleep(HOLD_FOR)
+        finally:
+            self.held -= 1
 
     def left_behind(self, peer: str) -> None:
         """A session admitted on `peer`'s connection moved to another: close it in CLOSE_AFTER
@@ -183,8 +217,8 @@ class ConnectionGuard:
 
     def closing(self, peer: str) -> bool:
         """Whether `peer`'s connection is being or was just closed for its refusals: its calls
-        still queued in gRPC are ended without reading, logging or counting them."""
-        if self._pending.get(peer, 0) >= BURST:
+        still queued in gRPC are held (`hold`) and ended without reading, logging or counting them."""
+        if self._pending.get(peer, 0) >= self.burst:
             return not self.admitted(peer)   # an admitted connection is not closed for refusals
         shut = self._shut_at.get(peer)
         return shut is not None and time.monotonic() - shut < SHUT_MEMORY
@@ -197,7 +231,7 @@ class ConnectionGuard:
             return
         fd = self._find(address)
         if fd is _LATER:   # scanned a moment ago, before this connection: look again soon
-            self._pending[peer] = BURST
+            self._pending[peer] = self.burst
             self.loop.call_later(SCAN_SHARE * self._scan_took, self._close, peer)
             return
         if fd is None:     # gone already

@@ -36,7 +36,7 @@ import grpc
 from fedcore.runtime.quiet import QuietLog
 from fedcore.comm.allocator import release_large_blocks
 from fedcore.comm.async_outbox import wake_all
-from fedcore.comm.connections import ConnectionGuard, address_cap, connection_cap
+from fedcore.comm.connections import HELD_MAX, ConnectionGuard, address_cap, connection_cap
 from fedcore.comm.chunking import FRAME_OVERHEAD, Reassembler, SharedContent, first_chunk_size
 from fedcore.comm.handover import Arrival
 from fedcore.comm.server_inbound import Inbound, StreamStatus
@@ -155,11 +155,12 @@ class GrpcServerComm(CallAdmission, Inbound):
         cap = connection_cap(self.cfg["distribute.max_connections"])
         if cap is not None:   # below the descriptor limit: the server's own files always open
             backlog.append(("grpc.max_allowed_incoming_connections", cap))
-        calls = OPEN_PER_ID * self.num_clients + 16
+        calls = OPEN_PER_ID * self.num_clients + 16   # and room for the refused calls held (comm/connections.py)
         # A header flood or rapid reset queues at most this many calls per connection (gRPC
         # refuses the rest itself); by default as many as the server ever runs, since clients
         # in one process share one connection.
-        backlog.append(("grpc.max_concurrent_streams", self.cfg["distribute.max_streams_per_connection"] or calls))
+        streams = self.cfg["distribute.max_streams_per_connection"] or calls
+        backlog.append(("grpc.max_concurrent_streams", streams))
         window = self.cfg["distribute.stream_window"]
         if window and self.max_message >= TURN_BYTES:
             # fixed where uploads take turns (comm/turns.py): gRPC's bandwidth probe grows it to
@@ -168,7 +169,7 @@ class GrpcServerComm(CallAdmission, Inbound):
             # course's rate: tests/test_deploy_availability.py)
             backlog += [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", window)]
         server = grpc.aio.server(options=grpc_options(self.chunk_size, server=True) + backlog,
-                                 maximum_concurrent_rpcs=calls)
+                                 maximum_concurrent_rpcs=calls + HELD_MAX)
         handler = grpc.method_handlers_generic_handler(
             "fedcore.Fedcore", {"Connect": grpc.stream_stream_rpc_method_handler(self._connect)})
         # every other method is refused here, not by gRPC itself: gRPC's own UNIMPLEMENTED
@@ -193,7 +194,7 @@ class GrpcServerComm(CallAdmission, Inbound):
         self._loop, self._stopping, self._grpc = loop, asyncio.Event(), server
         self._closer = ConnectionGuard(loop, self._admitted_on,
                                        address_cap(self.cfg["distribute.max_connections_per_address"], cap),
-                                       goaway=self.insecure)
+                                       goaway=self.insecure, streams=streams)
         self._decoder = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="fedcore-decode")
         self._turns = Turns(self.cfg["distribute.turn_bytes_per_second"])
         bound.set_result(port)
@@ -307,11 +308,13 @@ class GrpcServerComm(CallAdmission, Inbound):
         and the request iterator, which would each keep the last frame alive while waiting for
         the next: two model-sized buffers per idle client, gigabytes in a fleet."""
         if self._closer.closing(context.peer()):
-            return   # a call queued on a connection closed for its refusals: nothing to answer
+            await self._closer.hold()   # a call queued on a connection closed for its refusals
+            return                      # nothing to answer
         try:
             s, token = self._admit(context)
         except Refused as refused:
-            self._closer.refused(context.peer())   # a refused call does not keep its connection
+            if self._closer.refused(context.peer()):   # a refused call does not keep its connection
+                await self._closer.hold()
             await context.abort(refused.code, refused.detail, REFUSED)
         task = asyncio.current_task()
         s.calls.add(task)
@@ -330,9 +333,11 @@ class GrpcServerComm(CallAdmission, Inbound):
         (counted, logged now and then, its connection closed unless a live session uses it)."""
         peer = context.peer()
         if self._closer.closing(peer):
+            await self._closer.hold()
             return
-        self._closer.refused(peer)
         self.quiet("unknown method", f"refused {peer}: unknown method {method[:80]!r}")
+        if self._closer.refused(peer):
+            await self._closer.hold()
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "unknown method", REFUSED)
 
     async def _stream(self, s: Session, token, context) -> None:
