@@ -362,6 +362,9 @@ class GrpcServerComm(CallAdmission, Inbound):
             if status.done or status.resend is not None:
                 return
             status.resend = why
+            # its client was sending, not silent: its heartbeats wait behind the message on a
+            # slow link, so it gets a whole heartbeat_timeout from now to dial again
+            s.last_seen = time.monotonic()
             status.reasm.drop()
             self._turns.give_back(status.reasm)
             reader.cancel()
