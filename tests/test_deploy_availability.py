@@ -613,14 +613,14 @@ def _stream_flood(procs, tmp_path, kind: str) -> dict:
                                               "8", "300", str(report), *(["tls"] if tls else [])])
     done = {True: [0, 0.0], False: [0, 0.0]}   # attacking -> [rounds, seconds]
     flooded = []   # rounds in each window of the flood
-    pauses = []    # (stopped, resumed) of the attacker
+    pauses = []    # [stopped, resumed] of the attacker
     for window in range(4):
         attacking = window % 2 == 1
         os.kill(attacker.pid, signal.SIGCONT if attacking else signal.SIGSTOP)
         if attacking:
-            pauses.append((stopped, time.monotonic()))
+            pauses[-1][1] = time.monotonic()
         else:
-            stopped = time.monotonic()
+            pauses.append([time.monotonic(), float("inf")])
         time.sleep(0.5)   # the flood stopped (its connections closed) or under way again
         first, started = rounds(), time.monotonic()
         time.sleep(2.5)
