@@ -1,4 +1,6 @@
-"""A TCP proxy on loopback that passes at most `rate` bytes per second each way (a slow link).
+"""A TCP proxy on loopback that passes at most `rate` bytes per second each way, or only
+from the client to the server (`uplink_only`), while `limited` is set (a slow link; clear
+it and the link is fast).
 
 Its sockets have small buffers, so the sender feels the link's pace instead of
 filling megabytes of kernel buffer at once.
@@ -19,8 +21,10 @@ def _small(sock: socket.socket) -> socket.socket:
 
 
 class Throttle:
-    def __init__(self, upstream_port: int, rate: float):
-        self.upstream, self.rate = upstream_port, rate
+    def __init__(self, upstream_port: int, rate: float, uplink_only: bool = False):
+        self.upstream, self.rate, self.uplink_only = upstream_port, rate, uplink_only
+        self.limited = threading.Event()
+        self.limited.set()
         self.listener = _small(socket.socket())
         self.listener.bind(("127.0.0.1", 0))
         self.listener.listen(16)
@@ -38,10 +42,10 @@ class Throttle:
             up = _small(socket.socket())
             up.connect(("127.0.0.1", self.upstream))
             _small(down)
-            for a, b in ((down, up), (up, down)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+            for a, b, limited in ((down, up, True), (up, down, not self.uplink_only)):
+                threading.Thread(target=self._pump, args=(a, b, limited), daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, limited: bool) -> None:
         start, sent = time.monotonic(), 0
         try:
             while True:
@@ -51,6 +55,8 @@ class Throttle:
                 dst.sendall(data)
                 sent += len(data)
                 self.moved += len(data)
+                if not (limited and self.limited.is_set()):
+                    continue
                 ahead = sent / self.rate - (time.monotonic() - start)
                 if ahead > 0:
                     time.sleep(ahead)
