@@ -164,19 +164,71 @@ class _RecordingLoop(_Loop):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the guard counts sockets in /proc/self/fd")
 def test_a_connection_of_4_streams_has_its_first_refusal_answered_the_next_four_held_and_is_closed_at_the_sixth():
     # Held calls keep the connection's stream slots taken, so gRPC refuses its further calls
-    # in the transport; a connection whose calls come anyway (reset by their sender) is
-    # closed at once. A connection a live session uses is never held nor closed.
+    # in the transport; a 6th refused call means its calls end anyway: closed at once. A
+    # connection a live session uses is never held nor closed.
     from fedcore.comm.connections import CLOSE_AFTER
     admitted = {"ipv4:127.0.0.1:2"}
     guard = ConnectionGuard(_RecordingLoop(), lambda peer: peer in admitted, streams=4)
     peer = "ipv4:127.0.0.1:1"
-    held = [guard.refused(peer) for _ in range(8)]
-    assert held == [False, True, True, True, True, False, False, False]
+    held = [guard.refused(peer) for _ in range(6)]
+    assert held == [False, True, True, True, True, False]
     assert [d for d, _ in guard.loop.later] == [CLOSE_AFTER]    # closed CLOSE_AFTER after the first...
     assert [args for _, args in guard.loop.soon] == [(peer,)]    # ...or at once, at the 6th
     assert guard.closing(peer)
     assert [guard.refused("ipv4:127.0.0.1:2") for _ in range(3)] == [False] * 3
     assert not guard.closing("ipv4:127.0.0.1:2")
+
+
+def _guard_on(loop, streams=4):
+    guard = ConnectionGuard(loop, lambda peer: False, streams=streams)
+    guard.enabled = True     # no descriptor is looked up in these tests: closes are only recorded
+    closes = []
+    guard._close = closes.append
+    return guard, closes
+
+
+def test_a_held_call_reset_by_its_sender_closes_its_connection_at_once():
+    # Rapid reset: whatever the connection's stream limit, its first reset held call closes it
+    # (the old rule waited for its 4th refusal; counting up to its slots would wait for 318
+    # with 100 clients' default limit).
+    import asyncio
+
+    async def main():
+        guard, closes = _guard_on(asyncio.get_running_loop(), streams=318)
+        peer = "ipv4:10.0.0.9:5"
+        assert guard.refused(peer) is False and guard.refused(peer) is True
+        call = asyncio.ensure_future(guard.hold(peer))
+        await asyncio.sleep(0.01)
+        call.cancel()                       # the sender reset it
+        await asyncio.gather(call, return_exceptions=True)
+        await asyncio.sleep(0)
+        return closes, guard.closing(peer), guard.held
+    closes, closing, held = asyncio.run(main())
+    assert closes == ["ipv4:10.0.0.9:5"] and closing and held == 0
+
+
+def test_calls_beyond_the_held_pool_close_their_connection_at_once():
+    # Past HELD_MAX held calls a refused call cannot be held: its connection is closed at
+    # once, as the guard did before it held calls, not left to flood until CLOSE_AFTER.
+    import asyncio
+    from fedcore.comm.connections import HELD_MAX
+
+    async def main():
+        guard, closes = _guard_on(asyncio.get_running_loop(), streams=HELD_MAX + 8)
+        first = "ipv4:10.0.0.1:1"
+        assert not guard.refused(first)
+        holds = [asyncio.ensure_future(guard.hold(first)) for _ in range(HELD_MAX) if guard.refused(first)]
+        await asyncio.sleep(0.01)
+        assert len(holds) == HELD_MAX and guard.held == HELD_MAX
+        other = "ipv4:10.0.0.2:1"
+        answered = [guard.refused(other), guard.refused(other)]
+        await asyncio.sleep(0)
+        for h in holds:
+            h.cancel()
+        await asyncio.gather(*holds, return_exceptions=True)
+        return answered, closes
+    answered, closes = asyncio.run(main())
+    assert answered == [False, False] and closes[0] == "ipv4:10.0.0.2:1"
 
 
 def test_held_calls_end_when_cancelled_and_no_more_than_held_max_are_held():
@@ -185,7 +237,7 @@ def test_held_calls_end_when_cancelled_and_no_more_than_held_max_are_held():
 
     async def main():
         guard = ConnectionGuard(asyncio.get_running_loop(), lambda peer: False)
-        holds = [asyncio.ensure_future(guard.hold()) for _ in range(HELD_MAX + 3)]
+        holds = [asyncio.ensure_future(guard.hold("ipv4:10.0.0.3:1")) for _ in range(HELD_MAX + 3)]
         await asyncio.sleep(0.05)
         # the calls beyond HELD_MAX were answered at once; the others wait for their close
         assert sum(h.done() for h in holds) == 3 and guard.held == HELD_MAX
@@ -194,7 +246,7 @@ def test_held_calls_end_when_cancelled_and_no_more_than_held_max_are_held():
         await asyncio.gather(*holds, return_exceptions=True)
         assert guard.held == 0
         started = asyncio.get_running_loop().time()
-        await guard.hold()   # a connection that outlives its close: answered after HOLD_FOR
+        await guard.hold("ipv4:10.0.0.3:1")   # a connection that outlives its close: answered after HOLD_FOR
         return asyncio.get_running_loop().time() - started
 
     assert HOLD_FOR - 0.01 <= asyncio.run(main()) < HOLD_FOR + 1.0

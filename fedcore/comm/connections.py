@@ -16,19 +16,20 @@ does not serve count as refusals too: gRPC would answer those itself, unseen). A
 a session moved away from (it reconnected on another) is closed likewise.
 
 Until it is closed, a connection that only brings refusals is tarpitted: its first refused
-call is answered at once (an honest client with a wrong token is told why), its next ones
-(as many as it may open streams) are held unanswered until the close ends them. Held calls
-keep the connection's stream slots (`grpc.max_concurrent_streams`, set by the server) taken, so gRPC
-refuses every further call on it in its transport, at a small fraction of what a call costs
-on its way through the asyncio API to a handler: under a header flood (calls opened as fast
-as a socket allows and left open) answering each refusal at once kept the server's event
-loop busy with one refused call after another, and left the course about half its rate,
-holding them about 0.7 (`python -m bench.flood_rate`). A connection whose calls reach the
-handler faster than they are held (reset by their sender: rapid reset) is closed at once,
-at its refusal beyond the first and its stream slots within CLOSE_AFTER; the calls it still
-has queued reach the handler as a `closing` peer's and are held too, ended unread. At most
-HELD_MAX calls are held in all (the server leaves room for them in its limit on concurrent
-calls, so they never take an honest client's); beyond that a refused call is answered at once.
+call is answered at once (a peer refused for the first time on a connection, such as a
+client with a wrong token, is told why), its next ones (as many as it may open streams) are
+held unanswered until the close ends them. Held calls keep the connection's stream slots
+(`grpc.max_concurrent_streams`, set by the server) taken, so gRPC refuses every further call
+on it in its transport, at a small fraction of what a call costs on its way through the
+asyncio API to a handler: under a header flood (calls opened as fast as a socket allows and
+left open) answering each refusal at once kept the server's event loop busy with one refused
+call after another and left the course about half its rate; held, 0.85-0.94 of it
+(`python -m bench.flood_rate`, docs/performance.md). A connection is closed at once instead
+when a held call of its is reset by its sender (rapid reset: its calls would keep coming)
+or when it brings a refused call that cannot be held: more than its stream slots, or beyond
+HELD_MAX calls held in all (the server leaves room for those in its limit on concurrent
+calls, so they never take an honest client's). Calls it still has queued reach the handler
+as a `closing` peer's and are held too, ended unread.
 gRPC's asyncio API cannot
 send GOAWAY on one connection, so on a plaintext server (`distribute.insecure`) the guard
 writes the frame itself on the socket before shutting it down (ENHANCE_YOUR_CALM, last
@@ -61,6 +62,7 @@ RESERVED_FILES = 64   # descriptors kept for the server's own files (outputs, lo
 ADDRESS_SHARE = 4     # by default one peer address may hold a quarter of the connections
 CLOSE_AFTER = 0.5     # seconds between a refusal and the closing of its connection
 HELD_MAX = 256        # refused calls held at once, all connections together
+_CLOSING = 1 << 62    # a peer's refusal count once its connection is to be closed at once
 SCAN_SHARE = 10       # a scan of the descriptors waits 10x the last one's duration after it
 SWEEP_EVERY = 1.0     # seconds between two counts of the connections of each address
 SHUT_MEMORY = 2.0     # seconds a closed connection's peer is remembered (its queued calls end unread)
@@ -152,10 +154,7 @@ class ConnectionGuard:
     def __init__(self, loop, admitted: Callable[[str], bool], per_address: int | None = None,
                  goaway: bool = True, streams: int = 4):
         self.loop = loop
-        # refusals within CLOSE_AFTER that close a connection at once: the first (answered) and
-        # one per stream slot (held) reach the handler under a header flood; more come only
-        # where its calls end anyway (reset by their sender)
-        self.burst = streams + 2
+        self.streams = streams         # a connection's stream slots: its refused calls held at most
         self.admitted = admitted       # whether a live session uses this peer's connection
         self.per_address = per_address
         self.goaway = goaway           # plaintext only: under TLS the frame would have to be encrypted
@@ -173,30 +172,44 @@ class ConnectionGuard:
 
     def refused(self, peer: str) -> bool:
         """A call from `peer` was refused: close its connection in CLOSE_AFTER seconds (time
-        for the status to reach an honest peer), or now if its refused calls keep coming.
-        Whether to `hold` the call before answering it: the connection's refusals after the
-        first, as many as it has stream slots, unless a live session uses the connection
-        (which is not closed for them)."""
+        for the status to reach an honest peer). Whether to `hold` the call before answering
+        it: the connection's refusals after the first, as many as it has stream slots, while
+        fewer than HELD_MAX calls are held, unless a live session uses the connection (which
+        is not closed for them). A refused call it cannot hold closes the connection at once:
+        its calls end faster than they are held (reset by their sender), or the pool is full."""
         if not self.enabled:
             return False
         n = self._pending.get(peer, 0) + 1
         self._pending[peer] = n
         if n == 1:
             self.loop.call_later(CLOSE_AFTER, self._close, peer)
-        elif n == self.burst:
-            self.loop.call_soon(self._close, peer)
-        return 1 < n < self.burst and not self.admitted(peer)
+            return False
+        if n <= self.streams + 1 and self.held < HELD_MAX and not self.admitted(peer):
+            return True
+        self._close_now(peer)
+        return False
 
-    async def hold(self) -> None:
-        """Keep a refused call unanswered (its stream slot taken) until its connection's close
-        cancels it, at most HOLD_FOR seconds; not at all while HELD_MAX calls are held."""
+    async def hold(self, peer: str) -> None:
+        """Keep a refused call from `peer` unanswered (its stream slot taken) until its
+        connection's close cancels it, at most HOLD_FOR seconds; not at all while HELD_MAX
+        calls are held. A held call its sender resets closes the connection at once (rapid
+        reset: its calls would keep coming)."""
         if self.held >= HELD_MAX:
             return
         self.held += 1
         try:
             await asyncio.sleep(HOLD_FOR)
+        except asyncio.CancelledError:
+            if self._pending.get(peer, _CLOSING) < _CLOSING:   # not by its close: by its sender
+                self._close_now(peer)
+            raise
         finally:
             self.held -= 1
+
+    def _close_now(self, peer: str) -> None:
+        if self._pending.get(peer, 0) < _CLOSING:
+            self._pending[peer] = _CLOSING
+            self.loop.call_soon(self._close, peer)
 
     def left_behind(self, peer: str) -> None:
         """A session admitted on `peer`'s connection moved to another: close it in CLOSE_AFTER
@@ -218,7 +231,7 @@ class ConnectionGuard:
     def closing(self, peer: str) -> bool:
         """Whether `peer`'s connection is being or was just closed for its refusals: its calls
         still queued in gRPC are held (`hold`) and ended without reading, logging or counting them."""
-        if self._pending.get(peer, 0) >= self.burst:
+        if self._pending.get(peer, 0) >= _CLOSING:
             return not self.admitted(peer)   # an admitted connection is not closed for refusals
         shut = self._shut_at.get(peer)
         return shut is not None and time.monotonic() - shut < SHUT_MEMORY
@@ -231,7 +244,7 @@ class ConnectionGuard:
             return
         fd = self._find(address)
         if fd is _LATER:   # scanned a moment ago, before this connection: look again soon
-            self._pending[peer] = self.burst
+            self._pending[peer] = _CLOSING
             self.loop.call_later(SCAN_SHARE * self._scan_took, self._close, peer)
             return
         if fd is None:     # gone already

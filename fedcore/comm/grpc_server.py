@@ -308,13 +308,13 @@ class GrpcServerComm(CallAdmission, Inbound):
         and the request iterator, which would each keep the last frame alive while waiting for
         the next: two model-sized buffers per idle client, gigabytes in a fleet."""
         if self._closer.closing(context.peer()):
-            await self._closer.hold()   # a call queued on a connection closed for its refusals
+            await self._closer.hold(context.peer())   # a call queued on a connection closed for its refusals
             return                      # nothing to answer
         try:
             s, token = self._admit(context)
         except Refused as refused:
             if self._closer.refused(context.peer()):   # a refused call does not keep its connection
-                await self._closer.hold()
+                await self._closer.hold(context.peer())
             await context.abort(refused.code, refused.detail, REFUSED)
         task = asyncio.current_task()
         s.calls.add(task)
@@ -333,11 +333,11 @@ class GrpcServerComm(CallAdmission, Inbound):
         (counted, logged now and then, its connection closed unless a live session uses it)."""
         peer = context.peer()
         if self._closer.closing(peer):
-            await self._closer.hold()
+            await self._closer.hold(peer)
             return
         self.quiet("unknown method", f"refused {peer}: unknown method {method[:80]!r}")
         if self._closer.refused(peer):
-            await self._closer.hold()
+            await self._closer.hold(peer)
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "unknown method", REFUSED)
 
     async def _stream(self, s: Session, token, context) -> None:
@@ -366,7 +366,7 @@ class GrpcServerComm(CallAdmission, Inbound):
             # slow link, so it gets a whole heartbeat_timeout from now to dial again
             s.last_seen = time.monotonic()
             status.reasm.drop()
-            self._turns.give_back(status.reasm)
+            self._turns.give_back(status.turn)
             reader.cancel()
             s.outbox.wake()
             self.quiet("turn taken back", f"client {s.client_id} ({s.peer}): message {why}")
