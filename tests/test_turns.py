@@ -119,3 +119,59 @@ def test_a_small_messages_delivery_leaves_the_turn_its_streams_next_large_messag
         other.cancel()
         return held
     assert asyncio.run(run())
+
+
+def test_only_a_large_message_in_progress_is_judged_for_its_turn():
+    # After its large message is received (and while it is being handled), a stream may be
+    # receiving a small one slowly: that one holds no turn and must not lose the large one's.
+    from fedcore.comm.chunking import Reassembler
+    from fedcore.comm.turns import TURN_BYTES
+    from fedcore.wire import fedcore_pb2 as pb
+    small, large = Reassembler(64 << 20, 1 << 20), Reassembler(64 << 20, 1 << 20)
+    small.feed(pb.Chunk(message_id=1, offset=0, total_size=3 << 20, data=bytes(1 << 20), sha256=bytes(32)))
+    large.feed(pb.Chunk(message_id=1, offset=0, total_size=TURN_BYTES, data=bytes(1 << 20), sha256=bytes(32)))
+    assert small.progress() is not None and small.progress(TURN_BYTES) is None
+    assert large.progress(TURN_BYTES) == (large.started, 1 << 20)
+
+
+def test_a_stream_ending_while_its_large_message_decodes_keeps_the_turn_until_the_decode_is_done():
+    # The message is in memory until its decoding thread is done with it, so the next large
+    # message may not come in meanwhile (it did: the stream's end gave the turn back at once).
+    import hashlib
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    from fedcore.comm.chunking import Reassembler
+    from fedcore.comm.server_inbound import Inbound, StreamStatus
+    from fedcore.comm.turns import TURN_BYTES
+    from fedcore.wire import fedcore_pb2 as pb
+    decoding, finish = threading.Event(), threading.Event()
+
+    class Server(Inbound):
+        def __init__(self, loop):
+            self._turns, self._loop, self._decoder = Turns(), loop, ThreadPoolExecutor(1)
+
+        def _decode_large(self, s, data):
+            decoding.set()
+            finish.wait(10)
+            return Message("updates", s.client_id, (SERVER_ID,), 1, 0.0, {})
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        server = Server(loop)
+        status = StreamStatus(Reassembler(64 << 20, 32 << 20))
+        s = types.SimpleNamespace(client_id=3, last_delivered=0, receiving=False, last_seen=0.0)
+        data = bytes(TURN_BYTES)
+        reader = asyncio.ensure_future(server._take(s, pb.Frame(chunk=pb.Chunk(
+            message_id=1, offset=0, total_size=len(data), data=data, sha256=hashlib.sha256(data).digest())), status))
+        await loop.run_in_executor(None, decoding.wait, 10)
+        reader.cancel()                          # the stream ended while the thread decodes
+        await asyncio.gather(reader, return_exceptions=True)
+        server._turns.give_back(status.turn)     # what the reader's end does (server_inbound._read)
+        other = asyncio.ensure_future(server._turns.take(object(), lambda: None))
+        await asyncio.sleep(0.2)
+        held_while_decoding = not other.done()
+        finish.set()                             # the decode is done: the turn comes back
+        await asyncio.wait_for(other, 5)
+        server._decoder.shutdown()
+        return held_while_decoding
+    assert asyncio.run(run())

@@ -203,10 +203,10 @@ class Reassembler:
     def in_progress(self) -> bool:
         return self._buf is not None or self._spool is not None
 
-    def progress(self) -> tuple[float, int] | None:
-        """The message in progress: when its first chunk came and its bytes so far (None
-        between messages)."""
-        return (self.started, self._got) if self.in_progress else None
+    def progress(self, at_least: int = 0) -> tuple[float, int] | None:
+        """The message in progress, if of `at_least` bytes: when its first chunk came and its
+        bytes so far (None between messages, or for a smaller one)."""
+        return (self.started, self._got) if self.in_progress and self._total >= at_least else None
 
     def feed(self, chunk: pb.Chunk) -> bytes | bytearray | mmap.mmap | None:
         """Take one chunk; return the whole envelope's bytes when this chunk completes it

@@ -9,7 +9,15 @@ import logging
 from fedcore.kernel.scheduler import HandlerError
 from fedcore.kernel.message import SERVER_ID, Message
 
-__all__ = ["Arrival", "Batch", "NewSession", "Lost", "Delivery", "Raise"]
+__all__ = ["Arrival", "Batch", "NewSession", "Lost", "Delivery", "Raise", "on_loop"]
+
+
+def on_loop(loop, fn, *args) -> None:
+    """Run `fn(*args)` on the asyncio `loop` from any thread; nothing once the loop has closed."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:   # the loop closed (the server stopped)
+        pass
 
 
 class Arrival:
@@ -34,8 +42,8 @@ class Arrival:
             comm.server.deliver(msg)
         finally:   # handled (an update folded) or dropped: the next large message may come in
             self.msg = None
-            if self.turn is not None and not comm._loop.is_closed():
-                comm._loop.call_soon_threadsafe(comm._turns.give_back, self.turn)
+            if self.turn is not None and comm._loop is not None:   # None: the server stopped
+                on_loop(comm._loop, comm._turns.give_back, self.turn)
         comm.after_delivery()
 
 

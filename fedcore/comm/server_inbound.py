@@ -7,6 +7,7 @@ loop and the limits these methods read; the stream's writer is there too.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 
@@ -14,7 +15,7 @@ import grpc
 
 from fedcore.comm.allocator import trim
 from fedcore.comm.chunking import Reassembler
-from fedcore.comm.handover import Arrival, Batch, Lost
+from fedcore.comm.handover import Arrival, Batch, Lost, on_loop
 from fedcore.comm.sessions import Session
 from fedcore.comm.stream import parse_frame
 from fedcore.comm.turns import TURN_BYTES
@@ -35,7 +36,7 @@ DECODE_OFF_LOOP = 256 * 1024
 class StreamStatus:
     """What one stream's reader and writer share: its reassembler, whether it ended and why."""
 
-    __slots__ = ("done", "error", "resend", "give_up_turn", "reasm", "task")
+    __slots__ = ("done", "error", "resend", "give_up_turn", "reasm", "task", "turn")
 
     def __init__(self, reasm: Reassembler) -> None:
         self.done = False
@@ -44,6 +45,9 @@ class StreamStatus:
         self.give_up_turn = None         # ends the stream for a message too slow to keep the turn
         self.reasm = reasm
         self.task = asyncio.current_task()   # the call's own task
+        # the turn of the large message being received (comm/turns.py): once the message is
+        # whole it passes to what handles it (its decoding, then its delivery), which gives it back
+        self.turn: object | None = None
 
 
 class Inbound:
@@ -80,7 +84,7 @@ class Inbound:
             log.debug("client %d: stream ended: %s", s.client_id, exc)
         finally:
             status.done = True
-            self._turns.give_back(reasm)
+            self._turns.give_back(status.turn)
             reasm.drop()
             s.receiving = False
             s.outbox.wake()
@@ -103,22 +107,27 @@ class Inbound:
         kind = frame.WhichOneof("kind")
         if kind == "chunk":
             if frame.chunk.offset == 0 and frame.chunk.total_size >= TURN_BYTES:
-                await self._turns.take(reasm, lambda: setattr(s, "last_seen", time.monotonic()),
-                                       reasm.progress, status.give_up_turn)
+                status.turn = object()   # this message's own: the stream's next one takes another
+                await self._turns.take(status.turn, lambda: setattr(s, "last_seen", time.monotonic()),
+                                       # judged only while a large message is being received:
+                                       # not a small one after it, while it is being handled
+                                       functools.partial(reasm.progress, TURN_BYTES), status.give_up_turn)
             data = reasm.feed(frame.chunk)
             s.receiving = reasm.in_progress
             if data is None:
                 return True
             # the turn is this message's only if it took one: a small message's delivery comes
             # after the stream may have taken the turn for its next, large one
-            turn = reasm if len(data) >= TURN_BYTES else None
+            turn = None
+            if len(data) >= TURN_BYTES:
+                turn, status.turn = status.turn, None
             if frame.chunk.message_id <= s.last_delivered:
                 self.quiet("duplicate message", f"client {s.client_id}: dropped message "
                            f"{frame.chunk.message_id}, already received", logging.INFO)
                 self._turns.give_back(turn)
                 return True  # sent again after a reconnect; we already have it
             if len(data) >= TURN_BYTES:   # decoded off the loop; the frames' leftovers given back
-                msg = await asyncio.get_running_loop().run_in_executor(self._decoder, self._decode_large, s, data)
+                msg = await self._decode_in_turn(s, data, turn)
             elif len(data) > DECODE_OFF_LOOP:   # decoding a large model would hold up other clients
                 msg = await asyncio.get_running_loop().run_in_executor(self._decoder, self._decode, s, data)
             else:
@@ -134,6 +143,21 @@ class Inbound:
         elif kind == "welcome":
             raise WireError("a client sent a server's welcome frame")
         return True
+
+    async def _decode_in_turn(self, s: Session, data, turn: object) -> Message:
+        """`_decode_large` on a worker thread, the message's turn held until it is done: given
+        back here if it fails, or once the thread is done if the stream ends meanwhile (the
+        message is in memory until then), else by the message's delivery."""
+        job = self._decoder.submit(self._decode_large, s, data)
+        try:
+            return await asyncio.wrap_future(job)
+        except asyncio.CancelledError:
+            loop = asyncio.get_running_loop()
+            job.add_done_callback(lambda _: on_loop(loop, self._turns.give_back, turn))
+            raise
+        except BaseException:
+            self._turns.give_back(turn)
+            raise
 
     def _decode_large(self, s: Session, data: bytearray) -> Message:
         """`_decode`, then the heaps' free pages go back before the update is folded (allocator.py),
