@@ -35,13 +35,13 @@ def _literal(name: bytes, value: bytes) -> bytes:
 
 
 def call_headers(port: int, stream: int, end_stream: bool = True, scheme: bytes = b"http",
-                 path: bytes = b"/fedcore.Fedcore/Connect") -> bytes:
-    """A HEADERS frame opening a call (by default fedcore's Connect) with no token (and, by
-    default, no body)."""
+                 path: bytes = b"/fedcore.Fedcore/Connect", metadata: tuple = ()) -> bytes:
+    """A HEADERS frame opening a call (by default fedcore's Connect) as client 1, with no token
+    unless `metadata` (more (name, value) headers) brings one (and, by default, no body)."""
     block = b"".join(_literal(n, v) for n, v in [
         (b":method", b"POST"), (b":scheme", scheme), (b":path", path),
         (b":authority", f"127.0.0.1:{port}".encode()), (b"content-type", b"application/grpc"),
-        (b"te", b"trailers"), (b"fedcore-client-id", b"1")])
+        (b"te", b"trailers"), (b"fedcore-client-id", b"1"), *metadata])
     return frame(HEADERS, END_HEADERS | (END_STREAM if end_stream else 0), stream, block)
 
 

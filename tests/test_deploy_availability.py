@@ -448,6 +448,39 @@ def test_connections_beyond_an_addresss_cap_are_closed_and_other_addresses_keep_
     assert refused["connections closed beyond their address's cap"] == 40
 
 
+def test_a_client_on_the_port_of_a_connection_just_closed_for_its_refusals_is_admitted(tmp_path, procs):
+    # The guard knows a connection by its peer's address and port, and a client sharing the
+    # attacker's address may get the very port of a connection the guard has just closed
+    # (Linux hands a freed port out again at once): under a flood a restarted client was kept
+    # out for 20 s that way. A call carrying a valid token is admitted whatever the guard
+    # remembers of its port; before, it was held as the closed connection's leftover.
+    import socket
+    from tests.h2_attack import ACK, PREFACE, SETTINGS, call_headers, closed_by_server, frame
+    out, server, port, _client = _serve(procs, tmp_path, {"federate.total_round_num": 1})
+
+    def dial(source_port: int = 0) -> socket.socket:
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", source_port))
+        s.connect(("127.0.0.1", port))
+        s.sendall(PREFACE + frame(SETTINGS, 0, 0) + frame(SETTINGS, ACK, 0))
+        return s
+
+    attacker = dial()
+    reused = attacker.getsockname()[1]
+    attacker.sendall(b"".join(call_headers(port, sid, end_stream=False) for sid in (1, 3, 5, 7, 9)))
+    wait_for(lambda: closed_by_server(attacker), 10, "the guard to close the token-less connection")
+    attacker.close()
+    honest = dial(reused)
+    try:
+        honest.sendall(call_headers(port, 1, end_stream=False, metadata=(
+            (b"authorization", b"Bearer t"), (b"fedcore-session", b"reused-port"))))
+        wait_for(lambda: f"client 1 connected from ipv4:127.0.0.1:{reused}" in text(server), 10,
+                 "the call with a valid token on the reused port to be admitted")
+    finally:
+        honest.close()
+
+
 def test_calls_to_a_method_the_server_does_not_serve_close_their_connection(tmp_path, procs):
     # An outsider's connection sends a call to a made-up method every 0.3 s: gRPC would answer
     # each itself (UNIMPLEMENTED) without the guard ever hearing of it, and the calls would

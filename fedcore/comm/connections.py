@@ -229,8 +229,10 @@ class ConnectionGuard:
             self.left += 1
 
     def closing(self, peer: str) -> bool:
-        """Whether `peer`'s connection is being or was just closed for its refusals: its calls
-        still queued in gRPC are held (`hold`) and ended without reading, logging or counting them."""
+        """Whether `peer`'s connection is being or was just closed for its refusals: its refused
+        calls still queued in gRPC are held (`hold`) and ended without an answer. A peer is an
+        address and port, which a new connection may reuse at once: a call that is admitted is
+        never asked (comm/grpc_server.py)."""
         if self._pending.get(peer, 0) >= _CLOSING:
             return not self.admitted(peer)   # an admitted connection is not closed for refusals
         shut = self._shut_at.get(peer)

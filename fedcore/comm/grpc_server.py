@@ -307,14 +307,18 @@ class GrpcServerComm(CallAdmission, Inbound):
         Frames go through `context.write` and `context.read` rather than a response generator
         and the request iterator, which would each keep the last frame alive while waiting for
         the next: two model-sized buffers per idle client, gigabytes in a fleet."""
-        if self._closer.closing(context.peer()):
-            await self._closer.hold(context.peer())   # a call queued on a connection closed for its refusals
-            return                      # nothing to answer
+        peer = context.peer()
         try:
             s, token = self._admit(context)
         except Refused as refused:
-            if self._closer.refused(context.peer()):   # a refused call does not keep its connection
-                await self._closer.hold(context.peer())
+            # admitted first: a peer is its address and port, which a new connection may reuse
+            # right after the guard closed one (a client sharing the attacker's address was
+            # kept out); a call that carries what admits it is never held for another's refusals
+            if self._closer.closing(peer):   # a call queued on a connection closed for its refusals
+                await self._closer.hold(peer)
+                return                       # nothing to answer
+            if self._closer.refused(peer):   # a refused call does not keep its connection
+                await self._closer.hold(peer)
             await context.abort(refused.code, refused.detail, REFUSED)
         task = asyncio.current_task()
         s.calls.add(task)
