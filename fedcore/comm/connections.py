@@ -23,21 +23,21 @@ held unanswered until the close ends them. Held calls keep the connection's stre
 on it in its transport, at a small fraction of what a call costs on its way through the
 asyncio API to a handler: under a header flood (calls opened as fast as a socket allows and
 left open) answering each refusal at once kept the server's event loop busy with one refused
-call after another and left the course about half its rate; held, 0.85-0.94 of it
+call after another and left the course about half its rate; held, 0.78-0.94 of it
 (`python -m bench.flood_rate`, docs/performance.md). A connection is closed at once instead
 when a held call of its is reset by its sender (rapid reset: its calls would keep coming)
 or when it brings a refused call that cannot be held: more than its stream slots, or beyond
 HELD_MAX calls held in all (the server leaves room for those in its limit on concurrent
 calls, so they never take an honest client's). Calls it still has queued reach the handler
 as a `closing` peer's and are held too, ended unread.
-gRPC's asyncio API cannot
-send GOAWAY on one connection, so on a plaintext server (`distribute.insecure`) the guard
-writes the frame itself on the socket before shutting it down (ENHANCE_YOUR_CALM, last
-stream 0: none of the connection's calls was served): the socket is gRPC's, so where
-gRPC's own last frame was cut short by a full send buffer the GOAWAY lands inside it, and
-with the buffer full there is none (the write never waits). Under TLS the frame would have
-to go through gRPC's TLS session, which the guard cannot reach: the connection just ends.
-Either way it ends.
+
+gRPC's asyncio API cannot send GOAWAY on one connection, so on a plaintext server
+(`distribute.insecure`) the guard writes the frame itself on the socket before shutting it
+down (ENHANCE_YOUR_CALM, last stream 0: none of the connection's calls was served): the
+socket is gRPC's, so where gRPC's own last frame was cut short by a full send buffer the
+GOAWAY lands inside it, and with the buffer full there is none (the write never waits).
+Under TLS the frame would have to go through gRPC's TLS session, which the guard cannot
+reach: the connection just ends. Either way it ends.
 
 gRPC has no cap per peer address either, so the guard counts the sockets of each address
 every SWEEP_EVERY seconds (less often if counting takes more than a tenth of that; scans

@@ -155,7 +155,7 @@ class GrpcServerComm(CallAdmission, Inbound):
         cap = connection_cap(self.cfg["distribute.max_connections"])
         if cap is not None:   # below the descriptor limit: the server's own files always open
             backlog.append(("grpc.max_allowed_incoming_connections", cap))
-        calls = OPEN_PER_ID * self.num_clients + 16   # and room for the refused calls held (comm/connections.py)
+        calls = OPEN_PER_ID * self.num_clients + 16
         # A header flood or rapid reset queues at most this many calls per connection (gRPC
         # refuses the rest itself); by default as many as the server ever runs, since clients
         # in one process share one connection.
@@ -169,6 +169,7 @@ class GrpcServerComm(CallAdmission, Inbound):
             # course's rate: tests/test_deploy_availability.py)
             backlog += [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", window)]
         server = grpc.aio.server(options=grpc_options(self.chunk_size, server=True) + backlog,
+                                 # with room of their own for refused calls held (comm/connections.py)
                                  maximum_concurrent_rpcs=calls + HELD_MAX)
         handler = grpc.method_handlers_generic_handler(
             "fedcore.Fedcore", {"Connect": grpc.stream_stream_rpc_method_handler(self._connect)})
