@@ -5,6 +5,7 @@ import types
 
 import pytest
 
+from fedcore.comm.grpc_server import GrpcServerComm
 from fedcore.comm.handover import Arrival
 from fedcore.comm.turns import Turns
 from fedcore.kernel.message import SERVER_ID, Message
@@ -21,10 +22,11 @@ def test_a_large_message_gives_the_turn_back_whether_handled_or_dropped(msg_type
         turns, seen = Turns(), []
         comm = types.SimpleNamespace(
             _turns=turns, _loop=loop, count_bytes=lambda *a: None, after_delivery=lambda: None,
+            _on_loop=lambda fn, *a: loop.call_soon_threadsafe(fn, *a),
             update_gate=lambda m: gates.get("update", True),
             metrics_gate=types.SimpleNamespace(admit=lambda m: gates.get("metrics", True)),
             server=types.SimpleNamespace(deliver=seen.append), quiet_info=lambda *a: None)
-        stream = object()                               # the stream's reassembler owns the turn
+        stream = object()                               # the large message's own turn
         await turns.take(stream, lambda: None)
         Arrival(comm, Message(msg_type, 3, (SERVER_ID,), 1, 0.0, {}), 17 << 20, stream)()
         other = object()                                # another client's large message
@@ -89,6 +91,8 @@ def test_a_small_messages_delivery_leaves_the_turn_its_streams_next_large_messag
     from fedcore.wire import fedcore_pb2 as pb
 
     class Server(Inbound):
+        _on_loop = GrpcServerComm._on_loop
+
         def __init__(self, loop):
             self._turns, self._loop, self.handed = Turns(), loop, []
             self.count_bytes = self.after_delivery = self.quiet_info = lambda *a: None
@@ -147,6 +151,8 @@ def test_a_stream_ending_while_its_large_message_decodes_keeps_the_turn_until_th
     decoding, finish = threading.Event(), threading.Event()
 
     class Server(Inbound):
+        _on_loop = GrpcServerComm._on_loop
+
         def __init__(self, loop):
             self._turns, self._loop, self._decoder = Turns(), loop, ThreadPoolExecutor(1)
 

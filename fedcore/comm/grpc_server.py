@@ -258,6 +258,7 @@ class GrpcServerComm(CallAdmission, Inbound):
         self._loop.call_later(EXPIRED_GRACE, s.end_calls)
 
     def _on_loop(self, fn, *args) -> None:
+        """Run `fn(*args)` on the server's loop from any thread; nothing once it has stopped."""
         loop = self._loop
         if loop is not None:
             try:

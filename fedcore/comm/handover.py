@@ -9,15 +9,7 @@ import logging
 from fedcore.kernel.scheduler import HandlerError
 from fedcore.kernel.message import SERVER_ID, Message
 
-__all__ = ["Arrival", "Batch", "NewSession", "Lost", "Delivery", "Raise", "on_loop"]
-
-
-def on_loop(loop, fn, *args) -> None:
-    """Run `fn(*args)` on the asyncio `loop` from any thread; nothing once the loop has closed."""
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:   # the loop closed (the server stopped)
-        pass
+__all__ = ["Arrival", "Batch", "NewSession", "Lost", "Delivery", "Raise"]
 
 
 class Arrival:
@@ -42,8 +34,8 @@ class Arrival:
             comm.server.deliver(msg)
         finally:   # handled (an update folded) or dropped: the next large message may come in
             self.msg = None
-            if self.turn is not None and comm._loop is not None:   # None: the server stopped
-                on_loop(comm._loop, comm._turns.give_back, self.turn)
+            if self.turn is not None:
+                comm._on_loop(comm._turns.give_back, self.turn)   # nothing once the server stopped
         comm.after_delivery()
 
 

@@ -15,7 +15,7 @@ import grpc
 
 from fedcore.comm.allocator import trim
 from fedcore.comm.chunking import Reassembler
-from fedcore.comm.handover import Arrival, Batch, Lost, on_loop
+from fedcore.comm.handover import Arrival, Batch, Lost
 from fedcore.comm.sessions import Session
 from fedcore.comm.stream import parse_frame
 from fedcore.comm.turns import TURN_BYTES
@@ -152,8 +152,7 @@ class Inbound:
         try:
             return await asyncio.wrap_future(job)
         except asyncio.CancelledError:
-            loop = asyncio.get_running_loop()
-            job.add_done_callback(lambda _: on_loop(loop, self._turns.give_back, turn))
+            job.add_done_callback(lambda _: self._on_loop(self._turns.give_back, turn))
             raise
         except BaseException:
             self._turns.give_back(turn)

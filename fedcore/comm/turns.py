@@ -5,10 +5,11 @@ holds the global model and the sum; without turns, every client sending at once 
 still have its update reassembled and decoded in parallel, one model-sized buffer per
 stream. A stream about to start a message of at least `TURN_BYTES` waits for the turn
 before reading on, so gRPC's flow control holds the sender back (what it sent ahead
-stays within `distribute.stream_window`, fixed by the server), and gives the turn back
-once its message has been delivered to the server's handlers (or was refused, or the
-stream ended). While it waits the stream counts as alive: its client is not silent, the
-server is busy with another's model.
+stays within `distribute.stream_window`, fixed by the server). The turn is the message's
+own, not its stream's: it is given back once the message has been delivered to the
+server's handlers, or was refused, or its stream ended before it was whole (ended while it
+decodes, once the decoding is done: the message is in memory until then). While it waits
+the stream counts as alive: its client is not silent, the server is busy with another's model.
 
 A turn is not held at the others' expense: while another stream waits, the message being
 received must arrive at `rate` bytes/s after its first `TURN_GRACE` seconds (`overdue`), or
@@ -30,7 +31,7 @@ TURN_GRACE = 5.0            # seconds a turn is held before its message's rate i
 
 
 class Turns:
-    """One turn, lent on the event loop to one owner (a stream's reassembler) at a time; while
+    """One turn, lent on the event loop to one owner (a large message) at a time; while
     others wait, taken back from an owner whose message arrives slower than `rate` bytes/s
     (None: never)."""
 
