@@ -1,9 +1,12 @@
 """Flood: the rate a deployed course keeps under a flood of token-less calls.
 
     python -m bench.flood_rate [--kind rapid-reset|header-flood|both] [--windows 8] [--window 3] [--tls]
+                               [--streams 4] [--refusals-per-second R]
 
 A server and 3 clients, each its own process on loopback, run a small FedAvg course of
-endless rounds (`distribute.max_streams_per_connection: 4`). `tests.h2_attack` floods the
+endless rounds (`distribute.max_streams_per_connection: 4`, or `--streams`; 0 leaves the
+server's default, the whole call limit, which clients sharing one process need;
+`--refusals-per-second` sets `distribute.refusals_per_second`, 0 turning the pacing off). `tests.h2_attack` floods the
 server from its own process at the lowest CPU priority: 8 connections opening token-less
 calls as fast as their sockets allow, each reset at once (rapid reset) or left open (header
 flood), every connection the server closes opened again; with `--tls` the course and the
@@ -71,10 +74,12 @@ class Course:
     """The server and its 3 clients, each `python -m fedcore.run`, writing under `folder`;
     over TLS where `tls` (the server's certificate checked by the clients, tokens admitting them)."""
 
-    def __init__(self, folder: Path, tls: bool = False):
+    def __init__(self, folder: Path, tls: bool = False, distribute: dict | None = None):
         self.folder, self.procs = folder, []
         cfg = folder / "course.yaml"
-        cfg.write_text(yaml.safe_dump(COURSE))
+        course = {**COURSE, "distribute": {**COURSE["distribute"], **(distribute or {})}}
+        course["distribute"] = {k: v for k, v in course["distribute"].items() if v is not None}
+        cfg.write_text(yaml.safe_dump(course))
         out = folder / "out"
         self.metrics = out / "metrics.jsonl"
         server_tls, client_tls = [], []
@@ -140,9 +145,9 @@ def windows(course: Course, disturber: subprocess.Popen, n: int, seconds: float)
     return out
 
 
-def measure(kind: str, n: int, seconds: float, tls: bool = False) -> tuple[dict, dict]:
+def measure(kind: str, n: int, seconds: float, tls: bool = False, distribute: dict | None = None) -> tuple[dict, dict]:
     with tempfile.TemporaryDirectory(prefix="fedcore-flood-") as tmp:
-        course = Course(Path(tmp), tls)
+        course = Course(Path(tmp), tls, distribute)
         try:
             report = Path(tmp) / "attack.json"
             attacker = subprocess.Popen([sys.executable, "-m", "tests.h2_attack", str(course.port), kind, "8",
@@ -171,11 +176,17 @@ def main(argv=None) -> None:
     ap.add_argument("--windows", type=int, default=8, help="alternating windows, half of them disturbed")
     ap.add_argument("--window", type=float, default=3.0, help="seconds a window is measured")
     ap.add_argument("--tls", action="store_true", help="the course and the flood over TLS (needs the 'certs' extra)")
+    ap.add_argument("--streams", type=int, default=4,
+                    help="distribute.max_streams_per_connection (0: the server's default)")
+    ap.add_argument("--refusals-per-second", type=float, default=None,
+                    help="distribute.refusals_per_second (default: the server's; 0: no pacing)")
     args = ap.parse_args(argv)
+    distribute = {"max_streams_per_connection": args.streams or None,
+                  "refusals_per_second": args.refusals_per_second}
     kinds = ["rapid-reset", "header-flood"] if args.kind == "both" else [args.kind]
     last = []
     for kind in kinds:
-        flood, control = measure(kind, args.windows, args.window, args.tls)
+        flood, control = measure(kind, args.windows, args.window, args.tls, distribute)
         print(f"{kind}: {flood['rate_off']:.1f} rounds/s without the flood, {flood['rate_on']:.1f} with it "
               f"(ratio {flood['ratio']:.2f}; {flood['calls']:,} calls, {flood['closed']:,} connections closed "
               f"by the server); server {flood['server_cores_off']:.2f} -> {flood['server_cores_on']:.2f} cores, "

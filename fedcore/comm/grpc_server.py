@@ -44,6 +44,7 @@ from fedcore.comm.sessions import OPEN_PER_ID, CallAdmission, Refused, Session
 from fedcore.comm.stream import (REFUSED, RESEND, allowed_silence, grpc_options, heartbeat_frame, host_port, read_token,
                                  read_tokens, server_credentials, check_tls_files)
 from fedcore.comm.metrics_gate import MetricsGate
+from fedcore.comm.refusal_pacing import RefusalPacer
 from fedcore.comm.turns import TURN_BYTES, Turns
 from fedcore.kernel.errors import ConfigError
 from fedcore.kernel.message import SERVER_ID, Message
@@ -109,6 +110,7 @@ class GrpcServerComm(CallAdmission, Inbound):
         self._stopping: asyncio.Event | None = None
         self._decoder: futures.ThreadPoolExecutor | None = None
         self._turns: Turns | None = None    # large messages are buffered one at a time (turns.py)
+        self._pacer: RefusalPacer | None = None   # refused calls taken at a bounded rate (refusal_pacing.py)
         self._grace = 1.0
         self._handover: list = []         # events for the scheduler, gathered on the loop
         self._open: dict[int, int] = {}   # client id -> its calls still running (under _lock)
@@ -168,6 +170,9 @@ class GrpcServerComm(CallAdmission, Inbound):
             # small messages keeps the probe (with it fixed, a flood of refused calls halved the
             # course's rate: tests/test_deploy_availability.py)
             backlog += [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", window)]
+        # before the server starts: its first ask for a call goes through the pacer's task factory
+        self._pacer = RefusalPacer(loop, self.cfg["distribute.refusals_per_second"])
+        self._pacer.install()
         server = grpc.aio.server(options=grpc_options(self.chunk_size, server=True) + backlog,
                                  # with room of their own for refused calls held (comm/connections.py)
                                  maximum_concurrent_rpcs=calls + HELD_MAX)
@@ -192,6 +197,9 @@ class GrpcServerComm(CallAdmission, Inbound):
                                             "pick a free port or another distribute.server_host"))
             return
         await server.start()
+        if self._pacer.rate and not self._pacer.engaged:
+            log.warning("distribute.refusals_per_second: this gRPC version (%s) asks for its calls in a way "
+                        "the server cannot pace; refused calls reach it as fast as they come", grpc.__version__)
         self._loop, self._stopping, self._grpc = loop, asyncio.Event(), server
         self._closer = ConnectionGuard(loop, self._admitted_on,
                                        address_cap(self.cfg["distribute.max_connections_per_address"], cap),
@@ -322,6 +330,7 @@ class GrpcServerComm(CallAdmission, Inbound):
             if self._closer.refused(peer):   # a refused call does not keep its connection
                 await self._closer.hold(peer)
             await context.abort(refused.code, refused.detail, REFUSED)
+        self._pacer.admitted()   # its token back: refused calls alone are paced (refusal_pacing.py)
         task = asyncio.current_task()
         s.calls.add(task)
         try:

@@ -88,6 +88,9 @@ class CallAdmission:
             counts["connections closed beyond their address's cap"] = closer.over_cap
         if closer is not None and closer.left:
             counts["connections closed after their session moved to another"] = closer.left
+        pacer = getattr(self, "_pacer", None)
+        if pacer is not None and pacer.delayed:
+            counts["next calls taken late while refusals came fast"] = pacer.delayed
         return dict(sorted(counts.items()))
 
     def _admitted_on(self, peer: str) -> bool:
@@ -137,7 +140,7 @@ class CallAdmission:
         peer = context.peer()
         token = md.get(MD_TOKEN, "")
         token = token[7:] if token.startswith("Bearer ") else token
-        session_id = md.get(MD_SESSION, "")[:64] or secrets.token_hex(8)
+        session_id = md.get(MD_SESSION, "")[:64]
         try:
             cid = int(md.get(MD_CLIENT_ID, "0"))
         except ValueError:
@@ -163,6 +166,7 @@ class CallAdmission:
                 why = "course config differs from the server's: " + ", ".join(differ[:8])
                 self._refuse(grpc.StatusCode.FAILED_PRECONDITION, "course config differs",
                              why, f"refused {peer} (client id {cid}): {why}")
+        session_id = session_id or secrets.token_hex(8)   # drawn once past the checks a flood fails
         with self._lock:
             if cid == 0:
                 cid = next((c for c in range(1, self.num_clients + 1)
