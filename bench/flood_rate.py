@@ -1,12 +1,12 @@
 """Flood: the rate a deployed course keeps under a flood of token-less calls.
 
     python -m bench.flood_rate [--kind rapid-reset|header-flood|both] [--windows 8] [--window 3] [--tls]
-                               [--streams 4] [--refusals-per-second R]
+                               [--streams 4] [--no-pause]
 
 A server and 3 clients, each its own process on loopback, run a small FedAvg course of
 endless rounds (`distribute.max_streams_per_connection: 4`, or `--streams`; 0 leaves the
 server's default, the whole call limit, which clients sharing one process need;
-`--refusals-per-second` sets `distribute.refusals_per_second`, 0 turning the pacing off). `tests.h2_attack` floods the
+`--no-pause` sets `distribute.pause_after_closed_calls: false`, for comparison). `tests.h2_attack` floods the
 server from its own process at the lowest CPU priority: 8 connections opening token-less
 calls as fast as their sockets allow, each reset at once (rapid reset) or left open (header
 flood), every connection the server closes opened again; with `--tls` the course and the
@@ -178,11 +178,11 @@ def main(argv=None) -> None:
     ap.add_argument("--tls", action="store_true", help="the course and the flood over TLS (needs the 'certs' extra)")
     ap.add_argument("--streams", type=int, default=4,
                     help="distribute.max_streams_per_connection (0: the server's default)")
-    ap.add_argument("--refusals-per-second", type=float, default=None,
-                    help="distribute.refusals_per_second (default: the server's; 0: no pacing)")
+    ap.add_argument("--no-pause", action="store_true",
+                    help="distribute.pause_after_closed_calls: false (the server takes calls as fast as they come)")
     args = ap.parse_args(argv)
     distribute = {"max_streams_per_connection": args.streams or None,
-                  "refusals_per_second": args.refusals_per_second}
+                  "pause_after_closed_calls": False if args.no_pause else None}
     kinds = ["rapid-reset", "header-flood"] if args.kind == "both" else [args.kind]
     last = []
     for kind in kinds:

@@ -35,6 +35,7 @@ import grpc
 
 from fedcore.runtime.quiet import QuietLog
 from fedcore.comm.allocator import release_large_blocks
+from fedcore.comm.ask_pacing import AskPacer
 from fedcore.comm.async_outbox import wake_all
 from fedcore.comm.connections import HELD_MAX, ConnectionGuard, address_cap, connection_cap
 from fedcore.comm.chunking import FRAME_OVERHEAD, Reassembler, SharedContent, first_chunk_size
@@ -44,7 +45,6 @@ from fedcore.comm.sessions import OPEN_PER_ID, CallAdmission, Refused, Session
 from fedcore.comm.stream import (REFUSED, RESEND, allowed_silence, grpc_options, heartbeat_frame, host_port, read_token,
                                  read_tokens, server_credentials, check_tls_files)
 from fedcore.comm.metrics_gate import MetricsGate
-from fedcore.comm.refusal_pacing import RefusalPacer
 from fedcore.comm.turns import TURN_BYTES, Turns
 from fedcore.kernel.errors import ConfigError
 from fedcore.kernel.message import SERVER_ID, Message
@@ -110,7 +110,7 @@ class GrpcServerComm(CallAdmission, Inbound):
         self._stopping: asyncio.Event | None = None
         self._decoder: futures.ThreadPoolExecutor | None = None
         self._turns: Turns | None = None    # large messages are buffered one at a time (turns.py)
-        self._pacer: RefusalPacer | None = None   # refused calls taken at a bounded rate (refusal_pacing.py)
+        self._pacer: AskPacer | None = None   # pauses after calls of closed connections (ask_pacing.py)
         self._grace = 1.0
         self._handover: list = []         # events for the scheduler, gathered on the loop
         self._open: dict[int, int] = {}   # client id -> its calls still running (under _lock)
@@ -170,9 +170,10 @@ class GrpcServerComm(CallAdmission, Inbound):
             # small messages keeps the probe (with it fixed, a flood of refused calls halved the
             # course's rate: tests/test_deploy_availability.py)
             backlog += [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", window)]
-        # before the server starts: its first ask for a call goes through the pacer's task factory
-        self._pacer = RefusalPacer(loop, self.cfg["distribute.refusals_per_second"])
-        self._pacer.install()
+        if self.cfg["distribute.pause_after_closed_calls"]:
+            # before the server starts: its first ask for a call goes through the pacer's task factory
+            self._pacer = AskPacer(loop)
+            self._pacer.install()
         server = grpc.aio.server(options=grpc_options(self.chunk_size, server=True) + backlog,
                                  # with room of their own for refused calls held (comm/connections.py)
                                  maximum_concurrent_rpcs=calls + HELD_MAX)
@@ -197,9 +198,9 @@ class GrpcServerComm(CallAdmission, Inbound):
                                             "pick a free port or another distribute.server_host"))
             return
         await server.start()
-        if self._pacer.rate and not self._pacer.engaged:
-            log.warning("distribute.refusals_per_second: this gRPC version (%s) asks for its calls in a way "
-                        "the server cannot pace; refused calls reach it as fast as they come", grpc.__version__)
+        if self._pacer is not None and not self._pacer.engaged:
+            log.warning("distribute.pause_after_closed_calls: this gRPC version (%s) asks for its calls in a "
+                        "way the server cannot pause; it takes them as fast as they come", grpc.__version__)
         self._loop, self._stopping, self._grpc = loop, asyncio.Event(), server
         self._closer = ConnectionGuard(loop, self._admitted_on,
                                        address_cap(self.cfg["distribute.max_connections_per_address"], cap),
@@ -325,12 +326,13 @@ class GrpcServerComm(CallAdmission, Inbound):
             # right after the guard closed one (a client sharing the attacker's address was
             # kept out); a call that carries what admits it is never held for another's refusals
             if self._closer.closing(peer):   # a call queued on a connection closed for its refusals
+                if self._pacer is not None:
+                    self._pacer.wasted()     # the next ask waits: gRPC drops that connection's others
                 await self._closer.hold(peer)
                 return                       # nothing to answer
             if self._closer.refused(peer):   # a refused call does not keep its connection
                 await self._closer.hold(peer)
             await context.abort(refused.code, refused.detail, REFUSED)
-        self._pacer.admitted()   # its token back: refused calls alone are paced (refusal_pacing.py)
         task = asyncio.current_task()
         s.calls.add(task)
         try:
@@ -348,6 +350,8 @@ class GrpcServerComm(CallAdmission, Inbound):
         (counted, logged now and then, its connection closed unless a live session uses it)."""
         peer = context.peer()
         if self._closer.closing(peer):
+            if self._pacer is not None:
+                self._pacer.wasted()
             await self._closer.hold(peer)
             return
         self.quiet("unknown method", f"refused {peer}: unknown method {method[:80]!r}")

@@ -89,8 +89,8 @@ class CallAdmission:
         if closer is not None and closer.left:
             counts["connections closed after their session moved to another"] = closer.left
         pacer = getattr(self, "_pacer", None)
-        if pacer is not None and pacer.delayed:
-            counts["next calls taken late while refusals came fast"] = pacer.delayed
+        if pacer is not None and pacer.paused:
+            counts["pauses after a call of a closed connection"] = pacer.paused
         return dict(sorted(counts.items()))
 
     def _admitted_on(self, peer: str) -> bool:
