@@ -16,7 +16,7 @@ gRPC reads the resets of that connection's other calls and drops them itself, un
 take at most PAUSE_SHARE of the time (a budget of seconds refilled at that rate, holding
 PAUSE_BURST): an attacker who mixes such calls into a flood that keeps live calls waiting
 (an honest client's among them) slows the server's taking of calls by at most a quarter,
-and a call waits at most one pause.
+and no ask waits longer than one pause.
 
 gRPC offers no hook for this. Its server asks for each call in a task of its own, made with
 the event loop's task factory; the pacer installs a factory that delays the start of the task
