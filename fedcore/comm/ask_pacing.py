@@ -11,12 +11,16 @@ for it, before its reset is read. With the default stream limit that was 24 of t
 the handler saw per connection (3,400 a second in all, a third of a core; 2-core machine,
 `python -m bench.flood_rate --streams 0`).
 
-After such a call `AskPacer` holds the next ask back for PAUSE (1 ms), during which
-gRPC reads the resets of that connection's other calls and drops them itself, unseen. Pauses
-take at most PAUSE_SHARE of the time (a budget of seconds refilled at that rate, holding
-PAUSE_BURST): an attacker who mixes such calls into a flood that keeps live calls waiting
-(an honest client's among them) slows the server's taking of calls by at most a quarter,
-and no ask waits longer than one pause.
+After such a call `AskPacer` holds the server's asks back for PAUSE (1 ms), during which
+gRPC reads the resets of that connection's other calls and drops them itself, unseen. (The
+ask made right after taking the call is already on its way when the call's handler finds
+its connection closed: the pause holds back the asks made after that.) Pauses take at most
+PAUSE_SHARE of the time (a budget of seconds refilled at that rate, holding PAUSE_BURST), and
+an ask waits out at most the one pause under way when it is made: an attacker who mixes
+such calls into a flood that keeps live calls waiting (an honest client's among them) slows
+the server's taking of calls by at most a quarter. What waits meanwhile in gRPC's backlog of
+calls not yet taken counts towards that backlog's limit, past which gRPC drops new calls
+(`grpc.server.max_pending_requests`, set in grpc_server.py).
 
 gRPC offers no hook for this. Its server asks for each call in a task of its own, made with
 the event loop's task factory; the pacer installs a factory that delays the start of the task
@@ -44,7 +48,8 @@ class AskPacer:
         self._resume = 0.0     # loop time before which no ask starts
         self._previous = None  # the loop's task factory before this one
         self.engaged = False   # whether gRPC's asking for a call went through the factory
-        self.paused = 0        # pauses taken
+        self.paused = 0        # pauses started
+        self.delayed = 0       # asks held back by one
 
     def install(self) -> None:
         """Make the loop's tasks through this pacer (before the gRPC server starts)."""
@@ -70,8 +75,9 @@ class AskPacer:
         ask = None
         if getattr(coro, "__name__", None) in REQUEST_CALL:
             self.engaged = True
-            if self.wait() > 0:
-                ask, coro = coro, self._later(coro)
+            if self.wait() > 0:   # the pause under way, not any started while this ask waits
+                ask, coro = coro, self._later(coro, self._resume)
+                self.delayed += 1
         if self._previous is not None:
             task = self._previous(loop, coro, **kwargs)
         else:
@@ -80,8 +86,8 @@ class AskPacer:
             task.add_done_callback(lambda _: ask.close())
         return task
 
-    async def _later(self, ask):
-        """`ask` (gRPC's request for its next call), started once the pause is over."""
-        while (seconds := self.wait()) > 0:
+    async def _later(self, ask, resume: float):
+        """`ask` (gRPC's request for its next call), started at loop time `resume`."""
+        while (seconds := resume - self.loop.time()) > 0:
             await asyncio.sleep(seconds)
         return await ask

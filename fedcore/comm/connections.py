@@ -29,8 +29,8 @@ when a held call of its is reset by its sender (rapid reset: its calls would kee
 or when it brings a refused call that cannot be held: more than its stream slots, or beyond
 HELD_MAX calls held in all (the server leaves room for those in its limit on concurrent
 calls, so they never take an honest client's). Calls it still has queued reach the handler
-as a `closing` peer's and are held too, ended unread; after each the server pauses before
-taking its next call, so gRPC drops the rest itself (ask_pacing.py).
+as a `closing` peer's and are held too, ended unread; after each the server holds back
+taking further calls for a moment, so gRPC drops the rest itself (ask_pacing.py).
 
 gRPC's asyncio API cannot send GOAWAY on one connection, so on a plaintext server
 (`distribute.insecure`) the guard writes the frame itself on the socket before shutting it

@@ -327,7 +327,7 @@ class GrpcServerComm(CallAdmission, Inbound):
             # kept out); a call that carries what admits it is never held for another's refusals
             if self._closer.closing(peer):   # a call queued on a connection closed for its refusals
                 if self._pacer is not None:
-                    self._pacer.wasted()     # the next ask waits: gRPC drops that connection's others
+                    self._pacer.wasted()     # asks wait 1 ms: gRPC drops that connection's others
                 await self._closer.hold(peer)
                 return                       # nothing to answer
             if self._closer.refused(peer):   # a refused call does not keep its connection

@@ -89,8 +89,8 @@ class CallAdmission:
         if closer is not None and closer.left:
             counts["connections closed after their session moved to another"] = closer.left
         pacer = getattr(self, "_pacer", None)
-        if pacer is not None and pacer.paused:
-            counts["pauses after a call of a closed connection"] = pacer.paused
+        if pacer is not None and pacer.delayed:
+            counts["asks for a call held back after a call of a closed connection"] = pacer.delayed
         return dict(sorted(counts.items()))
 
     def _admitted_on(self, peer: str) -> bool:

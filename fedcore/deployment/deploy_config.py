@@ -84,10 +84,11 @@ declare("distribute.max_streams_per_connection", int, None, "server: calls one c
         "client + 16, the server's limit on calls; 4 where every client has its own process "
         "makes a flood of calls cost the server about half as much)", check=positive)
 declare("distribute.pause_after_closed_calls", bool, True, "server: after taking a call that gRPC had "
-        "queued for a connection already closed for its refusals, wait 1 ms before taking the next "
-        "(at most a quarter of the time), so that gRPC drops that connection's other calls itself: "
-        "a rapid reset costs the server a fraction of what it did (docs/deployment.md, threat "
-        "model). false: take calls as fast as they come")
+        "queued for a connection already closed for its refusals, hold back the taking of further "
+        "calls for 1 ms (at most a quarter of the time), so that gRPC drops that connection's other "
+        "calls itself: a rapid reset costs the server a fraction of what it did, while calls wait "
+        "a little longer in gRPC's backlog (docs/deployment.md, threat model). false: take calls "
+        "as fast as they come")
 declare("distribute.max_message_values", int, None, "largest number of values (fields and list "
         "entries of the encoding) a message may hold; more is refused before it is decoded "
         "(default: 64 per model tensor + 32 per client + 4096)", check=positive)
