@@ -1,5 +1,5 @@
-"""The server pauses, briefly, before asking gRPC for its next call when the call it took last
-belonged to a connection already closed for its refusals.
+"""The server holds back, briefly, its asks to gRPC for calls after taking one that belonged to
+a connection already closed for its refusals.
 
 gRPC's asyncio server asks gRPC for the next call as soon as it has handed the last one to a
 handler, and every call it takes costs its event loop far more (tasks, a context, the
@@ -33,7 +33,7 @@ import asyncio
 
 __all__ = ["PAUSE", "PAUSE_SHARE", "PAUSE_BURST", "REQUEST_CALL", "AskPacer"]
 
-PAUSE = 0.001          # seconds the next ask waits after a call of a closed connection
+PAUSE = 0.001          # seconds the asks are held back after a call of a closed connection
 PAUSE_SHARE = 0.25     # the most of the time spent paused
 PAUSE_BURST = 25 * PAUSE   # paused seconds that may be spent at once
 REQUEST_CALL = ("_request_call", "_request_registered_call")   # gRPC's coroutines that ask for a call
@@ -57,8 +57,8 @@ class AskPacer:
         self.loop.set_task_factory(self._task)
 
     def wasted(self) -> None:
-        """The call taken belonged to a connection closed for its refusals: pause the next
-        ask, unless pausing already or the budget is spent."""
+        """The call taken belonged to a connection closed for its refusals: asks made from now
+        wait PAUSE, unless a pause is under way or the budget is spent."""
         now = self.loop.time()
         self._budget = min(PAUSE_BURST, self._budget + (now - self._at) * PAUSE_SHARE)
         self._at = now
