@@ -325,10 +325,7 @@ class GrpcServerComm(CallAdmission, Inbound):
             # admitted first: a peer is its address and port, which a new connection may reuse
             # right after the guard closed one (a client sharing the attacker's address was
             # kept out); a call that carries what admits it is never held for another's refusals
-            if self._closer.closing(peer):   # a call queued on a connection closed for its refusals
-                if self._pacer is not None:
-                    self._pacer.wasted()     # asks wait 1 ms: gRPC drops that connection's others
-                await self._closer.hold(peer)
+            if await self._ended_unread(peer):
                 return                       # nothing to answer
             if self._closer.refused(peer):   # a refused call does not keep its connection
                 await self._closer.hold(peer)
@@ -345,14 +342,22 @@ class GrpcServerComm(CallAdmission, Inbound):
                     if left:
                         self._open[s.client_id] = left
 
+    async def _ended_unread(self, peer: str) -> bool:
+        """Whether a refused call from `peer` was queued on a connection closed for its
+        refusals: then it is held until the close ends it, unanswered, and the server's asks
+        for further calls wait 1 ms meanwhile, so gRPC drops that connection's others itself."""
+        if not self._closer.closing(peer):
+            return False
+        if self._pacer is not None:
+            self._pacer.wasted()
+        await self._closer.hold(peer)
+        return True
+
     async def _unknown(self, method: str, request_iterator, context) -> None:
         """A call to a method the server does not serve: refused like a call without a token
         (counted, logged now and then, its connection closed unless a live session uses it)."""
         peer = context.peer()
-        if self._closer.closing(peer):
-            if self._pacer is not None:
-                self._pacer.wasted()
-            await self._closer.hold(peer)
+        if await self._ended_unread(peer):
             return
         self.quiet("unknown method", f"refused {peer}: unknown method {method[:80]!r}")
         if self._closer.refused(peer):
