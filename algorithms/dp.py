@@ -36,7 +36,7 @@ from fedcore.algorithms.dp_accountant import RdpAccountant
 from fedcore.algorithms.dp_noise import (noise_generator, noise_source, resolved_noise_source,
                                          standard_normal)
 from fedcore.algorithms.participants import chosen_clients
-from fedcore.kernel.config import declare, non_negative, positive, validator
+from fedcore.kernel.config import declare, lives_elsewhere, non_negative, positive, validator
 from fedcore.kernel.contract import ReceivedUpdate
 from fedcore.kernel.errors import ConfigError
 from fedcore.kernel.hooks import Wrapper
@@ -63,6 +63,9 @@ declare("privacy.dp.clip_each_step", bool, True, "central: after every local opt
         "client's model goes back onto the ball of radius clip_norm around the model it received, "
         "as DP-FedAvg's Algorithm 1 does (the delta it sends is already clipped); false: only the "
         "final delta is clipped, by the server")
+for _name in ("dp", "dpfedavg", "dp_fedavg"):
+    lives_elsewhere("algorithm.name", _name, "privacy.dp.mode=central (or local) with privacy.dp.clip_norm and "
+                    "privacy.dp.noise_multiplier")
 
 
 @validator

@@ -27,7 +27,7 @@ from torch import nn
 
 from fedcore.kernel import registry
 from fedcore.kernel.contract import BatchStream, Trainer, evaluate_model
-from fedcore.kernel.config import declare, non_negative, positive, validator
+from fedcore.kernel.config import declare, lives_elsewhere, non_negative, positive, validator
 from fedcore.kernel.errors import ConfigError
 from fedcore.kernel.hooks import Wrapper
 
@@ -47,6 +47,8 @@ declare("personalization.drop_check", bool, False, "clients compare the received
         "their own on local validation and raise performance_drop when it is worse")
 declare("personalization.drop_margin", float, 0.0, "performance_drop: how much worse (accuracy, or "
         "loss for mse) the global model must be", check=non_negative)
+for _method in ("fedbn", "ditto", "finetune"):
+    lives_elsewhere("algorithm.name", _method, f"personalization.method={_method} (beside any algorithm.name)")
 
 
 @validator

@@ -31,7 +31,7 @@ import torch
 
 from fedcore.kernel import registry
 from fedcore.algorithms.combine import BandedRule, Columns, replace_combination
-from fedcore.kernel.config import declare, non_negative, positive, resolver, validator
+from fedcore.kernel.config import declare, lives_elsewhere, non_negative, positive, resolver, validator
 from fedcore.kernel.contract import Aggregator
 from fedcore.kernel.errors import ConfigError
 
@@ -64,6 +64,9 @@ declare("aggregator.cc_iters", int, 1, "centered_clip: clipping iterations L per
 declare("topology.edge_robust_rule", str, "none", "hierarchical courses (topology.edges): the rule "
         "each edge combines its clients' models with, one of aggregator.robust_rule's, with the "
         "same aggregator.* parameters (aggregator.robust_rule is the cloud's rule)", choices=RULES)
+for _rule in RULES:
+    if _rule != "none":
+        lives_elsewhere("algorithm.name", _rule, f"aggregator.robust_rule={_rule}")
 
 
 # rules whose papers average the chosen or clipped updates alike, (1/m) or (1/n)

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from fedcore.kernel import registry
-from fedcore.kernel.config import declare, positive, validator
+from fedcore.kernel.config import declare, lives_elsewhere, positive, validator
 from fedcore.kernel.errors import ConfigError
 from fedcore.kernel.schema import clients_per_round
 
@@ -53,6 +53,8 @@ declare("secure_aggregation.signature_quorum", int, None, "signatures from survi
         "the survivor set before it reveals shares (default: a majority of the clients per round, at "
         "least the threshold; raise it to (clients + colluders) / 2 + 1 to tolerate colluding clients)",
         check=positive)
+for _name in ("secagg", "secaggplus", "secure_aggregation"):
+    lives_elsewhere("algorithm.name", _name, "secure_aggregation.enabled=true (with a FedAvg-style algorithm.name)")
 
 # algorithms whose server rule needs more than the weighted mean of the models
 _REFUSED = {"scaffold": "its control variates are averaged alongside the model",

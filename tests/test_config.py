@@ -44,6 +44,31 @@ def test_bad_configs_raise_one_line_errors(tmp_path, text, fragment):
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("name, where", [
+    ("hierfavg", "set topology.edges=K"),
+    ("ditto", "set personalization.method=ditto"),
+    ("fedbn", "set personalization.method=fedbn"),
+    ("fedadam", "set server_optimizer.type=adam"),
+    ("fedavgm", "set server_optimizer.type=sgdm"),
+    ("krum", "set aggregator.robust_rule=krum"),
+    ("secagg", "set secure_aggregation.enabled=true"),
+    ("dp", "set privacy.dp.mode=central"),
+])
+def test_a_feature_reached_through_another_key_names_that_key(tmp_path, name, where):
+    """`algorithm.name: ditto` is a natural first guess; the refusal says where the feature lives."""
+    with pytest.raises(ConfigError) as info:
+        load_config(_write(tmp_path, f"algorithm:\n  name: {name}\n"))
+    message = str(info.value)
+    assert message.startswith(f"algorithm.name: '{name}' is reached through another key")
+    assert where in message and "\n" not in message
+
+
+def test_cli_feature_reached_through_another_key_exits_2_in_one_line(tmp_path):
+    r = _cli("--cfg", str(_write(tmp_path, "{}\n")), "algorithm.name=hierfavg", "--check")
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and "topology.edges" in r.stderr
+
+
 def _cli(*args, cwd=None):
     return run_fedcore(args, cwd=cwd, timeout=120)
 

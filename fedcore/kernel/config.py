@@ -15,10 +15,10 @@ from typing import Any, Iterable
 import yaml
 
 from fedcore.kernel.config_keys import (_RESOLVERS, _VALIDATORS, SCHEMA, Key, _coerce, declare, fraction,
-                                 nearest_key, non_negative, positive, resolver, validator)
+                                 lives_elsewhere, nearest_key, non_negative, positive, resolver, validator)
 from fedcore.kernel.errors import ConfigError
 
-__all__ = ["Key", "Config", "declare", "validator", "resolver", "positive", "non_negative", "fraction", "load_config", "parse_override",
+__all__ = ["Key", "Config", "declare", "lives_elsewhere", "validator", "resolver", "positive", "non_negative", "fraction", "load_config", "parse_override",
            "SCHEMA"]
 
 

@@ -40,6 +40,14 @@ class Key:
 SCHEMA: dict[str, Key] = {}
 _VALIDATORS: list[Callable[[Any], None]] = []
 _RESOLVERS: list[Callable[[dict], None]] = []
+_ELSEWHERE: dict[tuple[str, str], str] = {}
+
+
+def lives_elsewhere(name: str, value: str, where: str) -> None:
+    """Say that `name: value` names a feature reached through another key (`where`, e.g.
+    "personalization.method=ditto"), so that setting it there is refused with the way to it
+    instead of a bare list of choices."""
+    _ELSEWHERE[(name, value)] = where
 
 
 def declare(name: str, type: type, default: Any, help: str, *, choices=None,
@@ -117,6 +125,9 @@ def _coerce(key: Key, value: Any) -> Any:
         raise ConfigError(f"{key.name}: expected {expected}, got {type(value).__name__} {value!r}")
     allowed = key.allowed()
     if allowed is not None and value not in allowed:
+        where = _ELSEWHERE.get((key.name, str(value)))
+        if where is not None:
+            raise ConfigError(f"{key.name}: {value!r} is reached through another key: set {where}")
         hint = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
         hint_s = f" (did you mean '{hint[0]}'?)" if hint else ""
         raise ConfigError(f"{key.name}: {value!r} is not one of {', '.join(map(str, allowed))}{hint_s}")

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from fedcore.kernel import registry
-from fedcore.kernel.config import declare, fraction, non_negative, positive, validator
+from fedcore.kernel.config import declare, lives_elsewhere, fraction, non_negative, positive, validator
 from fedcore.kernel.errors import ConfigError
 
 
@@ -164,6 +164,8 @@ declare("distribute.cloud_port", int, 50051, "distribute.role=edge: the cloud se
 declare("distribute.cloud_token_file", str, None, "distribute.role=edge: file holding the token the "
         "edge presents to the cloud (else FEDCORE_CLOUD_TOKEN); its own distribute.token* keys are "
         "what it accepts from its clients")
+lives_elsewhere("algorithm.name", "hierfavg", "topology.edges=K (HierFAVG is FedAvg over client-edge-cloud "
+                "tiers; topology.edge_rounds sets the edge aggregations per cloud aggregation)")
 
 
 @validator

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from fedcore.kernel.config import declare, positive, validator
+from fedcore.kernel.config import declare, lives_elsewhere, positive, validator
 from fedcore.kernel.hooks import Wrapper
 from fedcore.kernel.errors import ConfigError
 from fedcore.wire.spooled import release
@@ -55,6 +55,8 @@ declare("server_optimizer.tau", float, 1e-3, "adagrad, adam, yogi: adaptivity ta
 declare("server_optimizer.bias_correction", bool, False,
         "adagrad, adam, yogi: divide m by 1 - beta1^t (and v by 1 - beta2^t for adam, yogi) as "
         "Adam does; Reddi et al.'s Algorithm 2 has none")
+for _name, _kind in (("fedavgm", "sgdm"), ("fedadagrad", "adagrad"), ("fedadam", "adam"), ("fedyogi", "yogi")):
+    lives_elsewhere("algorithm.name", _name, f"server_optimizer.type={_kind} (on the aggregate of any algorithm.name)")
 
 # algorithm -> why a server optimizer cannot follow its aggregation
 REFUSED = {
