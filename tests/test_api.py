@@ -30,6 +30,33 @@ def test_the_summary_counts_the_models_parameters_and_a_run_reads_back_from_fedc
     assert read.returncode == 0 and read.stdout.strip() == "27", read.stderr[-2000:]
 
 
+def test_a_simulation_refuses_an_outdir_holding_another_runs_records(tmp_path):
+    # the first run's records and final model survive a second run into the same folder;
+    # outdir_overwrite=true replaces them, and an empty metrics file is no record to keep
+    first = fedcore.run(SMALL, outdir=str(tmp_path / "a"))
+    kept = (tmp_path / "a" / "metrics.jsonl").read_bytes()
+    model = (tmp_path / "a" / "final_model.pt").read_bytes()
+    with pytest.raises(ConfigError, match="holds another run's records.*outdir_overwrite=true"):
+        fedcore.run(SMALL, outdir=str(tmp_path / "a"), federate__total_round_num=1)
+    assert (tmp_path / "a" / "metrics.jsonl").read_bytes() == kept
+    assert (tmp_path / "a" / "final_model.pt").read_bytes() == model
+    again = fedcore.run(SMALL, outdir=str(tmp_path / "a"), federate__total_round_num=1, outdir_overwrite=True)
+    assert len(first.records) == 3 and len(again.records) == 1
+    assert len((tmp_path / "a" / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+def test_a_simulation_rerun_by_the_cli_into_its_outdir_exits_2_in_one_line(tmp_path):
+    from tests.deploy_helpers import run_fedcore
+    cfg = tmp_path / "c.yaml"
+    import yaml
+    cfg.write_text(yaml.safe_dump({**SMALL, "federate": {"client_num": 6, "total_round_num": 1}}))
+    out = tmp_path / "run"
+    assert run_fedcore(["--cfg", str(cfg), f"outdir={out}"], timeout=300).returncode == 0
+    again = run_fedcore(["--cfg", str(cfg), f"outdir={out}"], timeout=300)
+    assert again.returncode == 2
+    assert again.stderr.strip().count("\n") == 0 and "holds another run's records" in again.stderr
+
+
 def test_result_holds_what_the_run_wrote(tmp_path):
     result = fedcore.run(SMALL, outdir=str(tmp_path / "a"), train__optimizer__lr=0.2)
     assert result.outdir == tmp_path / "a"

@@ -12,8 +12,8 @@ declare("name", str, "course", "the run's name, used in the default outdir",
         check=lambda v: None if v and not set(v) & set("/\\") and v not in (".", "..")
         else f"{v!r} must be one folder name (no / or \\)")
 declare("outdir", str, None, "where the run writes its outputs (default runs/<timestamp>-<name>)")
-declare("outdir_overwrite", bool, False, "a deployed server may write into an outdir that holds "
-        "another run's metrics.jsonl, replacing its records (default: it refuses)")
+declare("outdir_overwrite", bool, False, "a course (simulated or deployed) may write into an outdir "
+        "that holds another run's metrics.jsonl, replacing its records (default: it refuses)")
 declare("verbose", int, 1, "progress on stderr: 0 (or false) quiet; 1 (or true) a bar with wall time "
         "and ETA on a terminal, else a round line every progress.interval seconds; 2 a line every "
         "round and info logging", choices=(0, 1, 2),

@@ -255,10 +255,10 @@ class Course:
         (self.outdir / "handlers.txt").write_text("\n\n".join(sections) + "\n")
 
     def _refuse_another_runs_records(self) -> None:
-        """A deployed server started again with the same command must not wipe the records of
-        the run it replaces (simulations rerun into their outdir as before)."""
+        """A course run again into the same outdir, simulated or deployed, must not silently
+        replace the records of the run before it; resuming continues them."""
         metrics = self.outdir / "metrics.jsonl"
-        if (self.wall_clock and not self.cfg["outdir_overwrite"] and not self.cfg["resume_from"]
+        if (not self.cfg["outdir_overwrite"] and not self.cfg["resume_from"]
                 and metrics.is_file() and metrics.stat().st_size > 0):
             raise ConfigError(f"outdir: '{self.outdir}' holds another run's records (metrics.jsonl); "
                               "choose a new outdir, or set outdir_overwrite=true to replace them")
