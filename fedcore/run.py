@@ -18,6 +18,7 @@ import logging
 import os
 import sys
 
+from fedcore import __version__
 from fedcore.kernel.errors import EXIT_CONFIG, EXIT_OK, ConfigError, exit_code_of
 
 # set by fedcore.launch for the processes it starts: the command that launches the course again
@@ -40,6 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--help-key", metavar="KEY", help="describe one config key (type, default, meaning)")
     p.add_argument("--list-keys", action="store_true", help="print every config key as a Markdown table")
     p.add_argument("--debug", action="store_true", help="full tracebacks and debug logging")
+    p.add_argument("--version", action="version", version=f"fedcore {__version__}")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
     return p
 
