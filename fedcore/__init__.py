@@ -10,7 +10,7 @@ fedcore (and its torch-free wire) stays light.
 """
 import os as _os
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # gRPC writes an INFO line for every failed TLS handshake, as fast as outsiders fail them
 # (2.4 MB/s of log measured): only its errors, before any module here imports it, unless
