@@ -31,7 +31,8 @@ def _children(pid: int) -> list[int]:
 def test_launch_gives_each_client_its_own_token_off_the_command_line_and_out_of_the_outputs(tmp_path):
     cfg = write_cfg(tmp_path / "course.yaml", {"federate.client_num": 2, "federate.total_round_num": 1})
     out = tmp_path / "out"
-    launch = subprocess.Popen([sys.executable, "-m", "fedcore.launch", "--cfg", str(cfg), f"outdir={out}"],
+    launch = subprocess.Popen([sys.executable, "-m", "fedcore.launch", "--start-method", "spawn", "--cfg", str(cfg),
+                               f"outdir={out}"],
                               cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     seen: dict[int, tuple[str, str]] = {}  # pid -> (command line, FEDCORE_TOKEN or "")
     deadline = time.monotonic() + 240

@@ -13,6 +13,22 @@ from fedcore.deployment.launch_guard import _alive
 from tests.deploy_helpers import ROOT, text, wait_exit, wait_for, write_cfg
 from tests.test_deploy_secrets import _children
 
+SPAWN = ["--start-method", "spawn"]   # launches whose processes the test finds by their command lines
+
+
+def test_a_launch_forks_its_processes_from_a_fork_server_by_default_where_it_can():
+    """30 fresh interpreters importing torch at once hold a 2-core laptop for minutes: the default
+    start method forks them from one that imported it (`fedcore.launch --start-method auto`)."""
+    from fedcore.deployment import forkserver
+    from fedcore.launch import _parser, _Starter
+    assert _parser().parse_args(["--cfg", "c.yaml"]).start_method == "auto"
+    assert _Starter("spawn", None).server is None
+    starter = _Starter("auto", None)
+    try:
+        assert (starter.server is not None) == forkserver.available()
+    finally:
+        starter.close()
+
 GUARD = [sys.executable, "-I", str(ROOT / "fedcore" / "deployment" / "launch_guard.py")]
 
 
@@ -176,7 +192,7 @@ def test_a_client_sigkilled_under_restart_comes_back_with_its_state_and_the_cour
         "distribute.heartbeat_interval": 0.2, "distribute.heartbeat_timeout": 1.5,
         "distribute.backoff_initial": 0.1, "distribute.backoff_max": 0.5})
     out = tmp_path / "out"
-    launcher = procs.start("launch", ["-m", "fedcore.launch", "--restart", "1", "--cfg", str(cfg),
+    launcher = procs.start("launch", ["-m", "fedcore.launch", *SPAWN, "--restart", "1", "--cfg", str(cfg),
                                       f"outdir={out}"])
 
     def sent():
@@ -209,7 +225,7 @@ def test_a_server_sigkilled_under_restart_is_started_again_on_its_port_to_resume
         "plugins": ["tests.slow_plugin"], "algorithm.name": "fedavg_pausing", "slow_test.pause": 0.3,
         "federate.client_num": 2, "federate.total_round_num": 10000, "eval.clients": False})
     out = tmp_path / "out"
-    launcher = procs.start("launch", ["-m", "fedcore.launch", "--restart", "1", "--cfg", str(cfg),
+    launcher = procs.start("launch", ["-m", "fedcore.launch", *SPAWN, "--restart", "1", "--cfg", str(cfg),
                                       f"outdir={out}"])
     address = out / "server_address"
     port = wait_for(lambda: address.exists() and address.read_text().strip().rsplit(":", 1)[1], 120,
@@ -239,7 +255,7 @@ def test_a_stopped_launch_prints_the_launch_that_resumes_it_and_that_launch_fini
         "plugins": ["tests.slow_plugin"], "algorithm.name": "fedavg_pausing", "slow_test.pause": 0.2,
         "federate.client_num": 2, "federate.total_round_num": 8, "eval.clients": False})
     out = tmp_path / "out"
-    launcher = procs.start("launch", ["-m", "fedcore.launch", "--cfg", str(cfg), f"outdir={out}"])
+    launcher = procs.start("launch", ["-m", "fedcore.launch", *SPAWN, "--cfg", str(cfg), f"outdir={out}"])
     metrics = out / "metrics.jsonl"
     wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") >= 2, 240, "two rounds")
     launcher.send_signal(signal.SIGTERM)   # as Ctrl-C: an orderly stop
