@@ -139,11 +139,13 @@ def test_the_guardian_leaves_processes_alone_after_done(tmp_path):
 
 
 def test_a_server_refuses_an_outdir_holding_another_runs_records(procs, tmp_path):
+    from fedcore.kernel.errors import ConfigError
     from fedcore.runtime.course import Course
     from tests.conftest import small_cfg
     out = tmp_path / "out"
     Course(small_cfg(out)).run()
-    Course(small_cfg(out)).run()                       # a simulation reruns into its outdir as before
+    with pytest.raises(ConfigError, match="holds another run's records"):
+        Course(small_cfg(out)).run()                   # a simulation refuses to replace them too
     before = (out / "metrics.jsonl").read_bytes()      # an earlier run's records: 2 rounds
     assert before.count(b"\n") == 2
     cfg = write_cfg(tmp_path / "course.yaml")
