@@ -54,7 +54,7 @@ import time
 from pathlib import Path
 
 from fedcore.comm.stream import INSECURE_NOTED_ENV, INSECURE_WARNING, TOKEN_ENV, write_secret
-from fedcore.kernel.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_SERVER_GONE, FedcoreError
+from fedcore.kernel.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_SERVER_GONE, LAUNCHED_ENV, FedcoreError
 from fedcore.run import RESUME_COMMAND_ENV
 
 __all__ = ["main"]
@@ -298,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         # every client (and edge) it starts has a process, so a connection of its own that needs
         # at most 3 calls: a flooding connection gets no more than that (docs/deployment.md)
         server_extra.append("distribute.max_streams_per_connection=4")
+    os.environ[LAUNCHED_ENV] = "1"   # every process inherits it: one `interrupted` line, the launcher's
     client_env: dict[int, dict] = {k: dict(os.environ) for k in range(1, n + 1)}
     secrets_dir = None
     guardian = _Guardian()  # before anything it would have to clean up

@@ -273,6 +273,24 @@ def test_a_stopped_launch_prints_the_launch_that_resumes_it_and_that_launch_fini
     assert rounds == list(range(1, 9))   # every round once: none lost, none repeated
 
 
+@pytest.mark.slow
+def test_ctrl_c_of_a_launch_prints_one_interrupted_line(procs, tmp_path):
+    """Ctrl-C reaches the launcher and, from it, every process it started: the launch says
+    `interrupted` once, not once per process, and keeps the server's resume line."""
+    cfg = write_cfg(tmp_path / "course.yaml", {
+        "plugins": ["tests.slow_plugin"], "algorithm.name": "fedavg_pausing", "slow_test.pause": 0.2,
+        "federate.client_num": 3, "federate.total_round_num": 10000, "eval.clients": False})
+    out = tmp_path / "out"
+    launcher = procs.start("launch", ["-m", "fedcore.launch", "--cfg", str(cfg), f"outdir={out}"])
+    metrics = out / "metrics.jsonl"
+    wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") >= 2, 240, "two rounds")
+    launcher.send_signal(signal.SIGINT)
+    assert wait_exit(launcher, 60) == 130, text(launcher)[-3000:]
+    log = text(launcher)
+    assert log.count("interrupted") == 1 and log.rstrip().endswith("fedcore: interrupted"), log[-3000:]
+    assert "resume from the snapshot of round" in log
+
+
 def test_a_launch_whose_clients_all_end_for_good_stops_its_server(procs, tmp_path):
     """Clients refused for a configuration the server does not share end with status 2, never
     restarted: the launcher stops its server instead of letting it wait for them for ever."""

@@ -1,6 +1,7 @@
 """The errors a user can cause, each with its documented exit code."""
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 from typing import Callable
@@ -55,11 +56,15 @@ def first_line(exc: BaseException) -> str:
     return lines[0] if lines else type(exc).__name__
 
 
+LAUNCHED_ENV = "FEDCORE_LAUNCHED"   # "1": a process of fedcore.launch, which says `interrupted` once for all
+
+
 def exit_code_of(prog: str, command: Callable[[], int], debug: bool = False,
                  interrupted: str = "interrupted") -> int:
     """Run a command-line `command` and turn what it raises into its exit code: a user's
     error is one line on stderr (with the traceback under --debug), Ctrl-C is 130, anything
-    else is one line first, then the traceback."""
+    else is one line first, then the traceback. A process started by `fedcore.launch` leaves
+    the `interrupted` line to its launcher: Ctrl-C reaches every process of the launch."""
     try:
         return command()
     except FedcoreError as exc:
@@ -68,7 +73,8 @@ def exit_code_of(prog: str, command: Callable[[], int], debug: bool = False,
             traceback.print_exc()
         return exc.exit_code
     except KeyboardInterrupt:
-        print(f"{prog}: {interrupted}", file=sys.stderr)
+        if os.environ.get(LAUNCHED_ENV) != "1":
+            print(f"{prog}: {interrupted}", file=sys.stderr)
         return 130
     except Exception as exc:
         print(f"{prog}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
