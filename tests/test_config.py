@@ -73,6 +73,26 @@ def _cli(*args, cwd=None):
     return run_fedcore(args, cwd=cwd, timeout=120)
 
 
+@pytest.mark.parametrize("override, fragment", [
+    ("federate.client_nm=3", "unknown config key 'federate.client_nm' (did you mean 'federate.client_num'?)"),
+    ("algorithm.name=fedavgg", "algorithm.name: 'fedavgg' is not one of"),
+    ("algorithm.name=ditto", "set personalization.method=ditto"),
+    ("model.dtype=float16", "model.dtype: 'float16' is not one of float32, float64"),
+])
+def test_a_typo_is_told_before_torch_is_imported(tmp_path, override, fragment):
+    """The packaged key index judges names and words first: no plug-in, no torch."""
+    import subprocess
+    import sys
+    base = _write(tmp_path, "defaults: [b.yaml]\nseed: 1\n")
+    (tmp_path / "b.yaml").write_text("federate:\n  client_num: 4\n")
+    code = ("import sys; from fedcore.run import main; rc = main(sys.argv[1:]); "
+            "print(rc, 'torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code, "--cfg", str(base), override, "--check"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["2", "False"], done.stderr
+    assert done.stderr.strip().count("\n") == 0 and fragment in done.stderr
+
+
 def test_cli_typo_exits_2_with_suggestion(tmp_path):
     p = _write(tmp_path, "federate:\n  total_rounds: 5\n")
     r = _cli("--cfg", str(p))

@@ -14,11 +14,11 @@ from typing import Any, Iterable
 
 import yaml
 
-from fedcore.kernel.config_keys import (_RESOLVERS, _VALIDATORS, SCHEMA, Key, _coerce, declare, fraction,
+from fedcore.kernel.config_keys import (_RESOLVERS, _TYPE_NAMES, _VALIDATORS, SCHEMA, Key, _coerce, declare, fraction,
                                  lives_elsewhere, nearest_key, non_negative, positive, resolver, validator)
 from fedcore.kernel.errors import ConfigError
 
-__all__ = ["Key", "Config", "declare", "lives_elsewhere", "validator", "resolver", "positive", "non_negative", "fraction", "load_config", "parse_override",
+__all__ = ["Key", "Config", "declare", "lives_elsewhere", "precheck", "validator", "resolver", "positive", "non_negative", "fraction", "load_config", "parse_override",
            "SCHEMA"]
 
 
@@ -204,10 +204,15 @@ def _read_yaml(path: Path, option: str = "--cfg") -> dict:
     return tree
 
 
+class _NamesPlugins(Exception):
+    """A config names plug-ins of its own: only the live schema can judge it."""
+
+
 def _compose(item, values: dict, sources: dict, chain: tuple[Path, ...] = (),
-             named_by: str = "--cfg") -> None:
+             named_by: str = "--cfg", plugins: bool = True) -> None:
     """Merge one config (a YAML file with its `defaults:` first, or a mapping) into `values`;
-    `named_by` says where a file was named (errors name it: --cfg, or the file listing it)."""
+    `named_by` says where a file was named (errors name it: --cfg, or the file listing it).
+    Without `plugins`, a config that names plug-ins raises _NamesPlugins instead."""
     if isinstance(item, dict):
         tree, label, here = dict(item), "arguments", None
     else:
@@ -227,7 +232,9 @@ def _compose(item, values: dict, sources: dict, chain: tuple[Path, ...] = (),
         if isinstance(base, str) and here is not None:
             base = here.parent / base   # relative to the file that names it
         _compose(base, values, sources, chain + ((here.resolve(),) if here is not None else ()),
-                 f"defaults of '{label}'")
+                 f"defaults of '{label}'", plugins)
+    if tree.get("plugins") and not plugins:
+        raise _NamesPlugins
     _import_plugins(tree.get("plugins") or [])
     flat: dict[str, Any] = {}
     _flatten(tree, "", flat)
@@ -253,6 +260,40 @@ def import_named_plugins(paths: Iterable[str | Path] = (), overrides: Iterable[s
     for key, value in map(parse_override, overrides):
         if key == "plugins":
             _import_plugins(value or [])
+
+
+def precheck(paths: Iterable[str | Path], overrides: Iterable[str] = ()) -> None:
+    """Refuse a misspelt key, or a word that is not one of a key's allowed words, from the
+    packaged key index, before the plug-ins (and torch) are imported: a one-character typo is
+    told in a second rather than after the imports. Configs that name plug-ins of their own
+    (which may declare keys) and whatever the index cannot judge are left to `load_config`."""
+    from fedcore.kernel.key_index import load
+    index = load()
+    if SCHEMA or not index:   # the live schema is loaded already, or there is no index
+        return
+    pairs = [parse_override(o) for o in overrides]
+    if any(k == "plugins" for k, _ in pairs):
+        return
+    types = {name: t for t, name in _TYPE_NAMES.items()}
+    for name, e in index.items():   # the index's keys, for _flatten and nearest_key
+        for value, where in (e.get("elsewhere") or {}).items():
+            lives_elsewhere(name, value, where)
+        SCHEMA[name] = Key(name, types[e["type"].split()[0].rstrip(",")], None, e["help"],
+                           tuple(e["allowed"]) if e["allowed"] is not None else None, True)
+    try:
+        values: dict[str, Any] = {}
+        for path in paths:
+            _compose(Path(path), values, {}, plugins=False)
+        for key, value in pairs:
+            _flatten({key: value}, "", values)
+        for name, value in values.items():
+            key = SCHEMA[name]
+            if key.type is str and isinstance(value, str) and key.allowed() is not None:
+                _coerce(key, value)
+    except _NamesPlugins:
+        return
+    finally:
+        SCHEMA.clear()
 
 
 def load_config(path: str | Path | dict | list | tuple | None = None, overrides: Iterable[str] = (),

@@ -50,6 +50,11 @@ def lives_elsewhere(name: str, value: str, where: str) -> None:
     _ELSEWHERE[(name, value)] = where
 
 
+def elsewhere(name: str) -> dict[str, str]:
+    """{value: where} of the values of key `name` that `lives_elsewhere` sends to another key."""
+    return {value: where for (key, value), where in sorted(_ELSEWHERE.items()) if key == name}
+
+
 def declare(name: str, type: type, default: Any, help: str, *, choices=None,
             nullable: bool | None = None, check=None, convert=None, words=()) -> Key:
     """Declare a config key. Re-declaring the same key replaces it (module reloads).

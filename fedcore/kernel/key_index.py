@@ -26,10 +26,15 @@ def entry(key) -> dict:
     from fedcore.kernel.config_keys import _TYPE_NAMES
     allowed = key.allowed()
     kinds = [_TYPE_NAMES[key.type], *(["null"] if key.nullable else []), *map(repr, key.words)]
-    return {"type": " or ".join(kinds) if len(kinds) < 3 else ", ".join(kinds[:-1]) + " or " + kinds[-1],
-            "default": repr(key.default),
-            "allowed": [str(a) for a in allowed] if allowed is not None else None,
-            "help": key.help}
+    from fedcore.kernel.config_keys import elsewhere
+    out = {"type": " or ".join(kinds) if len(kinds) < 3 else ", ".join(kinds[:-1]) + " or " + kinds[-1],
+           "default": repr(key.default),
+           "allowed": [str(a) for a in allowed] if allowed is not None else None,
+           "help": key.help}
+    moved = elsewhere(key.name)
+    if moved:   # values that name a feature set through another key, and that key
+        out["elsewhere"] = moved
+    return out
 
 
 def describe(name: str, e: dict) -> str:
