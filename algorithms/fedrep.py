@@ -127,4 +127,4 @@ class FedRepAggregator(UniformAggregator):
         self.set_shared(ExcludeEntries(self.shared, head_entries(model, cfg["algorithm.fedrep.head"])))
 
 
-FEDREP = algorithms.register("fedrep", Algorithm(FedRepTrainer, FedRepAggregator))
+FEDREP = algorithms.register("fedrep", Algorithm(FedRepTrainer, FedRepAggregator, personalized=True))

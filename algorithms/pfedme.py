@@ -117,4 +117,4 @@ class PFedMeAggregator(UniformAggregator):
         return metrics
 
 
-PFEDME = algorithms.register("pfedme", Algorithm(PFedMeTrainer, PFedMeAggregator))
+PFEDME = algorithms.register("pfedme", Algorithm(PFedMeTrainer, PFedMeAggregator, personalized=True))

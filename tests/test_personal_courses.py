@@ -69,3 +69,21 @@ def test_a_resumed_course_continues_with_the_personal_state(tmp_path, algorithm)
     assert [[r.get(k) for k in keys] for r in rows] == [[r.get(k) for k in keys] for r in again]
     for cid in full.client_ids:
         assert _same_tree(full.trainer.store.load(cid), resumed.trainer.store.load(cid))
+
+
+@pytest.mark.parametrize("overrides", [dict(algorithm__name="fedrep", **CASES["fedrep"]),
+                                       dict(algorithm__name="pfedme", **CASES["pfedme"]),
+                                       dict(personalization__method="ditto"),
+                                       dict(algorithm__name="fedavg")])
+def test_the_last_line_leads_with_the_personalized_accuracy(tmp_path, capsys, overrides):
+    """For a personalized course the global model's accuracy is not the method's: the last line
+    gives the mean over the clients' own models (the last record's client_test_acc_mean) first."""
+    course = Course(small_cfg(tmp_path / "out", **{**COMMON, **overrides})).build()
+    assert course.check_or_run(False) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    last = [json.loads(r) for r in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()][-1]
+    if overrides.get("algorithm__name") == "fedavg":
+        assert f"final test_acc {last['test_acc']:.4f};" in line and "personalized" not in line
+    else:
+        assert (f"final personalized test_acc {last['client_test_acc_mean']:.4f} (mean of the clients' own "
+                f"models), global model's test_acc {last['test_acc']:.4f};") in line

@@ -58,6 +58,9 @@ class Algorithm:
     trainer: type
     aggregator: type
     update_layout: UpdateLayout | None = None   # None: the global model's shared entries ('model')
+    # clients are evaluated with models of their own, so the global model's accuracy is not
+    # the method's: the course's last line leads with the clients' (personalized) accuracy
+    personalized: bool = False
 
 
 @dataclass

@@ -329,12 +329,23 @@ class Course:
                   f"nodes, {result.graph.number_of_edges()} edges){where}")
             return 0
         summary = self.run()
-        acc = summary.get("final_test_acc")
-        acc_s = f", final test_acc {acc:.4f}" if acc is not None else ""
+        acc_s = self._final_accuracy(summary)
         virtual = "" if self.wall_clock else f"{summary['virtual_time']:.1f}s virtual, "
         print(f"finished {summary['rounds']} round{'' if summary['rounds'] == 1 else 's'} in {virtual}{summary['wall_time']:.1f}s wall{acc_s}; "
               f"outputs in {self.outdir}")
         return 0
+
+    def _final_accuracy(self, summary: dict) -> str:
+        """The last line's accuracy: the global model's, or for a personalized course (FedRep,
+        pFedMe, Ditto, fine-tuning, FedBN) the mean over the clients' own models first."""
+        acc = summary.get("final_test_acc")
+        personalized = self.algorithm.personalized or "personalization" in summary
+        if not personalized:
+            return f", final test_acc {acc:.4f}" if acc is not None else ""
+        mean = (summary.get("final") or {}).get("client_test_acc_mean")
+        own = (f", final personalized test_acc {mean:.4f} (mean of the clients' own models)" if mean is not None
+               else ", no personalized test_acc (set eval.clients=true)")
+        return own + (f", global model's test_acc {acc:.4f}" if acc is not None else "")
 
     @property
     def wall_clock(self) -> bool:
