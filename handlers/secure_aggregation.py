@@ -26,9 +26,10 @@ deployment lost the missing clients, or they refused the round):
    checks the sum is in range and aggregates it.
 
 A deployed server times each stage on its own (handlers/deployment.py, `time_stages`): a
-client silent past its stage's derived deadline is dropped from the round, recovered as a
-dropout, and sampled again in the next round. A client that cheats is excluded by name
-(handlers/secagg_blame.py); one that sees a lying server refuses the round (`secagg_abort`). Fewer survivors than needed at any
+client silent past its stage's derived deadline is dropped from the round, which completes
+with the others as if it had died; silent after the keys stage, it is sampled again in the
+next round. A client that cheats is excluded by name (handlers/secagg_blame.py); one that
+sees a lying server refuses the round (`secagg_abort`). Fewer survivors than needed at any
 stage: the round is skipped (one warning, the model unchanged, `secagg_skipped: 1` in its
 record) and the next round starts. Client stages are in handlers/secagg_client.py.
 """

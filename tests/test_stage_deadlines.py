@@ -1,12 +1,15 @@
 """The deployed server's derived deadline per stage of a round (handlers/deployment.py,
 `time_stages`), as secure aggregation's five stages use it, on the virtual clock."""
+import pytest
+
 from fedcore.handlers import deployment
 from fedcore.kernel.message import SERVER_ID
 from tests.test_deploy_handlers import _Msg, _kept_until, _timed_server
 
 # secure aggregation's stages: request -> reply (handlers/secure_aggregation.py)
 STAGES = [("models", "secagg_public_keys"), ("secagg_neighbour_keys", "secagg_encrypted_shares"),
-          ("secagg_routed_shares", "secagg_masked_input"), ("secagg_consistency_check", "secagg_survivor_signature"),
+          ("secagg_routed_shares", "secagg_masked_input"),
+          ("secagg_consistency_check", "secagg_survivor_signature"),
           ("secagg_unmask_request", "secagg_unmask_shares")]
 
 
@@ -84,7 +87,13 @@ def test_a_stage_nobody_answered_yet_waits_for_the_ceiling_and_a_fixed_deadline_
 
 
 def test_a_round_must_begin_with_the_models_stage():
-    import pytest
     _course, server = _timed_server()
     with pytest.raises(ValueError, match="first stage"):
         deployment.time_stages(server, STAGES[1:])
+
+
+def test_secure_aggregation_times_these_stages():
+    from tests.conftest import need_extra
+    need_extra("secagg")
+    from fedcore.handlers import secure_aggregation as secagg
+    assert [(secagg.REQUESTS[stage], reply) for stage, reply, _ in secagg.STAGES] == STAGES
