@@ -237,6 +237,7 @@ class DeployWatch:
     benched: set[int] = field(default_factory=set)   # missed a deadline, not sampled until heard from
     new_sessions: set[int] = field(default_factory=set)   # a new process each, whose join is to come
     model_bytes: int | None = None                   # the global model's size, measured once
+    stage_bytes: int = 0                             # a stage's largest message, if above the model's
 
 
 def _times(server, stage: str | None = None) -> ReplyTimes:
@@ -245,15 +246,18 @@ def _times(server, stage: str | None = None) -> ReplyTimes:
     return watch.stages[stage or watch.asked]
 
 
-def time_stages(server, stages: list[tuple[str, str]]) -> None:
+def time_stages(server, stages: list[tuple[str, str]], nbytes: int = 0) -> None:
     """A round made of the exchanges `stages` ((request type, reply type), in order, the first
-    `models`), each timed on its own replies and given its own derived deadline."""
+    `models`), each timed on its own replies and given its own derived deadline; `nbytes`: the
+    most one of their messages carries, where that is more than the model (a slow link's
+    allowance is sized on it)."""
     if not stages or stages[0][0] != TRAINING:
         raise ValueError(f"a round's first stage is its {TRAINING!r}, not {stages[:1]}")
     watch = server.state(DeployWatch)
     watch.stages = {request: ReplyTimes() for request, _ in stages}
     watch.replies = {reply: request for request, reply in stages}
     watch.asked = TRAINING
+    watch.stage_bytes = nbytes
 
 
 def benched(server) -> set[int]:
@@ -314,15 +318,16 @@ def _deadline(server, cid: int | None, stage: str | None = None) -> float:
     its request sent. Derived, it is measured on the other clients' latest reply times to that
     stage (their QUANTILE, so neither this client's own lateness nor a minority of slow ones can
     lengthen it), bounded by distribute.max_round_deadline whatever they do; and it leaves room
-    for two model-sized transfers (the model down and its update up) on the slowest link served
-    (distribute.min_bytes_per_second), so a slow link is not mistaken for a hung client."""
+    for two model-sized transfers (the model down and its update up; a stage's largest message,
+    where larger) on the slowest link served (distribute.min_bytes_per_second), so a slow link
+    is not mistaken for a hung client."""
     cfg = server.course.cfg
     if cfg["distribute.round_deadline"] is not None:
         return cfg["distribute.round_deadline"]
     watch = server.state(DeployWatch)
     if watch.model_bytes is None:
         watch.model_bytes = sum(t.numel() * t.element_size() for t in server.aggregator.global_state.values())
-    transfer = 2 * watch.model_bytes / cfg["distribute.min_bytes_per_second"]
+    transfer = 2 * max(watch.model_bytes, watch.stage_bytes) / cfg["distribute.min_bytes_per_second"]
     times, ceiling = _times(server, stage), cfg["distribute.max_round_deadline"]
     took = times.lowest() if cid is None else times.of_others(cid)   # None: the least of anyone's
     if took is None:

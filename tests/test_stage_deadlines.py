@@ -86,6 +86,17 @@ def test_a_stage_nobody_answered_yet_waits_for_the_ceiling_and_a_fixed_deadline_
     assert deployment.benched(server) == set()
 
 
+def test_a_stage_message_larger_than_the_model_widens_the_slow_link_allowance():
+    # a float32 model of 250 entries (1000 bytes) is masked as 251 int64s: 2008 bytes each way
+    # at 10,000 B/s is 0.4016 s where the model's 1000 bytes would give 0.2 s
+    course, server = _timed_server()
+    deployment.time_stages(server, STAGES, nbytes=8 * 251)
+    _stage(server, *STAGES[0], 0.0, {1: 1.0, 2: 1.0, 3: 1.0})
+    server.now = 2.0
+    _stage(server, *STAGES[2], 2.0, {1: 0.1, 2: 0.1}, waiting=(3,))
+    _kept_until(server, 2.0, 10.4016)   # max(10, 5 x 0.1) + 0.4016
+
+
 def test_a_round_must_begin_with_the_models_stage():
     _course, server = _timed_server()
     with pytest.raises(ValueError, match="first stage"):
