@@ -157,7 +157,7 @@ def round_check(server, _event=None) -> None:
             why = f"no reply within the derived round deadline of {span} (distribute.deadline_factor)"
         else:
             why = f"no reply{_to(stage)} within the derived deadline of {span} (distribute.deadline_factor)"
-        if stage == TRAINING:   # a later stage's silent client answered this round: sampled again
+        if stage == TRAINING:   # it may hang in training (silent at a later stage, it answered this round)
             benched(server).update(late)   # not sampled again until it shows life (`note_traffic`)
         _drop(server, late, why)
     if not late and not first_look and not server.selected and not server.buffer \
