@@ -17,7 +17,8 @@ from tests.deploy_helpers import assert_same_final_model, launch_course, write_c
 
 pytestmark = pytest.mark.slow
 
-SILENCE = 4.0      # distribute.heartbeat_timeout: the floor of every derived deadline
+SILENCE = 10.0     # distribute.heartbeat_timeout (the default): the floor of every derived deadline,
+                   # and long enough that no live process on a loaded machine is taken for dead
 CEILING = 600.0    # distribute.max_round_deadline (the default): what a stage waited for before
 COURSE = {"secure_aggregation.enabled": True, "eval.clients": False, "model.dtype": "float64",
           "plugins": ["tests.secagg_adversary_plugin"], "federate.client_num": 4,
