@@ -42,7 +42,8 @@ declare("secure_aggregation.modulus", int, MERSENNE_61, "p: the prime field of m
         check=lambda v: None if 2 < v < 2 ** 62 else "must be a prime below 2^62")
 declare("secure_aggregation.stage_timeout", float, None, "seconds the server waits for a stage's "
         "replies before going on without the silent clients (default: in simulation with device "
-        "dropouts, twice the slowest modelled round trip; otherwise wait, or distribute.round_deadline)",
+        "dropouts, twice the slowest modelled round trip; otherwise none: a deployed server drops a "
+        "client silent past its stage's derived deadline, see distribute.deadline_factor)",
         check=positive)
 declare("secure_aggregation.roster", str, None, "deployment: JSON file {client id: Ed25519 public key "
         "hex} the operator gives every process out of band; the keys clients sign with (fedcore.launch "

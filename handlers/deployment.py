@@ -23,6 +23,15 @@ cannot move the median, and the ceiling bounds what any number can do. A client
 dropped for its deadline is not sampled again until it sends an update (a late
 one) or joins again, so a client whose trainer hangs while its heartbeats flow
 delays the course once, by at most its deadline.
+
+A round of several exchanges (secure aggregation's five stages, `time_stages`) is
+timed per stage: each stage's request starts its clients' clocks, and t is the
+lower median of the other clients' latest reply times *to that stage*, so a stage
+that takes milliseconds is not given the time training takes. A client dropped at
+the stage that carries the model (`models`: it may be hung in training) is benched
+as above; one dropped at a later stage answered the model's stage in this round,
+so it is sampled again in the next: withholding a later answer costs each round it
+is sampled in at most that stage's deadline.
 """
 from __future__ import annotations
 
@@ -40,11 +49,12 @@ from fedcore.kernel.registry import behaviours, components
 from fedcore.kernel.server_state import worker_state
 
 __all__ = ["arm", "join_timeout", "client_lost", "round_check", "note_traffic", "ReplyTimes",
-           "DeployWatch", "benched", "install"]
+           "DeployWatch", "benched", "time_stages", "install"]
 
 log = logging.getLogger("fedcore.deploy")
 
 QUANTILE = 0.5   # of the other clients' reply times: the lower median, which a minority cannot move
+TRAINING = "models"   # the request whose reply follows local training: the stage a hung trainer misses
 
 
 def _quiet(server) -> QuietLog:
@@ -140,11 +150,15 @@ def round_check(server, _event=None) -> None:
     if late:   # dropped together: dropping completes the round, and the next has other clients
         lo, hi = min(_deadline(server, c) for c in late), max(_deadline(server, c) for c in late)
         span = f"{lo:.3g}s" if lo == hi else f"{lo:.3g}-{hi:.3g}s"
+        stage = watch.asked
         if server.course.cfg["distribute.round_deadline"] is not None:
-            why = f"no reply within distribute.round_deadline={lo:g}s"
-        else:
+            why = f"no reply{_to(stage)} within distribute.round_deadline={lo:g}s"
+        elif stage == TRAINING:
             why = f"no reply within the derived round deadline of {span} (distribute.deadline_factor)"
-        benched(server).update(late)   # not sampled again until it shows life (`note_traffic`)
+        else:
+            why = f"no reply{_to(stage)} within the derived deadline of {span} (distribute.deadline_factor)"
+        if stage == TRAINING:   # it may hang in training (silent at a later stage, it answered this round)
+            benched(server).update(late)   # not sampled again until it shows life (`note_traffic`)
         _drop(server, late, why)
     if not late and not first_look and not server.selected and not server.buffer \
             and server.course.client_ids:
@@ -153,20 +167,25 @@ def round_check(server, _event=None) -> None:
         server.trigger("all_joined_in")
 
 
+def _to(stage: str) -> str:
+    return "" if stage == TRAINING else f" to {stage}"
+
+
 class ReplyTimes:
-    """How long each client's latest reply took, from its model sent to its update received:
-    what the derived deadline is measured on. One value per client, so no client weighs more
-    than one vote, and a client's own value is left out of its own deadline."""
+    """How long each client's latest reply to one stage took, from its request (the model, for
+    a plain round) sent to its reply received: what the derived deadline is measured on. One
+    value per client, so no client weighs more than one vote, and a client's own value is left
+    out of its own deadline."""
 
     __slots__ = ("sent", "took", "first", "_sorted")
 
     def __init__(self) -> None:
-        self.sent: dict[int, tuple[int, float]] = {}   # client -> (round, when its model was sent)
+        self.sent: dict[int, tuple[int, float]] = {}   # client -> (round, when its request was sent)
         self.took: dict[int, float] = {}
-        self.first = (None, 0.0)                       # (round, its first model sent)
+        self.first = (None, 0.0)                       # (round, its first request sent)
         self._sorted: list[float] | None = []
 
-    def model_sent(self, cid: int, round_: int, now: float) -> None:
+    def asked(self, cid: int, round_: int, now: float) -> None:
         self.sent[cid] = (round_, now)
         if self.first[0] != round_:
             self.first = (round_, now)
@@ -178,7 +197,7 @@ class ReplyTimes:
             self._sorted = None
 
     def since(self, cid: int, round_: int) -> float | None:
-        """When `cid` was sent round `round_`'s model (None: not known)."""
+        """When `cid` was sent round `round_`'s request (None: not known)."""
         sent = self.sent.get(cid)
         return sent[1] if sent is not None and sent[0] == round_ else None
 
@@ -212,14 +231,33 @@ class DeployWatch:
     transient = True
     quiet: QuietLog = field(default_factory=lambda: QuietLog(log))
     seen_round: tuple[Any, float] = (None, 0.0)      # the round round_check last saw, since when
-    reply_times: ReplyTimes = field(default_factory=lambda: ReplyTimes())
+    stages: dict[str, ReplyTimes] = field(default_factory=lambda: {TRAINING: ReplyTimes()})  # request -> times
+    replies: dict[str, str] = field(default_factory=lambda: {"updates": TRAINING})   # reply type -> request
+    asked: str = TRAINING                            # the request last sent: the stage the round waits on
     benched: set[int] = field(default_factory=set)   # missed a deadline, not sampled until heard from
     new_sessions: set[int] = field(default_factory=set)   # a new process each, whose join is to come
     model_bytes: int | None = None                   # the global model's size, measured once
+    stage_bytes: int = 0                             # a stage's largest message, if above the model's
 
 
-def _times(server) -> ReplyTimes:
-    return server.state(DeployWatch).reply_times
+def _times(server, stage: str | None = None) -> ReplyTimes:
+    """The reply times of `stage` (a request type; None: the stage the round waits on)."""
+    watch = server.state(DeployWatch)
+    return watch.stages[stage or watch.asked]
+
+
+def time_stages(server, stages: list[tuple[str, str]], nbytes: int = 0) -> None:
+    """A round made of the exchanges `stages` ((request type, reply type), in order, the first
+    `models`), each timed on its own replies and given its own derived deadline; `nbytes`: the
+    most one of their messages carries, where that is more than the model (a slow link's
+    allowance is sized on it)."""
+    if not stages or stages[0][0] != TRAINING:
+        raise ValueError(f"a round's first stage is its {TRAINING!r}, not {stages[:1]}")
+    watch = server.state(DeployWatch)
+    watch.stages = {request: ReplyTimes() for request, _ in stages}
+    watch.replies = {reply: request for request, reply in stages}
+    watch.asked = TRAINING
+    watch.stage_bytes = nbytes
 
 
 def benched(server) -> set[int]:
@@ -237,21 +275,27 @@ def new_session(server, client_id: int) -> None:
 
 
 def note_traffic(server, msg, receiver: int, now: float) -> None:
-    """Every message the deployed server sends or receives: models sent and updates received
-    time the clients' replies; an update, or the first join of a new process, from a benched
-    client brings it back."""
-    if msg.msg_type == "models" and receiver != SERVER_ID:
-        _times(server).model_sent(receiver, msg.round, now)
-    elif receiver == SERVER_ID and msg.msg_type in ("updates", "join_in"):
-        watch = server.state(DeployWatch)
-        if msg.msg_type == "updates":
-            _times(server).replied(msg.sender, msg.round, now)
-        else:
-            check_state_round(server, msg)
-            if msg.sender not in watch.new_sessions:
-                return
-            watch.new_sessions.discard(msg.sender)
-        watch.benched.discard(msg.sender)
+    """Every message the deployed server sends or receives: a stage's requests sent (models,
+    for a plain round) and replies received (updates) time the clients' replies; a reply, or
+    the first join of a new process, from a benched client brings it back."""
+    watch = server.state(DeployWatch)
+    if receiver != SERVER_ID:
+        times = watch.stages.get(msg.msg_type)
+        if times is not None:
+            times.asked(receiver, msg.round, now)
+            watch.asked = msg.msg_type
+        return
+    request = watch.replies.get(msg.msg_type)
+    if request is not None:
+        watch.stages[request].replied(msg.sender, msg.round, now)
+    elif msg.msg_type == "join_in":
+        check_state_round(server, msg)
+        if msg.sender not in watch.new_sessions:
+            return
+        watch.new_sessions.discard(msg.sender)
+    else:
+        return
+    watch.benched.discard(msg.sender)
 
 
 def _overdue(server, since: float) -> list[int]:
@@ -269,21 +313,22 @@ def _overdue(server, since: float) -> list[int]:
     return sorted(overdue)
 
 
-def _deadline(server, cid: int | None) -> float:
-    """Client `cid`'s deadline in this round, in seconds from its model sent. Derived, it is
-    measured on the other clients' latest reply times (their QUANTILE, so neither this client's
-    own lateness nor a minority of slow ones can lengthen it), bounded by
-    distribute.max_round_deadline whatever they do; and it leaves room for the model to go down
-    and its update to come up on the slowest link served (distribute.min_bytes_per_second), so a
-    slow link is not mistaken for a hung client."""
+def _deadline(server, cid: int | None, stage: str | None = None) -> float:
+    """Client `cid`'s deadline at `stage` (None: the stage the round waits on), in seconds from
+    its request sent. Derived, it is measured on the other clients' latest reply times to that
+    stage (their QUANTILE, so neither this client's own lateness nor a minority of slow ones can
+    lengthen it), bounded by distribute.max_round_deadline whatever they do; and it leaves room
+    for two model-sized transfers (the model down and its update up; a stage's largest message,
+    where larger) on the slowest link served (distribute.min_bytes_per_second), so a slow link
+    is not mistaken for a hung client."""
     cfg = server.course.cfg
     if cfg["distribute.round_deadline"] is not None:
         return cfg["distribute.round_deadline"]
     watch = server.state(DeployWatch)
     if watch.model_bytes is None:
         watch.model_bytes = sum(t.numel() * t.element_size() for t in server.aggregator.global_state.values())
-    transfer = 2 * watch.model_bytes / cfg["distribute.min_bytes_per_second"]
-    times, ceiling = _times(server), cfg["distribute.max_round_deadline"]
+    transfer = 2 * max(watch.model_bytes, watch.stage_bytes) / cfg["distribute.min_bytes_per_second"]
+    times, ceiling = _times(server, stage), cfg["distribute.max_round_deadline"]
     took = times.lowest() if cid is None else times.of_others(cid)   # None: the least of anyone's
     if took is None:
         return ceiling + transfer
@@ -292,8 +337,9 @@ def _deadline(server, cid: int | None) -> float:
 
 def least_deadline(server) -> float:
     """The least deadline any client has now: how long a round's record waits for the
-    evaluations it asked for before it is written without the missing ones."""
-    return _deadline(server, None)
+    evaluations it asked for before it is written without the missing ones (measured on the
+    stage that trains)."""
+    return _deadline(server, None, TRAINING)
 
 
 @behaviours.register("deployment")

@@ -25,8 +25,11 @@ deployment lost the missing clients, or they refused the round):
    -> `secagg_shares_revealed`: the server removes the masks (algorithms/secure_sum.py),
    checks the sum is in range and aggregates it.
 
-A client that cheats is excluded by name (handlers/secagg_blame.py); one that sees a
-lying server refuses the round (`secagg_abort`). Fewer survivors than needed at any
+A deployed server times each stage on its own (handlers/deployment.py, `time_stages`): a
+client silent past its stage's derived deadline is dropped from the round, which completes
+with the others as if it had died; silent after the keys stage, it is sampled again in the
+next round. A client that cheats is excluded by name (handlers/secagg_blame.py); one that
+sees a lying server refuses the round (`secagg_abort`). Fewer survivors than needed at any
 stage: the round is skipped (one warning, the model unchanged, `secagg_skipped: 1` in its
 record) and the next round starts. Client stages are in handlers/secagg_client.py.
 """
@@ -58,6 +61,9 @@ STAGES = (("keys", "secagg_public_keys", "secagg_keys_collected"),
           ("signatures", "secagg_survivor_signature", "secagg_signatures_collected"),
           ("unmask", "secagg_unmask_shares", "secagg_shares_revealed"))
 _EVENT = {stage: event for stage, _, event in STAGES}
+# the message type that asks the clients for each stage's reply
+REQUESTS = {"keys": "models", "shares": "secagg_neighbour_keys", "inputs": "secagg_routed_shares",
+            "signatures": "secagg_consistency_check", "unmask": "secagg_unmask_request"}
 
 
 _serials = itertools.count(1)
@@ -444,6 +450,11 @@ def install(course) -> None:
     server = getattr(course, "server", None)
     if server is not None:
         server.state(SecaggServer).timeout = _auto_timeout(course)
+        if course.wall_clock:   # a deployed server: each stage has its own derived deadline
+            from fedcore.handlers.deployment import time_stages
+            model = server.aggregator.global_state   # a masked input: an int64 per entry, and the weight
+            masked = 8 * (sum(model[n].numel() for n in Settings.names(model)) + 1)
+            time_stages(server, [(REQUESTS[stage], reply) for stage, reply, _ in STAGES], masked)
         _say_if_no_loss_is_tolerated(course)
         if not course.wall_clock and course.timing.has_dropouts:
             course.comm.filters.append(_withhold_after_sharing(course.timing))

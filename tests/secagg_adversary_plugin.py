@@ -21,11 +21,13 @@ good share as bad, every round), `one_bad_share` (one
 holder's share off by one, properly encrypted and signed), `false_weight` (declares 10^6),
 `replay` (resends its round-1 masked input), `replay_keys` (advertises its round-1 public
 keys again, signed for the new round), `withhold` (never answers the unmask request),
+`withhold_input` (never sends its masked input, after sharing),
 `out_of_range` (+1000 on the first coordinate of its delta, past the clip, in round 1),
 `out_of_range_weight` (a weight 10^6 above the one it declared, inside its masked input, round 1),
 `garbage_input` (a masked input of random field elements, every round), `false_reveal` (every
 seed share it reveals off by one), `other_key_then_drop` (shares a mask key other than the one
-it advertised, then vanishes before sending its masked input).
+it advertised, then vanishes before sending its masked input). A client adversary misbehaves in
+every round, or only in those `secagg_test.bad_rounds` lists (honest in the others).
 """
 from __future__ import annotations
 
@@ -42,11 +44,12 @@ from fedcore.kernel.shamir import random_secret
 
 SERVERS = ("pairs_server", "split_server", "padded_server", "overlap_server", "withholding_server")
 CLIENTS = ("garbage_shares", "omit_share", "false_report", "one_bad_share", "false_weight", "replay", "replay_keys", "withhold",
-           "out_of_range", "out_of_range_weight", "garbage_input", "false_reveal",
+           "withhold_input", "out_of_range", "out_of_range_weight", "garbage_input", "false_reveal",
            "other_key_then_drop")
 declare("secagg_test.adversary", str, "none", "tests: the secure-aggregation adversary",
         choices=("none",) + SERVERS + CLIENTS)
 declare("secagg_test.bad_client", int, 0, "tests: the misbehaving client")
+declare("secagg_test.bad_rounds", list, None, "tests: the rounds it misbehaves in (default: every round)")
 
 
 def _sign(client, statement):
@@ -172,6 +175,8 @@ def _client_stage(kind):
         return "receiving_secagg_unmask_request", _rewriting("secagg_unmask_shares", off_by_one)
     if kind == "withhold":
         return "receiving_secagg_unmask_request", lambda orig, client, msg: None
+    if kind == "withhold_input":
+        return "receiving_secagg_routed_shares", lambda orig, client, msg: None
     if kind in ("out_of_range", "out_of_range_weight"):
         def bad(orig, client, msg):
             st, s = client.secagg, secagg_client._settings(client)
@@ -282,12 +287,12 @@ def install(course) -> None:
                           ("secagg_signatures_collected", _lying_unmask)):
             t.register(event, fn, sends=t.get(event).sends)
         return
-    bad_id = course.cfg["secagg_test.bad_client"]
+    bad_id, rounds = course.cfg["secagg_test.bad_client"], course.cfg["secagg_test.bad_rounds"]
     event, bad = _client_stage(kind)
     reg = course.client_table.get(event)
 
     def stage(client, msg):
-        if client.id == bad_id:
+        if client.id == bad_id and (rounds is None or msg.round in rounds):
             return bad(reg.fn, client, msg)
         return reg.fn(client, msg)
     course.client_table.register(event, stage, sends=reg.sends)

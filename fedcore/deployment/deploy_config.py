@@ -108,13 +108,14 @@ declare("distribute.heartbeat_interval", float, 2.0, "seconds between heartbeats
 declare("distribute.heartbeat_timeout", float, 10.0, "seconds without any frame after which a peer "
         "counts as dead", check=positive)
 declare("distribute.round_deadline", float, None, "server, sync course: seconds after a round starts "
-        "after which clients that have not replied are dropped from it (default: derived, see "
-        "distribute.deadline_factor)", check=positive)
+        "(a secure course: after each stage's request) after which clients that have not replied are "
+        "dropped from it (default: derived, see distribute.deadline_factor)", check=positive)
 declare("distribute.deadline_factor", float, 5.0, "server, sync course without round_deadline: a "
         "client still not replying after this many times the other clients' median reply time (at "
         "least distribute.heartbeat_timeout, at most distribute.max_round_deadline) is dropped from "
-        "the round and not sampled again until it replies", check=lambda v: None if v >= 1 else
-        "must be at least 1")
+        "the round and not sampled again until it replies (a secure course: timed per stage, on the "
+        "replies to that stage; one silent after the model's stage is sampled again)",
+        check=lambda v: None if v >= 1 else "must be at least 1")
 declare("distribute.max_round_deadline", float, 600.0, "server, sync course without round_deadline: "
         "ceiling in seconds on the derived deadline (plus the model's transfer time at "
         "distribute.min_bytes_per_second), whatever the clients' reply times; also the deadline "
