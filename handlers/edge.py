@@ -70,13 +70,14 @@ class Edge(Worker):
         self.cloud_round = self.edge_round = 0
 
     def weight(self) -> int:
-        """|D^l|: the samples its clients declared, each capped at what one client counts for."""
-        return sum(min(max(n, 0), self.client_cap) for n in self.state(admission.AdmissionState).declared.values()
-                   if isinstance(n, int))
+        """|D^l|: what its clients declared, each counted up to `client_cap`, so that no client can
+        raise its edge past the cloud's bound (the cloud would refuse the edge's declaration)."""
+        declared = self.state(admission.AdmissionState).declared.values()
+        return sum(min(max(n, 0), self.client_cap) for n in declared if isinstance(n, int))
 
     def update_weight(self) -> int:
         """What this cloud round's edge model counts for: |D^l|, or 0 when no client's update was
-        admitted (the model is the cloud's own back, and averaging it in would only hold the others back)."""
+        admitted (its model is then the cloud's own, which would only hold the others back)."""
         return self.weight() if self.contributed else 0
 
 
@@ -154,8 +155,8 @@ def admit_edge(server, msg) -> None:
     if not (type(n) is int and 0 <= n <= bound):
         admission.note(server, "edge declaration above its clients' bound",
                        f"cloud: refused edge {msg.sender}'s declaration of {n} samples at its join: its "
-                       f"{len(topology.edges[msg.sender])} clients may hold {bound} together; it counts "
-                       "for 0 samples")
+                       f"clients {topology.edges[msg.sender]} may hold {bound} together; it counts for 0 "
+                       "samples")
         server.joined.add(msg.sender)
         server.state(admission.AdmissionState).declared.setdefault(msg.sender, 0)
     else:
