@@ -7,8 +7,6 @@ edge's clients' updates are refused.
 The expected models are computed here from the update rule on a float64 linear regression,
 as tests/test_hierarchy.py does: w <- w - lr 2/n sum (w x + b - y) x, b <- b - lr 2/n sum (w x + b - y).
 """
-import json
-
 import pytest
 import torch
 
@@ -40,7 +38,8 @@ def _final(path):
 
 
 def _hostile_course(tmp_path, declared, claimed, **over):
-    course, start = _line_course(tmp_path, POINTS6, federate__total_round_num=ROUNDS, topology__edges=3, **over)
+    course, start = _line_course(tmp_path, POINTS6, federate__total_round_num=ROUNDS, topology__edges=3,
+                                 **over)
     course.edges[9].handlers = hostile_table(declared, claimed, _shifted)
     return course, start
 
@@ -102,10 +101,13 @@ def test_an_edge_within_its_bound_is_screened_as_a_client_is(tmp_path, rule, ove
     assert _final(tmp_path) == pytest.approx((w, b), abs=1e-12)
 
 
-def test_an_edge_whose_clients_updates_are_all_refused_contributes_nothing(tmp_path, monkeypatch):
-    """Clients 5 and 6 claim 10x the samples they declared: edge 9 refuses both every round, so
-    it admitted no client's work; it sends num_samples 0 and the cloud leaves its model (its
-    cloud model back) out: the course is edges 7 and 8's alone, not pulled back by edge 9."""
+@pytest.mark.parametrize("how", ["gone", "refused"])
+def test_an_edge_with_no_contributing_client_counts_for_nothing(tmp_path, monkeypatch, how):
+    """Edge 9's clients 5 and 6 are gone once they have joined (no longer among the course's
+    live clients when a cloud round starts, as a deployed edge's lost clients), or claim 10x
+    the samples they declared and are refused at edge 9 every round. Either way edge 9 admits
+    no client's work; it sends num_samples 0 and the cloud leaves its model (the cloud's own,
+    back) out: the course is edges 7 and 8's alone, not held back by edge 9."""
     from fedcore.kernel import contract
     fit = contract.Trainer.fit
 
@@ -114,10 +116,20 @@ def test_an_edge_whose_clients_updates_are_all_refused_contributes_nothing(tmp_p
         if client_id in (5, 6):
             result.content["num_samples"] *= 10
         return result
-    monkeypatch.setattr(contract.Trainer, "fit", inflating)
     course, (w, b) = _line_course(tmp_path, POINTS6, federate__total_round_num=ROUNDS, topology__edges=3)
+    if how == "gone":
+        from fedcore.handlers.edge import start_edge_rounds
+
+        def after_5_and_6_left(edge, msg):
+            course.client_ids = [1, 2, 3, 4]
+            start_edge_rounds(edge, msg)
+        course.edges[9].handlers.register("receiving_models", after_5_and_6_left,
+                                          sends=("models", "all_received"))
+    else:
+        monkeypatch.setattr(contract.Trainer, "fit", inflating)
     summary = course.run()
-    assert summary["admission"] == {"num_samples above the declared count": 2 * ROUNDS}
+    refused = {"num_samples above the declared count": 2 * ROUNDS} if how == "refused" else None
+    assert summary.get("admission") == refused
     for _ in range(ROUNDS):
         w, b = _honest_round(w, b)
     assert _final(tmp_path) == pytest.approx((w, b), abs=1e-12)
@@ -131,8 +143,8 @@ def test_a_client_declaring_1e9_raises_its_edge_only_to_the_bound(tmp_path):
     course, (w, b) = _line_course(tmp_path, POINTS, federate__total_round_num=1, topology__edges=2)
 
     def declare_1e9(client, _event):
-        client.send("join_in", client.parent, {"client_id": client.id,
-                                               "num_samples": DECLARED if client.id == 1 else len(client.data.train)})
+        n = DECLARED if client.id == 1 else len(client.data.train)
+        client.send("join_in", client.parent, {"client_id": client.id, "num_samples": n})
     course.client_table.register("start", declare_1e9, sends=("join_in",))
     summary = course.run()
     assert "admission" not in summary
@@ -171,8 +183,10 @@ def test_the_hostile_edge_does_not_move_accuracy(tmp_path):
     data = course.data
     course.edges[9].handlers = hostile_table(DECLARED, DECLARED, bias_poison)
     course.run()
-    Course(small_cfg(tmp_path / "honest", federate__client_num=4, **common)).build(data=_without(data, {5, 6})).run()
-    attacked, honest = (torch.load(tmp_path / n / "final_model.pt", weights_only=True) for n in ("attacked", "honest"))
+    honest_cfg = small_cfg(tmp_path / "honest", federate__client_num=4, **common)
+    Course(honest_cfg).build(data=_without(data, {5, 6})).run()
+    attacked, honest = (torch.load(tmp_path / n / "final_model.pt", weights_only=True)
+                        for n in ("attacked", "honest"))
     assert all(torch.allclose(attacked[k], honest[k], atol=1e-5, rtol=0) for k in honest)
     accuracy = [[r["test_acc"] for r in _records(tmp_path / n)] for n in ("attacked", "honest")]
     assert accuracy[0] == accuracy[1]
