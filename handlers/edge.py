@@ -8,6 +8,12 @@ result upward weighted by all of its clients' samples, as the paper's |D^l|. The
 cloud is the course's server: it waits for every edge, aggregates with the same
 aggregator, evaluates and records the round, then starts the next one. Clients are
 unchanged: they report to their `parent`, their edge.
+
+Edges hold tokens, not the course: the cloud bounds what each edge may declare by what
+the topology assigns it (`topology.edge_bounds`), refuses a larger declaration at the
+join (the edge then counts for nothing), screens edge models with the admission layer
+and `aggregator.robust_rule` as a star's server screens clients, and leaves out an edge
+none of whose clients' updates it admitted in the cloud round.
 """
 from __future__ import annotations
 
@@ -22,7 +28,7 @@ from fedcore.algorithms.fedavg import FedAvgAggregator
 from fedcore.kernel.errors import ConfigError
 from fedcore.handlers import edge_async, evaluation, join, rounds, sync, training
 from fedcore.kernel.schema import clients_per_round
-from fedcore.runtime.topology import TIERS, TierLinks, assign, check
+from fedcore.runtime.topology import TIERS, TierLinks, assign, check, client_cap, edge_bounds
 from fedcore.kernel.worker import HandlerTable, Worker
 
 __all__ = ["Edge", "HIERARCHICAL_ALGORITHMS", "install", "install_edge"]
@@ -36,10 +42,15 @@ class Edge(Worker):
 
     role = "edge"
 
-    def __init__(self, edge_id: int, index: int, children: list[int], table: HandlerTable, course, model):
+    def __init__(self, edge_id: int, index: int, children: list[int], table: HandlerTable, course, model,
+                 sizes: dict[int, int]):
         super().__init__(edge_id, table, course)
         cfg = course.cfg
         self.children = children
+        # what one client counts for here (admission.sample_cap), so that the edge never declares
+        # more than the cloud's bound for it, whatever one of its clients declared
+        self.client_cap = client_cap(cfg, children, sizes)
+        self.contributed = False   # a client's update was admitted in this cloud round
         self.aggregator = course.algorithm.aggregator(model, cfg, len(children))
         rule = robust.edge_rule(cfg)   # topology.edge_robust_rule; the cloud's is aggregator.robust_rule
         if rule is not None:
@@ -58,6 +69,17 @@ class Edge(Worker):
         self.in_cloud_round = False   # between the cloud's model and the edge's reply to it
         self.cloud_round = self.edge_round = 0
 
+    def weight(self) -> int:
+        """|D^l|: what its clients declared, each counted up to `client_cap`, so that no client can
+        raise its edge past the cloud's bound (the cloud would refuse the edge's declaration)."""
+        declared = self.state(admission.AdmissionState).declared.values()
+        return sum(min(max(n, 0), self.client_cap) for n in declared if isinstance(n, int))
+
+    def update_weight(self) -> int:
+        """What this cloud round's edge model counts for: |D^l|, or 0 when no client's update was
+        admitted (its model is then the cloud's own, which would only hold the others back)."""
+        return self.weight() if self.contributed else 0
+
 
 # ---------------------------------------------------------------- edge handlers
 def admit_to_edge(edge: Edge, msg) -> None:
@@ -70,8 +92,7 @@ def admit_to_edge(edge: Edge, msg) -> None:
     join.note_join(edge, msg)
     if len(edge.joined) == len(edge.children) and not edge.started:
         edge.started = True
-        edge.send("join_in", edge.parent, {"client_id": edge.id,
-                                           "num_samples": sum(edge.state(admission.AdmissionState).declared.values())})
+        edge.send("join_in", edge.parent, {"client_id": edge.id, "num_samples": edge.weight()})
 
 
 def start_edge_rounds(edge: Edge, msg) -> None:
@@ -79,7 +100,7 @@ def start_edge_rounds(edge: Edge, msg) -> None:
     edge.cloud_round, edge.in_cloud_round = msg.round, True
     edge.cloud_model = msg.content["model"]   # what a FedBuff cloud's delta is taken from
     edge.aggregator.global_state = {**edge.aggregator.global_state, **msg.content["model"]}
-    edge.edge_round = 0
+    edge.edge_round, edge.contributed = 0, False
     _next_edge_round(edge)
 
 
@@ -103,6 +124,7 @@ def aggregate_at_edge(edge: Edge, _event=None) -> None:
     updates = admission.admit_updates(edge, sorted(edge.buffer, key=lambda u: u.client_id))
     if updates:
         edge.aggregator.aggregate(updates, edge.round)
+        edge.contributed = True
     if edge.edge_round < edge.course.cfg["topology.edge_rounds"]:
         _next_edge_round(edge)
         return
@@ -120,12 +142,25 @@ def pass_finish_down(edge: Edge, msg) -> None:
 # ---------------------------------------------------------------- cloud handlers
 def admit_edge(server, msg) -> None:
     """Cloud `receiving_join_in`: an edge joins for its clients; start when every edge is in
-    (an edge that joins again after the start is sent the next cloud round's model)."""
-    if msg.sender not in server.course.topology.edges:   # deployed: only edges dial the cloud
+    (an edge that joins again after the start is sent the next cloud round's model). An edge
+    declaring more samples than its clients may hold is refused that declaration: it joins
+    counting for 0 samples, so nothing it sends is aggregated."""
+    topology = server.course.topology
+    if msg.sender not in topology.edges:   # deployed: only edges dial the cloud
         admission.note(server, "join from a worker that is not an edge",
                        f"cloud: ignored a join from {msg.sender}, which is not an edge")
         return
-    join.note_join(server, msg)
+    n = msg.content.get("num_samples") if isinstance(msg.content, dict) else None
+    bound = server.state(admission.AdmissionState).bounds[msg.sender]
+    if not (type(n) is int and 0 <= n <= bound):
+        admission.note(server, "edge declaration above its clients' bound",
+                       f"cloud: refused edge {msg.sender}'s declaration of {n} samples at its join: its "
+                       f"clients {topology.edges[msg.sender]} may hold {bound} together; it counts for 0 "
+                       "samples")
+        server.joined.add(msg.sender)
+        server.state(admission.AdmissionState).declared.setdefault(msg.sender, 0)
+    else:
+        join.note_join(server, msg)
     if len(server.joined) == len(server.course.topology.edges) and not server.started:
         server.started = True
         server.trigger("all_joined_in")
@@ -143,9 +178,10 @@ def start_cloud_round(server, _event=None) -> None:
 
 
 def aggregate_at_cloud(server, _event=None) -> None:
-    """Cloud `all_received`: aggregate the edge models, record the round with its bytes and
-    link time per tier, then finish or start the next cloud round."""
-    if rounds.aggregate(server, server.buffer, server.course.links.take_round()):
+    """Cloud `all_received`: aggregate the edge models that carry some client's work, record the
+    round with its bytes and link time per tier, then finish or start the next cloud round."""
+    updates = edge_async.contributing(server.buffer)
+    if rounds.aggregate(server, updates, server.course.links.take_round()):
         start_cloud_round(server)
 
 
@@ -176,8 +212,11 @@ def install(course) -> None:
     topology = course.topology = assign(cfg, course.client_ids, course.data, course.timing)
     course.tier_graph = check(topology, course.client_ids)
     # deployed, the cloud sees only its own tier's bytes (and times no link: time is measured)
-    if role == "server":   # an edge speaks for many clients: bound by the samples it declared
-        course.default_sample_cap = None
+    # an edge speaks for many clients: bound by its clients' caps, not one client's
+    course.default_sample_cap = None
+    sizes = course.client_sizes if role == "server" else {c: len(course.data.clients[c].train)
+                                                          for c in course.client_ids}
+    course.server.state(admission.AdmissionState).bounds = edge_bounds(topology, cfg, sizes)
     course.links = TierLinks(topology, course.timing, cfg, course.comm.count_bytes,
                              course.monitor.separate_types, TIERS if role is None else ("edge_cloud",))
     course.comm.count_bytes = course.links.count_bytes
@@ -203,7 +242,7 @@ def install(course) -> None:
     course.edges = {}
     for index, (edge_id, children) in enumerate(sorted(topology.edges.items())):
         edge = course.edges[edge_id] = Edge(edge_id, index, children, edge_table, course,
-                                            course.server.model)
+                                            course.server.model, sizes)
         course.comm.attach(edge)
         for cid in children:
             course.clients[cid].parent = edge_id

@@ -24,7 +24,7 @@ from fedcore.algorithms.staleness import discount_function
 from fedcore.kernel.contract import ReceivedUpdate
 from fedcore.handlers import rounds
 
-__all__ = ["CLOUD_RULES", "install_cloud", "edge_content"]
+__all__ = ["CLOUD_RULES", "install_cloud", "edge_content", "contributing"]
 
 CLOUD_RULES = ("sync", "fedasync", "fedbuff")
 
@@ -32,7 +32,7 @@ CLOUD_RULES = ("sync", "fedasync", "fedbuff")
 def edge_content(edge, model: dict) -> dict:
     """What an edge sends the cloud: its model, or (FedBuff at the cloud) its float entries'
     change from the cloud model it started from, the others as they are."""
-    content = {"model": model, "num_samples": sum(edge.state(admission.AdmissionState).declared.values())}
+    content = {"model": model, "num_samples": edge.update_weight()}
     if edge.course.cfg["topology.cloud_aggregator"] != "fedbuff":
         return content
     start = edge.cloud_model
@@ -40,6 +40,12 @@ def edge_content(edge, model: dict) -> dict:
     content["delta"] = delta
     content["model"] = {k: t for k, t in model.items() if k not in delta}
     return content
+
+
+def contributing(updates: list[ReceivedUpdate]) -> list[ReceivedUpdate]:
+    """The edge updates that carry some client's work: an edge that admitted no client's update in
+    the cloud round sends num_samples 0 and is left out of the aggregation, not refused."""
+    return [u for u in updates if not (isinstance(u.content, dict) and u.content.get("num_samples") == 0)]
 
 
 def _send_to(server, edges: list[int]) -> None:
@@ -73,7 +79,7 @@ def aggregate(server, _event=None) -> None:
     taus = [u.staleness for u in updates]
     extra = {**server.course.links.take_round(), "staleness_min": min(taus),
              "staleness_max": max(taus), "staleness_mean": sum(taus) / len(taus)}
-    if rounds.aggregate(server, updates, extra):
+    if rounds.aggregate(server, contributing(updates), extra):
         _send_to(server, sorted(u.client_id for u in updates))
 
 

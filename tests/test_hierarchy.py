@@ -203,8 +203,6 @@ def test_topology_refusals():
         small_cfg(federate__client_num=3, topology__edges=4)
     with pytest.raises(ConfigError, match="algorithm"):
         Course(small_cfg(topology__edges=2, algorithm__name="scaffold")).build()
-    with pytest.raises(ConfigError, match="admission.max_num_samples"):
-        small_cfg(topology__edges=2, admission__max_num_samples=100)
     with pytest.raises(ConfigError, match="profile_field"):
         small_cfg(topology__edges=2, topology__assign="by_profile")
 

@@ -113,6 +113,7 @@ class ServerCourse(Course):
         else:
             self.data, sizes = registry.components.get("server_data")(cfg)
         self.default_sample_cap = max(sizes.values(), default=None)
+        self.client_sizes = sizes   # each client's partition size (a cloud bounds its edges by them)
         model = self.make_model()
         self.store = make_state_store("memory", None)
         self.trainer = None

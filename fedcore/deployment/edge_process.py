@@ -21,7 +21,6 @@ import os
 from pathlib import Path
 
 from fedcore.comm.stream import host_port
-from fedcore.runtime.admission import AdmissionState
 from fedcore.deployment.deploy_config import message_bound, value_bound
 from fedcore.deployment.distributed import ServerCourse, _measured_time, deployed_process
 from fedcore.kernel import registry
@@ -77,8 +76,7 @@ class _Rejoin:
     def __call__(self) -> None:
         edge = self.edge
         if edge.started and not edge.finished:
-            edge.send("join_in", SERVER_ID, {"client_id": edge.id,
-                                             "num_samples": sum(edge.state(AdmissionState).declared.values())})
+            edge.send("join_in", SERVER_ID, {"client_id": edge.id, "num_samples": edge.weight()})
 
 
 def check_edge_round(edge: Worker, event=None) -> None:
@@ -128,9 +126,9 @@ class EdgeCourse(ServerCourse):
         edge_id = cfg["distribute.edge_id"]
         topology = assign(cfg, self._all_ids)
         children = topology.edges[edge_id]
+        # as a star's server: no client declares more samples than the largest partition of its
+        # edge (`Edge.client_cap`), so an honest edge never declares more than the cloud's bound
         data, sizes = registry.components.get("server_data")(cfg)
-        # as a star's server: no client of the course declares more samples than the largest partition
-        self.default_sample_cap = max(sizes[c] for c in children)
         test = data.server_test
         self.data = type(data)({}, type(test)(test.x[:0], test.y[:0]), data.input_shape, data.num_classes)
         model = self.make_model()
@@ -156,7 +154,7 @@ class EdgeCourse(ServerCourse):
         table.register("round_check", check_edge_round, sends=("all_received", "all_joined_in"))
         table.register("all_joined_in", rerun_edge_round, sends=("models", "all_received"))
         index = sorted(topology.edges).index(edge_id)
-        self.server = self.edge = edge_handlers.Edge(edge_id, index, children, table, self, model)
+        self.server = self.edge = edge_handlers.Edge(edge_id, index, children, table, self, model, sizes)
         self.edge.selected = set()
         self.down.attach(self.edge)
         self.up.attach(_FromCloud(self.edge))

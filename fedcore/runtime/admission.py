@@ -7,7 +7,10 @@ deployment alike, and an algorithm never sees an update they refused:
 
 - **sample counts**: an update's `num_samples` may not exceed what its client
   declared when it joined, nor `admission.max_num_samples` (in deployment it
-  defaults to the largest partition of the server's own build of the data);
+  defaults to the largest partition of the server's own build of the data; at an
+  edge aggregator, to the largest among its clients'). A participant with a
+  bound of its own (an edge at the cloud: its clients' caps summed,
+  `AdmissionState.bounds`) is held to it, at its join (`handlers/edge.py`) and after;
 - **influence**: an update whose distance from the global model exceeds
   `admission.norm_ratio` times the median distance of the round's other
   updates is refused (off by default in simulation and deployment alike, so
@@ -52,9 +55,10 @@ declare("admission.norm_ratio", float, None, "refuse an update whose distance fr
         "exceeds this many times the median of the round's other updates (default: off, in "
         "simulation and deployment alike; 10 suits a deployment facing untrusted clients)",
         check=lambda v: None if v > 1 else "must exceed 1")
-declare("admission.max_num_samples", int, None, "largest num_samples an update may claim (default in "
-        "deployment: the largest partition of the server's own build of the data; set it when "
-        "clients bring larger own data)", check=positive)
+declare("admission.max_num_samples", int, None, "largest num_samples one client's update may claim "
+        "(default: in deployment, the largest partition of the server's own build of the data; at an "
+        "edge aggregator, the largest of its clients' partitions; set it when clients bring larger "
+        "own data); with topology.edges an edge may declare at most this times its clients", check=positive)
 declare("admission.max_rejected_rounds", int, 3, "deployment: rounds in a row whose aggregate is "
         "not finite before the course stops as diverged (exit code 5)", check=positive)
 
@@ -78,8 +82,12 @@ def norm_ratio(course) -> float | None:
     return course.cfg["admission.norm_ratio"]
 
 
-def sample_cap(course) -> int | None:
+def sample_cap(course, worker=None) -> int | None:
+    """The most samples one client's update may claim: `admission.max_num_samples`, else the
+    receiving edge's cap on its clients, else the course's default (a deployed server's)."""
     cap = course.cfg["admission.max_num_samples"]
+    if cap is None:
+        cap = getattr(worker, "client_cap", None)
     return cap if cap is not None else getattr(course, "default_sample_cap", None)
 
 
@@ -139,7 +147,7 @@ def admit_updates(server, updates: list[ReceivedUpdate]) -> list[ReceivedUpdate]
     course = server.course
     state = server.state(AdmissionState)
     declared = state.declared
-    cap = sample_cap(course)
+    cap = sample_cap(course, server)
     kept = []
     for u in updates:
         n = u.content.get("num_samples") if isinstance(u.content, dict) else None
@@ -147,11 +155,17 @@ def admit_updates(server, updates: list[ReceivedUpdate]) -> list[ReceivedUpdate]
         # bounded by what they declared together
         clients = getattr(u, "contributors", None) or [u.client_id]
         limit = sum(declared[c] for c in clients) if all(c in declared for c in clients) else None
+        # an edge speaks for its clients: its own bound, not one client's cap
+        own = state.bounds.get(u.client_id)
         if isinstance(n, int) and limit is not None and n > limit:
             note(server, "num_samples above the declared count",
                  f"round {server.round}: refused client {u.client_id}'s update: num_samples {n} "
                  f"exceeds the {limit} it declared when it joined")
-        elif isinstance(n, int) and cap is not None and n > cap * len(clients):
+        elif isinstance(n, int) and own is not None and n > own:
+            note(server, "num_samples above the edge's bound",
+                 f"round {server.round}: refused edge {u.client_id}'s update: num_samples {n} "
+                 f"exceeds the {own} its clients may hold together")
+        elif isinstance(n, int) and own is None and cap is not None and n > cap * len(clients):
             note(server, "num_samples above admission.max_num_samples",
                  f"round {server.round}: refused client {u.client_id}'s update: num_samples {n} "
                  f"exceeds admission.max_num_samples={cap}")
@@ -241,6 +255,9 @@ class AdmissionState:
     told: dict[str, int] = field(default_factory=dict)       # `counts` when clients were last told
     history: Returning | None = None                         # the norm rule's returning clients
     rejected_in_a_row: int = 0                               # aggregates rejected since the last adopted
+    # participant -> the most samples it may declare (a cloud's edges); derived from the config
+    # and the data at every start, so not saved
+    bounds: dict[int, int] = transient(dict)
     # rate-limits log lines by wall-clock time, which a restart resets anyway
     quiet: QuietLog = transient(lambda: QuietLog(log))
 

@@ -22,7 +22,8 @@ from fedcore.kernel.config import validator
 from fedcore.kernel.errors import ConfigError, IncompleteCourseError
 from fedcore.kernel.message import SERVER_ID
 
-__all__ = ["Topology", "assign", "check", "check_deployable_assignment", "tier_graph", "TierLinks", "TIERS", "ASSIGNMENTS"]
+__all__ = ["Topology", "assign", "check", "check_deployable_assignment", "client_cap", "edge_bounds",
+           "tier_graph", "TierLinks", "TIERS", "ASSIGNMENTS"]
 
 TIERS = ("client_edge", "edge_cloud")
 ASSIGNMENTS = ("contiguous", "random", "by_label", "by_profile")
@@ -67,10 +68,6 @@ def _check_topology_keys(cfg) -> None:
     if cfg["resume_from"] or cfg["checkpoint.every"]:
         raise ConfigError("topology.edges: checkpoints do not hold the edges' state yet; unset "
                           "resume_from and checkpoint.every")
-    if cfg["admission.max_num_samples"] is not None:
-        raise ConfigError("admission.max_num_samples bounds one client's samples, and an edge "
-                          "speaks for many at the cloud; unset it with topology.edges (edges still "
-                          "hold each client to the count it declared)")
     if cfg["topology.assign"] == "by_profile" and not cfg["topology.profile_field"]:
         raise ConfigError("topology.assign: by_profile needs topology.profile_field (a device "
                           "profile field such as latency or compute_speed)")
@@ -136,6 +133,21 @@ def assign(cfg, client_ids: list[int], data=None, timing=None) -> Topology:
     first = max(ids, default=0) + 1
     groups = np.array_split(np.array(ids, dtype=np.int64), n_edges)
     return Topology({first + i: sorted(int(c) for c in g) for i, g in enumerate(groups)})
+
+
+def client_cap(cfg, children: list[int], sizes: dict[int, int]) -> int:
+    """The most samples one client under an edge counts for: `admission.max_num_samples`, else the
+    largest partition among the edge's clients in the course's own build of the data (what a
+    deployed server assumes of its clients). An edge caps each client's declaration at this."""
+    cap = cfg["admission.max_num_samples"]
+    return cap if cap is not None else max((sizes.get(c, 0) for c in children), default=0)
+
+
+def edge_bounds(topology: Topology, cfg, sizes: dict[int, int]) -> dict[int, int]:
+    """The most samples each edge may declare at the cloud: the caps of the clients the topology
+    assigns to it, summed. The cloud computes it from the config and its own build of the data,
+    so an edge, which holds only its token, cannot raise it."""
+    return {e: client_cap(cfg, members, sizes) * len(members) for e, members in topology.edges.items()}
 
 
 def _majority_label(y) -> int:
