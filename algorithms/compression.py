@@ -209,6 +209,8 @@ def decode_update(content: dict, reference: dict[str, torch.Tensor], kind: str) 
 
 def _check_scale(name: str, scale: torch.Tensor, levels: int, dtype: torch.dtype) -> None:
     """The largest decoded step, |scale| x levels, must be finite in the model's dtype."""
+    if not isinstance(scale, torch.Tensor) or scale.numel() != 1:   # the wire's layout says so too
+        raise ValueError(f"entry '{name}': its scale is not one number")
     step = scale.to(torch.float64).abs() * levels
     if not math.isfinite(float(step)) or float(step) > torch.finfo(dtype).max:
         raise NotFinite(f"entry '{name}': scale {float(scale):.3g} x {levels} levels is not finite "

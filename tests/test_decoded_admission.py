@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedcore.algorithms.compression import decode_update, dequantize, encode_update
+from fedcore.algorithms.compression import decode_update, dequantize, encode_update, unpack4
 from fedcore.algorithms.lora import exact_lora_mean, product_norm
 from fedcore.comm.validation import check_content
 from fedcore.runtime.course import Course
@@ -73,10 +73,10 @@ def test_a_finite_lying_scale_passes_the_wire_and_decodes_to_inf(tmp_path, kind)
     server, ref, maps = _encoded(kind, tmp_path)
     lying = {**maps, "scale": {n: torch.tensor(3.0e38) for n in maps["scale"]}, "num_samples": 5}
     assert check_content("updates", lying, server) is None
-    codes = maps["q8"] if kind == "int8" else None
-    if codes is not None:   # 127 x 3e38 is beyond float32's largest value, 3.4e38
-        name = next(iter(codes))
-        assert not torch.isfinite(dequantize(codes[name], torch.tensor(3.0e38), ref[name])).all()
+    name = next(iter(maps["scale"]))   # L x 3e38 (L = 127 or 7) is beyond float32's largest value, 3.4e38
+    codes = maps["q8"][name] if kind == "int8" else unpack4(maps["q4"][name], ref[name].numel())
+    assert int(codes.abs().max()) >= 2
+    assert not torch.isfinite(dequantize(codes, torch.tensor(3.0e38), ref[name])).all()
     with pytest.raises(ValueError, match="3e\\+38 x .* levels is not finite in float32"):
         decode_update(lying, ref, kind)
     for bad in (float("nan"), float("inf")):
