@@ -73,6 +73,8 @@ def _check_compression(cfg) -> None:
         why = "secure aggregation masks the model itself"
     elif cfg["asyn.use"]:
         why = "an asynchronous server cannot tell which model a stale update started from"
+    elif cfg["topology.edges"]:
+        why = "edge aggregators average their clients' models, which they do not decode"
     if why:
         raise ConfigError(f"compress.type: {cfg['compress.type']} cannot be used here ({why}); "
                           "set compress.type=none")

@@ -19,6 +19,7 @@ import torch
 from fedcore.algorithms.compression import decode_update, dequantize, encode_update, unpack4
 from fedcore.algorithms.lora import exact_lora_mean, product_norm
 from fedcore.comm.validation import check_content
+from fedcore.kernel.errors import ConfigError
 from fedcore.runtime.course import Course
 from tests.conftest import need_extra, small_cfg
 import tests.decoding_adversary_plugin  # noqa: F401  (its keys, for small_cfg)
@@ -82,6 +83,13 @@ def test_a_finite_lying_scale_passes_the_wire_and_decodes_to_inf(tmp_path, kind)
     for bad in (float("nan"), float("inf")):
         refused = {**maps, "scale": {n: torch.tensor(bad) for n in maps["scale"]}, "num_samples": 5}
         assert "non-finite" in check_content("updates", refused, server)
+
+
+def test_compression_under_edge_aggregators_is_refused_at_config_time():
+    """Edges collect their clients' updates without the server's decoding (so without its
+    checks): such a course is refused in one line rather than run undecoded."""
+    with pytest.raises(ConfigError, match="compress.type: int8 cannot be used here .*edge aggregators"):
+        small_cfg(compress__type="int8", topology__edges=2)
 
 
 # ---------------------------------------------------------------- courses: refused alone
