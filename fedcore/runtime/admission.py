@@ -51,8 +51,8 @@ from fedcore.kernel.server_state import Outcome, transient, worker_state
 from fedcore.wire.spooled import release
 from fedcore.wire.tensor_forms import get_form
 
-__all__ = ["admit_updates", "Refusal", "AdmissionState", "Returning", "scaled_update", "Snapshot", "finite_state",
-           "reject_round", "note", "sample_cap", "norm_ratio"]
+__all__ = ["admit_updates", "Refusal", "decoded_problem", "AdmissionState", "Returning", "scaled_update",
+           "Snapshot", "finite_state", "reject_round", "note", "sample_cap", "norm_ratio"]
 
 log = logging.getLogger("fedcore.admission")
 
