@@ -18,6 +18,7 @@ import torch
 
 from fedcore.algorithms.compression import decode_update, dequantize, encode_update, unpack4
 from fedcore.algorithms.lora import exact_lora_mean, product_norm
+from fedcore.algorithms.streaming import FoldingBuffer
 from fedcore.comm.validation import check_content
 from fedcore.kernel.errors import ConfigError
 from fedcore.runtime.course import Course
@@ -35,25 +36,27 @@ def _run(out, adversary, **keys):
     course.run()
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     final = torch.load(out / "final_model.pt", weights_only=True)
-    return course.monitor.extra_summary, records, final
+    return course, records, final
 
 
 def _assert_refused_alone(tmp_path, caplog, adversary, kind, **keys):
     """The attacker's update is refused every round, by name; the others are aggregated; the
-    final model is exactly the course's in which the attacker's update weighs nothing."""
+    final model is exactly the course's in which the attacker's update weighs nothing.
+    Returns the refusal's log lines and the attacked course."""
     with caplog.at_level(logging.WARNING, logger="fedcore.admission"):
-        summary, records, final = _run(tmp_path / "attacked", adversary, **keys)
+        course, records, final = _run(tmp_path / "attacked", adversary, **keys)
     _, honest_records, expected = _run(tmp_path / "expected", "zero_weight", **keys)
+    summary = course.monitor.extra_summary
     assert summary["stopped_by"] == "max_rounds" and summary["admission"] == {kind: 2}
     assert [r["num_updates"] for r in records] == [2, 2]
     assert [r["num_updates"] for r in honest_records] == [3, 3]   # its zero weight counted as an update
     lines = [r.getMessage() for r in caplog.records if "refused client" in r.getMessage()]
-    assert lines and all(line.startswith(f"round 1: refused client {BAD}'s update: ") for line in lines[:1])
+    assert lines and lines[0].startswith(f"round 1: refused client {BAD}'s update: ")
     assert final.keys() == expected.keys()
     for name in final:
         assert bool(torch.isfinite(final[name]).all()), name
         assert torch.equal(final[name], expected[name]), name
-    return lines
+    return lines, course
 
 
 # ---------------------------------------------------------------- what the wire lets through
@@ -105,24 +108,25 @@ def test_compression_under_edge_aggregators_is_refused_at_config_time():
 ])
 def test_a_compressed_update_that_does_not_decode_to_finite_values_is_refused_alone(
         tmp_path, caplog, kind, adversary, reason):
-    lines = _assert_refused_alone(tmp_path, caplog, adversary, reason,
-                                  **{"compress.type": kind, "compress.topk_fraction": 0.5})
+    lines, _ = _assert_refused_alone(tmp_path, caplog, adversary, reason,
+                                     **{"compress.type": kind, "compress.topk_fraction": 0.5})
     if adversary == "huge_scale":
         assert "scale 3e+38 x" in lines[0] and "not finite in float32" in lines[0]
 
 
 def test_a_folding_round_refuses_the_lying_scale_before_it_touches_the_sum(tmp_path, caplog):
     """The folding path admits each update as it arrives: the lying one never reaches the sum."""
-    _assert_refused_alone(tmp_path, caplog, "huge_scale", "compressed update not finite once decoded",
-                          **{"compress.type": "int8", "aggregator.streaming": "on"})
+    _, course = _assert_refused_alone(tmp_path, caplog, "huge_scale", "compressed update not finite once decoded",
+                                      **{"compress.type": "int8", "aggregator.streaming": "on"})
+    assert isinstance(course.server.buffer, FoldingBuffer)
 
 
 def test_the_norm_rule_measures_what_a_sparse_update_decodes_to(tmp_path, caplog):
     """Top-k values of 1e30 are finite, and so is what they decode to: admission.norm_ratio,
     which measures the decoded update's distance from the global model, refuses it."""
     keys = {"compress.type": "topk", "compress.topk_fraction": 0.5, "admission.norm_ratio": 10.0}
-    lines = _assert_refused_alone(tmp_path, caplog, "huge_value", "update norm far above the round's others",
-                                  **keys)
+    lines, _ = _assert_refused_alone(tmp_path, caplog, "huge_value", "update norm far above the round's others",
+                                     **keys)
     assert "exceeds admission.norm_ratio=10 x the median" in lines[0]
 
 
@@ -159,5 +163,5 @@ def test_lora_factors_whose_product_the_dtype_cannot_hold_are_refused_alone(tmp_
         assert torch.isfinite(b @ a).all()
     new_a, new_b = exact_lora_mean([(a, b)], [1.0], 4)
     assert not torch.isfinite(new_b).all()   # ...but the re-factorized B = U S is not
-    lines = _assert_refused_alone(tmp_path, caplog, adversary, "LoRA product beyond the model's dtype", **LM)
+    lines, _ = _assert_refused_alone(tmp_path, caplog, adversary, "LoRA product beyond the model's dtype", **LM)
     assert "Frobenius norm" in lines[0] and "beyond float32's largest value" in lines[0]
