@@ -16,7 +16,11 @@ unsent last time (its residual, client state in the state store) before encoding
 and keeps the new remainder: sent + residual = update + previous residual.
 
 The server decodes an update as it arrives, against the model it broadcast this
-round, so admission and every aggregator see a plain model. Stochastic rounding
+round, so admission and every aggregator see a plain model. The wire checks the encoded
+maps (finite scales and values); what they decode to is checked as it is decoded: a
+scale whose largest code overflows the model's dtype, top-k indices that do not decode,
+or a decoded entry not finite make the update a `Refusal` that admission refuses for its
+client alone (`fedcore/runtime/admission.py`). Stochastic rounding
 draws from the client's own stream, seeded by (seed, client, round), in simulation
 and deployment alike: rounding protects no one, and the seeded stream makes a
 deployment equal its simulation. `bytes_up` counts the encoded update. Figures:
@@ -24,7 +28,6 @@ docs/compression.md.
 """
 from __future__ import annotations
 
-import logging
 import math
 
 import torch
@@ -37,9 +40,10 @@ from fedcore.kernel.errors import ConfigError
 from fedcore.kernel.hooks import Wrapper
 from fedcore.kernel.message import Message
 from fedcore.kernel.worker import Registration
+from fedcore.wire.tensor_forms import get_form
 
 __all__ = ["KINDS", "LEVELS", "rounding_generator", "quantize", "dequantize", "top_k", "densify",
-           "encode_update", "decode_update", "wire_layout", "install"]
+           "encode_update", "decode_update", "NotFinite", "wire_layout", "install"]
 
 KINDS = ("none", "int8", "int4", "topk")
 LEVELS = {"int8": 127, "int4": 7}      # largest code: symmetric codes in [-L, L]
@@ -69,6 +73,8 @@ def _check_compression(cfg) -> None:
         why = "secure aggregation masks the model itself"
     elif cfg["asyn.use"]:
         why = "an asynchronous server cannot tell which model a stale update started from"
+    elif cfg["topology.edges"]:
+        why = "edge aggregators average their clients' models, which they do not decode"
     if why:
         raise ConfigError(f"compress.type: {cfg['compress.type']} cannot be used here ({why}); "
                           "set compress.type=none")
@@ -176,19 +182,48 @@ def encode_update(model: dict[str, torch.Tensor], reference: dict[str, torch.Ten
     return maps, sent, left
 
 
+class NotFinite(ValueError):
+    """A compressed update whose decoded values would not be finite in the model's dtype."""
+
+
 def decode_update(content: dict, reference: dict[str, torch.Tensor], kind: str) -> dict[str, torch.Tensor]:
     """The model a compressed update stands for: `reference` plus the decoded change (float
-    entries, in `reference`'s order), integer entries as sent. ValueError for bad top-k indices."""
+    entries, in `reference`'s order), integer entries as sent. ValueError for bad top-k indices;
+    `NotFinite` for a scale whose largest code overflows the model's dtype (checked before
+    decoding) or a decoded entry that is not finite (checked as each entry is decoded, a slice
+    at a time, so no copy of the model beyond the decoded one)."""
     model = {}
     for name, ref in reference.items():
         if not ref.is_floating_point():
             model[name] = content["exact"][name]
-        elif kind == "topk":
+            continue
+        if kind == "topk":
             model[name] = ref + densify(content["topk_index"][name], content["topk_value"][name], ref)
         else:
+            scale = content["scale"][name]
+            _check_scale(name, scale, LEVELS[kind], ref.dtype)
             codes = content["q8"][name] if kind == "int8" else unpack4(content["q4"][name], ref.numel())
-            model[name] = ref + dequantize(codes, content["scale"][name], ref)
+            model[name] = ref + dequantize(codes, scale, ref)
+        if not _TORCH.all_finite(model[name]):
+            raise NotFinite(f"entry '{name}' is not finite in {_dtype_name(ref.dtype)} once decoded")
     return model
+
+
+def _check_scale(name: str, scale: torch.Tensor, levels: int, dtype: torch.dtype) -> None:
+    """The largest decoded step, |scale| x levels, must be finite in the model's dtype."""
+    if not isinstance(scale, torch.Tensor) or scale.numel() != 1:   # the wire's layout says so too
+        raise ValueError(f"entry '{name}': its scale is not one number")
+    step = scale.to(torch.float64).abs() * levels
+    if not math.isfinite(float(step)) or float(step) > torch.finfo(dtype).max:
+        raise NotFinite(f"entry '{name}': scale {float(scale):.3g} x {levels} levels is not finite "
+                        f"in {_dtype_name(dtype)}")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+_TORCH = get_form("torch")
 
 
 def wire_layout(reference: dict[str, torch.Tensor], kind: str, share: float) -> dict[str, dict]:
@@ -241,17 +276,20 @@ def _install_server(course) -> None:
     collect = registration.fn
 
     def decompress_then(server, msg) -> None:
-        """Decode this round's compressed update against the model broadcast, then collect it."""
+        """Decode this round's compressed update against the model broadcast, then collect it:
+        one that does not decode to finite values is collected as a `Refusal`, which admission
+        refuses for this client alone (the round does not wait for it)."""
         content = msg.content
         if msg.round == server.round and isinstance(content, dict) and "exact" in content:
             reference = server.aggregator.broadcast(server.round)["model"]
             try:
                 model = decode_update(content, reference, kind)
-            except (ValueError, KeyError) as exc:
-                admission.note(server, "undecodable compressed update",
-                               f"round {server.round}: dropped client {msg.sender}'s update: {exc}",
-                               logging.WARNING)
-                return
+            except NotFinite as exc:
+                model = admission.Refusal("compressed update not finite once decoded", str(exc))
+            except KeyError as exc:
+                model = admission.Refusal("undecodable compressed update", f"it lacks the entry {exc}")
+            except ValueError as exc:
+                model = admission.Refusal("undecodable compressed update", f"it does not decode: {exc}")
             msg = Message(msg.msg_type, msg.sender, msg.receivers, msg.round, msg.timestamp,
                           {"model": model, "num_samples": content["num_samples"]}, msg.content_size,
                           owned=True)   # a content built here, for the server alone

@@ -22,8 +22,19 @@ wire layout is the same for every client and the bytes do not shrink with the
 rank. The server reads only the first r_i components of client i's factors
 (it knows each client's rank from the config), so whatever a compressor or DP
 noise puts beyond r_i never enters the aggregate.
+
+What `exact` aggregates is each client's product, so that is what admission checks
+(`product_problem`, declared as the behaviour's `admission_check`): finite factors A_i, B_i
+(the wire checks those) can still have a product, or a re-factorized B = U S (whose entries
+reach the largest singular value), beyond the model's dtype. A client whose cut product
+has a Frobenius norm above the dtype's largest value is refused alone; below it, for every
+admitted client, the weighted mean's singular values stay below it too (the spectral norm
+of a mean is at most the largest of the spectral norms, each at most its Frobenius norm),
+so the aggregate is finite, up to float64 rounding.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -36,7 +47,7 @@ from fedcore.kernel.hooks import Wrapper
 from fedcore.runtime.server_optimizer import from_config as server_optimizer_from_config
 from fedcore.scenarios.llm_models import lora_pairs
 
-__all__ = ["exact_lora_mean", "truncate_rank", "client_rank", "install"]
+__all__ = ["exact_lora_mean", "truncate_rank", "client_rank", "product_norm", "product_problem", "install"]
 
 declare("model.lora.aggregation", str, "exact", "how adapters are combined: exact (the weighted mean "
         "of the clients' B A products, re-factorized to rank r with an SVD; FedAvg and FedProx) or "
@@ -176,6 +187,41 @@ def _cut(a: torch.Tensor, b: torch.Tensor, rank: int) -> tuple[torch.Tensor, tor
     return a, b
 
 
+def product_norm(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||B A||_F (float64) from the r x r Gram matrices, ||B A||_F^2 = sum((Bᵀ B) * (A Aᵀ)), not
+    from the d_out x d_in product; each factor is first divided by its largest magnitude, so
+    finite factors cannot overflow on the way. inf for a factor that is not finite."""
+    a, b = a.detach().double(), b.detach().double()
+    if not a.numel() or not b.numel():
+        return 0.0
+    sa, sb = float(a.abs().max()), float(b.abs().max())
+    if not (math.isfinite(sa) and math.isfinite(sb)):
+        return math.inf
+    if sa == 0.0 or sb == 0.0:
+        return 0.0
+    a, b = a / sa, b / sb
+    gram = float(((b.T @ b) * (a @ a.T)).sum())
+    return math.sqrt(max(gram, 0.0)) * (sa * sb)
+
+
+def product_problem(server, update) -> tuple[str, str] | None:
+    """Admission's check of an update under `exact` aggregation: each adapter's product
+    B_i A_i, cut to the client's rank as the aggregation reads it, must have a Frobenius norm
+    the model's dtype can hold. (kind, why) of the first that does not, else None."""
+    cfg = server.course.cfg
+    model = update.content.get("model")
+    if cfg["model.lora.r"] == 0 or cfg["model.lora.aggregation"] != "exact" or not isinstance(model, dict):
+        return None
+    rank = client_rank(cfg, update.client_id)
+    for a, b in lora_pairs(model):
+        norm, dtype = product_norm(model[a][:rank], model[b][:, :rank]), model[a].dtype
+        if not norm <= torch.finfo(dtype).max:
+            return ("LoRA product beyond the model's dtype",
+                    f"adapter '{a}': the product B A has Frobenius norm {norm:.3g}, beyond "
+                    f"{str(dtype).removeprefix('torch.')}'s largest value")
+    return None
+
+
 def install(course) -> None:
     """Give clients their ranks and the server exact aggregation (the summary's parameter
     counts, the adapters' against the whole model's, are every course's: runtime/course.py)."""
@@ -192,4 +238,5 @@ def install(course) -> None:
 
 
 install.enabled = lambda cfg: cfg["model.type"] == "causal_lm"
+install.admission_check = product_problem
 registry.behaviours.register("language_model", install)

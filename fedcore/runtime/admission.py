@@ -5,6 +5,13 @@ The rules here need the round's other updates or the aggregate, so they run
 where the server aggregates (`handlers/rounds.py`), in simulation and in
 deployment alike, and an algorithm never sees an update they refused:
 
+- **what it decodes to**: an update that reaches the server encoded (compressed, sparse:
+  `algorithms/compression.py`) is decoded as it arrives, and a problem found there (indices
+  that do not decode, values not finite once decoded) travels with it as a `Refusal`; a
+  behaviour whose aggregation forms something else from the update (LoRA's exact mean, the
+  product B A of each client's factors) declares `install.admission_check`, run here on each
+  update. Either way the update is refused for its client alone, before the rules below,
+  at this one place the folding and the list-based paths share;
 - **sample counts**: an update's `num_samples` may not exceed what its client
   declared when it joined, nor `admission.max_num_samples` (in deployment it
   defaults to the largest partition of the server's own build of the data; at an
@@ -39,6 +46,7 @@ from typing import Any
 
 import torch
 
+from fedcore.kernel import registry
 from fedcore.kernel.config import declare, positive
 from fedcore.kernel.contract import ReceivedUpdate, clone_tree
 from fedcore.runtime.quiet import QuietLog
@@ -46,8 +54,8 @@ from fedcore.kernel.server_state import Outcome, transient, worker_state
 from fedcore.wire.spooled import release
 from fedcore.wire.tensor_forms import get_form
 
-__all__ = ["admit_updates", "AdmissionState", "Returning", "scaled_update", "Snapshot", "finite_state",
-           "reject_round", "note", "sample_cap", "norm_ratio"]
+__all__ = ["admit_updates", "Refusal", "decoded_problem", "AdmissionState", "Returning", "scaled_update",
+           "Snapshot", "finite_state", "reject_round", "note", "sample_cap", "norm_ratio"]
 
 log = logging.getLogger("fedcore.admission")
 
@@ -142,6 +150,30 @@ def medians_of_others(values: list[float]) -> list[float]:
     return out
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """Why an update cannot be aggregated, found where the server decoded it on arrival: it
+    stands in the update's `model` until admission refuses it, so the round counts its client
+    as having replied (it does not wait for it) and, deployed, tells it why."""
+    kind: str     # the summary's `admission` count it adds to
+    why: str      # what was wrong, for the log line
+
+
+def decoded_problem(server, update: ReceivedUpdate) -> tuple[str, str] | None:
+    """(kind, why) when what `update` decodes to may not be aggregated: a `Refusal` its decoding
+    left, or the first problem a check the course's behaviours declare
+    (`install.admission_check(server, update)`) finds."""
+    model = update.content.get("model") if isinstance(update.content, dict) else None
+    if isinstance(model, Refusal):
+        return model.kind, model.why
+    for name in registry.selected_behaviours(server.course.cfg):
+        check = getattr(registry.behaviours.get(name), "admission_check", None)
+        problem = check(server, update) if check is not None else None
+        if problem is not None:
+            return problem
+    return None
+
+
 def admit_updates(server, updates: list[ReceivedUpdate]) -> list[ReceivedUpdate]:
     """The updates that may be aggregated; each refusal is counted and logged."""
     course = server.course
@@ -151,6 +183,11 @@ def admit_updates(server, updates: list[ReceivedUpdate]) -> list[ReceivedUpdate]
     kept = []
     for u in updates:
         n = u.content.get("num_samples") if isinstance(u.content, dict) else None
+        decoded = decoded_problem(server, u)
+        if decoded is not None:
+            note(server, decoded[0], f"round {server.round}: refused client {u.client_id}'s update: "
+                 f"{decoded[1]}")
+            continue
         # an update that stands for several clients (secure aggregation's unmasked sum) is
         # bounded by what they declared together
         clients = getattr(u, "contributors", None) or [u.client_id]
