@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import sys
 
 import pytest
@@ -48,6 +49,11 @@ def pytest_configure(config):
     # (ignored by git), unless bytecode writing is off (PYTHONDONTWRITEBYTECODE): then every
     # xdist worker rewrites all of them again, about 5 s of CPU each. The suite caches them.
     sys.dont_write_bytecode = False
+    # A run started in the background (`nohup pytest ... &`) inherits SIGINT ignored, and so
+    # would every process the tests start, which then could not be interrupted as the interrupt
+    # tests do: the suite puts Python's handler back (a process it starts gets the default).
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     config.addinivalue_line("markers", "extra(name): the test needs the optional extra `name` "
                             "(its processes import it); skipped with a reason where it is missing")
 
