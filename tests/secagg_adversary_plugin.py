@@ -30,7 +30,8 @@ Inside the sum's bound: `sum_top` / `sum_bottom` (in round 1 it encodes, in plac
 input, whatever puts every coordinate of the round's unmasked sum at the top W * (2^bits - 1)
 / at 0 of what the server accepts, i.e. every coordinate of the mean at +c / -c, its weight
 entry kept), `sum_above_top` / `sum_below_bottom` (the same, with coordinate 0 one step past:
-W * (2^bits - 1) + 1, and -1 mod p). To hit the sum exactly it reads the other clients' inputs
+W * (2^bits - 1) + 1, and -1 mod p), `sum_ball` (under central DP: the mean at
+privacy.dp.clip_norm C on coordinate 0 and 0 elsewhere, to a level). To hit the sum exactly it reads the other clients' inputs
 (an observer records each client's encoded input, changing nothing): the worst case of an
 attacker that knows or guesses them, e.g. from earlier rounds' means.
 """
@@ -50,7 +51,7 @@ from fedcore.kernel.shamir import random_secret
 SERVERS = ("pairs_server", "split_server", "padded_server", "overlap_server", "withholding_server")
 CLIENTS = ("garbage_shares", "omit_share", "false_report", "one_bad_share", "false_weight", "replay", "replay_keys", "withhold",
            "out_of_range", "out_of_range_weight", "garbage_input", "false_reveal",
-           "other_key_then_drop", "sum_top", "sum_above_top", "sum_bottom", "sum_below_bottom")
+           "other_key_then_drop", "sum_top", "sum_above_top", "sum_bottom", "sum_below_bottom", "sum_ball")
 declare("secagg_test.adversary", str, "none", "tests: the secure-aggregation adversary",
         choices=("none",) + SERVERS + CLIENTS)
 declare("secagg_test.bad_client", int, 0, "tests: the misbehaving client")
@@ -193,7 +194,7 @@ def _client_stage(kind):
     raise ValueError(kind)
 
 
-SUM_TARGETS = ("sum_top", "sum_above_top", "sum_bottom", "sum_below_bottom")
+SUM_TARGETS = ("sum_top", "sum_above_top", "sum_bottom", "sum_below_bottom", "sum_ball")
 
 
 def _record_input(orig, client, msg):
@@ -218,6 +219,10 @@ def _sum_target(kind):
             weight = int(total[-1])
             target = np.full(st.vector.size - 1, weight * levels if kind in ("sum_top", "sum_above_top") else 0,
                              dtype=object)
+            if kind == "sum_ball":    # mean_j = T_j 2c / (levels W) - c, so T_j = (mean_j + c) levels W / 2c
+                mean = np.zeros(st.vector.size - 1)
+                mean[0] = client.course.cfg["privacy.dp.clip_norm"]
+                target = np.array([round((m + s.clip) * levels * weight / (2 * s.clip)) for m in mean], dtype=object)
             if kind == "sum_above_top":
                 target[0] += 1
             elif kind == "sum_below_bottom":

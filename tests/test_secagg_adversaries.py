@@ -343,3 +343,15 @@ def test_under_central_dp_a_mean_beyond_the_clip_norm_is_refused(tmp_path, caplo
     assert _max_diff(course.server.aggregator.global_state, before) == 0
     n = sum(v.numel() for v in before.values())
     assert norm_reach(0.5, n, 1.0, 16) == pytest.approx(0.5 + n ** 0.5 / 65535)
+
+
+def test_under_central_dp_one_client_still_puts_the_mean_anywhere_in_the_ball(tmp_path, caplog):
+    """What the norm check leaves: the mean at C = 0.5 on one coordinate, 0 elsewhere (to a
+    level, c / (2^bits - 1) / W at most), accepted; weight 1 of 6."""
+    course, before = _one_round(tmp_path / "out", "sum_ball", **CENTRAL)
+    summary = _run(course, caplog)
+    assert course.monitor.records[0]["num_updates"] == 6 and "secagg_out_of_range_rounds" not in summary
+    c, levels = course.cfg["secure_aggregation.clip"], (1 << course.cfg["secure_aggregation.bits"]) - 1
+    want = torch.zeros_like(_step(course, before))
+    want[0] = 0.5
+    assert torch.allclose(_step(course, before), want, rtol=0, atol=c / levels / 6 + 1e-12)
