@@ -90,6 +90,16 @@ def _weighting(values: dict) -> None:
     values["aggregator.weighting"] = "uniform" if uniform else "num_samples"
 
 
+def _per_aggregation(cfg) -> tuple[int, str]:
+    """How many updates an aggregation may have, and how to say it."""
+    from fedcore.kernel.schema import clients_per_round
+    if cfg["course"] == "async":
+        # goal_achieved aggregates exactly the goal; time_up as few as the goal
+        from fedcore.handlers.asyn import resolve_strategy
+        return resolve_strategy(cfg).goal, "an aggregation may have only"
+    return clients_per_round(cfg), "a round has at most"
+
+
 @validator
 def _check_robust(cfg) -> None:
     rule = cfg["aggregator.robust_rule"]
@@ -101,17 +111,18 @@ def _check_robust(cfg) -> None:
                           f"{cfg['algorithm.name']} ({why}); use robust_rule=none or a FedAvg-style "
                           "algorithm")
     if rule in ("krum", "multi_krum"):
-        from fedcore.kernel.schema import clients_per_round
-        n, f = clients_per_round(cfg), cfg["aggregator.byzantine_num"]
-        where = "a round has at most"
-        if cfg["course"] == "async":
-            # goal_achieved aggregates exactly the goal; time_up as few as the goal
-            from fedcore.handlers.asyn import resolve_strategy
-            n, where = resolve_strategy(cfg).goal, "an aggregation may have only"
+        n, where = _per_aggregation(cfg)
+        f = cfg["aggregator.byzantine_num"]
         if n <= f + 2:
             raise ConfigError(f"aggregator.byzantine_num: {rule} needs more than f + 2 = {f + 2} "
                               f"updates per aggregation, {where} {n}; lower "
                               "byzantine_num or sample more clients (asyn.min_received_num)")
+    if rule == "centered_clip" and cfg["aggregator.cc_center"] == "median":
+        n, where = _per_aggregation(cfg)
+        if n < 3:
+            raise ConfigError(f"aggregator.cc_center: median needs 3 updates per aggregation or more (the "
+                              f"median of two is their mean, which either moves anywhere), {where} {n}; "
+                              "sample more clients or use cc_center=previous")
     if rule == "norm_bound" and cfg["aggregator.norm_bound"] is None:
         raise ConfigError("aggregator.norm_bound: robust_rule norm_bound needs a bound, e.g. "
                           "aggregator.norm_bound=1.0")

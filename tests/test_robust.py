@@ -183,6 +183,17 @@ def test_bad_robust_keys_fail_at_config_time():
         small_cfg(None, aggregator__robust_rule="medain")
 
 
+def test_centered_clip_from_the_median_needs_three_updates_an_aggregation():
+    with pytest.raises(ConfigError, match="aggregator.cc_center: median needs 3 updates per aggregation or more"
+                                          ".*a round has at most 2"):
+        small_cfg(None, aggregator__robust_rule="centered_clip", aggregator__cc_tau=0.1,
+                  aggregator__cc_center="median", federate__sample_client_num=2)
+    small_cfg(None, aggregator__robust_rule="centered_clip", aggregator__cc_tau=0.1,
+              aggregator__cc_center="median", federate__sample_client_num=3)
+    small_cfg(None, aggregator__robust_rule="centered_clip", aggregator__cc_tau=0.1,
+              federate__sample_client_num=2)      # the paper's center: no such need
+
+
 def _final(**overrides):
     # clients of different sizes, so sample weights differ from uniform ones
     course = Course(small_cfg(None, eval__clients=False, data__partition="quantity",
