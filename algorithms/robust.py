@@ -12,12 +12,13 @@ model) to one delta, and composes with any FedAvg-style aggregator through
   largest and smallest values and average the rest;
 - `norm_bound` (Sun et al., 2019): scale each delta down to L2 norm at most
   `norm_bound`, then take the sample-weighted mean;
-- `centered_clip` (Karimireddy, He, Jaggi, 2021): starting from the previous
-  round's combined delta v, L = `cc_iters` times
-  v <- v + sum_i p_i (x_i - v) min(1, tau / ||x_i - v||), tau = `cc_tau`, p_i
-  the sample weights. However far a client's delta lies from the center, its
-  term in each iteration has norm at most p_i tau, so pushing the same way
-  every round buys nothing from being large (docs/algorithms/centered_clip.md).
+- `centered_clip` (Karimireddy, He, Jaggi, 2021): starting from a center v, L =
+  `cc_iters` times v <- v + sum_i p_i (x_i - v) min(1, tau / ||x_i - v||), tau =
+  `cc_tau`, p_i the weights. However far a client's delta lies from the center, its
+  term in each iteration has norm at most p_i tau. The center (`cc_center`) is the
+  previous round's combined delta (the paper's), which carries a client's earlier
+  pushes into every later round, or this round's coordinate-wise median, which
+  carries nothing over (docs/algorithms/centered_clip.md).
 
 Algorithms whose aggregation uses more than the mean model (SCAFFOLD's
 control variates, FedDyn's server state, single-update async mixing) are
@@ -36,7 +37,7 @@ from fedcore.kernel.contract import Aggregator
 from fedcore.kernel.errors import ConfigError
 
 __all__ = ["RULES", "INCOMPATIBLE", "squared_distances", "krum_scores", "krum_select", "coordinate_median",
-           "trimmed_mean", "clip_to_norm", "centered_clip", "make_rule", "install"]
+           "trimmed_mean", "clip_to_norm", "centered_clip", "median_reach", "make_rule", "install"]
 
 RULES = ("none", "krum", "multi_krum", "median", "trimmed_mean", "norm_bound", "centered_clip")
 INCOMPATIBLE = {
@@ -58,7 +59,12 @@ declare("aggregator.trim_ratio", float, 0.1, "trimmed_mean: fraction trimmed at 
 declare("aggregator.norm_bound", float, None, "norm_bound: largest L2 norm of an update delta",
         check=positive)
 declare("aggregator.cc_tau", float, None, "centered_clip: radius tau to which each delta's distance "
-        "from the center (the previous round's combined delta) is clipped", check=positive)
+        "from the center (aggregator.cc_center) is clipped", check=positive)
+declare("aggregator.cc_center", str, "previous", "centered_clip: where the iterations start: previous "
+        "(the last round's combined delta, the paper's rule: one client's push there is carried into "
+        "every later round) or median (this round's coordinate-wise median: one client moves a round's "
+        "result by a bounded amount and nothing carries over; recommended facing untrusted clients)",
+        choices=("previous", "median"))
 declare("aggregator.cc_iters", int, 1, "centered_clip: clipping iterations L per aggregation",
         check=positive)
 declare("topology.edge_robust_rule", str, "none", "hierarchical courses (topology.edges): the rule "
@@ -87,6 +93,16 @@ def _weighting(values: dict) -> None:
     values["aggregator.weighting"] = "uniform" if uniform else "num_samples"
 
 
+def _per_aggregation(cfg) -> tuple[int, str]:
+    """How many updates an aggregation may have, and how to say it."""
+    from fedcore.kernel.schema import clients_per_round
+    if cfg["course"] == "async":
+        # goal_achieved aggregates exactly the goal; time_up as few as the goal
+        from fedcore.handlers.asyn import resolve_strategy
+        return resolve_strategy(cfg).goal, "an aggregation may have only"
+    return clients_per_round(cfg), "a round has at most"
+
+
 @validator
 def _check_robust(cfg) -> None:
     rule = cfg["aggregator.robust_rule"]
@@ -98,17 +114,18 @@ def _check_robust(cfg) -> None:
                           f"{cfg['algorithm.name']} ({why}); use robust_rule=none or a FedAvg-style "
                           "algorithm")
     if rule in ("krum", "multi_krum"):
-        from fedcore.kernel.schema import clients_per_round
-        n, f = clients_per_round(cfg), cfg["aggregator.byzantine_num"]
-        where = "a round has at most"
-        if cfg["course"] == "async":
-            # goal_achieved aggregates exactly the goal; time_up as few as the goal
-            from fedcore.handlers.asyn import resolve_strategy
-            n, where = resolve_strategy(cfg).goal, "an aggregation may have only"
+        n, where = _per_aggregation(cfg)
+        f = cfg["aggregator.byzantine_num"]
         if n <= f + 2:
             raise ConfigError(f"aggregator.byzantine_num: {rule} needs more than f + 2 = {f + 2} "
                               f"updates per aggregation, {where} {n}; lower "
                               "byzantine_num or sample more clients (asyn.min_received_num)")
+    if rule == "centered_clip" and cfg["aggregator.cc_center"] == "median":
+        n, where = _per_aggregation(cfg)
+        if n < 3:
+            raise ConfigError(f"aggregator.cc_center: median needs 3 updates per aggregation or more (the "
+                              f"median of two is their mean, which either moves anywhere), {where} {n}; "
+                              "sample more clients or use cc_center=previous")
     if rule == "norm_bound" and cfg["aggregator.norm_bound"] is None:
         raise ConfigError("aggregator.norm_bound: robust_rule norm_bound needs a bound, e.g. "
                           "aggregator.norm_bound=1.0")
@@ -232,7 +249,9 @@ def make_rule(cfg):
     f, m = cfg["aggregator.byzantine_num"], cfg["aggregator.krum_m"]
     ratio, bound = cfg["aggregator.trim_ratio"], cfg["aggregator.norm_bound"]
     tau, iters = cfg["aggregator.cc_tau"], cfg["aggregator.cc_iters"]
-    history: dict[str, torch.Tensor] = {}   # centered_clip: the previous combined delta
+    # centered_clip: the previous combined delta, the center of the next round; None: the
+    # center is each round's coordinate-wise median, and nothing is kept
+    history: dict[str, torch.Tensor] | None = {} if cfg["aggregator.cc_center"] == "previous" else None
 
     def combine(cols: Columns, weights: list[float], client_ids: list[int], round_: int, emit) -> dict:
         metrics: dict = {}
@@ -281,9 +300,31 @@ def _row_norms(cols: Columns, center: torch.Tensor | None) -> torch.Tensor:
     return sums.sqrt_()
 
 
-def _centered_clip(cols: Columns, weights: list[float], history: dict, tau: float, iters: int, emit) -> int:
-    """`centered_clip` over the bands, from the last round's combined delta; keeps the new one."""
-    center = history.get("v")
+def median_reach(vectors: torch.Tensor) -> torch.Tensor:
+    """Per coordinate, the width of the interval in which the coordinate-wise median of these
+    rows plus one row of any value lies: the most that one more client moves a median (for
+    n = 2k + 1 rows in all: h_(k+1) - h_(k) of the others' sorted values; for n = 2k:
+    (h_(k+1) - h_(k-1)) / 2, the median being the middle pair's mean). Needs two rows or more."""
+    m = vectors.shape[0]
+    if m < 2:
+        raise ValueError("one client moves the median of two updates anywhere; it needs two others or more")
+    h = vectors.sort(dim=0).values
+    k = (m + 1) // 2          # n = m + 1 rows in all
+    if (m + 1) % 2:           # n odd = 2k + 1: the median is the (k + 1)-th, between h_k and h_(k+1)
+        return h[k] - h[k - 1]
+    return (h[k] - h[k - 2]) / 2     # n = 2k: between (h_(k-1) + h_k) / 2 and (h_k + h_(k+1)) / 2
+
+
+def _centered_clip(cols: Columns, weights: list[float], history: dict | None, tau: float, iters: int,
+                   emit) -> int:
+    """`centered_clip` over the bands, from the last round's combined delta (`history`, where the
+    new one is kept) or, with `history` None, from this round's coordinate-wise median."""
+    if history is None:
+        center = torch.empty(cols.n, dtype=torch.float64, device=cols.device)
+        for a, b in cols.bands():
+            center[a:b] = coordinate_median(cols.band(a, b))
+    else:
+        center = history.get("v")
     if center is None or center.shape != (cols.n,):
         center = torch.zeros(cols.n, dtype=torch.float64, device=cols.device)
     w = torch.tensor(weights, dtype=torch.float64, device=cols.device)
@@ -301,7 +342,8 @@ def _centered_clip(cols: Columns, weights: list[float], history: dict, tau: floa
                 moved[a:b] = v[a:b] + ((p * scale)[:, None] * diff).sum(dim=0)
             v = moved
             clipped = int((norms > tau).sum().item())
-    history["v"] = v
+    if history is not None:
+        history["v"] = v
     for a, b in cols.bands():
         emit(a, b, v[a:b])
     return clipped

@@ -16,6 +16,8 @@ calls) therefore only ever sees the unmasked weighted mean.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -23,7 +25,7 @@ from fedcore.kernel.contract import ReceivedUpdate
 from fedcore.kernel.shamir import combine
 
 __all__ = ["MASK_INFO", "mask_sign", "pair_key", "pair_mask", "unmask", "mean_delta", "unmasked_update",
-           "ShareShortage", "out_of_range"]
+           "ShareShortage", "out_of_range", "norm_reach", "beyond_norm"]
 
 MASK_INFO = b"fedcore secagg pairwise mask"
 SEED_BYTES = 32
@@ -100,6 +102,24 @@ def out_of_range(total: np.ndarray, weight: int, bits: int) -> str | None:
     top = int(total[:-1].max()) if total.size > 1 else 0
     if top > weight * ((1 << bits) - 1):
         return f"a coordinate is {top}, above the {weight * ((1 << bits) - 1)} that weight {weight} allows"
+    return None
+
+
+def norm_reach(clip_norm: float, length: int, clip: float, bits: int) -> float:
+    """The largest L2 norm a mean of honest inputs can have when each client clipped its delta to
+    L2 norm `clip_norm` (central DP) before quantizing: each dequantized delta is its clipped
+    delta (norm <= clip_norm; clipping to [-c, c] only shortens it) plus a rounding error of at
+    most c / (2^bits - 1) per coordinate, and a mean is no longer than its longest term."""
+    return clip_norm + math.sqrt(length) * clip / ((1 << bits) - 1)
+
+
+def beyond_norm(mean: np.ndarray, clip_norm: float, clip: float, bits: int) -> str | None:
+    """Why a mean delta of clients that each clipped to L2 norm `clip_norm` is not one honest
+    inputs can reach (`norm_reach`, with a float64 rounding margin), or None."""
+    reach = norm_reach(clip_norm, mean.size, clip, bits)
+    norm = float(np.linalg.norm(mean))
+    if norm > reach * (1 + 1e-9):
+        return f"the mean delta's L2 norm is {norm:.6g}, above the {reach:.6g} that clip_norm {clip_norm:g} allows"
     return None
 
 

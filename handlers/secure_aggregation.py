@@ -315,7 +315,8 @@ def request_unmasking(server, _event=None) -> None:
 def unmask_and_aggregate(server, _event=None) -> None:
     """`secagg_shares_revealed`: rebuild the secrets, remove the masks, check the sum is one
     honest inputs can reach, and aggregate it."""
-    from fedcore.algorithms.secure_sum import ShareShortage, mean_delta, out_of_range, unmask, unmasked_update
+    from fedcore.algorithms.secure_sum import (ShareShortage, beyond_norm, mean_delta, out_of_range, unmask,
+                                               unmasked_update)
     sr, s, cfg = server.state(SecaggServer).current, _settings(server), server.course.cfg
     survivors = sr.survivors
     try:
@@ -331,6 +332,10 @@ def unmask_and_aggregate(server, _event=None) -> None:
         _skip(server, sr, f"the unmasked sum is refused: {problem}", kind="out_of_range")
         return
     mean, weight = mean_delta(total, s.clip, s.bits)
+    problem = beyond_norm(mean, s.dp_clip, s.clip, s.bits) if s.dp_clip is not None else None
+    if problem is not None:   # central DP: every client clipped its delta's L2 norm
+        _skip(server, sr, f"the unmasked sum is refused: {problem}", kind="out_of_range")
+        return
     model = server.aggregator.broadcast(sr.round)["model"]
     names = s.names(model)
     if s.dp_clip is not None and cfg["privacy.dp.noise_multiplier"] > 0:   # central DP on the sum

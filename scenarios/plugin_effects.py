@@ -141,7 +141,10 @@ def drift(seeds, rounds) -> str:
              ("no attack, centered_clip", dict(attack__type="none")),
              ("client 1 sends its received model back (its data lost), FedAvg", nothing),
              ("client 1 drifts, FedAvg", dict(aggregator__robust_rule="none")),
-             ("client 1 drifts, centered_clip", {})]
+             ("client 1 drifts, centered_clip", {}),
+             ("no attack, centered_clip from the round's median", dict(attack__type="none",
+                                                                     aggregator__cc_center="median")),
+             ("client 1 drifts, centered_clip from the round's median", dict(aggregator__cc_center="median"))]
     data = [("natural, 30 a client (the tests' course)", {}),
             ("natural, 200 a client", dict(data__synthetic__samples_per_client=200)),
             ("iid, 100 a client", dict(data__synthetic__iid=True, data__synthetic__samples_per_client=100))]

@@ -28,6 +28,14 @@ keys again, signed for the new round), `withhold` (never answers the unmask requ
 seed share it reveals off by one), `other_key_then_drop` (shares a mask key other than the one
 it advertised, then vanishes before sending its masked input). A client adversary misbehaves in
 every round, or only in those `secagg_test.bad_rounds` lists (honest in the others).
+Inside the sum's bound: `sum_top` / `sum_bottom` (in round 1 it encodes, in place of its own
+input, whatever puts every coordinate of the round's unmasked sum at the top W * (2^bits - 1)
+/ at 0 of what the server accepts, i.e. every coordinate of the mean at +c / -c, its weight
+entry kept), `sum_above_top` / `sum_below_bottom` (the same, with coordinate 0 one step past:
+W * (2^bits - 1) + 1, and -1 mod p), `sum_ball` (under central DP: the mean at
+privacy.dp.clip_norm C on coordinate 0 and 0 elsewhere, to a level). To hit the sum exactly it reads the other clients' inputs
+(an observer records each client's encoded input, changing nothing): the worst case of an
+attacker that knows or guesses them, e.g. from earlier rounds' means.
 """
 from __future__ import annotations
 
@@ -45,7 +53,7 @@ from fedcore.kernel.shamir import random_secret
 SERVERS = ("pairs_server", "split_server", "padded_server", "overlap_server", "withholding_server")
 CLIENTS = ("garbage_shares", "omit_share", "false_report", "one_bad_share", "false_weight", "replay", "replay_keys", "withhold",
            "withhold_input", "out_of_range", "out_of_range_weight", "garbage_input", "false_reveal",
-           "other_key_then_drop")
+           "other_key_then_drop", "sum_top", "sum_above_top", "sum_bottom", "sum_below_bottom", "sum_ball")
 declare("secagg_test.adversary", str, "none", "tests: the secure-aggregation adversary",
         choices=("none",) + SERVERS + CLIENTS)
 declare("secagg_test.bad_client", int, 0, "tests: the misbehaving client")
@@ -186,7 +194,48 @@ def _client_stage(kind):
                 st.vector[at] = np.uint64((int(st.vector[at]) + int(step)) % s.modulus)
             orig(client, msg)
         return "receiving_secagg_routed_shares", bad
+    if kind in SUM_TARGETS:
+        return "receiving_secagg_routed_shares", _sum_target(kind)
     raise ValueError(kind)
+
+
+SUM_TARGETS = ("sum_top", "sum_above_top", "sum_bottom", "sum_below_bottom", "sum_ball")
+
+
+def _record_input(orig, client, msg):
+    """Every client's stage 0 as the project runs it; its encoded input is kept for the test."""
+    orig(client, msg)
+    st = getattr(client, "secagg", None)
+    if st is not None and st.round == msg.round and st.vector is not None:
+        client.course.secagg_test_inputs.setdefault(msg.round, {})[client.id] = st.vector.copy()
+
+
+def _sum_target(kind):
+    """Encode, in round 1, the input that puts the unmasked sum where `kind` says (the docstring)."""
+    def bad(orig, client, msg):
+        st, s = client.secagg, secagg_client._settings(client)
+        if msg.round == 1 and st is not None and st.vector is not None:
+            p, levels = s.modulus, (1 << s.bits) - 1
+            inputs = client.course.secagg_test_inputs[msg.round]
+            total = np.zeros(st.vector.size, dtype=object)
+            for vec in inputs.values():
+                total += vec.astype(object)
+            client.secagg_test_honest = total.copy()     # the round's sum had it been honest
+            weight = int(total[-1])
+            target = np.full(st.vector.size - 1, weight * levels if kind in ("sum_top", "sum_above_top") else 0,
+                             dtype=object)
+            if kind == "sum_ball":    # mean_j = T_j 2c / (levels W) - c, so T_j = (mean_j + c) levels W / 2c
+                mean = np.zeros(st.vector.size - 1)
+                mean[0] = client.course.cfg["privacy.dp.clip_norm"]
+                target = np.array([round((m + s.clip) * levels * weight / (2 * s.clip)) for m in mean], dtype=object)
+            if kind == "sum_above_top":
+                target[0] += 1
+            elif kind == "sum_below_bottom":
+                target[0] = p - 1          # -1 in the field
+            others = total[:-1] - st.vector[:-1].astype(object)
+            st.vector[:-1] = np.array([(int(t) - int(o)) % p for t, o in zip(target, others)], dtype=np.uint64)
+        orig(client, msg)
+    return bad
 
 
 # ---------------------------------------------------------------- the lying server
@@ -288,6 +337,11 @@ def install(course) -> None:
             t.register(event, fn, sends=t.get(event).sends)
         return
     bad_id, rounds = course.cfg["secagg_test.bad_client"], course.cfg["secagg_test.bad_rounds"]
+    if kind in SUM_TARGETS:
+        course.secagg_test_inputs = {}
+        first = course.client_table.get("receiving_models")
+        course.client_table.register("receiving_models", lambda client, msg: _record_input(first.fn, client, msg),
+                                     sends=first.sends)
     event, bad = _client_stage(kind)
     reg = course.client_table.get(event)
 

@@ -6,7 +6,7 @@ from fedcore.kernel import registry
 from fedcore.kernel.contract import Algorithm, ReceivedUpdate
 from fedcore.algorithms.fedavg import FedAvgAggregator, FedAvgTrainer
 from fedcore.algorithms.robust import (centered_clip, clip_to_norm, coordinate_median, krum_scores,
-                                       krum_select, make_rule, trimmed_mean)
+                                       krum_select, make_rule, median_reach, trimmed_mean)
 from fedcore.algorithms.combine import replace_combination
 from fedcore.runtime.course import Course
 from fedcore.kernel.errors import ConfigError
@@ -87,6 +87,34 @@ def test_centered_clip_starts_each_round_from_the_last_combined_delta():
     assert v2["w"].tolist() == pytest.approx([0.3 + 0.3, 0.65 + 0.4])
 
 
+def test_centered_clip_from_the_rounds_median_by_hand_carries_nothing_over():
+    cfg = small_cfg(None, aggregator__robust_rule="centered_clip", aggregator__cc_tau=1.0,
+                    aggregator__cc_center="median")
+    rule = make_rule(cfg)
+    # median (1, 0); (0,0) - it = (-1, 0) kept, (10, 0) - it = (9, 0) clipped to (1, 0): v = (1, 0)
+    v1, m1 = rule([{"w": T([0, 0])}, {"w": T([1, 0])}, {"w": T([10, 0])}], [1.0] * 3, [1, 2, 3], 1)
+    assert v1["w"].tolist() == pytest.approx([1, 0]) and m1["robust_clipped"] == 1
+    # round 2 starts from its own median (0, 0.5), not from v1: (3, 4) - it = (3, 3.5), norm
+    # sqrt(21.25), clipped to norm 1; (0, 0) - it = (0, -0.5) kept; the median's own term is 0
+    v2, m2 = rule([{"w": T([3, 4])}, {"w": T([0, 0.5])}, {"w": T([0, 0])}], [1.0] * 3, [1, 2, 3], 2)
+    r = 21.25 ** 0.5
+    assert v2["w"].tolist() == pytest.approx([3 / r / 3, 0.5 + (3.5 / r - 0.5) / 3]) and m2["robust_clipped"] == 1
+
+
+@pytest.mark.parametrize("others", [[[0.0], [1.0], [3.0], [7.0]], [[0.0], [2.0], [6.0]], [[5.0], [-1.0]]])
+def test_median_reach_is_how_far_one_more_row_moves_the_median(others):
+    """Against a brute force: the median of the others plus one row of every value on a grid."""
+    rows = torch.tensor(others, dtype=torch.float64)
+    medians = [coordinate_median(torch.cat([rows, torch.tensor([[a]], dtype=torch.float64)])).item()
+               for a in torch.linspace(-20, 20, 4001).tolist()]
+    assert median_reach(rows).tolist() == pytest.approx([max(medians) - min(medians)])
+
+
+def test_median_reach_needs_two_other_rows():
+    with pytest.raises(ValueError, match="two others or more"):
+        median_reach(T([[1.0]]))
+
+
 def _aggregate(rule_name, models, samples, **keys):
     cfg = small_cfg(None, aggregator__robust_rule=rule_name, **keys)
     model = torch.nn.Linear(2, 1, bias=False)
@@ -153,6 +181,17 @@ def test_bad_robust_keys_fail_at_config_time():
         small_cfg(None, aggregator__robust_rule="centered_clip")
     with pytest.raises(ConfigError, match="did you mean 'median'"):
         small_cfg(None, aggregator__robust_rule="medain")
+
+
+def test_centered_clip_from_the_median_needs_three_updates_an_aggregation():
+    with pytest.raises(ConfigError, match="aggregator.cc_center: median needs 3 updates per aggregation or more"
+                                          ".*a round has at most 2"):
+        small_cfg(None, aggregator__robust_rule="centered_clip", aggregator__cc_tau=0.1,
+                  aggregator__cc_center="median", federate__sample_client_num=2)
+    small_cfg(None, aggregator__robust_rule="centered_clip", aggregator__cc_tau=0.1,
+              aggregator__cc_center="median", federate__sample_client_num=3)
+    small_cfg(None, aggregator__robust_rule="centered_clip", aggregator__cc_tau=0.1,
+              federate__sample_client_num=2)      # the paper's center: no such need
 
 
 def _final(**overrides):

@@ -66,6 +66,8 @@ def _reference(name, cfg):
             out = ((vecs * scale[:, None]) * (w / w.sum())[:, None]).sum(dim=0)
         else:
             center = history.get("v", torch.zeros(vecs.shape[1], dtype=torch.float64))
+            if cfg["aggregator.cc_center"] == "median":
+                center = coordinate_median(vecs)
             out, _ = centered_clip(vecs, w, center, cfg["aggregator.cc_tau"], cfg["aggregator.cc_iters"])
             history["v"] = out
         return unflatten(out, deltas[0], names), {}
@@ -116,6 +118,22 @@ def test_banded_rules_equal_the_whole_matrix(name, monkeypatch):
                     assert torch.allclose(g[n], e[n], rtol=1e-12, atol=1e-12), (name, n)
                 else:                          # ... then rounded to float32: at most an ulp apart
                     assert torch.allclose(g[n], e[n], rtol=2 ** -23, atol=0), (name, n)
+
+
+@pytest.mark.parametrize("banded", [False, True])
+def test_centered_clip_from_the_rounds_median_combines_as_the_whole_matrix(banded, monkeypatch):
+    cfg = small_cfg(None, aggregator__robust_rule="centered_clip", aggregator__cc_center="median",
+                    **RULES["centered_clip"])
+    want = _aggregate(_reference("centered_clip", cfg), cfg, torch.float64)
+    if banded:
+        _small_bands(monkeypatch)
+    got = _aggregate(make_rule(cfg), cfg, torch.float64)
+    for g, e in zip(got, want):
+        for n in e:
+            if banded and e[n].is_floating_point():   # the iterations' sums taken in another order
+                assert torch.allclose(g[n], e[n], rtol=1e-12, atol=1e-12), n
+            else:
+                assert torch.equal(g[n], e[n]), n
 
 
 def test_a_bands_block_stays_within_its_bound_however_many_rows(monkeypatch):

@@ -6,6 +6,7 @@ import json
 import logging
 
 import pytest
+import torch
 
 from tests.conftest import need_extra
 
@@ -276,3 +277,81 @@ def test_a_dropout_that_shared_another_mask_key_is_removed_by_the_pairwise_keys(
     assert [(r["num_updates"], r["secagg_dropped"]) for r in course.monitor.records] == [(4, 1)] * 3
     reference, _ = _without(tmp_path, 5)
     assert _max_diff(course.server.aggregator.global_state, reference.server.aggregator.global_state) <= _bound(course)
+
+
+# ---------------------------------------------------------------- inside the sum's bound
+def _one_round(tmp_path, adversary, **extra):
+    """A 6-client, 1-round secure course with client 6 as `adversary`; (course, its model before)."""
+    course = _course(tmp_path, adversary, bad=6, federate__total_round_num=1, **extra)
+    return course, {k: v.clone() for k, v in course.server.aggregator.global_state.items()}
+
+
+def _step(course, before):
+    """The round's mean delta as adopted: FedAvg adds it to the model unchanged."""
+    after = course.server.aggregator.global_state
+    return torch.cat([(after[k].double() - before[k].double()).reshape(-1) for k in sorted(before)])
+
+
+@pytest.mark.parametrize("adversary, corner", [("sum_top", 1.0), ("sum_bottom", -1.0)])
+def test_one_client_inside_the_sums_bound_puts_every_coordinate_of_the_mean_at_a_corner(
+        tmp_path, caplog, adversary, corner):
+    """docs/secure_aggregation.md, Bounded input: an accepted sum has every coordinate in
+    [0, W (2^bits - 1)], i.e. every coordinate of the mean in [-c, c], and one client of any
+    weight can encode an input that puts it anywhere there: the displacement of coordinate j from
+    the honest mean m_j reaches c + |m_j| (at most 2c), not 2c w / W."""
+    course, before = _one_round(tmp_path / "out", adversary)
+    summary = _run(course, caplog)
+    assert course.monitor.records[0]["num_updates"] == 6 and "secagg_out_of_range_rounds" not in summary
+    c, levels = course.cfg["secure_aggregation.clip"], (1 << course.cfg["secure_aggregation.bits"]) - 1
+    attacker = course.clients[6]
+    honest_total = attacker.secagg_test_honest
+    big_w, w = int(honest_total[-1]), int(course.secagg_test_inputs[1][6][-1])
+    # the mean the honest round would have had, from its integer sum by the encoding's formula
+    honest = torch.tensor([int(x) * 2 * c / levels / big_w - c for x in honest_total[:-1]], dtype=torch.float64)
+    step = _step(course, before)
+    assert torch.allclose(step, torch.full_like(step, corner * c), rtol=0, atol=1e-12)   # the corner, exactly
+    moved = (step - honest).abs()
+    assert torch.all(moved <= c + honest.abs() + 1e-12)                  # the documented bound ...
+    assert torch.allclose(moved, c + corner * -honest, rtol=0, atol=1e-12)   # ... reached on every coordinate
+    assert moved.max().item() > 2 * c * w / big_w                        # far past its weight's share
+    assert w / big_w <= 1 / 6 + 1e-12
+
+
+@pytest.mark.parametrize("adversary", ["sum_above_top", "sum_below_bottom"])
+def test_one_step_past_the_sums_bound_is_refused(tmp_path, caplog, adversary):
+    course, before = _one_round(tmp_path / "out", adversary)
+    with pytest.raises(NothingAggregated):
+        _run(course, caplog)
+    assert course.monitor.records[0]["secagg_out_of_range"] == 1
+    assert "round 1 out_of_range: the unmasked sum is refused: a coordinate is" in caplog.text
+    assert _max_diff(course.server.aggregator.global_state, before) == 0
+
+
+CENTRAL = {"privacy__dp__mode": "central", "privacy__dp__noise_multiplier": 0.0, "privacy__dp__clip_norm": 0.5}
+
+
+def test_under_central_dp_a_mean_beyond_the_clip_norm_is_refused(tmp_path, caplog):
+    """Each client clipped its delta to L2 norm C: a mean of norm above C + sqrt(n) c / (2^bits - 1)
+    is one no honest inputs reach. The corner (norm c sqrt(n)) is refused; the attacker keeps
+    the ball: the mean anywhere within that norm."""
+    from fedcore.algorithms.secure_sum import norm_reach
+    course, before = _one_round(tmp_path / "out", "sum_top", **CENTRAL)
+    with pytest.raises(NothingAggregated):
+        _run(course, caplog)
+    assert course.monitor.records[0]["secagg_out_of_range"] == 1
+    assert "the mean delta's L2 norm is" in caplog.text
+    assert _max_diff(course.server.aggregator.global_state, before) == 0
+    n = sum(v.numel() for v in before.values())
+    assert norm_reach(0.5, n, 1.0, 16) == pytest.approx(0.5 + n ** 0.5 / 65535)
+
+
+def test_under_central_dp_one_client_still_puts_the_mean_anywhere_in_the_ball(tmp_path, caplog):
+    """What the norm check leaves: the mean at C = 0.5 on one coordinate, 0 elsewhere (to a
+    level, c / (2^bits - 1) / W at most), accepted; weight 1 of 6."""
+    course, before = _one_round(tmp_path / "out", "sum_ball", **CENTRAL)
+    summary = _run(course, caplog)
+    assert course.monitor.records[0]["num_updates"] == 6 and "secagg_out_of_range_rounds" not in summary
+    c, levels = course.cfg["secure_aggregation.clip"], (1 << course.cfg["secure_aggregation.bits"]) - 1
+    want = torch.zeros_like(_step(course, before))
+    want[0] = 0.5
+    assert torch.allclose(_step(course, before), want, rtol=0, atol=c / levels / 6 + 1e-12)
