@@ -159,15 +159,17 @@ class FtrlRelease:
         return unflatten(step, deltas[0], names), {"dp_clipped": clipped, "dp_ftrl_dropped": dropped}
 
     def epsilon(self) -> float | None:
-        """Epsilon of releases 1..t: the prefix's sensitivity against the noise of the whole."""
+        """Epsilon of releases 1..t: the prefix's sensitivity against the noise of the whole.
+        Past round 64 the prefix is measured at the next power of two (or T) only: the
+        sensitivity grows with the prefix, so that is an upper bound, at a cost in log T."""
         if self.sigma == 0:
             return None
-        if self.t not in self._eps:
-            C = self.C[:self.t, :self.t]
-            prefix = sensitivity(C, self.schedule.k, self.schedule.b)
-            self._eps[self.t] = 0.0 if prefix == 0 else epsilon_for(
+        at = self.t if self.t <= 64 else min(self.T, 1 << (self.t - 1).bit_length())
+        if at not in self._eps:
+            prefix = sensitivity(self.C[:at, :at], self.schedule.k, self.schedule.b)
+            self._eps[at] = 0.0 if prefix == 0 else epsilon_for(
                 self.kind, 1.0, self.sigma * self.sens / prefix, 1, self.delta)
-        return self._eps[self.t]
+        return self._eps[at]
 
     def state(self) -> dict[str, Any]:
         return {"t": self.t, "stream": self.stream.state(),

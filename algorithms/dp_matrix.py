@@ -107,17 +107,23 @@ def banded_matrix(T: int, bands: int, iters: int = 100) -> np.ndarray:
         return build(free.detach()).numpy()
 
 
-def _best_picks(values: np.ndarray, k: int, b: int) -> np.ndarray:
-    """For each row of `values` (r x n) and each p, the largest sum of at most c picks among
-    columns 0..p, any two at least b apart: an array (k + 1) x r x n, [c, i, p]."""
+def _best_picks(values: np.ndarray, k: int, b: int, at: np.ndarray) -> np.ndarray:
+    """best[c, i]: the largest sum of at most c entries of row i of `values` (r x n) among
+    columns 0..at[i] (none where at[i] < 0), any two at least b columns apart; (k + 1) x r.
+    A dynamic program over the columns that keeps two r x n layers, not k + 1."""
     r, n = values.shape
-    best = np.zeros((k + 1, r, n))
+    rows = np.arange(r)
+    out = np.zeros((k + 1, r))
+    prev = np.zeros((r, n))          # layer c - 1: best with at most c - 1 picks up to column p
     for c in range(1, k + 1):
+        cur = np.zeros((r, n))
         for p in range(n):
-            take = values[:, p] + (best[c - 1, :, p - b] if p - b >= 0 else 0.0)
-            best[c, :, p] = np.maximum(take, best[c, :, p - 1] if p > 0 else 0.0)
-            best[c, :, p] = np.maximum(best[c, :, p], best[c - 1, :, p])
-    return best
+            take = values[:, p] + (prev[:, p - b] if p - b >= 0 else 0.0)
+            cur[:, p] = np.maximum(np.maximum(take, prev[:, p]), cur[:, p - 1] if p > 0 else 0.0)
+        valid = at >= 0
+        out[c, valid] = cur[rows[valid], at[valid]]
+        prev = cur
+    return out
 
 
 def sensitivity(C: np.ndarray, k: int, b: int) -> float:
@@ -129,17 +135,17 @@ def sensitivity(C: np.ndarray, k: int, b: int) -> float:
     T = C.shape[1]
     k = max(1, min(k, T))
     X = np.abs(C.T @ C)
+    widest = max(max((i - j for i, j in zip(*np.nonzero(C))), default=0) + 1, 1)
     if k == 1:
         return float(np.sqrt(X.diagonal().max()))
+    if widest <= b:   # columns of different participations are orthogonal: the best diagonal picks
+        return float(np.sqrt(_best_picks(X.diagonal()[None, :], k, b, np.array([T - 1]))[k, 0]))
     # R_i: X_ii plus the best k - 1 picks split between columns <= i - b and >= i + b
-    left = _best_picks(X, k - 1, b)
-    right = _best_picks(X[:, ::-1], k - 1, b)[:, :, ::-1]
-    R = X.diagonal().copy()
-    for i in range(T):
-        lo = left[:, i, i - b] if i - b >= 0 else np.zeros(k)
-        hi = right[:, i, i + b] if i + b < T else np.zeros(k)
-        R[i] += max(lo[c] + hi[k - 1 - c] for c in range(k))
-    total = _best_picks(R[None, :], k, b)[k, 0, T - 1]
+    idx = np.arange(T)
+    left = _best_picks(X, k - 1, b, idx - b)
+    right = _best_picks(X[:, ::-1], k - 1, b, (T - 1 - idx) - b)
+    R = X.diagonal() + np.max([left[c] + right[k - 1 - c] for c in range(k)], axis=0)
+    total = _best_picks(R[None, :], k, b, np.array([T - 1]))[k, 0]
     return float(np.sqrt(total))
 
 
