@@ -124,3 +124,14 @@ def test_bad_accounting_input_exits_2_with_one_line(tmp_path, override, key):
                    "privacy: {dp: {mode: central}}\n")
     r = run_fedcore(["--cfg", cfg, override, f"outdir={tmp_path / 'out'}"], timeout=120)
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and key in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("q, sigma, delta", [(1.0, math.sqrt(3), 0.126936), (0.2, 0.5, 0.15594)])
+def test_the_libraries_own_examples(q, sigma, delta):
+    # dp-accounting's pld_privacy_accountant_test (test_gaussian_basic,
+    # test_poisson_subsampled_gaussian): three steps spend epsilon 1 at these deltas
+    for kind in ("pld", "prv"):
+        acc = make_accountant(kind)
+        acc.step(q, sigma)
+        acc.step(q, sigma, 2)
+        assert acc.epsilon(delta) == pytest.approx(1.0, abs=0.02), kind
