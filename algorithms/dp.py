@@ -17,6 +17,8 @@ round with q = clients per round / N. Local: each noisy release is a Gaussian
 mechanism (q = 1) on that client's update; the epsilon of the client that
 released most often is reported.
 
+Central DP's clip norm may adapt to a quantile of the update norms (`dp_adaptive_clip`);
+`privacy.dp.mode: ftrl` (DP-FTRL, no sampling assumed) has its server in `dp_ftrl`.
 Noise comes from `dp_noise`: seeded in simulation, the OS's randomness in deployment.
 The neighbouring relation, sensitivities and assumptions: docs/algorithms/dp.md.
 """
@@ -323,13 +325,15 @@ def install(course) -> None:
     if cfg["privacy.dp.mode"] in ("central", "ftrl") and cfg["privacy.dp.clip_each_step"] \
             and course.trainer is not None:
         _install_projection(course)
-    if server is None or cfg["privacy.dp.mode"] == "ftrl":   # its server: algorithms/dp_ftrl.py
+    if server is None:
         return
-    ledger = _Ledger(course)
-    if cfg["eval.clients"] and ledger.sigma > 0:
+    if cfg["eval.clients"] and cfg["privacy.dp.noise_multiplier"] > 0:
         log.warning("privacy.dp: client evaluations (eval.clients) send each client's test loss and "
                     "accuracy without noise: dp_epsilon does not cover them; set eval.clients: false "
                     "for it to cover everything the server sees")
+    if cfg["privacy.dp.mode"] == "ftrl":   # its server: algorithms/dp_ftrl.py
+        return
+    ledger = _Ledger(course)
     if cfg["privacy.dp.mode"] == "central":
         _install_central(course, ledger.q)
     course.checkpointer.register("privacy.dp", ledger.state, ledger.restore)
