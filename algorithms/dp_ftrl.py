@@ -172,10 +172,15 @@ class FtrlRelease:
         return self._eps[at]
 
     def state(self) -> dict[str, Any]:
-        return {"t": self.t, "stream": self.stream.state(),
+        return {"t": self.t, "T": self.T, "factorization": self.factorization, "stream": self.stream.state(),
                 "seen": {int(c): [int(n), int(last)] for c, (n, last) in self.schedule.seen.items()}}
 
     def restore(self, state: dict[str, Any]) -> None:
+        if (int(state["T"]), state["factorization"]) != (self.T, self.factorization):
+            # the kept noises belong to that factorization: another one would release them wrongly
+            raise ConfigError(f"federate.total_round_num: the snapshot's DP-FTRL noise is for "
+                              f"{state['T']} rounds of a {state['factorization']} factorization; "
+                              f"resume with those")
         self.t = int(state["t"])
         self.stream.restore(state["stream"])
         self.schedule.seen = {int(c): [int(n), int(last)] for c, (n, last) in state["seen"].items()}

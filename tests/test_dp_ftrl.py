@@ -156,6 +156,9 @@ def test_a_resumed_course_continues_the_same_noise(tmp_path):
     Course(small_cfg(tmp_path / "resumed", resume_from=str(ckpt), **common)).run()
     a, b = _final(tmp_path / "full"), _final(tmp_path / "resumed")
     assert all(torch.equal(a[k], b[k]) for k in a)
+    longer = {**common, "federate__total_round_num": 6}
+    with pytest.raises(ConfigError, match="federate.total_round_num: the snapshot's DP-FTRL noise is for 4"):
+        Course(small_cfg(tmp_path / "longer", resume_from=str(ckpt), **longer)).run()
 
 
 @pytest.mark.parametrize("overrides, match", [
