@@ -10,13 +10,15 @@ qN (the fixed-denominator estimator of DP-FedAvg, so the divisor reveals nothing
 took part); clients are then Poisson-sampled with q = clients per round / N, as the bound
 assumes, and a round whose sample is empty still releases its noise.
 
-The server keeps an RDP accountant (`dp_accountant`) and writes the
+The server keeps an accountant (`privacy.dp.accountant`: RDP, PLD or PRV, `dp_accountants`) and writes the
 client-level epsilon spent at `privacy.dp.delta` into each round's record
 (`dp_epsilon`) and the summary. Central: one subsampled Gaussian step per
 round with q = clients per round / N. Local: each noisy release is a Gaussian
 mechanism (q = 1) on that client's update; the epsilon of the client that
 released most often is reported.
 
+Central DP's clip norm may adapt to a quantile of the update norms (`dp_adaptive_clip`);
+`privacy.dp.mode: ftrl` (DP-FTRL, no sampling assumed) has its server in `dp_ftrl`.
 Noise comes from `dp_noise`: seeded in simulation, the OS's randomness in deployment.
 The neighbouring relation, sensitivities and assumptions: docs/algorithms/dp.md.
 """
@@ -27,12 +29,12 @@ import math
 
 from typing import Any
 
-import numpy as np
 import torch
 
 from fedcore.kernel import registry
 from fedcore.algorithms.combine import Deltas, flatten, float_names, replace_combination, unflatten
-from fedcore.algorithms.dp_accountant import RdpAccountant
+from fedcore.algorithms.dp_accountants import make_accountant
+from fedcore.algorithms.dp_adaptive_clip import AdaptiveClip
 from fedcore.algorithms.dp_noise import (noise_generator, noise_source, resolved_noise_source,
                                          standard_normal)
 from fedcore.algorithms.participants import chosen_clients
@@ -48,8 +50,9 @@ __all__ = ["clip_delta", "gaussian_noise", "noise_generator", "privatize", "cent
 log = logging.getLogger("fedcore.dp")
 
 declare("privacy.dp.mode", str, "none", "differential privacy of updates: none, local (clients "
-        "clip and add noise before sending) or central (the server clips each update and adds "
-        "noise to the aggregate)", choices=("none", "local", "central"))
+        "clip and add noise before sending), central (the server clips each update and adds "
+        "noise to the aggregate: DP-FedAvg) or ftrl (the server clips each update and releases "
+        "noisy prefix sums: DP-FTRL, no sampling assumed)", choices=("none", "local", "central", "ftrl"))
 declare("privacy.dp.clip_norm", float, 1.0, "C: largest L2 norm of an update delta",
         check=positive)
 declare("privacy.dp.noise_multiplier", float, 1.0, "sigma: Gaussian noise std is sigma * C",
@@ -75,7 +78,7 @@ def _check_dp(cfg) -> None:
         return
     if cfg["privacy.dp.clients"] is not None and cfg["privacy.dp.fraction"] is not None:
         raise ConfigError("privacy.dp.clients and privacy.dp.fraction are both set; keep one")
-    if mode == "central":
+    if mode in ("central", "ftrl"):
         if cfg["privacy.dp.clients"] is not None or cfg["privacy.dp.fraction"] is not None:
             raise ConfigError("privacy.dp.clients/fraction: central DP applies to every update; "
                               "use privacy.dp.mode=local to choose clients")
@@ -98,6 +101,7 @@ def _check_dp(cfg) -> None:
             raise ConfigError(f"privacy.dp.mode: central DP cannot wrap algorithm.name "
                               f"{cfg['algorithm.name']} (its aggregation uses more than the mean "
                               "model); use privacy.dp.mode=local")
+    if mode == "central":
         _check_central_sampling(cfg)
     if mode == "local" and cfg["fedex.candidates"] is not None:
         raise ConfigError("fedex.candidates: FedEx sends each client's validation loss (and with "
@@ -184,17 +188,22 @@ class _Ledger:
         self.sigma = cfg["privacy.dp.noise_multiplier"]
         self.delta = cfg["privacy.dp.delta"]
         self.q = clients_per_round(cfg) / course.num_clients
-        self.central = RdpAccountant()
+        self.kind = cfg["privacy.dp.accountant"]
+        self.central = make_accountant(self.kind)
         self.releases: dict[int, int] = {}
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint keeps: the privacy already spent must survive a resume."""
-        return {"rdp": [float(r) for r in self.central._rdp], "steps": self.central.steps,
+        kind = {} if self.kind == "rdp" else {"accountant": self.kind}
+        return {**kind, **self.central.state(),
                 "releases": {int(c): n for c, n in self.releases.items()}}
 
     def restore(self, state: dict[str, Any]) -> None:
-        self.central._rdp = np.array(state["rdp"], dtype=float)
-        self.central.steps = int(state["steps"])
+        kind = state.get("accountant", "rdp")
+        if kind != self.kind:
+            raise ConfigError(f"privacy.dp.accountant: the snapshot's privacy was accounted with "
+                              f"{kind}; resume with privacy.dp.accountant={kind}")
+        self.central.restore(state)
         self.releases = {int(c): int(n) for c, n in state["releases"].items()}
 
     def released(self, client: int) -> None:
@@ -212,7 +221,7 @@ class _Ledger:
             return {"dp_epsilon": None, "dp_epsilon_replace_one": None}  # nothing released yet
         # a client's data against none (a zero update: sensitivity C), and against any other
         # data of that client (replace-one: sensitivity 2C, i.e. noise multiplier sigma / 2)
-        zero_out, replace_one = RdpAccountant(), RdpAccountant()
+        zero_out, replace_one = make_accountant(self.kind), make_accountant(self.kind)
         zero_out.step(1.0, self.sigma, most)
         replace_one.step(1.0, self.sigma / 2, most)
         return {"dp_epsilon": zero_out.epsilon(self.delta),
@@ -233,9 +242,14 @@ def _install_central(course, q: float) -> None:
         # the server has no single update to clip
         return
     aggregator = server.aggregator
-    replace_combination(aggregator, central_dp_rule(
-        cfg["privacy.dp.clip_norm"], sigma, lambda round_: noise_source(cfg, 0, round_),
-        expected=clients_per_round(cfg)), "privacy.dp.mode central", others="global")
+    noise = lambda round_: noise_source(cfg, 0, round_)  # noqa: E731
+    if cfg["privacy.dp.adaptive_clip.target_quantile"] is not None:   # Andrew et al. 2021
+        adaptive = AdaptiveClip(cfg, noise)
+        rule = adaptive.rule
+        course.checkpointer.register("privacy.dp.adaptive_clip", adaptive.state, adaptive.restore)
+    else:
+        rule = central_dp_rule(cfg["privacy.dp.clip_norm"], sigma, noise, expected=clients_per_round(cfg))
+    replace_combination(aggregator, rule, "privacy.dp.mode central", others="global")
 
     def releasing_empty_rounds(combine, updates, round_):
         if not updates:  # the server's own unchanged model: a zero delta, so noise alone is added
@@ -311,15 +325,18 @@ def install(course) -> None:
                                cfg["privacy.dp.fraction"], cfg["seed"], 8101, "privacy.dp")
         if course.trainer is not None:
             _install_local(course, noisy)
-    if cfg["privacy.dp.mode"] == "central" and cfg["privacy.dp.clip_each_step"] and course.trainer is not None:
+    if cfg["privacy.dp.mode"] in ("central", "ftrl") and cfg["privacy.dp.clip_each_step"] \
+            and course.trainer is not None:
         _install_projection(course)
     if server is None:
         return
-    ledger = _Ledger(course)
-    if cfg["eval.clients"] and ledger.sigma > 0:
+    if cfg["eval.clients"] and cfg["privacy.dp.noise_multiplier"] > 0:
         log.warning("privacy.dp: client evaluations (eval.clients) send each client's test loss and "
                     "accuracy without noise: dp_epsilon does not cover them; set eval.clients: false "
                     "for it to cover everything the server sees")
+    if cfg["privacy.dp.mode"] == "ftrl":   # its server: algorithms/dp_ftrl.py
+        return
+    ledger = _Ledger(course)
     if cfg["privacy.dp.mode"] == "central":
         _install_central(course, ledger.q)
     course.checkpointer.register("privacy.dp", ledger.state, ledger.restore)
@@ -329,7 +346,8 @@ def install(course) -> None:
     def summarize(spent: dict[str, Any]) -> None:
         course.monitor.add_summary("dp", {"dp_epsilon": spent["dp_epsilon"], "dp_delta": ledger.delta,
                                           "dp_mode": ledger.mode, "dp_noisy_clients": len(noisy),
-                                          "dp_noise_source": source})
+                                          "dp_noise_source": source,
+                                          "dp_accountant": ledger.kind})
         if "dp_epsilon_replace_one" in spent:
             course.monitor.add_summary("dp", {"dp_epsilon_replace_one": spent["dp_epsilon_replace_one"]})
 
