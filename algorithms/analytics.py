@@ -24,7 +24,7 @@ from fedcore.algorithms.dp_accountant import RdpAccountant, dp_epsilon
 from fedcore.algorithms.dp_noise import noise_source, resolved_noise_source, standard_normal
 from fedcore.kernel.config import declare, positive, resolver, validator
 from fedcore.kernel.contract import Aggregator, Algorithm, FitResult, ReceivedUpdate
-from fedcore.kernel.errors import ConfigError
+from fedcore.kernel.errors import ConfigError, NothingAggregated
 from fedcore.kernel.hooks import Wrappable
 from fedcore.kernel.registry import algorithms, models
 
@@ -91,8 +91,10 @@ def _check_analytics(cfg) -> None:
         if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0 <= q <= 1:
             raise ConfigError(f"analytics.quantiles: {q!r} is not a number in [0, 1]")
     if cfg["secure_aggregation.enabled"]:
-        raise ConfigError("secure_aggregation.enabled: task: analytics sends its sums in the clear to "
-                          "the server; set secure_aggregation.enabled=false (see docs/analytics.md)")
+        extremes = [s for s in asked if s in ("min", "max")]
+        if extremes:
+            raise ConfigError(f"analytics.statistics: {extremes[0]} is one record's value, not a sum, and "
+                              "secure aggregation reveals only sums; ask quantiles [0, 1] instead")
     if cfg["analytics.dp.epsilon"] is not None:
         extremes = [s for s in asked if s in ("min", "max")]
         if extremes:
@@ -304,6 +306,10 @@ class AnalyticsAggregator(Aggregator):
     def blocks(self, round_: int) -> list[st.Block]:
         return st.base_blocks(self.plan) if round_ == 1 else st.refine_blocks(self.plan)
 
+    def masked_length(self, round_: int) -> int:
+        """Under secure aggregation: a client's masked vector, its sums and its weight."""
+        return sum(b.length for b in self.blocks(round_)) + 1
+
     def noise(self, blocks: list[st.Block], values: list[list[Any]], round_: int) -> list[np.ndarray] | None:
         """Each block's Gaussian noise (sigma from `block_sigmas`), drawn as DP noise is drawn:
         seeded in simulation, from the OS in deployment (`privacy.dp.noise_source`)."""
@@ -319,7 +325,14 @@ class AnalyticsAggregator(Aggregator):
         self.accountant.step(1.0, self.multiplier)
         return out
 
+    # a secure round that is skipped (too few survivors) reaches `aggregate` with no sums: a
+    # statistic of the union cannot do without a round, so the course stops there
+    releases_empty_rounds = True
+
     def aggregate(self, updates: list[ReceivedUpdate], round_: int) -> dict[str, float]:
+        if not updates:
+            raise NothingAggregated(f"analytics: round {round_} has no sums (a secure round was skipped); "
+                                    "a statistic of the union cannot skip a round")
         blocks = self.blocks(round_)
         ordered = sorted(updates, key=lambda u: u.client_id)
         sums = st.combine(blocks, [u.content["sums"].numpy() for u in ordered])

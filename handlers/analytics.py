@@ -18,7 +18,7 @@ from fedcore.kernel.registry import courses
 
 log = logging.getLogger("fedcore.analytics")
 
-__all__ = ["ask", "collect_sums", "add_up", "install"]
+__all__ = ["ask", "collect_sums", "add_up", "settle", "install"]
 
 
 def ask(server, _event=None) -> None:
@@ -41,16 +41,24 @@ def collect_sums(server, msg) -> None:
 
 def add_up(server, _event=None) -> None:
     """`all_received`: add the sums exactly, record the round; ask again or finish."""
-    course, agg = server.course, server.aggregator
-    fields = {"num_updates": len(server.buffer), **agg.aggregate(server.buffer, server.round)}
-    server.buffer = []
+    updates, server.buffer = server.buffer, []
+    if settle(server, updates, {"num_updates": len(updates)}):
+        ask(server)
+
+
+def settle(server, updates: list[ReceivedUpdate], fields: dict) -> bool:
+    """Aggregate the round's sums (each client's, or one already summed securely), record the
+    round; True when another round follows, else the statistics are written and the course
+    finishes."""
+    course = server.course
+    fields = {**fields, **server.aggregator.aggregate(updates, server.round)}
     course.monitor.record_round(server.round, server.now, fields)
     if server.round < course.cfg["federate.total_round_num"]:
         server.round += 1
-        ask(server)
-        return
+        return True
     _write_statistics(server)
     server.trigger("max_rounds_reached")
+    return False
 
 
 def _write_statistics(server) -> None:
