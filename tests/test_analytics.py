@@ -179,8 +179,8 @@ def test_dp_sigma_is_the_accountants_and_the_bounds(tmp_path):
     """z meets the target epsilon and no smaller z does (searched here independently), and each
     released sum's sigma is z sqrt(J) Delta, with Delta from the bounds by hand."""
     import fedcore
-    result = fedcore.run([SCENARIO, DP_SCENARIO], outdir=str(tmp_path), verbose=0)
-    cfg = load_config([SCENARIO, DP_SCENARIO])
+    result = fedcore.run(DP_SCENARIO, outdir=str(tmp_path), verbose=0)
+    cfg = load_config(DP_SCENARIO)
     target, delta, rounds = cfg["analytics.dp.epsilon"], cfg["analytics.dp.delta"], 4
     z = result.summary["analytics_noise_multiplier"]
     assert dp_epsilon(1.0, z, rounds, delta) <= target < dp_epsilon(1.0, z * 0.999, rounds, delta)
@@ -203,7 +203,7 @@ def test_dp_sigma_is_the_accountants_and_the_bounds(tmp_path):
 def test_dp_noise_spread_matches_sigma():
     """Over many seeded draws, the noise on a released sum has the sigma the course states."""
     from fedcore.algorithms.analytics import AnalyticsAggregator, AnalyticsRequest, plan_of
-    cfg = load_config([SCENARIO, DP_SCENARIO], extra={"analytics.dp.epsilon": 4.0})
+    cfg = load_config(DP_SCENARIO, extra={"analytics.dp.epsilon": 4.0})
     plan = plan_of(cfg, (13,), 3)
     agg = AnalyticsAggregator(AnalyticsRequest(plan), cfg, 5)
     blocks = st.base_blocks(plan)

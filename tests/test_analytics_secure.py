@@ -57,3 +57,15 @@ def test_a_curious_server_sees_only_masked_sums(tmp_path):
     # what the server learnt is the sum: round 1's counts per cultivar of the union
     stats = json.loads((tmp_path / "statistics.json").read_text())["statistics"]["alcohol"]
     assert [stats[g]["count"] for g in ("class_0", "class_1", "class_2")] == [59, 71, 48]
+
+
+def test_a_round_without_sums_stops_the_course():
+    """A skipped secure round reaches the aggregator empty: the course stops (exit 6) rather
+    than describe the union without it."""
+    from fedcore.algorithms.analytics import AnalyticsAggregator, AnalyticsRequest, plan_of
+    from fedcore.kernel.errors import EXIT_NOTHING_AGGREGATED, NothingAggregated
+    cfg = load_config(SCENARIO, extra=SUMS_ONLY)
+    agg = AnalyticsAggregator(AnalyticsRequest(plan_of(cfg, (13,), 3)), cfg, 5)
+    with pytest.raises(NothingAggregated, match="round 1 has no sums") as caught:
+        agg.aggregate([], 1)
+    assert caught.value.exit_code == EXIT_NOTHING_AGGREGATED == 6
