@@ -164,7 +164,7 @@ def test_course_records_each_round_and_summarises(plain_run):
     assert not any("epsilon" in k for k in summary)
 
 
-def test_partition_is_non_iid(plain_run, wine):
+def test_partition_is_non_iid():
     """The silos hold different mixes of the cultivars (the scenario's Dirichlet split)."""
     from fedcore.scenarios.data import build_federated_data
     data = build_federated_data(load_config(SCENARIO))
