@@ -137,7 +137,8 @@ def _check_csv_columns(cfg) -> None:
             continue   # named in plan_of, against the features the data hold
         for i, row in enumerate(rows, start=2):
             try:
-                float(row[name])
+                if not math.isfinite(float(row[name])):
+                    raise ValueError
             except (TypeError, ValueError):
                 raise ConfigError(f"analytics.columns: column '{name}' of '{cfg['data.root']}' is not "
                                   f"numeric (line {i}: {row[name]!r}); describe a numeric column") from None

@@ -54,9 +54,10 @@ class Column:
         return int(np.rint(np.ldexp((self.lo + self.hi) / 2.0, bits)))
 
     def half_range(self, bits: int) -> float:
-        """h: the most |x - C 2^-F| can be for x within the bounds (each record's share of a sum)."""
+        """h: the most |D 2^-F| can be for x within the bounds (each record's share of a sum):
+        the bounds' half-width around C 2^-F, plus half a step for the rounding to 2^-F."""
         c = self.center(bits) / 2.0 ** bits
-        return max(self.hi - c, c - self.lo)
+        return max(self.hi - c, c - self.lo) + 2.0 ** (-bits - 1)
 
     def limbs(self, bits: int, power: int) -> int:
         """Limbs of the exact sum of D^power: room for 2^ROW_BITS rows and a sign."""
@@ -178,6 +179,9 @@ def local_sums(plan: Plan, rows: np.ndarray, groups: np.ndarray, blocks: list[Bl
                targets: list[Target] | None = None) -> list[int]:
     """The integer reply vector for `blocks` over a client's `rows` (n x columns, float64) and
     their group indices."""
+    bad = [c.name for c in plan.columns if not np.isfinite(rows[:, c.index]).all()]
+    if bad:
+        raise ValueError(f"analytics: this client's column '{bad[0]}' holds a missing or non-finite value")
     out: list[int] = []
     masks = [groups == g for g in range(len(plan.groups))]
     for block in blocks:

@@ -192,7 +192,7 @@ def test_dp_sigma_is_the_accountants_and_the_bounds(tmp_path):
     assert len(sigmas["1"]) == j and sigmas["1"][0] == pytest.approx(z * math.sqrt(j))
     for i, name in enumerate(cfg["analytics.columns"]):
         lo, hi = cfg["analytics.bounds"][name]
-        h = (hi - lo) / 2          # the bounds' midpoints are exact at 64 fraction bits
+        h = (hi - lo) / 2 + 2.0 ** -65   # midpoints exact at F = 64 bits, plus half a step of 2^-64
         assert sigmas["1"][1 + 4 * i: 5 + 4 * i] == pytest.approx(
             [z * math.sqrt(j) * h, z * math.sqrt(j) * h * h, z * math.sqrt(j), z * math.sqrt(j)])
     # refinement rounds: per column, each record moves one sub-bin per quantile
@@ -210,7 +210,7 @@ def test_dp_noise_spread_matches_sigma():
     values = [[0.0] * (len(plan.groups) if b.kind in ("sum", "square") else b.length) for b in blocks]
     draws = np.array([agg.noise(blocks, values, r)[1][0] for r in range(1, 3001)])
     sigma = agg.sigmas[1][1]
-    assert sigma == pytest.approx(agg.multiplier * math.sqrt(len(blocks)) * 2.0)
+    assert sigma == pytest.approx(agg.multiplier * math.sqrt(len(blocks)) * (2.0 + 2.0 ** -65))
     assert abs(draws.mean()) < 4 * sigma / math.sqrt(len(draws))
     assert draws.std() == pytest.approx(sigma, rel=0.06)
 
@@ -254,3 +254,11 @@ def test_unmeetable_epsilon_is_refused(capsys, tmp_path):
 def test_column_without_bounds_is_refused(capsys, tmp_path):
     code, err = _exit(capsys, "analytics.columns=[alcohol,hue]", f"outdir={tmp_path}")
     assert code == 2 and "analytics.bounds" in err and "'hue'" in err
+
+
+def test_missing_value_in_a_column_is_refused(tmp_path, capsys):
+    csv = tmp_path / "t.csv"
+    csv.write_text("height,label\n1.5,a\nnan,b\n")
+    code, err = _exit(capsys, "data.type=csv", f"data.root={csv}", "analytics.columns=[height]",
+                      "analytics.group_by=null", f"outdir={tmp_path / 'o'}")
+    assert code == 2 and "'height'" in err and "line 3" in err
