@@ -74,6 +74,12 @@ def _check_analytics(cfg) -> None:
     if not asked or unknown:
         raise ConfigError(f"analytics.statistics: {unknown[0] if unknown else 'empty'!r} is not a "
                           f"statistic; choose from {', '.join(st.STATISTICS)}")
+    # every client, every round, in a star: the one flow the analytics course runs
+    for key, default, as_text in (("topology.edges", 0, "0"), ("asyn.use", False, "false"),
+                                  ("executor", "sequential", "sequential")):
+        if cfg[key] != default:
+            raise ConfigError(f"{key}: task: analytics asks every client for its sums each round, in "
+                              f"a star, one client after another; set {key}={as_text}")
     for q in cfg["analytics.quantiles"]:
         if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0 <= q <= 1:
             raise ConfigError(f"analytics.quantiles: {q!r} is not a number in [0, 1]")
