@@ -83,13 +83,14 @@ def _check_analytics(cfg) -> None:
     for q in cfg["analytics.quantiles"]:
         if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0 <= q <= 1:
             raise ConfigError(f"analytics.quantiles: {q!r} is not a number in [0, 1]")
-    if cfg["secure_aggregation.enabled"]:
-        extremes = [s for s in asked if s in ("min", "max")]
-        if extremes:
-            raise ConfigError(f"analytics.statistics: {extremes[0]} is one record's value, not a sum, and "
-                              "secure aggregation reveals only sums; ask quantiles [0, 1] instead")
+    if cfg["privacy.dp.mode"] != "none":
+        raise ConfigError("privacy.dp.mode: DP of model updates does not apply to task: analytics; set "
+                          "privacy.dp.mode=none and analytics.dp.epsilon for DP statistics")
+    extremes = [s for s in asked if s in ("min", "max")]
+    if extremes and cfg["secure_aggregation.enabled"]:
+        raise ConfigError(f"analytics.statistics: {extremes[0]} is one record's value, not a sum, and "
+                          "secure aggregation reveals only sums; ask quantiles [0, 1] instead")
     if cfg["analytics.dp.epsilon"] is not None:
-        extremes = [s for s in asked if s in ("min", "max")]
         if extremes:
             raise ConfigError(f"analytics.statistics: {extremes[0]} is one record's value and has no "
                               "DP release; with analytics.dp.epsilon ask quantiles [0, 1] instead")

@@ -264,7 +264,8 @@ def test_missing_value_in_a_column_is_refused(tmp_path, capsys):
     assert code == 2 and "'height'" in err and "line 3" in err
 
 
-@pytest.mark.parametrize("override", ["topology.edges=2", "asyn.use=true", "executor=processes"])
-def test_flows_other_than_a_star_of_rounds_are_refused(override, capsys, tmp_path):
+@pytest.mark.parametrize("override", ["topology.edges=2", "asyn.use=true", "executor=processes",
+                                      "privacy.dp.mode=central"])
+def test_courses_analytics_does_not_run_are_refused(override, capsys, tmp_path):
     code, err = _exit(capsys, override, f"outdir={tmp_path}")
-    assert code == 2 and err.startswith(f"fedcore: {override.split('=')[0]}: task: analytics")
+    assert code == 2 and err.startswith(f"fedcore: {override.split('=')[0]}: ") and "task: analytics" in err
