@@ -1,5 +1,5 @@
 """Plug-in trainers and aggregators, one module per algorithm."""
-from fedcore.algorithms import (diloco, fedasync, fedavg, fedbuff, feddyn, fedmos, fednova,  # noqa: F401
+from fedcore.algorithms import (analytics, diloco, fedasync, fedavg, fedbuff, feddyn, fedmos, fednova,  # noqa: F401
                                 fedprox, moon, scaffold, staleness)
 # lora first: its exact combination of adapters is the innermost, so DP's accounting sees every update
 from fedcore.algorithms import lora  # noqa: F401
@@ -10,6 +10,7 @@ from fedcore.algorithms import fedrep, pfedme  # noqa: F401  (after the behaviou
 from fedcore.algorithms import fedex  # noqa: F401  (last: it wraps what the others installed)
 from fedcore.kernel.contract import Aggregator, Algorithm, Trainer
 
-__all__ = ["Aggregator", "Algorithm", "Trainer", "compression", "diloco", "dp", "dp_ftrl", "fedasync", "fedavg", "fedbuff", "fedex",
+__all__ = ["Aggregator", "Algorithm", "Trainer", "analytics", "compression", "diloco", "dp", "dp_ftrl", "fedasync", "fedavg",
+           "fedbuff", "fedex",
            "feddyn", "fedmos", "fednova", "fedprox", "fedrep", "local_budget", "lora", "moon", "personalization",
            "pfedme", "robust", "scaffold", "staleness", "streaming"]

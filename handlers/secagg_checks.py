@@ -51,8 +51,12 @@ def _check_shares(content, server) -> str | None:
 
 def _check_masked(content, server) -> str | None:
     s = Settings.of(server.course.cfg)
-    model = server.aggregator.broadcast(server.round)["model"]
-    length = sum(model[n].numel() for n in s.names(model)) + 1
+    masked_length = getattr(server.aggregator, "masked_length", None)
+    if masked_length is not None:   # its clients mask another vector than the model (analytics' sums)
+        length = masked_length(server.round)
+    else:
+        model = server.aggregator.broadcast(server.round)["model"]
+        length = sum(model[n].numel() for n in s.names(model)) + 1
     ok = isinstance(content, dict) and set(content) == {"masked", "bad_shares"}
     t = content["masked"] if ok else None
     if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or tuple(t.shape) != (length,) or \

@@ -27,7 +27,7 @@ from fedcore.kernel.shamir import (SHARE_BYTES, commitments_from_bytes, commitme
                             share_from_bytes, share_to_bytes, split, verify_share)
 from fedcore.kernel.worker import Stopwatch
 
-__all__ = ["train_and_advertise", "share_keys", "mask_input", "sign_survivors", "reveal_shares", "SHARE_INFO"]
+__all__ = ["train_and_advertise", "advertise", "share_keys", "mask_input", "sign_survivors", "reveal_shares", "SHARE_INFO"]
 
 log = logging.getLogger("fedcore.secagg")
 
@@ -85,9 +85,7 @@ def _aad(round_: int, sender: int, receiver: int) -> bytes:
 def train_and_advertise(client, msg) -> None:
     """Client `receiving_models`: train, quantize the update (kept here), advertise two public keys
     and the weight, signed."""
-    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
-    from fedcore.algorithms.secagg_crypto import new_private_key, public_bytes, quantize
-    from fedcore.algorithms.secagg_identity import keys_statement, sign
+    from fedcore.algorithms.secagg_crypto import quantize
     s = _settings(client)
     client.round = msg.round
     with Stopwatch() as sw:
@@ -109,14 +107,24 @@ def train_and_advertise(client, msg) -> None:
             delta = delta * (s.dp_clip / norm)
     s.check_headroom(weight)
     q = quantize(delta, s.clip, s.bits)
-    vector = np.append((q * np.uint64(weight)) % np.uint64(s.modulus), np.uint64(weight))
+    advertise(client, msg.round, np.append((q * np.uint64(weight)) % np.uint64(s.modulus), np.uint64(weight)),
+              weight)
+
+
+def advertise(client, round_: int, vector: np.ndarray, weight: int) -> None:
+    """Keep `vector` (the input to mask, mod p, its last entry the weight) for the round, and
+    advertise two fresh public keys and the weight, signed: the protocol's first client stage,
+    whatever the vector sums (a model update's quantized delta, or analytics' integer sums)."""
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+    from fedcore.algorithms.secagg_crypto import new_private_key, public_bytes
+    from fedcore.algorithms.secagg_identity import keys_statement, sign
     # the mask key is a field element, so that its Feldman commitments can be checked
     cipher_key, mask_key = new_private_key(), X25519PrivateKey.from_private_bytes(random_secret())
-    client.secagg = ClientRound(msg.round, vector, cipher_key, mask_key, weight)
+    client.secagg = ClientRound(round_, vector, cipher_key, mask_key, weight)
     ck, mk = public_bytes(cipher_key), public_bytes(mask_key)
-    signature = sign(_identity(client).signing_key(client.id), keys_statement(msg.round, client.id, ck, mk, weight))
+    signature = sign(_identity(client).signing_key(client.id), keys_statement(round_, client.id, ck, mk, weight))
     client.send("secagg_public_keys", SERVER_ID,
-                {"cipher_key": ck, "mask_key": mk, "weight": weight, "signature": signature}, round_=msg.round)
+                {"cipher_key": ck, "mask_key": mk, "weight": weight, "signature": signature}, round_=round_)
 
 
 def share_keys(client, msg) -> None:

@@ -50,7 +50,7 @@ from fedcore.kernel.registry import behaviours
 from fedcore.kernel.scheduler import PRIORITY_TIMER
 from fedcore.kernel.server_state import Outcome
 
-__all__ = ["install", "STAGES"]
+__all__ = ["install", "STAGES", "start_secure_round", "unmasked_total"]
 
 log = logging.getLogger("fedcore.secagg")
 
@@ -315,15 +315,11 @@ def request_unmasking(server, _event=None) -> None:
 def unmask_and_aggregate(server, _event=None) -> None:
     """`secagg_shares_revealed`: rebuild the secrets, remove the masks, check the sum is one
     honest inputs can reach, and aggregate it."""
-    from fedcore.algorithms.secure_sum import (ShareShortage, beyond_norm, mean_delta, out_of_range, unmask,
-                                               unmasked_update)
+    from fedcore.algorithms.secure_sum import ShareShortage, beyond_norm, mean_delta, out_of_range, unmasked_update
     sr, s, cfg = server.state(SecaggServer).current, _settings(server), server.course.cfg
     survivors = sr.survivors
     try:
-        total = unmask({v: sr.masked[v] for v in survivors}, sr.dropped, {u: sr.keys[u][1] for u in sr.keys},
-                       checked_shares(server, sr, "seed", survivors),
-                       checked_shares(server, sr, "key", sr.dropped),
-                       {v: dict(sr.revealed["pair"].get(v, {})) for v in sr.dropped}, sr.threshold, s.modulus)
+        total = unmasked_total(server, sr)
     except (ShareShortage, ValueError) as exc:
         _skip(server, sr, f"cannot unmask: {exc}")
         return
@@ -347,6 +343,17 @@ def unmask_and_aggregate(server, _event=None) -> None:
     state.aggregated += 1
     if rounds.aggregate(server, [update], fields):
         start_secure_round(server)
+
+
+def unmasked_total(server, sr: ServerRound) -> np.ndarray:
+    """The survivors' sum mod p, every mask removed with the revealed shares (checked); its
+    last entry is the survivors' total weight. Raises ShareShortage (or ValueError)."""
+    from fedcore.algorithms.secure_sum import unmask
+    survivors = sr.survivors
+    return unmask({v: sr.masked[v] for v in survivors}, sr.dropped, {u: sr.keys[u][1] for u in sr.keys},
+                  checked_shares(server, sr, "seed", survivors), checked_shares(server, sr, "key", sr.dropped),
+                  {v: dict(sr.revealed["pair"].get(v, {})) for v in sr.dropped}, sr.threshold,
+                  _settings(server).modulus)
 
 
 def _central_noise(model, names: list[str], clip: float, cfg, round_: int) -> np.ndarray:

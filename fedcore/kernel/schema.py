@@ -24,6 +24,9 @@ declare("plugins", list, [], "modules to import before the config is checked; th
         "plug-ins and declare keys")
 declare("extensions", list, [], "named handler extensions (registry 'behaviours') installed after "
         "the course's default handlers")
+declare("task", str, "train", "what the course does: train (a model) or analytics (federated "
+        "statistics of the clients' rows: analytics.*; sets course, algorithm.name and model.type)",
+        choices=("train", "analytics"))
 declare("course", str, "sync", "the default handler set: sync (all_received)",
         choices=lambda: registry.courses.names())
 

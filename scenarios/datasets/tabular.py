@@ -38,7 +38,7 @@ def csv_dataset(cfg) -> RawDataset:
     if not rows:
         raise ConfigError(f"data.root: csv file '{path}' has no rows")
     try:
-        x = np.array([[float(r[c]) for c in features] for r in rows], dtype=np.float32)
+        x = np.array([[float(r[c]) for c in features] for r in rows], dtype=np.float64)  # cast to model.dtype later
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"data.root: non-numeric or missing feature in '{path}': {exc}") from None
     labels = [r[label_col] for r in rows]
