@@ -18,6 +18,8 @@ stops; a second one stops at once (keeping the last checkpoint written, if any).
 from __future__ import annotations
 
 import contextlib
+import copy
+import io
 import json
 import logging
 import os
@@ -31,6 +33,9 @@ import torch
 from fedcore.kernel.config import declare, non_negative, validator
 from fedcore.runtime.device import CPU, to_cpu, to_device
 from fedcore.kernel.errors import ConfigError
+from fedcore.kernel.file_tag import HEADER, TagError, load_key, untag
+from fedcore.kernel.files import check_folder, make_folder
+from fedcore.kernel.model_ops import first_non_finite
 from fedcore.kernel.server_state import StateError, decode
 from fedcore.runtime.snapshot import LATEST, interrupts_deferred, newest_loadable, resolve, write_snapshot
 
@@ -66,9 +71,10 @@ def _check_resume(cfg) -> None:
                           "checkpoint; rerun it from the start or resume a synchronous course")
 
 
-def load_tensor_file(path: str | Path, key: str, what: str) -> Any:
+def load_tensor_file(path: str | Path | io.BytesIO, key: str, what: str, shown: str | None = None) -> Any:
     """`torch.load(path, weights_only=True)`; a file that is not one becomes a one-line
-    ConfigError naming `key` (never torch's advice to load it with weights_only=False)."""
+    ConfigError naming `key` (never torch's advice to load it with weights_only=False).
+    `shown`: the file's name where `path` is its content in memory."""
     try:
         return torch.load(path, weights_only=True, map_location="cpu")
     except Exception as exc:
@@ -80,7 +86,7 @@ def load_tensor_file(path: str | Path, key: str, what: str) -> Any:
             reason = "not a file written by torch.save"
         else:
             reason = (text.strip().splitlines() or [type(exc).__name__])[0]
-        raise ConfigError(f"{key}: '{path}' is not {what} ({reason})") from None
+        raise ConfigError(f"{key}: '{shown or path}' is not {what} ({reason})") from None
 
 
 class Checkpointer:
@@ -107,9 +113,10 @@ class Checkpointer:
             log.warning("checkpoint.every: a simulated course on asyn.* strategies cannot be resumed "
                         "from its checkpoints (they hold no updates in flight): they keep the global "
                         "model for inspection only")
+        self.key = load_key(cfg)   # checkpoint.hmac_key_file: tag snapshots, refuse untagged ones
         if self.every:
             try:  # now, not at the first checkpoint after a round of training
-                self.folder.mkdir(parents=True, exist_ok=True)
+                make_folder(self.folder, "checkpoint.path")
             except OSError as exc:
                 raise ConfigError(f"checkpoint.path: cannot create '{self.folder}' "
                                   f"({exc.strerror or exc}); choose a writable folder") from None
@@ -198,7 +205,7 @@ class Checkpointer:
 
     def _write(self, state: dict[str, Any]) -> None:
         with interrupts_deferred():   # an interrupt lands once the snapshot is written and known
-            path = write_snapshot(state, self.folder, state["round"], self.keep)
+            path = write_snapshot(state, self.folder, state["round"], self.keep, self.key)
             self.last_path, self.last_round = path, state["round"]
             self.unsaved = None
         log.info("checkpoint of round %d written to %s", state["round"], path)
@@ -305,25 +312,105 @@ def interrupted_message(course, command: list[str] | None) -> str:
 
 def load(course, path: str) -> tuple[str, dict[str, Any]]:
     """The checkpoint `path` (or `latest`) checked against `course`: (the file used, its state).
-    A file that does not load is refused in one line, and a snapshot before it used instead."""
-    path = resolve(path, course.checkpointer.folder)
-    path, state = newest_loadable(path, _readable)
+    A file that does not load or is not intact (see `_intact`) is refused in one line, and a
+    snapshot before it used instead."""
+    folder = course.checkpointer.folder
+    path = resolve(path, folder)
+    check_folder(Path(path).parent, "resume_from")   # whoever may write it chooses what resumes
+    key = course.checkpointer.key
+    path, state = newest_loadable(path, lambda p: _intact(course, p, _readable(p, key)))
     return path, _checked(course, path, state)
 
 
-def _readable(path: str) -> Any:
-    """The file's content; a truncated or corrupted one is refused (ConfigError)."""
-    return load_tensor_file(path, "resume_from", "a fedcore checkpoint")
+def _readable(path: str, key: bytes | None = None) -> Any:
+    """The file's content; a truncated, corrupted, untagged or mis-tagged one is refused
+    (ConfigError). Without a key the file is loaded as it is (no copy in memory)."""
+    if key is None:
+        with open(path, "rb") as fh:
+            tagged = fh.read(len(HEADER)) == HEADER
+        if not tagged:
+            return load_tensor_file(path, "resume_from", "a fedcore checkpoint")
+    try:
+        with open(path, "rb") as fh:
+            body = untag(fh.read(), key)
+    except TagError as exc:
+        raise ConfigError(f"resume_from: '{path}' {exc}") from None
+    return load_tensor_file(io.BytesIO(body), "resume_from", "a fedcore checkpoint", shown=path)
 
 
-def _checked(course, path: str, state: Any) -> dict[str, Any]:
+# entry -> the types it must be of: what `restore` reads from every snapshot
+_ENTRIES: dict[str, tuple[type, ...]] = {
+    "round": (int,), "virtual_time": (int, float), "global_state": (dict,), "aggregator": (dict,),
+    "sampler_rng": (dict,), "torch_rng": (torch.Tensor,), "client_states": (dict,),
+    "records": (str, list), "pending": (dict,), "bytes": (list, tuple), "best": (list, tuple),
+    "target": (list, tuple)}
+
+
+def _intact(course, path: str, state: Any) -> dict[str, Any]:
+    """`state` as a snapshot of this course's model, every entry present and of its type, every
+    tensor finite and the model's of its shape and dtype (an aggregate is checked the same way,
+    `fedcore.runtime.admission`), the random states usable: else a one-line ConfigError."""
     if isinstance(state, dict) and state and "format" not in state \
             and all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ConfigError(f"resume_from: '{path}' is not a fedcore checkpoint but a model's weights "
                           f"only; {_snapshot_advice(Path(path))}")
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ConfigError(f"resume_from: '{path}' is not a fedcore checkpoint (format {FORMAT})")
+    for name, types in _ENTRIES.items():
+        if name not in state:
+            raise ConfigError(f"resume_from: '{path}' is incomplete (no entry '{name}')")
+        value = state[name]
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            raise ConfigError(f"resume_from: '{path}' is damaged (entry '{name}' is a "
+                              f"{type(value).__name__})")
     server = course.server
+    missing = set(server.aggregator.global_state) ^ set(state["global_state"])
+    if missing:
+        raise ConfigError(f"resume_from: '{path}' was written for another model (entry "
+                          f"'{sorted(missing)[0]}' differs)")
+    for name, t in server.aggregator.global_state.items():
+        saved = state["global_state"][name]
+        if not isinstance(saved, torch.Tensor) or saved.shape != t.shape or saved.dtype != t.dtype:
+            shown = f"{saved.dtype} {tuple(saved.shape)}" if isinstance(saved, torch.Tensor) \
+                else f"a {type(saved).__name__}"
+            raise ConfigError(f"resume_from: '{path}' was written for another model (entry '{name}' "
+                              f"is {shown}, this course's is {t.dtype} {tuple(t.shape)}); resume "
+                              "with the model.* keys that wrote it")
+    live = server.aggregator.state_dict()
+    for name, saved in state["aggregator"].items():
+        t = live.get(name) if isinstance(live, dict) else None
+        if isinstance(t, torch.Tensor) and (not isinstance(saved, torch.Tensor)
+                                            or saved.shape != t.shape or saved.dtype != t.dtype):
+            raise ConfigError(f"resume_from: '{path}' is damaged (aggregator entry '{name}' is not "
+                              f"{t.dtype} {tuple(t.shape)})")
+    for where in ("global_state", "aggregator", "client_states", "extras", "states"):
+        bad = first_non_finite(state.get(where), where)
+        if bad is not None:
+            raise ConfigError(f"resume_from: '{path}' is damaged ({bad} holds NaN or infinite values)")
+    _check_rng(path, server, state)
+    try:
+        state["states"] = decode(state.get("states", {}))
+    except StateError as exc:
+        raise ConfigError(f"resume_from: '{path}' is not a usable snapshot: {exc}") from None
+    return state
+
+
+def _check_rng(path: str, server, state: dict[str, Any]) -> None:
+    """The random states are ones a generator takes (tried on copies, not on the live ones)."""
+    try:
+        copy.deepcopy(server.sampler.rng.bit_generator).state = state["sampler_rng"]
+    except (TypeError, ValueError, KeyError) as exc:
+        raise ConfigError(f"resume_from: '{path}' is damaged (entry 'sampler_rng': "
+                          f"{(str(exc).splitlines() or [type(exc).__name__])[0]})") from None
+    rng, live = state["torch_rng"], torch.get_rng_state()
+    if rng.dtype != live.dtype or rng.shape != live.shape:
+        raise ConfigError(f"resume_from: '{path}' is damaged (entry 'torch_rng' is {rng.dtype} "
+                          f"{tuple(rng.shape)}, not {live.dtype} {tuple(live.shape)})")
+
+
+def _checked(course, path: str, state: dict[str, Any]) -> dict[str, Any]:
+    """An intact snapshot that this course may resume from (its round, algorithm, config and
+    plug-ins'): else a one-line ConfigError (no older snapshot would do better)."""
     total = course.cfg["federate.total_round_num"]
     if state["round"] >= total:
         raise ConfigError(f"resume_from: '{path}' is of round {state['round']}, the course's last "
@@ -332,16 +419,6 @@ def _checked(course, path: str, state: Any) -> dict[str, Any]:
     if state.get("algorithm", algorithm) != algorithm:
         raise ConfigError(f"resume_from: '{path}' was written by algorithm.name {state['algorithm']}, "
                           f"not {algorithm}; resume with the algorithm that wrote it")
-    missing = set(server.aggregator.global_state) ^ set(state["global_state"])
-    if missing:
-        raise ConfigError(f"resume_from: '{path}' was written for another model (entry "
-                          f"'{sorted(missing)[0]}' differs)")
-    for name, t in server.aggregator.global_state.items():
-        saved = state["global_state"][name]
-        if saved.shape != t.shape or saved.dtype != t.dtype:
-            raise ConfigError(f"resume_from: '{path}' was written for another model (entry '{name}' "
-                              f"is {saved.dtype} {tuple(saved.shape)}, this course's is {t.dtype} "
-                              f"{tuple(t.shape)}); resume with the model.* keys that wrote it")
     if "course" in state:
         from fedcore.comm.fingerprint import differing_keys
         differ = differing_keys(course.cfg, state["course"])
@@ -354,10 +431,6 @@ def _checked(course, path: str, state: Any) -> dict[str, Any]:
     if absent:
         raise ConfigError(f"resume_from: '{path}' holds no state for '{absent[0]}', which this "
                           "course keeps; resume with the config that wrote the checkpoint")
-    try:
-        state["states"] = decode(state.get("states", {}))
-    except StateError as exc:
-        raise ConfigError(f"resume_from: '{path}' is not a usable snapshot: {exc}") from None
     return state
 
 
