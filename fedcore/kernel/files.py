@@ -24,7 +24,7 @@ from typing import IO, Any, Callable
 from fedcore.kernel.errors import ConfigError
 
 __all__ = ["set_private", "make_folder", "check_folder", "write_atomic", "open_fresh", "open_append",
-           "fsync_dir"]
+           "create_new", "fsync_dir"]
 
 _private = True
 _TRIES = 5   # removals of a name someone keeps re-planting before the write gives up
@@ -76,9 +76,10 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def _create(tmp: Path) -> int:
-    """A new file at `tmp`, made here: whatever was at that name before is removed, not followed."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+def create_new(tmp: Path | str, flags: int = os.O_WRONLY) -> int:
+    """A new file at `tmp`, made here (an fd open with `flags`): whatever was at that name
+    before is removed, never followed."""
+    flags |= os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     for _ in range(_TRIES):
         try:
             return os.open(tmp, flags, _file_mode())
@@ -88,13 +89,15 @@ def _create(tmp: Path) -> int:
 
 
 def write_atomic(path: Path | str, data: bytes | str | Callable[[IO[bytes]], None],
-                 before_rename: Callable[[], None] | None = None, tmp: Path | None = None) -> Path:
+                 before_rename: Callable[[], None] | None = None, tmp: Path | None = None,
+                 sync: bool = True) -> Path:
     """`data` (bytes, text, or a function writing to a binary file) as the file `path`, all or
     nothing, through the temporary file `tmp` (default `<name>.tmp`). `before_rename` runs once
-    the temporary file is on the disk (tests pause there)."""
+    the temporary file is on the disk (tests pause there). `sync=False`: no fsync (scratch
+    files that need not survive a power cut, written often)."""
     path = Path(path)
     tmp = tmp if tmp is not None else path.with_name(path.name + ".tmp")
-    fd = _create(tmp)
+    fd = create_new(tmp)
     try:
         with os.fdopen(fd, "wb") as fh:
             if callable(data):
@@ -102,7 +105,8 @@ def write_atomic(path: Path | str, data: bytes | str | Callable[[IO[bytes]], Non
             else:
                 fh.write(data.encode() if isinstance(data, str) else data)
             fh.flush()
-            os.fsync(fh.fileno())
+            if sync:
+                os.fsync(fh.fileno())
             if before_rename is not None:
                 before_rename()
         os.replace(tmp, path)
@@ -112,7 +116,8 @@ def write_atomic(path: Path | str, data: bytes | str | Callable[[IO[bytes]], Non
         except OSError:
             pass
         raise
-    fsync_dir(path.parent)
+    if sync:
+        fsync_dir(path.parent)
     return path
 
 
@@ -121,7 +126,7 @@ def open_fresh(path: Path | str, mode: str = "w", **kwargs: Any) -> IO[Any]:
     was there without following a link or writing into a file hard-linked there."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    fd = _create(tmp)
+    fd = create_new(tmp)
     try:
         os.replace(tmp, path)
     except BaseException:
