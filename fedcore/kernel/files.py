@@ -41,10 +41,16 @@ def _file_mode() -> int:
 
 
 def make_folder(path: Path | str, key: str | None = None) -> Path:
-    """`path` created (parents too) 0700 where private; with `key`, refused where others may
+    """`path` created (and its missing parents) 0700 where private; with `key`, refused where others may
     write it (see `check_folder`)."""
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True, mode=0o700 if _private else 0o777)
+    missing = []
+    while not path.is_dir() and path not in missing and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    for folder in reversed(missing):   # parents too: mkdir(parents=True) gives them the umask's
+        folder.mkdir(exist_ok=True, mode=0o700 if _private else 0o777)
+    path = missing[0] if missing else path
     if key is not None:
         check_folder(path, key)
     return path
