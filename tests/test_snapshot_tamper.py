@@ -61,6 +61,12 @@ def _inf_control_variate(s):   # SCAFFOLD's server state: what the next round's 
     t.view(-1)[0] = float("inf")
 
 
+def _wrong_shaped_control_variate(s):
+    control = s["aggregator"]["control"]
+    name = _first(control)
+    control[name] = torch.zeros(control[name].numel() + 1)
+
+
 def _flat(tree, prefix=""):
     for k, v in tree.items():
         if isinstance(v, dict):
@@ -87,6 +93,7 @@ TAMPERED = {
     "no client_states": (lambda s: s.pop("client_states"), "is incomplete (no entry 'client_states')"),
     "wrong-shaped tensor": (_wrong_shape, "was written for another model"),
     "inf control variate": (_inf_control_variate, "holds NaN or infinite values"),
+    "wrong-shaped control variate": (_wrong_shaped_control_variate, "aggregator.control"),
     "nan client state": (_nan_client_state, "client_states"),
     "sampler_rng of another generator": (
         lambda s: s.update(sampler_rng={"bit_generator": "MT19937", "state": {"key": [1], "pos": 0}}),

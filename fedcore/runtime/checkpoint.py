@@ -35,7 +35,7 @@ from fedcore.runtime.device import CPU, to_cpu, to_device
 from fedcore.kernel.errors import ConfigError
 from fedcore.kernel.file_tag import HEADER, TagError, load_key, untag
 from fedcore.kernel.files import check_folder, make_folder
-from fedcore.kernel.model_ops import first_non_finite
+from fedcore.kernel.model_ops import first_non_finite, tensors_in
 from fedcore.kernel.server_state import StateError, decode
 from fedcore.runtime.snapshot import LATEST, interrupts_deferred, newest_loadable, resolve, write_snapshot
 
@@ -376,13 +376,15 @@ def _intact(course, path: str, state: Any) -> dict[str, Any]:
             raise ConfigError(f"resume_from: '{path}' was written for another model (entry '{name}' "
                               f"is {shown}, this course's is {t.dtype} {tuple(t.shape)}); resume "
                               "with the model.* keys that wrote it")
-    live = server.aggregator.state_dict()
-    for name, saved in state["aggregator"].items():
-        t = live.get(name) if isinstance(live, dict) else None
-        if isinstance(t, torch.Tensor) and (not isinstance(saved, torch.Tensor)
-                                            or saved.shape != t.shape or saved.dtype != t.dtype):
-            raise ConfigError(f"resume_from: '{path}' is damaged (aggregator entry '{name}' is not "
-                              f"{t.dtype} {tuple(t.shape)})")
+    live = {"aggregator": server.aggregator.state_dict(),
+            "extras": {name: get() for name, (get, _) in course.checkpointer.extras.items()}}
+    for where, tree in live.items():   # a tensor the course holds now: the saved one has its layout
+        saved = dict(tensors_in(state.get(where), where))
+        for name, t in tensors_in(tree, where):
+            s = saved.get(name)
+            if s is not None and (s.shape != t.shape or s.dtype != t.dtype):
+                raise ConfigError(f"resume_from: '{path}' is damaged ({name} is {s.dtype} "
+                                  f"{tuple(s.shape)}, not {t.dtype} {tuple(t.shape)})")
     for where in ("global_state", "aggregator", "client_states", "extras", "states"):
         bad = first_non_finite(state.get(where), where)
         if bad is not None:
