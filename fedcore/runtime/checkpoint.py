@@ -53,7 +53,8 @@ declare("checkpoint.keep", int, None, "newest checkpoints kept in checkpoint.pat
         "server)", check=non_negative)
 declare("resume_from", str, None, "a checkpoint file (round_<k>.pt) to resume a course from, or "
         "latest: the newest complete one in checkpoint.path (either way, a round_<k>.pt that does "
-        "not load is skipped, with a warning line, for the newest older one beside it)")
+        "not load or is not intact - an entry missing, a tensor of another shape, NaN or "
+        "infinite - is skipped, with a warning line, for the newest older one beside it)")
 
 
 @validator
