@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from fedcore.kernel.errors import EXIT_OK, ConfigError, FedcoreError
+from fedcore.kernel.files import write_atomic
 
 __all__ = ["make_certificates", "main"]
 
@@ -101,14 +102,12 @@ def make_certificates(folder: str | Path, hosts: list[str] = ("localhost", "127.
 
     def write(stem: str, label: str, cert, key) -> None:
         pem = folder / f"{stem}.pem"
-        pem.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        write_atomic(pem, cert.public_bytes(serialization.Encoding.PEM))   # no planted link followed
         key_file = folder / f"{stem}.key"
         data = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                  serialization.NoEncryption())
-        fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(key_file, 0o600)   # also when --force replaced an older, wider file
+        write_atomic(key_file, data)
+        os.chmod(key_file, 0o600)   # whatever outputs.private says: a private key
         written["ca" if label == "ca" else f"{label}_cert"] = pem
         written[f"{label}_key"] = key_file
 

@@ -55,6 +55,7 @@ from pathlib import Path
 
 from fedcore.comm.stream import INSECURE_NOTED_ENV, INSECURE_WARNING, TOKEN_ENV, write_secret
 from fedcore.kernel.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_SERVER_GONE, LAUNCHED_ENV, FedcoreError
+from fedcore.kernel.files import make_folder, set_private
 from fedcore.run import RESUME_COMMAND_ENV
 
 __all__ = ["main"]
@@ -288,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     resume_command = json.dumps(   # what the server prints to resume: this launch
         [sys.executable, "-m", "fedcore.launch", *[a for a in own if not a.startswith(("outdir=", "resume_from="))]])
     outdir = resolve_outdir(cfg).resolve()
-    outdir.mkdir(parents=True, exist_ok=True)
+    set_private(cfg["outputs.private"])
+    make_folder(outdir)
     address_file = outdir / "server_address"
     address_file.unlink(missing_ok=True)
     common = ["federate.mode=distributed", f"federate.client_num={n}", f"outdir={outdir}",

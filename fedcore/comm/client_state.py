@@ -32,14 +32,16 @@ import hashlib
 import io
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from fedcore.comm.fingerprint import differing_keys, fingerprint
+from fedcore.kernel.file_tag import TagError, load_key, tag, untag
+from fedcore.kernel.files import make_folder, write_atomic
 from fedcore.kernel.hooks import Wrapper
+from fedcore.kernel.model_ops import first_non_finite
 
 __all__ = ["ClientStateDir", "StateRefused", "DurableClientState", "keep_client_state", "default_state_dir"]
 
@@ -63,30 +65,14 @@ def default_state_dir(cfg, client_id: int) -> Path | None:
     return Path(cfg["outdir"]) / "client_state" / str(client_id) if cfg["outdir"] else None
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """`data` in `path`, all or nothing: a temporary file, fsync, rename, fsync of the folder."""
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    folder = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(folder)
-    finally:
-        os.close(folder)
-
-
 class ClientStateDir:
     """The files of one client's states of one course: `round_<r>.state`."""
 
     def __init__(self, folder: Path, cfg, client_id: int):
         self.folder, self.cfg, self.client_id = Path(folder), cfg, client_id
         self.fingerprint = fingerprint(cfg)
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self.key = load_key(cfg)   # checkpoint.hmac_key_file: tag the files, refuse untagged ones
+        make_folder(self.folder, "distribute.state_dir")
 
     def path(self, round_: int) -> Path:
         return self.folder / f"round_{round_}.state"
@@ -107,7 +93,8 @@ class ClientStateDir:
                 "previous": previous}
         body = json.dumps(meta, sort_keys=True).encode() + b"\n" + buf.getvalue()
         path = self.path(round_)
-        write_atomic(path, MAGIC + b"\n" + hashlib.sha256(body).hexdigest().encode() + b"\n" + body)
+        data = MAGIC + b"\n" + hashlib.sha256(body).hexdigest().encode() + b"\n" + body
+        write_atomic(path, tag(data, self.key) if self.key is not None else data)
         return path
 
     def read(self, round_: int) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -117,6 +104,10 @@ class ClientStateDir:
             raw = path.read_bytes()
         except OSError as exc:
             raise StateRefused(f"cannot be read ({exc.strerror or exc})") from None
+        try:
+            raw = untag(raw, self.key)
+        except TagError as exc:
+            raise StateRefused(str(exc)) from None
         magic, _, rest = raw.partition(b"\n")
         digest, _, body = rest.partition(b"\n")
         if magic != MAGIC:
@@ -147,6 +138,9 @@ class ClientStateDir:
                                ) from None
         if not isinstance(state, dict):
             raise StateRefused("does not hold a state dict")
+        bad = first_non_finite(state)
+        if bad is not None:
+            raise StateRefused(f"holds NaN or infinite values (in '{bad}')")
         return meta, state
 
     def refuse(self, round_: int, why: str) -> None:

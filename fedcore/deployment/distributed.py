@@ -25,7 +25,7 @@ from typing import Any
 from fedcore.kernel import registry
 from fedcore.comm.stream import INSECURE_NOTED_ENV, INSECURE_WARNING, REFUSED_NOTICE, host_port
 from fedcore.runtime.checkpoint import interrupted_message
-from fedcore.comm.client_state import write_atomic
+from fedcore.kernel.files import write_atomic
 from fedcore.runtime.course import Course, StartEvent, collector_for_run, raise_if_diverged
 from fedcore.deployment.deploy_config import message_bound, redacted, value_bound
 from fedcore.deployment.deployed_resume import not_aggregated_yet, resume_server

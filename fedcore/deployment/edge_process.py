@@ -25,6 +25,7 @@ from fedcore.deployment.deploy_config import message_bound, value_bound
 from fedcore.deployment.distributed import ServerCourse, _measured_time, deployed_process
 from fedcore.kernel import registry
 from fedcore.kernel.errors import EXIT_OK, FedcoreError
+from fedcore.kernel.files import make_folder, write_atomic
 from fedcore.kernel.message import SERVER_ID
 from fedcore.kernel.scheduler import PRIORITY_TIMER
 from fedcore.kernel.state import make_state_store
@@ -166,8 +167,8 @@ class EdgeCourse(ServerCourse):
         port = self.down.start()
         host = self.cfg["distribute.server_host"]
         if self.address_dir is not None and self.cfg["distribute.server_port"] == 0:
-            self.address_dir.mkdir(parents=True, exist_ok=True)
-            address_file(self.address_dir, self.edge.id).write_text(f"{host_port(host, port)}\n")
+            make_folder(self.address_dir)
+            write_atomic(address_file(self.address_dir, self.edge.id), f"{host_port(host, port)}\n")
         log.info("edge %d listening on %s for clients %s; cloud at %s", self.edge.id,
                  host_port(host, port), self.edge.children, self.up.address)
         self.up.start()

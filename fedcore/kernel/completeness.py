@@ -18,6 +18,7 @@ from pathlib import Path
 import networkx as nx
 
 from fedcore.kernel.errors import IncompleteCourseError
+from fedcore.kernel.files import write_atomic
 from fedcore.kernel.message import receiving
 from fedcore.kernel.worker import HandlerTable
 
@@ -85,7 +86,7 @@ def check_course(tables: list[HandlerTable], graphml: Path | None = None,
     if tiers is not None:
         g = nx.union(g, tiers)
     if graphml is not None:
-        nx.write_graphml(g, graphml)
+        write_atomic(graphml, lambda fh: nx.write_graphml(g, fh))
     reachable = nx.descendants(g, START) | {START}
     complete = FINISH in reachable
     result = CheckResult(g, complete)

@@ -17,6 +17,7 @@ import yaml
 from fedcore.kernel.config_keys import (_RESOLVERS, _TYPE_NAMES, _VALIDATORS, SCHEMA, Key, _coerce, declare, fraction,
                                  lives_elsewhere, nearest_key, non_negative, positive, resolver, validator)
 from fedcore.kernel.errors import ConfigError
+from fedcore.kernel.files import write_atomic
 
 __all__ = ["Key", "Config", "declare", "lives_elsewhere", "precheck", "validator", "resolver", "positive", "non_negative", "fraction", "load_config", "parse_override",
            "SCHEMA"]
@@ -111,12 +112,12 @@ class Config:
         return tree
 
     def dump(self, path: Path) -> None:
-        Path(path).write_text(safe_dump(self.as_tree(), sort_keys=True))
+        write_atomic(path, safe_dump(self.as_tree(), sort_keys=True))
 
     def dump_sources(self, path: Path) -> None:
         """`key: where its value came from`, for every key not left at its default."""
-        Path(path).write_text(safe_dump(dict(sorted(self.sources.items())), sort_keys=False)
-                              if self.sources else "{}\n")
+        write_atomic(path, safe_dump(dict(sorted(self.sources.items())), sort_keys=False)
+                     if self.sources else "{}\n")
 
 
 def safe_dump(data: Any, **kwargs: Any) -> str:

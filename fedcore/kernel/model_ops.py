@@ -6,12 +6,12 @@ from __future__ import annotations
 import itertools
 import math
 import operator
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
-__all__ = ["weighted_mean", "evaluate_model", "model_device", "clone_tree"]
+__all__ = ["weighted_mean", "evaluate_model", "model_device", "clone_tree", "tensors_in", "first_non_finite"]
 
 
 _STACK_LIMIT = 64 * 2 ** 20   # bytes: updates are stacked for one matrix-vector product up to this
@@ -139,3 +139,24 @@ def clone_tree(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(clone_tree(v) for v in obj)
     return obj
+
+
+def tensors_in(obj: Any, where: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor in a state tree (dicts, lists, tuples), however nested."""
+    if isinstance(obj, torch.Tensor):
+        yield where, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from tensors_in(v, f"{where}.{k}" if where else str(k))
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        for i, v in enumerate(obj):
+            yield from tensors_in(v, f"{where}[{i}]")
+
+
+def first_non_finite(obj: Any, where: str = "") -> str | None:
+    """The name of the first tensor in a state tree holding NaN or an infinity (None: none
+    does): the finiteness check an aggregate passes (`fedcore.runtime.admission`), for what is
+    read back from disk."""
+    from fedcore.wire.tensor_forms import get_form
+    finite = get_form("torch").all_finite
+    return next((name for name, t in tensors_in(obj, where) if not finite(t)), None)

@@ -14,6 +14,11 @@ declare("name", str, "course", "the run's name, used in the default outdir",
 declare("outdir", str, None, "where the run writes its outputs (default runs/<timestamp>-<name>)")
 declare("outdir_overwrite", bool, False, "a course (simulated or deployed) may write into an outdir "
         "that holds another run's metrics.jsonl, replacing its records (default: it refuses)")
+declare("outputs.private", bool, True, "files a run writes (models, snapshots, records, client "
+        "states) are created 0600 and the folders it makes 0700; false: 0666 and 0777 less the umask")
+declare("checkpoint.hmac_key_file", str, None, "path to a key file (at least 16 bytes, mode 0600) "
+        "that the operator keeps: snapshots and client states are then tagged with HMAC-SHA256 "
+        "under it, and an altered or untagged one is refused (the key is never written out)")
 declare("verbose", int, 1, "progress on stderr: 0 (or false) quiet; 1 (or true) a bar with wall time "
         "and ETA on a terminal, else a round line every progress.interval seconds; 2 a line every "
         "round and info logging", choices=(0, 1, 2),

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from fedcore.kernel.files import create_new, write_atomic
 from fedcore.wire.serialization import WireError, encode_value, from_value
 from fedcore.wire import fedcore_pb2 as pb
 
@@ -96,7 +97,7 @@ class DiskStateStore(StateStore):
     def __init__(self, path: str | None = None) -> None:
         self._tmp = path is None
         self.path = Path(path if path is not None else tempfile.mkdtemp(prefix="fedcore-state-"))
-        self.path.mkdir(parents=True, exist_ok=True)
+        self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._where: dict[int, tuple[int, int] | str] = {}   # id -> (offset, length) or ".pt"
         self._live = 0                                       # bytes of the records in use
         with os.scandir(self.path) as entries:
@@ -104,7 +105,7 @@ class DiskStateStore(StateStore):
                 stem, _, ext = e.name.rpartition(".")
                 if ext == "pt" and stem.startswith("client_") and stem[7:].isdigit():
                     self._where[int(stem[7:])] = ".pt"
-        self._fd = os.open(self.path / _LOG, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
+        self._fd = os.open(self.path / _LOG, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
         self._end = self._scan()
 
     # ------------------------------------------------------------ the log
@@ -157,7 +158,7 @@ class DiskStateStore(StateStore):
         if self._end < self.COMPACT_MIN_BYTES or self._end < 2 * self._live:
             return
         tmp = self.path / (_LOG + ".tmp")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
+        fd = create_new(tmp, os.O_RDWR | os.O_APPEND)
         end, where = 0, {}
         for cid, loc in self._where.items():
             if isinstance(loc, tuple):
@@ -200,9 +201,7 @@ class DiskStateStore(StateStore):
             return
         f = self._pt(client_id)
         if state:
-            tmp = f.with_suffix(".tmp")
-            torch.save(state, tmp)
-            os.replace(tmp, f)  # atomic: a crash never leaves a half-written state
+            write_atomic(f, lambda fh: torch.save(state, fh), sync=False)  # a crash never leaves half a state
         else:
             f.unlink(missing_ok=True)
         self._forget(client_id)

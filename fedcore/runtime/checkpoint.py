@@ -9,7 +9,8 @@ records written so far and the open record of the round just aggregated. Resumin
 evaluation requests if it asked for any, and raises `all_joined_in` at the
 checkpoint's virtual time, so a resumed course continues exactly where the
 original was (same models, same metrics; only `bytes_eval` counts the
-re-sent evaluation requests again). Files are read with `weights_only=True`.
+re-sent evaluation requests again). Files are read with `weights_only=True`, and checked
+as inputs before any of it is used (`fedcore.runtime.snapshot_input`).
 
 Ctrl-C or SIGTERM during a simulation (`stop_at_round_end`) lets the round in
 progress finish, writes its checkpoint whatever `checkpoint.every` says, and
@@ -31,14 +32,14 @@ import torch
 from fedcore.kernel.config import declare, non_negative, validator
 from fedcore.runtime.device import CPU, to_cpu, to_device
 from fedcore.kernel.errors import ConfigError
-from fedcore.kernel.server_state import StateError, decode
-from fedcore.runtime.snapshot import LATEST, interrupts_deferred, newest_loadable, resolve, write_snapshot
+from fedcore.kernel.file_tag import load_key
+from fedcore.kernel.files import make_folder
+from fedcore.runtime.snapshot import LATEST, interrupts_deferred, write_snapshot
+from fedcore.runtime.snapshot_input import FORMAT, load, load_tensor_file
 
 __all__ = ["Checkpointer", "resume", "load_tensor_file", "stop_at_round_end"]
 
 log = logging.getLogger("fedcore.checkpoint")
-
-FORMAT = 1
 
 declare("checkpoint.every", int, None, "write a checkpoint (snapshot) every k rounds (0: off; "
         "default: 0 in simulation, 1 on a deployed server)", check=non_negative)
@@ -48,7 +49,8 @@ declare("checkpoint.keep", int, None, "newest checkpoints kept in checkpoint.pat
         "server)", check=non_negative)
 declare("resume_from", str, None, "a checkpoint file (round_<k>.pt) to resume a course from, or "
         "latest: the newest complete one in checkpoint.path (either way, a round_<k>.pt that does "
-        "not load is skipped, with a warning line, for the newest older one beside it)")
+        "not load or is not intact - an entry missing, a tensor of another shape, NaN or "
+        "infinite - is skipped, with a warning line, for the newest older one beside it)")
 
 
 @validator
@@ -64,23 +66,6 @@ def _check_resume(cfg) -> None:
         raise ConfigError("resume_from: a course on asyn.* strategies (async, over-selection, "
                           "time_up) cannot be resumed, its in-flight updates are not in the "
                           "checkpoint; rerun it from the start or resume a synchronous course")
-
-
-def load_tensor_file(path: str | Path, key: str, what: str) -> Any:
-    """`torch.load(path, weights_only=True)`; a file that is not one becomes a one-line
-    ConfigError naming `key` (never torch's advice to load it with weights_only=False)."""
-    try:
-        return torch.load(path, weights_only=True, map_location="cpu")
-    except Exception as exc:
-        text = str(exc)
-        if "Unsupported global" in text:
-            reason = ("it holds Python objects besides tensors, numbers and containers; "
-                      "fedcore never unpickles those")
-        elif "Weights only load failed" in text or "invalid load key" in text or "zip archive" in text:
-            reason = "not a file written by torch.save"
-        else:
-            reason = (text.strip().splitlines() or [type(exc).__name__])[0]
-        raise ConfigError(f"{key}: '{path}' is not {what} ({reason})") from None
 
 
 class Checkpointer:
@@ -107,9 +92,10 @@ class Checkpointer:
             log.warning("checkpoint.every: a simulated course on asyn.* strategies cannot be resumed "
                         "from its checkpoints (they hold no updates in flight): they keep the global "
                         "model for inspection only")
+        self.key = load_key(cfg)   # checkpoint.hmac_key_file: tag snapshots, refuse untagged ones
         if self.every:
             try:  # now, not at the first checkpoint after a round of training
-                self.folder.mkdir(parents=True, exist_ok=True)
+                make_folder(self.folder, "checkpoint.path")
             except OSError as exc:
                 raise ConfigError(f"checkpoint.path: cannot create '{self.folder}' "
                                   f"({exc.strerror or exc}); choose a writable folder") from None
@@ -198,7 +184,7 @@ class Checkpointer:
 
     def _write(self, state: dict[str, Any]) -> None:
         with interrupts_deferred():   # an interrupt lands once the snapshot is written and known
-            path = write_snapshot(state, self.folder, state["round"], self.keep)
+            path = write_snapshot(state, self.folder, state["round"], self.keep, self.key)
             self.last_path, self.last_round = path, state["round"]
             self.unsaved = None
         log.info("checkpoint of round %d written to %s", state["round"], path)
@@ -213,16 +199,6 @@ def _cloned(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_cloned(v) for v in value)
     return value
-
-
-def _snapshot_advice(model_file: Path) -> str:
-    """Where a run's snapshots would be, for one that names its final model instead."""
-    folder = model_file.parent / "checkpoints"
-    rounds = sorted(int(f.stem[6:]) for f in folder.glob("round_*.pt") if f.stem[6:].isdigit())
-    if rounds:
-        return f"resume from its newest snapshot, resume_from={folder / f'round_{rounds[-1]}.pt'}"
-    return (f"that run left no snapshot in {folder} (written every checkpoint.every rounds, and "
-            f"on Ctrl-C); to start a new course from these weights use model.init_from={model_file}")
 
 
 def _last_round(server) -> bool:
@@ -301,64 +277,6 @@ def interrupted_message(course, command: list[str] | None) -> str:
     else:
         lines.append(f"resume it with resume_from={snapshot.resolve()}")
     return "\n".join(f"fedcore: {line}" for line in lines)
-
-
-def load(course, path: str) -> tuple[str, dict[str, Any]]:
-    """The checkpoint `path` (or `latest`) checked against `course`: (the file used, its state).
-    A file that does not load is refused in one line, and a snapshot before it used instead."""
-    path = resolve(path, course.checkpointer.folder)
-    path, state = newest_loadable(path, _readable)
-    return path, _checked(course, path, state)
-
-
-def _readable(path: str) -> Any:
-    """The file's content; a truncated or corrupted one is refused (ConfigError)."""
-    return load_tensor_file(path, "resume_from", "a fedcore checkpoint")
-
-
-def _checked(course, path: str, state: Any) -> dict[str, Any]:
-    if isinstance(state, dict) and state and "format" not in state \
-            and all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise ConfigError(f"resume_from: '{path}' is not a fedcore checkpoint but a model's weights "
-                          f"only; {_snapshot_advice(Path(path))}")
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise ConfigError(f"resume_from: '{path}' is not a fedcore checkpoint (format {FORMAT})")
-    server = course.server
-    total = course.cfg["federate.total_round_num"]
-    if state["round"] >= total:
-        raise ConfigError(f"resume_from: '{path}' is of round {state['round']}, the course's last "
-                          f"(federate.total_round_num={total}); raise it to train further")
-    algorithm = course.cfg["algorithm.name"]
-    if state.get("algorithm", algorithm) != algorithm:
-        raise ConfigError(f"resume_from: '{path}' was written by algorithm.name {state['algorithm']}, "
-                          f"not {algorithm}; resume with the algorithm that wrote it")
-    missing = set(server.aggregator.global_state) ^ set(state["global_state"])
-    if missing:
-        raise ConfigError(f"resume_from: '{path}' was written for another model (entry "
-                          f"'{sorted(missing)[0]}' differs)")
-    for name, t in server.aggregator.global_state.items():
-        saved = state["global_state"][name]
-        if saved.shape != t.shape or saved.dtype != t.dtype:
-            raise ConfigError(f"resume_from: '{path}' was written for another model (entry '{name}' "
-                              f"is {saved.dtype} {tuple(saved.shape)}, this course's is {t.dtype} "
-                              f"{tuple(t.shape)}); resume with the model.* keys that wrote it")
-    if "course" in state:
-        from fedcore.comm.fingerprint import differing_keys
-        differ = differing_keys(course.cfg, state["course"])
-        if differ:
-            raise ConfigError(f"resume_from: '{path}' is a snapshot of another course (keys "
-                              f"{', '.join(differ[:4])} differ from this config's); resume with "
-                              "the config that wrote it, or start a new course in a new outdir")
-    extras = state.get("extras", {})
-    absent = sorted(set(course.checkpointer.extras) - set(extras))
-    if absent:
-        raise ConfigError(f"resume_from: '{path}' holds no state for '{absent[0]}', which this "
-                          "course keeps; resume with the config that wrote the checkpoint")
-    try:
-        state["states"] = decode(state.get("states", {}))
-    except StateError as exc:
-        raise ConfigError(f"resume_from: '{path}' is not a usable snapshot: {exc}") from None
-    return state
 
 
 def restore(course, state: dict[str, Any], metrics_lines: int | None = None) -> None:

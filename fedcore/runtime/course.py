@@ -20,6 +20,7 @@ from fedcore.kernel import registry
 from fedcore.runtime.checkpoint import Checkpointer, load_tensor_file, resume, stop_at_round_end
 from fedcore.comm.inprocess import InProcessComm
 from fedcore.kernel.completeness import CheckResult, require_complete
+from fedcore.kernel.files import make_folder, set_private, write_atomic
 from fedcore.runtime.device import DeviceStateStore, apply_determinism, place_data, resolve_device
 from fedcore.kernel.errors import ConfigError, CourseDiverged, FedcoreError, NothingAggregated, first_line
 from fedcore.kernel.model_ops import model_device
@@ -117,6 +118,7 @@ class Course:
         """`progress` is a `verbose` level (False: none); `callbacks` are extra side outputs
         that see every record and the summary, after the progress display and `loggers`."""
         self.cfg = cfg
+        set_private(cfg.get("outputs.private", True))   # the modes of every file this process writes
         outdir = outdir if outdir is not None else cfg["outdir"]
         self.outdir = Path(outdir) if outdir is not None else None
         self.log = logging.getLogger("fedcore.course")
@@ -252,7 +254,7 @@ class Course:
         sections = [t.describe() for t in self.tables]
         if getattr(self, "behaviours", None):
             sections.append("[behaviours]\n" + "\n".join(f"  {b}" for b in self.behaviours))
-        (self.outdir / "handlers.txt").write_text("\n\n".join(sections) + "\n")
+        write_atomic(self.outdir / "handlers.txt", "\n\n".join(sections) + "\n")
 
     def _refuse_another_runs_records(self) -> None:
         """A course run again into the same outdir, simulated or deployed, must not silently
@@ -265,7 +267,7 @@ class Course:
 
     def _make_outdir(self) -> None:
         try:
-            self.outdir.mkdir(parents=True, exist_ok=True)
+            make_folder(self.outdir)
         except OSError as exc:
             raise ConfigError(f"outdir: cannot create '{self.outdir}' ({exc.strerror or exc}); "
                               "choose a writable folder") from None

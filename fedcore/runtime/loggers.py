@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from fedcore.kernel.config import declare
 from fedcore.kernel.errors import ConfigError
+from fedcore.kernel.files import open_append, open_fresh
 from fedcore.runtime.monitor import Callback
 
 __all__ = ["LOGGERS", "make_loggers", "CsvLogger", "TensorBoardLogger", "MlflowLogger",
@@ -85,12 +86,12 @@ class CsvLogger(Callback):
         new = [k for k in row if k not in self.columns]
         if new or len(self.rows) == 1:
             self.columns += new
-            with self.path.open("w", newline="") as f:
+            with open_fresh(self.path, newline="") as f:
                 writer = csv.DictWriter(f, self.columns)
                 writer.writeheader()
                 writer.writerows(self.rows)
         else:
-            with self.path.open("a", newline="") as f:
+            with open_append(self.path, newline="") as f:
                 csv.DictWriter(f, self.columns).writerow(row)
 
 

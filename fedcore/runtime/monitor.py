@@ -28,6 +28,7 @@ from typing import Any, Mapping
 
 import torch
 
+from fedcore.kernel.files import make_folder, open_fresh, write_atomic
 from fedcore.kernel.message import SERVER_ID, Message
 
 __all__ = ["Monitor", "Callback", "StopRun", "strict_json"]
@@ -159,8 +160,8 @@ class Monitor:
             return
         self.started = True
         if self.outdir is not None:
-            self.outdir.mkdir(parents=True, exist_ok=True)
-            self._metrics_file = (self.outdir / "metrics.jsonl").open("w")
+            make_folder(self.outdir)
+            self._metrics_file = open_fresh(self.outdir / "metrics.jsonl")
         for callback in self.callbacks:
             callback.on_start(self)
 
@@ -375,8 +376,9 @@ class Monitor:
             if self._metrics_file is not None:
                 self._metrics_file.close()
             if global_state is not None:
-                torch.save({k: _alone(v) for k, v in global_state.items()}, self.outdir / "final_model.pt")
-            (self.outdir / "summary.json").write_text(_dumps(summary, indent=2) + "\n")
+                final = {k: _alone(v) for k, v in global_state.items()}
+                write_atomic(self.outdir / "final_model.pt", lambda fh: torch.save(final, fh))
+            write_atomic(self.outdir / "summary.json", _dumps(summary, indent=2) + "\n")
         for callback in self.callbacks:
             callback.on_end(summary)
         return summary

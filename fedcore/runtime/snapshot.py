@@ -1,6 +1,7 @@
 """Snapshot files on disk: written so that a kill at any instant leaves one that loads.
 
-A snapshot is written to `round_<k>.tmp`, flushed to the disk (fsync), renamed
+A snapshot is written (through `fedcore.kernel.files`: created exclusively, no link
+followed, 0600 where `outputs.private`) to `round_<k>.tmp`, flushed to the disk (fsync), renamed
 to `round_<k>.pt` and the folder synced; only then does the `latest` pointer
 (a one-line text file, replaced the same way) name it, and only then are
 snapshots older than the newest `keep` removed. A process killed mid-write
@@ -23,6 +24,8 @@ from typing import Any, Callable
 import torch
 
 from fedcore.kernel.errors import ConfigError
+from fedcore.kernel.file_tag import write_tagged
+from fedcore.kernel.files import make_folder, write_atomic
 
 __all__ = ["LATEST", "PAUSE_ENV", "interrupts_deferred", "write_snapshot", "snapshots", "resolve", "newest_loadable"]
 
@@ -35,29 +38,8 @@ LATEST = "latest"
 PAUSE_ENV = "FEDCORE_TEST_PAUSE_IN_SNAPSHOT"
 
 
-def _fsync_dir(folder: Path) -> None:
-    """Make a rename in `folder` durable (where the system lets a folder be opened)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _write_durably(path: Path, write: Callable[[Any], None]) -> None:
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "wb") as fh:
-        write(fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-        _test_pause(path, "")
-    tmp.replace(path)
-    _fsync_dir(path.parent)
+    write_atomic(path, write, before_rename=lambda: _test_pause(path, ""), tmp=path.with_suffix(".tmp"))
 
 
 def _test_pause(path: Path, phase: str) -> None:
@@ -98,13 +80,17 @@ def snapshots(folder: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def write_snapshot(state: dict, folder: Path, round_: int, keep: int) -> Path:
-    """Write `state` as `folder/round_<round_>.pt`, point `latest` at it, then keep only the
-    newest `keep` snapshots (0: all). Returns its path."""
-    folder.mkdir(parents=True, exist_ok=True)
+def write_snapshot(state: dict, folder: Path, round_: int, keep: int, key: bytes | None = None) -> Path:
+    """Write `state` as `folder/round_<round_>.pt` (tagged with `key`, see
+    `fedcore.kernel.file_tag`), point `latest` at it, then keep only the newest `keep`
+    snapshots (0: all). Returns its path."""
+    make_folder(folder, "checkpoint.path")
     path = folder / f"round_{round_}.pt"
     with interrupts_deferred():
-        _write_durably(path, lambda fh: torch.save(state, fh))
+        if key is None:
+            _write_durably(path, lambda fh: torch.save(state, fh))
+        else:
+            _write_durably(path, lambda fh: write_tagged(fh, key, lambda f: torch.save(state, f)))
         _write_durably(folder / LATEST, lambda fh: fh.write(f"{path.name}\n".encode()))
         if keep:
             for _, old in snapshots(folder)[:-keep]:
