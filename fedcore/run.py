@@ -60,7 +60,8 @@ def _run(args) -> int:
             import_named_plugins(args.cfg or (), args.overrides)   # a plug-in's keys are known too
         print(describe_key(args.help_key, packaged=not named))
         return EXIT_OK
-    from fedcore.kernel.config import load_config, precheck
+    from fedcore.kernel.config import load_config
+    from fedcore.kernel.key_index import precheck
     if not args.cfg:
         raise ConfigError("--cfg FILE.yaml is required (or --help-key KEY)")
     precheck(args.cfg, args.overrides)   # a typo told before torch is imported

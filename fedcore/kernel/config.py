@@ -14,12 +14,12 @@ from typing import Any, Iterable
 
 import yaml
 
-from fedcore.kernel.config_keys import (_RESOLVERS, _TYPE_NAMES, _VALIDATORS, SCHEMA, Key, _coerce, declare, fraction,
+from fedcore.kernel.config_keys import (_RESOLVERS, _VALIDATORS, SCHEMA, Key, _coerce, declare, fraction,
                                  lives_elsewhere, nearest_key, non_negative, positive, resolver, validator)
 from fedcore.kernel.errors import ConfigError
 from fedcore.kernel.files import write_atomic
 
-__all__ = ["Key", "Config", "declare", "lives_elsewhere", "precheck", "validator", "resolver", "positive", "non_negative", "fraction", "load_config", "parse_override",
+__all__ = ["Key", "Config", "declare", "lives_elsewhere", "validator", "resolver", "positive", "non_negative", "fraction", "load_config", "parse_override",
            "SCHEMA"]
 
 
@@ -261,40 +261,6 @@ def import_named_plugins(paths: Iterable[str | Path] = (), overrides: Iterable[s
     for key, value in map(parse_override, overrides):
         if key == "plugins":
             _import_plugins(value or [])
-
-
-def precheck(paths: Iterable[str | Path], overrides: Iterable[str] = ()) -> None:
-    """Refuse a misspelt key, or a word that is not one of a key's allowed words, from the
-    packaged key index, before the plug-ins (and torch) are imported: a one-character typo is
-    told in a second rather than after the imports. Configs that name plug-ins of their own
-    (which may declare keys) and whatever the index cannot judge are left to `load_config`."""
-    from fedcore.kernel.key_index import load
-    index = load()
-    if SCHEMA or not index:   # the live schema is loaded already, or there is no index
-        return
-    pairs = [parse_override(o) for o in overrides]
-    if any(k == "plugins" for k, _ in pairs):
-        return
-    types = {name: t for t, name in _TYPE_NAMES.items()}
-    for name, e in index.items():   # the index's keys, for _flatten and nearest_key
-        for value, where in (e.get("elsewhere") or {}).items():
-            lives_elsewhere(name, value, where)
-        SCHEMA[name] = Key(name, types[e["type"].split()[0].rstrip(",")], None, e["help"],
-                           tuple(e["allowed"]) if e["allowed"] is not None else None, True)
-    try:
-        values: dict[str, Any] = {}
-        for path in paths:
-            _compose(Path(path), values, {}, plugins=False)
-        for key, value in pairs:
-            _flatten({key: value}, "", values)
-        for name, value in values.items():
-            key = SCHEMA[name]
-            if key.type is str and isinstance(value, str) and key.allowed() is not None:
-                _coerce(key, value)
-    except _NamesPlugins:
-        return
-    finally:
-        SCHEMA.clear()
 
 
 def load_config(path: str | Path | dict | list | tuple | None = None, overrides: Iterable[str] = (),

@@ -13,10 +13,11 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any, Iterable
 
 from fedcore.kernel.errors import ConfigError
 
-__all__ = ["INDEX", "describe_key", "reference_markdown", "entry", "load", "live", "main"]
+__all__ = ["INDEX", "describe_key", "reference_markdown", "entry", "load", "live", "precheck", "main"]
 
 INDEX = Path(__file__).with_name("key_index.json")
 
@@ -107,6 +108,42 @@ def live() -> dict[str, dict]:
 
 def _text(entries: dict[str, dict]) -> str:
     return json.dumps(entries, indent=1, sort_keys=True) + "\n"
+
+
+def precheck(paths: Iterable[str | Path], overrides: Iterable[str] = ()) -> None:
+    """Refuse a misspelt key, or a word that is not one of a key's allowed words, from the
+    packaged key index, before the plug-ins (and torch) are imported: a one-character typo is
+    told in a second rather than after the imports. Configs that name plug-ins of their own
+    (which may declare keys) and whatever the index cannot judge are left to `load_config`."""
+    from fedcore.kernel.config import (SCHEMA, Key, _coerce, _compose, _flatten, _NamesPlugins,
+                                       lives_elsewhere, parse_override)
+    from fedcore.kernel.config_keys import _TYPE_NAMES
+    index = load()
+    if SCHEMA or not index:   # the live schema is loaded already, or there is no index
+        return
+    pairs = [parse_override(o) for o in overrides]
+    if any(k == "plugins" for k, _ in pairs):
+        return
+    types = {name: t for t, name in _TYPE_NAMES.items()}
+    for name, e in index.items():   # the index's keys, for _flatten and nearest_key
+        for value, where in (e.get("elsewhere") or {}).items():
+            lives_elsewhere(name, value, where)
+        SCHEMA[name] = Key(name, types[e["type"].split()[0].rstrip(",")], None, e["help"],
+                           tuple(e["allowed"]) if e["allowed"] is not None else None, True)
+    try:
+        values: dict[str, Any] = {}
+        for path in paths:
+            _compose(Path(path), values, {}, plugins=False)
+        for key, value in pairs:
+            _flatten({key: value}, "", values)
+        for name, value in values.items():
+            key = SCHEMA[name]
+            if key.type is str and isinstance(value, str) and key.allowed() is not None:
+                _coerce(key, value)
+    except _NamesPlugins:
+        return
+    finally:
+        SCHEMA.clear()
 
 
 def main(argv: list[str] | None = None) -> int:

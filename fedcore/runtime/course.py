@@ -9,6 +9,8 @@ the queue is empty.
 from __future__ import annotations
 
 import contextlib
+import os
+import stat
 import gc
 import logging
 from pathlib import Path
@@ -260,8 +262,11 @@ class Course:
         """A course run again into the same outdir, simulated or deployed, must not silently
         replace the records of the run before it; resuming continues them."""
         metrics = self.outdir / "metrics.jsonl"
-        if (not self.cfg["outdir_overwrite"] and not self.cfg["resume_from"]
-                and metrics.is_file() and metrics.stat().st_size > 0):
+        try:   # a link planted there is no run's records: the writer replaces it, never follows it
+            held = stat.S_ISREG((found := os.lstat(metrics)).st_mode) and found.st_size > 0
+        except OSError:
+            held = False
+        if not self.cfg["outdir_overwrite"] and not self.cfg["resume_from"] and held:
             raise ConfigError(f"outdir: '{self.outdir}' holds another run's records (metrics.jsonl); "
                               "choose a new outdir, or set outdir_overwrite=true to replace them")
 
