@@ -14,6 +14,9 @@ declare("name", str, "course", "the run's name, used in the default outdir",
 declare("outdir", str, None, "where the run writes its outputs (default runs/<timestamp>-<name>)")
 declare("outdir_overwrite", bool, False, "a course (simulated or deployed) may write into an outdir "
         "that holds another run's metrics.jsonl, replacing its records (default: it refuses)")
+declare("log_format", str, "text", "log lines on stderr: text ('LEVEL logger: message') or json "
+        "(one JSON object a line: time, level, logger, message, and worker and round where known, "
+        "for log shippers)", choices=("text", "json"))
 declare("verbose", int, 1, "progress on stderr: 0 (or false) quiet; 1 (or true) a bar with wall time "
         "and ETA on a terminal, else a round line every progress.interval seconds; 2 a line every "
         "round and info logging", choices=(0, 1, 2),
