@@ -159,3 +159,34 @@ def test_a_deployed_course_is_scraped_probed_and_watched_and_tells_an_outsider_n
     m = wait_for(dropped, 120, "the killed client counted as dropped")
     assert _value(m, "fedcore_clients", state="alive", tier="server") == 2
     assert _get(mport, "/healthz")[0] == 200 and server.poll() is None
+
+
+def test_an_edge_serves_its_own_tier_and_is_ready_only_while_connected_to_its_cloud(tmp_path, procs):
+    need_extra("ops", "prometheus_client")
+    from tests.test_deploy_hierarchy import COURSE, WIRE, _tree
+    cfg = write_cfg(tmp_path / "course.yaml", {**COURSE, **WIRE, "federate.total_round_num": 100000,
+                                               "distribute.metrics_port": 0})
+    out = tmp_path / "out"
+    cloud, edges, clients, _, _ = _tree(procs, cfg, out)
+    mport = int(wait_for(lambda: (out / "edge_5_metrics_address").exists()
+                         and (out / "edge_5_metrics_address").read_text().strip(), 60,
+                         "edge 5's metrics address").rsplit(":", 1)[1])
+
+    def serving():
+        families = _families(_get(mport, "/metrics")[1].decode())
+        up = _value(families, "fedcore_bytes", "fedcore_bytes_total", direction="up", tier="edge")
+        alive = _value(families, "fedcore_clients", state="alive", tier="edge")
+        return up > 0 and alive == 2 and _value(families, "fedcore_round", tier="edge") >= 1 and families
+    m = wait_for(serving, 240, "edge 5's clients training")
+    assert _value(m, "fedcore_clients", state="joined", tier="edge") == 2
+    assert _value(m, "fedcore_clients_expected", tier="edge") == 2   # clients 1 and 2
+    status, body = _get(mport, "/readyz")
+    assert status == 200 and json.loads(body)["cloud_connected"] is True
+
+    cloud.send_signal(signal.SIGKILL)   # the cloud gone: the edge lives on but is not ready
+
+    def unready():
+        status, body = _get(mport, "/readyz")
+        return status == 503 and json.loads(body)
+    assert wait_for(unready, 60, "edge 5 unready")["cloud_connected"] is False
+    assert _get(mport, "/healthz")[0] == 200 and edges[5].poll() is None
