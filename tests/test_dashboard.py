@@ -88,7 +88,7 @@ def _browser():
     options = webdriver.ChromeOptions()
     options.binary_location = chromium
     for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                "--window-size=1280,1100", "--hide-scrollbars"):
+                "--window-size=1280,1560", "--hide-scrollbars"):
         options.add_argument(arg)
     return webdriver.Chrome(service=Service(driver), options=options)
 
@@ -107,7 +107,13 @@ def test_the_page_draws_a_finished_run_and_follows_a_new_round_in_headless_chrom
     browser = _browser()
     run = _finished_run(tmp_path)
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    server = DashboardServer(Dashboard([run]), "127.0.0.1", 0).start()
+    study = tmp_path / "study"   # a tuning study's table (fedcore.tune's Row, as it writes it)
+    study.mkdir()
+    rows = [{"trial": t, "params": {"train.optimizer.lr": lr}, "budget": 2, "status": "complete",
+             "objective": obj, "rounds": 2, "outdir": str(study / "trials" / f"{t:04d}")}
+            for t, (lr, obj) in enumerate([(0.1, 0.41), (0.3, 0.52), (0.03, 0.37)])]
+    (study / "trials.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    server = DashboardServer(Dashboard([run, study]), "127.0.0.1", 0).start()
     try:
         page = urllib.request.urlopen(server.url, timeout=10)
         assert "default-src 'self'" in page.headers["Content-Security-Policy"]
@@ -127,6 +133,8 @@ def test_the_page_draws_a_finished_run_and_follows_a_new_round_in_headless_chrom
             return browser.execute_script(f"return document.querySelector('#run-0 .{name}').textContent")
         assert cell("rounds") == str(len(records)) and cell("state") == "finished"
         assert len(browser.find_elements("css selector", "#chart-acc canvas")) == 1
+        wait(lambda: browser.execute_script(f"return {d}.charts.trials && {d}.charts.trials.data[0].length") == 3)
+        assert browser.execute_script(js + ".charts.trials.data")[1] == [0.41, 0.52, 0.37]   # the study's
         SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
         browser.save_screenshot(str(SCREENSHOT))
         # a new round written: the page draws it at its next poll

@@ -248,7 +248,7 @@ class ServerCourse(Course):
         host = self.cfg["distribute.server_host"]
         _warn_if_insecure(self.cfg)
         try:
-            ops = start_ops(self, "server", self.outdir)
+            ops = start_ops(self, "cloud" if self.cfg.get("topology.edges") else "server", self.outdir)
         except BaseException:
             self.comm.stop()
             raise

@@ -156,7 +156,7 @@ def start_ops(course, tier: str, outdir: Path | None,
         return course.listening and not worker.finished and facts.get("cloud_connected", True), facts
 
     dashboard = None
-    if d["dashboard"] and tier == "server" and course.outdir is not None:
+    if d["dashboard"] and tier != "edge" and course.outdir is not None:
         from fedcore.dashboard.app import Dashboard
         dashboard = Dashboard([Path(course.outdir)], live=registry)
     ops = OpsServer(d["metrics_host"], d["metrics_port"], metrics=lambda: generate_latest(registry),

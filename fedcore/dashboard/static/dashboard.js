@@ -4,6 +4,8 @@
 (function () {
   const COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"];
   const POLL_MS = 1000;
+  const AXIS_LABELS = { round: "round", virtual_time: "virtual time (s)", wall_time: "wall time (s)",
+                        trial_row: "evaluation (trials.jsonl row)" };
   const token = new URLSearchParams(location.hash.slice(1)).get("token");
   const headers = token ? { Authorization: "Bearer " + token } : {};
   const state = { runs: [], charts: {}, polls: 0, live: false, liveFacts: null };
@@ -51,7 +53,7 @@
     const chart = new uPlot({
       width: Math.max(400, el.clientWidth || 500), height: 240, series,
       scales: { x: { time: false } },
-      axes: [{ label: x === "round" ? "round" : x.replace("_", " ") + " (s)" }, {}],
+      axes: [{ label: AXIS_LABELS[x] || x }, {}],
     }, data, el);
     chart._key = key;
     state.charts[id] = chart;
@@ -116,7 +118,9 @@
       const nRefused = refused ? Object.values(refused).reduce((a, v) => a + v, 0) : null;
       const tr = document.createElement("tr");
       tr.id = "run-" + i;
-      [run.name, run.summary ? "finished" : "running", String(run.records.length),
+      const study = run.trials.length > 0 && run.records.length === 0;
+      [run.name, study ? "study" : run.summary ? "finished" : "running",
+       study ? run.trials.length + " evaluations" : String(run.records.length),
        text(evals.length ? evals[evals.length - 1].test_acc : null), text(evals.length ? best : null),
        text(eps, 3), clients, text(nRefused)].forEach((v, j) => {
         const td = document.createElement("td");
