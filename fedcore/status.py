@@ -60,6 +60,8 @@ def from_outdir(folder: Path) -> dict[str, Any]:
     except (OSError, ValueError):
         summary = None
     state["finished"] = isinstance(summary, dict)
+    if isinstance(summary, dict) and isinstance(summary.get("stopped_by"), str):
+        state["stopped_by"] = summary["stopped_by"]
     refused: dict[str, int] = {}
     if isinstance(summary, dict):
         for kind, n in (summary.get("admission") or {}).items():
@@ -132,7 +134,9 @@ def _fmt(v: Any) -> str:
 
 def render(state: dict[str, Any]) -> str:
     """The state as a few aligned lines."""
-    lines = [f"course       {state['source']}" + ("  (finished)" if state.get("finished") else "")]
+    end = "" if not state.get("finished") else \
+        f"  (finished: {state['stopped_by']})" if state.get("stopped_by") else "  (finished)"
+    lines = [f"course       {state['source']}{end}"]
     lines.append(f"round        {_fmt(state.get('round'))} ({_fmt(state.get('rounds_completed'))} recorded)")
     clients = state.get("clients")
     if clients:
@@ -153,7 +157,7 @@ def render(state: dict[str, Any]) -> str:
     else:
         lines.append("snapshot     none")
     refused = state.get("refused") or {}
-    lines.append(f"refused      {sum(refused.values())}" + ("" if not refused else ""))
+    lines.append(f"refused      {sum(refused.values())}")
     for kind, n in sorted(refused.items()):
         lines.append(f"  {n:>8}  {kind}")
     return "\n".join(lines)

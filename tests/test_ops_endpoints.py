@@ -109,3 +109,21 @@ def test_log_format_json_on_the_command_line(tmp_path):
     assert lines and all(set(line) >= {"time", "level", "logger", "message"} for line in lines)
     assert any(line["logger"] == "fedcore.dp" and line["level"] == "WARNING" for line in lines)
     assert [line for line in r.stderr.splitlines() if line.strip() and not line.startswith("{")] == []
+
+
+def test_status_of_an_outdir_reads_its_files(tmp_path, capsys):
+    import fedcore
+    from fedcore.status import main
+    from tests.conftest import small_cfg
+    out = tmp_path / "run"
+    fedcore.run(small_cfg(out, federate__total_round_num=3, checkpoint__every=1))
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert main([str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"course       {out}  (finished: max_rounds)"
+    assert lines[1] == "round        3 (3 recorded)"
+    assert lines[2] == f"clients      {records[-1]['num_updates']} updates in the last round"
+    assert lines[3] == f"test_acc     {records[-1]['test_acc']:.4g} (round 3)"
+    assert lines[4].startswith("snapshot     round_3.pt, ") and lines[5] == "refused      0"
+    assert main([str(tmp_path / "absent")]) == 2
+    assert capsys.readouterr().err.startswith("fedcore.status: OUTDIR: ")
