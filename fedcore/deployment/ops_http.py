@@ -7,9 +7,10 @@ course's watch stamps `loop_beat` every heartbeat interval or so, and a stamp ol
 `distribute.heartbeat_timeout` (the silence after which a client counts as dead) answers
 503. `/readyz` says whether the course takes clients (server: listening and not finished;
 edge: connected to its cloud as well). `/metrics` is Prometheus text from a private
-registry (`ops_metrics`). With `distribute.operator_token_file`, /metrics and /dashboard/
-answer only `Authorization: Bearer <token>`; the health checks stay open to probes and say
-nothing but their state.
+registry (`ops_metrics`). With `distribute.operator_token_file`, /metrics and the dashboard's
+data (/dashboard/api/) answer only `Authorization: Bearer <token>`; the dashboard's page and
+scripts (the package's own files) and the health checks stay open and say nothing of the course
+but the health checks' state.
 """
 from __future__ import annotations
 
@@ -98,7 +99,11 @@ class _Handler(BaseHTTPRequestHandler):
             if path == "/readyz":
                 return self._state(ops.ready)
             if path == "/metrics" or path.startswith("/dashboard"):
-                if not ops.authorized(self.headers.get("Authorization")):
+                # the page and its scripts are the package's, the same for every course: only
+                # what holds the course's data asks for the token (a browser sends it from the
+                # page's #token=..., as a header)
+                guarded = path == "/metrics" or path.startswith("/dashboard/api/")
+                if guarded and not ops.authorized(self.headers.get("Authorization")):
                     return self._send(401, b'{"status": "unauthorized"}',
                                       extra={"WWW-Authenticate": 'Bearer realm="fedcore"'})
                 if path == "/metrics" and ops.metrics is not None:
