@@ -194,3 +194,42 @@ def test_an_edge_serves_its_own_tier_and_is_ready_only_while_connected_to_its_cl
         return status == 503 and json.loads(body)
     assert wait_for(unready, 60, "edge 5 unready")["cloud_connected"] is False
     assert _get(mport, "/healthz")[0] == 200 and edges[5].poll() is None
+
+
+def test_the_server_s_dashboard_shows_its_live_course_to_the_operator_only(tmp_path, procs):
+    need_extra("ops", "prometheus_client")
+    from tests.test_dashboard import _browser, _waiter
+    browser = _browser()
+    try:
+        token_file = tmp_path / "operator_token"
+        token_file.write_text(OPERATOR_TOKEN)
+        cfg = write_cfg(tmp_path / "course.yaml", {
+            "federate.total_round_num": 100000, "distribute.insecure": True,
+            "distribute.token": COURSE_TOKEN, "distribute.metrics_port": 0, "distribute.dashboard": True,
+            "distribute.operator_token_file": str(token_file)})
+        out = tmp_path / "out"
+        server, port, client = serve_course(procs, cfg, out)
+        mport = int((out / "metrics_address").read_text().strip().rsplit(":", 1)[1])
+        for k in (1, 2, 3):
+            client(k)
+        wait, d = _waiter(browser, 120), "window.fedcoreDashboard"
+
+        def cell(name):
+            return browser.execute_script(f"const c = document.querySelector('#run-0 .{name}'); "
+                                          "return c && c.textContent")
+        # without the token the page loads but gets no data
+        browser.get(f"http://127.0.0.1:{mport}/dashboard/")
+        wait(lambda: "not" in browser.find_element("id", "updated").text)
+        assert "401" in browser.find_element("id", "updated").text and cell("rounds") is None
+        # the operator's link: the curve grows while the course runs, the live clients are shown
+        browser.get(f"http://127.0.0.1:{mport}/dashboard/#token={OPERATOR_TOKEN}")
+        browser.refresh()
+        wait(lambda: (browser.execute_script(f"return {d}.charts.acc && {d}.charts.acc.data[0].length")
+                      or 0) >= 2)
+        first = browser.execute_script(f"return {d}.charts.acc.data[0].length")
+        wait(lambda: browser.execute_script(f"return {d}.charts.acc.data[0].length") > first)
+        wait(lambda: cell("clients") == "3 alive / 3 joined / 0 dropped")
+        assert cell("state") == "running"
+        assert server.poll() is None
+    finally:
+        browser.quit()
