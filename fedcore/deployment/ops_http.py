@@ -99,11 +99,12 @@ class _Handler(BaseHTTPRequestHandler):
             if path == "/readyz":
                 return self._state(ops.ready)
             if path == "/metrics" or path.startswith("/dashboard"):
-                # the page and its scripts are the package's, the same for every course: only
-                # what holds the course's data asks for the token (a browser sends it from the
-                # page's #token=..., as a header)
-                guarded = path == "/metrics" or path.startswith("/dashboard/api/")
-                if guarded and not ops.authorized(self.headers.get("Authorization")):
+                # the page and its scripts are the package's, the same for every course: every
+                # other path (the course's data) asks for the token, which a browser sends from
+                # the page's #token=... as a header
+                from fedcore.dashboard.app import STATIC
+                public = path.startswith("/dashboard/") and path[len("/dashboard/"):] in STATIC
+                if not public and not ops.authorized(self.headers.get("Authorization")):
                     return self._send(401, b'{"status": "unauthorized"}',
                                       extra={"WWW-Authenticate": 'Bearer realm="fedcore"'})
                 if path == "/metrics" and ops.metrics is not None:
