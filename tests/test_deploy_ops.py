@@ -186,6 +186,11 @@ def test_an_edge_serves_its_own_tier_and_is_ready_only_while_connected_to_its_cl
     assert _value(m, "fedcore_clients_expected", tier="edge") == 2   # clients 1 and 2
     status, body = _get(mport, "/readyz")
     assert status == 200 and json.loads(body)["cloud_connected"] is True
+    # the cloud reports its own tier: its participants are the 2 edges
+    cport = int((out / "metrics_address").read_text().strip().rsplit(":", 1)[1])
+    cloud_m = _families(_get(cport, "/metrics")[1].decode())
+    assert _value(cloud_m, "fedcore_clients_expected", tier="cloud") == 2
+    assert _value(cloud_m, "fedcore_clients", state="joined", tier="cloud") == 2
 
     cloud.send_signal(signal.SIGKILL)   # the cloud gone: the edge lives on but is not ready
 

@@ -89,10 +89,11 @@ class CourseCollector(Collector):
         clients.add_metric([tier, "dropped"], float(states.count("lost")))
         clients.add_metric([tier, "left"], float(states.count("left")))
         yield clients
-        expected = GaugeMetricFamily("fedcore_clients_expected", "clients the course waits for",
-                                     labels=["tier"])
-        expected.add_metric([tier], float(len(getattr(worker, "children", None) or c.client_ids or [])
-                                          if tier == "edge" else c.num_clients))
+        expected = GaugeMetricFamily("fedcore_clients_expected", "participants this tier waits for "
+                                     "(a cloud: its edges)", labels=["tier"])
+        counts = {"edge": lambda: len(getattr(worker, "children", ()) or ()),
+                  "cloud": lambda: c.cfg["topology.edges"]}
+        expected.add_metric([tier], float(counts.get(tier, lambda: c.num_clients)()))
         yield expected
 
         refused = CounterMetricFamily("fedcore_refused", "calls, streams, messages and updates "
