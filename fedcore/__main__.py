@@ -1,7 +1,7 @@
 """`fedcore` (or `python -m fedcore`): the version, and the commands by their short names.
 
 `fedcore --version` says which release is installed; `fedcore run ...` is
-`python -m fedcore.run ...`, and likewise launch, plot, tune and certs.
+`python -m fedcore.run ...`, and likewise launch, plot, tune, certs, dashboard and status.
 """
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 import fedcore
 
-COMMANDS = ("run", "launch", "plot", "tune", "certs")
+COMMANDS = ("run", "launch", "plot", "tune", "certs", "dashboard", "status")
 USAGE = f"usage: fedcore [--version] {{{','.join(COMMANDS)}}} [ARGS ...]"
 
 
@@ -32,6 +32,10 @@ def main(argv: list[str] | None = None) -> int:
         from fedcore.tune.__main__ import main as run
     elif command == "certs":
         from fedcore.certs import main as run
+    elif command == "dashboard":
+        from fedcore.dashboard.__main__ import main as run
+    elif command == "status":
+        from fedcore.status import main as run
     else:
         print(f"fedcore: unknown command '{command}'; {USAGE[7:]}", file=sys.stderr)
         return 2

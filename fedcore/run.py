@@ -67,6 +67,9 @@ def _run(args) -> int:
     precheck(args.cfg, args.overrides)   # a typo told before torch is imported
     from fedcore.api import resolve_outdir
     cfg = load_config(args.cfg, args.overrides, extra_source="command line")
+    if cfg["log_format"] != "text":
+        from fedcore.runtime.log_format import apply_log_format
+        apply_log_format(cfg["log_format"])
     if cfg["verbose"] >= 2:
         logging.getLogger("fedcore").setLevel(min(logging.getLogger("fedcore").getEffectiveLevel(),
                                                   logging.INFO))

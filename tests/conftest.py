@@ -19,7 +19,7 @@ EXTRAS = {
     "secagg": ("cryptography",), "certs": ("cryptography",), "data": ("sklearn",),
     "tune": ("optuna",), "plot": ("matplotlib",), "tensorboard": ("tensorboard",),
     "mlflow": ("mlflow",), "wandb": ("wandb",), "ray": ("ray",),
-    "llm": ("transformers", "peft", "datasets"),
+    "llm": ("transformers", "peft", "datasets"), "ops": ("prometheus_client",),
     "dev": ("grpc_tools",),   # test tools of the dev extra: protoc, opacus
 }
 

@@ -11,7 +11,7 @@ from fedcore.kernel.config import declare, non_negative, positive, validator
 from fedcore.kernel.errors import ConfigError
 from fedcore.wire.census import values_bound
 
-__all__ = ["SECRET_KEYS", "redacted", "message_bound", "value_bound"]
+__all__ = ["SECRET_KEYS", "redacted", "message_bound", "value_bound", "loopback"]
 
 
 declare("distribute.role", str, None, "this process's part in a distributed course (setting it "
@@ -126,6 +126,17 @@ declare("distribute.backoff_initial", float, 0.5, "client: first reconnect delay
         "on each failure, with jitter)", check=positive)
 declare("distribute.backoff_max", float, 10.0, "client: longest reconnect delay in seconds",
         check=positive)
+declare("distribute.metrics_port", int, None, "server or edge: serve Prometheus metrics at /metrics "
+        "and the health checks /healthz and /readyz on this port (0 picks a free one and writes "
+        "host:port to <outdir>/metrics_address; default: off; needs the 'ops' extra)",
+        check=lambda v: None if 0 <= v <= 65535 else "must be in 0..65535")
+declare("distribute.metrics_host", str, "127.0.0.1", "address distribute.metrics_port listens on "
+        "(0.0.0.0 for all interfaces; the dashboard then needs distribute.operator_token_file)")
+declare("distribute.dashboard", bool, False, "server: also serve the live dashboard at /dashboard/ "
+        "on distribute.metrics_port")
+declare("distribute.operator_token_file", str, None, "file holding the operator's token: /metrics "
+        "and /dashboard/ then answer only requests with the header 'Authorization: Bearer <token>' "
+        "(the health checks stay open to probes)")
 
 
 @validator
@@ -169,6 +180,27 @@ def _check_distribute(cfg) -> None:
     elif role == "client" and cfg["distribute.client_id"] > n:
         raise ConfigError(f"distribute.client_id: {cfg['distribute.client_id']} exceeds "
                           f"federate.client_num {n}")
+
+
+def loopback(host: str) -> bool:
+    """Whether `host` names this machine only (127.0.0.0/8, ::1, localhost)."""
+    import ipaddress
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+@validator
+def _check_operations(cfg) -> None:
+    """The dashboard shows the course's records: beyond this machine only to its operator."""
+    if (cfg["distribute.dashboard"] and cfg["distribute.metrics_port"] is not None
+            and not loopback(cfg["distribute.metrics_host"]) and not cfg["distribute.operator_token_file"]):
+        raise ConfigError(f"distribute.dashboard: served on {cfg['distribute.metrics_host']}, beyond "
+                          "this machine, it needs distribute.operator_token_file (or "
+                          "distribute.metrics_host=127.0.0.1)")
 
 
 SECRET_KEYS = ("distribute.token", "distribute.tokens")

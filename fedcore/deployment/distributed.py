@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ from fedcore.execution.form_boundary import make_trainer
 from fedcore.kernel.hooks import deployment_refusal
 from fedcore.kernel.scheduler import PRIORITY_TIMER, WallClockScheduler
 from fedcore.kernel.state import make_state_store
+from fedcore.runtime.log_format import set_context
 from fedcore.runtime.parking import Parking
 from fedcore.runtime.timing import TimeModel
 from fedcore.kernel.worker import Client
@@ -85,6 +87,8 @@ class ServerCourse(Course):
         self._finish_clock: float | None = None
         self._awaiting: set[int] | None = None  # clients still to leave after the finish
         self._departed: set[int] = set()        # clients whose departure this thread has handled
+        self.loop_beat = time.monotonic()       # stamped by each watch: /healthz reads its age
+        self.listening = False                  # the gRPC port is bound (/readyz)
 
     @property
     def client_ids(self) -> list[int]:
@@ -194,6 +198,7 @@ class ServerCourse(Course):
 
     def _watch(self) -> None:
         """Periodic, on the scheduler thread: heartbeat expiry, round checks, finishing."""
+        self.loop_beat = time.monotonic()
         d = self.cfg.section("distribute")
         for cid, reason in self.comm.expire(d["heartbeat_timeout"]):
             self._lost(cid, reason)
@@ -237,9 +242,16 @@ class ServerCourse(Course):
             return self._serve()
 
     def _serve(self) -> dict[str, Any]:
+        from fedcore.deployment.ops_http import start_ops
         port = self.comm.start()
+        self.listening = True
         host = self.cfg["distribute.server_host"]
         _warn_if_insecure(self.cfg)
+        try:
+            ops = start_ops(self, "cloud" if self.cfg.get("topology.edges") else "server", self.outdir)
+        except BaseException:
+            self.comm.stop()
+            raise
         if self.outdir is not None:
             # whole or absent: a launcher or script polling for it never reads it half-written
             write_atomic(self.outdir / "server_address", f"{host_port(host, port)}\n".encode())
@@ -258,6 +270,8 @@ class ServerCourse(Course):
             raise_if_diverged(self.server)
             return summary
         finally:
+            if ops is not None:
+                ops.stop()
             self.comm.stop()
             self.store.close()
 
@@ -332,6 +346,7 @@ def run_client(cfg) -> int:
         cid = comm.wait_welcome()
         log.info("client %d admitted by %s", cid, comm.address)
         course = ClientCourse(cfg, scheduler).build(cid, comm)
+        set_context(lambda: {"worker": f"client {cid}", "round": course.client.round})
         # until now the client read nothing past the welcome: its bounds come from its own model
         comm.set_bounds(cfg["distribute.max_message_bytes"] or message_bound(course.model),
                         cfg["distribute.max_message_values"] or value_bound(course.model, cfg))
@@ -386,6 +401,7 @@ def run_distributed(cfg, outdir, check_only: bool = False, command: list[str] | 
         return run_client(cfg)
     progress = cfg["verbose"]  # a bar on a terminal, periodic round lines elsewhere
     course = ServerCourse(cfg, outdir, progress=progress).build()
+    set_context(lambda: {"worker": "server", "round": course.server.round})
     try:
         return course.check_or_run(check_only)
     except KeyboardInterrupt:

@@ -29,6 +29,7 @@ from fedcore.kernel.files import make_folder, write_atomic
 from fedcore.kernel.message import SERVER_ID
 from fedcore.kernel.scheduler import PRIORITY_TIMER
 from fedcore.kernel.state import make_state_store
+from fedcore.runtime.log_format import set_context
 from fedcore.runtime.topology import assign
 from fedcore.kernel.worker import HandlerTable, Worker
 
@@ -164,8 +165,15 @@ class EdgeCourse(ServerCourse):
         return self
 
     def run(self) -> int:
+        from fedcore.deployment.ops_http import start_ops
         port = self.down.start()
+        self.listening = True
         host = self.cfg["distribute.server_host"]
+        try:
+            ops = start_ops(self, "edge", self.address_dir, f"edge_{self.edge.id}_metrics_address")
+        except BaseException:
+            self.down.stop()
+            raise
         if self.address_dir is not None and self.cfg["distribute.server_port"] == 0:
             make_folder(self.address_dir)
             write_atomic(address_file(self.address_dir, self.edge.id), f"{host_port(host, port)}\n")
@@ -178,6 +186,8 @@ class EdgeCourse(ServerCourse):
         finally:
             if not self.up.closed:
                 self.up.close("finished" if self.edge.finished else "stopped")
+            if ops is not None:
+                ops.stop()
             self.down.stop()
         if not self.edge.finished:
             raise FedcoreError(f"edge {self.edge.id} stopped before the course finished")
@@ -189,6 +199,7 @@ def run_edge(cfg, outdir, check_only: bool = False) -> int:
     """`distribute.role: edge`: serve this edge's clients and dial the cloud until `finish`."""
     deployed_process()
     course = EdgeCourse(cfg, outdir).build()
+    set_context(lambda: {"worker": f"edge {course.edge.id}", "round": course.edge.cloud_round})
     if check_only:
         return EXIT_OK
     try:

@@ -19,6 +19,9 @@ declare("outputs.private", bool, True, "files a run writes (models, snapshots, r
 declare("checkpoint.hmac_key_file", str, None, "path to a key file (at least 16 bytes, mode 0600) "
         "that the operator keeps: snapshots and client states are then tagged with HMAC-SHA256 "
         "under it, and an altered or untagged one is refused (the key is never written out)")
+declare("log_format", str, "text", "log lines on stderr: text ('LEVEL logger: message') or json "
+        "(one JSON object a line: time, level, logger, message, and worker and round where known, "
+        "for log shippers)", choices=("text", "json"))
 declare("verbose", int, 1, "progress on stderr: 0 (or false) quiet; 1 (or true) a bar with wall time "
         "and ETA on a terminal, else a round line every progress.interval seconds; 2 a line every "
         "round and info logging", choices=(0, 1, 2),
