@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -46,12 +47,13 @@ from fedcore.kernel import registry
 from fedcore.kernel.config import declare
 from fedcore.kernel.contract import Aggregator, ReceivedUpdate
 from fedcore.kernel.errors import ConfigError
+from fedcore.kernel.message import Message
 from fedcore.kernel.schema import clients_per_round
 from fedcore.kernel.server_state import worker_state
 
 log = logging.getLogger("fedcore.course")
 
-__all__ = ["RunningMean", "FoldingBuffer", "folds", "round_buffer", "AUTO_MIN_BYTES"]
+__all__ = ["RunningMean", "FoldingBuffer", "fold_when_sent", "folds", "round_buffer", "AUTO_MIN_BYTES"]
 
 AUTO_MIN_BYTES = 16 * 2 ** 20   # `auto` folds models at least this large
 
@@ -157,17 +159,27 @@ class FoldingBuffer:
         self.running = RunningMean(server.course.cfg["aggregator.streaming_sum"] == "model")
         self.received: list[ReceivedUpdate] = []
         self.admitted: list[ReceivedUpdate] = []
+        self.sent: dict[int, bool] = {}   # client -> admitted, for updates folded as they were sent
+
+    def fold_sent(self, update: ReceivedUpdate) -> None:
+        """Simulation: admit and fold `update` as its client sends it (`fold_when_sent`); its
+        arrival only records it."""
+        self.sent[update.client_id] = self._fold(update)
 
     def append(self, update: ReceivedUpdate) -> None:
         record = ReceivedUpdate(update.client_id, {"num_samples": update.content.get("num_samples")},
                                 update.round, update.staleness)
         self.received.append(record)
+        folded = self.sent.pop(update.client_id, None)
+        if folded if folded is not None else self._fold(update):
+            self.admitted.append(record)
+
+    def _fold(self, update: ReceivedUpdate) -> bool:
         kept = admission.admit_updates(self.server, [update])
-        if not kept:
-            return
-        update = kept[0]
-        self.running.fold(update.content["model"], float(self.server.aggregator.weights([update])[0]))
-        self.admitted.append(record)
+        if kept:
+            update = kept[0]
+            self.running.fold(update.content["model"], float(self.server.aggregator.weights([update])[0]))
+        return bool(kept)
 
     def __len__(self) -> int:
         return len(self.received)
@@ -180,6 +192,34 @@ class FoldingBuffer:
                              self.admitted[0].round, 0, owned=True)
         one.contributors = ids
         return one
+
+
+def fold_when_sent(server, collect) -> Callable[[Message, int], None]:
+    """A simulation's tap (InProcessComm.taps): an update on its way to `server` for the round
+    it waits for is admitted and folded when it is sent, not when it arrives, and its model let
+    go at once. A simulation's client trains when the broadcast reaches it, so a round's updates
+    would otherwise all wait in the scheduler, k models, until their virtual arrival times.
+
+    It folds only what the arrival would fold: the server's own `collect` handler, with no
+    observer, takes the updates of a synchronous round, which ends only once every selected
+    client's reply has arrived (a reply the time model drops is never tapped), so each update
+    tapped here arrives in its round. Bytes and times were counted from the whole message
+    before. The sum's order becomes the order of sending instead of arrival: a float64 sum of
+    the same terms, equal to float64 rounding before its cast to the model's dtype."""
+    def tap(msg: Message, receiver: int) -> None:
+        buffer, content = server.buffer, msg.content
+        if (receiver != server.id or msg.msg_type != "updates" or not isinstance(buffer, FoldingBuffer)
+                or server.finished or msg.round != server.round or msg.sender not in server.selected
+                or msg.sender in buffer.sent or not isinstance(content, dict)
+                or not isinstance(content.get("model"), dict)):
+            return
+        handlers = server.handlers
+        entry = handlers.entries.get("receiving_updates")
+        if entry is None or entry.fn is not collect or handlers.observers.get("receiving_updates"):
+            return
+        buffer.fold_sent(ReceivedUpdate(msg.sender, content, msg.round, 0))
+        content.pop("model")
+    return tap
 
 
 def folds(aggregator) -> bool:

@@ -9,22 +9,24 @@ the time goes to moving and aggregating the model) runs with streaming aggregati
 - `deploy`: a server and one process per client on loopback (gRPC, plaintext), each
   client holding its own copy of the model; the server's peak RSS is measured in its
   own process (bench/peak_rss.py, `getrusage`);
-- `sim`: one simulation process, whose peak RSS holds the server and every simulated
-  client's model and in-flight update (a simulation trains all of a round's clients
-  before their replies arrive), so its ratio is not the server's alone.
+- `sim`: one simulation process, whose peak RSS holds the server's global model and
+  running sum, the trainer's working model and the update being folded: a simulation folds
+  each update as its client sends it (algorithms/streaming.py, `fold_when_sent`), so its
+  ratio does not grow with the clients per round either, but it is not the server's alone.
 
 `--sum model` keeps the running sum in the model's dtype (`aggregator.streaming_sum`):
 a float32 model less on the server, for a mean that depends on the arrival order.
 
 Each run prints its peak RSS over the model's size (and the part above a process's own
 footprint, measured first with a 1 MB model) and the wall time of its last round
-(the wall time between the last two round records). The last line is
+(the wall time between the last two round records). The last two lines are
+`sim_peak_rss_over_model=<the largest simulation's ratio above the baseline>` and
 `server_peak_rss_over_model=<the largest deployed server's ratio>`. Sizes that do not
 fit the machine's memory are left out with a line saying so (`fits`: a deployed server
 peaks at about 2x the model above a 1 MB model's process (the float64 running sum; the
 global model and the update being folded wait in files, docs/compression.md), a client at
 about 4.3x, a simulation at
-about (clients + 4)x, plus ~0.4 GB per process).
+about 7x whatever the clients, plus ~0.4 GB per process).
 """
 from __future__ import annotations
 
@@ -126,10 +128,10 @@ def fits(mode: str, size: int, clients: int, available: int) -> bool:
     """Whether a run should fit in `available` bytes, from what was measured: a deployed
     server peaks at ~2x the model, a client at ~4.3x, but not at once (a 2.25 GB model, one
     client: the machine's available memory fell by 6x the model at most); a simulation
-    process at ~(clients + 4)x: the global model, which the server's module views, the
-    trainer's module, the float64 running sum and each client's update in flight."""
+    process at ~7x: the global model, which the server's module views, the trainer's module
+    and its gradients, the float64 running sum (two models) and the update being folded."""
     need = ((3.5 + 2 * clients) * size + (clients + 1) * BASE_PROCESS if mode == "deploy"
-            else (clients + 4) * size + BASE_PROCESS)
+            else 8 * size + BASE_PROCESS)
     return need < 0.9 * available
 
 
@@ -149,7 +151,7 @@ def main(argv: list[str]) -> int:
                    help="aggregator.streaming_sum: the running sum in float64 (exact in any order) "
                         "or in the model's dtype (a model less)")
     args = p.parse_args(argv)
-    largest = 0.0
+    largest, largest_sim = 0.0, 0.0
     with tempfile.TemporaryDirectory() as tmp:
         # a process's own footprint (python, torch, grpc), from a 1 MB model's deployed server
         base, _ = run_deploy(course_yaml(Path(tmp) / "base.yaml", 10 ** 6, 2, 1), Path(tmp) / "base", 2)
@@ -171,6 +173,9 @@ def main(argv: list[str]) -> int:
                       "per round", flush=True)
                 if mode == "deploy":
                     largest = max(largest, ratio)
+                else:
+                    largest_sim = max(largest_sim, (peak - base) / size)
+    print(f"sim_peak_rss_over_model={largest_sim:.2f}")
     print(f"server_peak_rss_over_model={largest:.2f}")
     return 0
 

@@ -16,6 +16,12 @@ __version__ = "0.2.0"
 # (2.4 MB/s of log measured): only its errors, before any module here imports it, unless
 # GRPC_VERBOSITY says otherwise (it is read once, when gRPC is first imported)
 _os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+# OpenMP's idle intra-op threads spin for a peer by default; on a machine whose other work
+# deschedules that peer they burn their core without finishing sooner (a 2-thread step of
+# P1's CNN measured 5-10x a 1-thread step's wall time at load 11 on 2 cores, ~1x passive).
+# Passive threads sleep instead. OpenMP reads it once, when torch first loads it: set here,
+# before any module of fedcore imports torch, unless the environment says otherwise.
+_os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __all__ = ["run", "configure", "__version__"]
 

@@ -30,6 +30,9 @@ class InProcessComm:
         self.count_bytes = count_bytes
         self.workers: dict = {}
         self.filters: list[Callable[[Message, int], bool]] = []
+        # told of each message once it is on its way to a receiver that will get it (a
+        # simulation's server folds an update as it is sent: algorithms/streaming.py)
+        self.taps: list[Callable[[Message, int], None]] = []
         self._last_arrival: dict[tuple[int, int], float] = {}   # (sender, receiver) -> latest arrival
         self._prune_at = _PRUNE_AT
         # a star's links: the latest arrival by client id, [towards the server, from it]
@@ -40,7 +43,7 @@ class InProcessComm:
 
     def send(self, msg: Message) -> None:
         # names looked up once per message, not once per receiver of a broadcast
-        workers, filters, count = self.workers, self.filters, self.count_bytes
+        workers, filters, count, taps = self.workers, self.filters, self.count_bytes, self.taps
         transfer, schedule = self.timing.transfer_time, self.scheduler.schedule
         sender, sent = msg.sender, msg.timestamp
         for receiver in msg.receivers:
@@ -53,6 +56,8 @@ class InProcessComm:
             count(msg, receiver, nbytes)
             arrival = self._in_order(sender, receiver, sent + transfer(sender, receiver, nbytes, SERVER_ID))
             schedule(arrival, PRIORITY_MESSAGE, _Delivery(worker, msg))
+            for tap in taps:
+                tap(msg, receiver)
 
     def _in_order(self, sender: int, receiver: int, arrival: float) -> float:
         """`arrival`, or the link's previous message's if later: behind it (the scheduler keeps

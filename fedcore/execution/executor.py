@@ -44,9 +44,10 @@ declare("executor_workers", int, None,
 declare("torch_threads", int, "auto",
         "torch intra-op threads for this process. auto: every usable core (OMP_NUM_THREADS where "
         "set) for a simulation that trains in this process (executor sequential or vectorized, on "
-        "the CPU) when a local training step is at least 50 MFLOP; 1 otherwise, and in deployed "
-        "processes, which often share a machine (threads of a small model's step only wait on "
-        "each other); a number sets it; null leaves torch's own choice (all cores)",
+        "the CPU) when a local training step is at least 50 MFLOP, a sequential one going back to "
+        "1 while its fits measure no faster with them (other work on the machine); 1 otherwise, "
+        "and in deployed processes, which often share a machine (threads of a small model's step "
+        "only wait on each other); a number sets it; null leaves torch's own choice (all cores)",
         nullable=True, check=positive, words=("auto",))
 
 # a training step of at least this many MFLOP gets every usable core: on 2 cores, 2 threads
@@ -134,6 +135,11 @@ def install_executor(course) -> None:
     apply_torch_threads(cfg, course)
     kind = cfg["executor"]
     own_randomness(course.trainer, cfg["seed"])
+    if kind == "sequential" and cfg["torch_threads"] == "auto":
+        import torch
+        if torch.get_num_threads() > 1:      # auto gave several: kept while they measure faster
+            from fedcore.execution.thread_governor import govern_threads
+            govern_threads(course.trainer, torch.get_num_threads())
     if kind == "sequential":
         return
     refused = refusal(course.trainer, kind)
@@ -157,8 +163,11 @@ def close_executor(course) -> None:
     if sequential is None:
         sequential = getattr(trainer, "own_fits", 0)
     engine = getattr(trainer, "engine_summary", None)
+    governor = getattr(trainer, "thread_governor", None)
+    threads = ({"fits_by_torch_threads": {str(n): k for n, k in governor.fits_by_count.items()}}
+               if governor is not None else {})
     course.monitor.add_summary("executor", {"batched_fits": batched, "sequential_fits": sequential,
-                                            **(engine() if engine is not None else {})})
+                                            **(engine() if engine is not None else {}), **threads})
     if course.cfg["executor"] == "vectorized" and 0 < batched < sequential:
         log.warning("executor vectorized: %d of the course's %d fits ran batched; the others' clients "
                     "shared no batch plan (mini-batch sizes step by step) with another of their round "
