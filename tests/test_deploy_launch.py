@@ -79,3 +79,69 @@ def test_a_launch_that_spawns_more_interpreters_than_the_cores_hold_says_so_with
     assert crowding(10, True, False, 16, 2000) == (
         f"fedcore.launch: starting 10 interpreters of ~{IMPORT_MB} MB each (~{10 * IMPORT_MB} MB) with 2000 MB "
         "available; fewer clients per launch")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("refusal", ["records", "tls", "address"])
+def test_a_launch_whose_server_refuses_at_start_ends_at_once_with_its_status_and_line(procs, tmp_path, refusal):
+    """A config error only the server meets (an outdir holding another run's records), a TLS
+    file that is no certificate, an address it cannot listen on: the server exits 2 with its
+    line, and the launch ends with it, no client ever started."""
+    cfg = write_cfg(tmp_path / "course.yaml")
+    out = tmp_path / "out"
+    extra: list[str] = []
+    if refusal == "records":
+        out.mkdir()
+        (out / "metrics.jsonl").write_text('{"round": 1}\n')
+        line = f"fedcore: outdir: '{out}' holds another run's records (metrics.jsonl)"
+    elif refusal == "tls":
+        junk = tmp_path / "junk.pem"
+        junk.write_text("not a certificate\n")
+        extra = ["--server-opt", f"distribute.tls.cert={junk}", "--server-opt", f"distribute.tls.key={junk}"]
+        line = f"fedcore: distribute.tls.key: '{junk}' and distribute.tls.cert '{junk}' are not a PEM certificate"
+    else:
+        extra = ["--server-opt", "distribute.server_host=192.0.2.1"]   # TEST-NET-1: no machine's own
+        line = "fedcore: distribute.server_port: cannot listen on 192.0.2.1:0"
+    launcher = procs.start("launch", ["-m", "fedcore.launch", "--restart", "2", "--cfg", str(cfg), *extra,
+                                      f"outdir={out}"])
+    assert wait_exit(launcher, 120) == 2, text(launcher)[-3000:]
+    log = text(launcher)
+    assert line in log, log[-3000:]
+    assert "client 1" not in log and "restart 1 of" not in log   # none started; a refusal is not restarted
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc")
+@pytest.mark.slow
+def test_a_restarted_server_whose_port_is_taken_ends_the_launch_with_its_line(procs, tmp_path):
+    """`--restart`: the server is started again on its port; another process took that port
+    meanwhile, so the new server cannot listen: it says so (exit 2) and the launch ends with it
+    rather than leaving its clients waiting."""
+    import socket
+    cfg = write_cfg(tmp_path / "course.yaml", {
+        "plugins": ["tests.slow_plugin"], "algorithm.name": "fedavg_pausing", "slow_test.pause": 0.3,
+        "federate.client_num": 2, "federate.total_round_num": 10000, "eval.clients": False})
+    out = tmp_path / "out"
+    launcher = procs.start("launch", ["-m", "fedcore.launch", *SPAWN, "--restart", "1", "--cfg", str(cfg),
+                                      f"outdir={out}"])
+    metrics = out / "metrics.jsonl"
+    wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") >= 1, 240, "a round")
+    port = int((out / "server_address").read_text().strip().rsplit(":", 1)[1])
+    (server,) = [p for p in _children(launcher.pid) if "distribute.role=server" in _cmdline(p)]
+    squatter = socket.socket()
+    squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # past the old connections' TIME_WAIT
+
+    def taken() -> bool:
+        try:
+            squatter.bind(("127.0.0.1", port))
+            return True
+        except OSError:   # the killed server's socket not closed yet
+            return False
+    os.kill(server, signal.SIGKILL)
+    wait_for(taken, 10, "the port free")   # the launcher restarts it after 1 s
+    squatter.listen()
+    try:
+        assert wait_exit(launcher, 240) == 2, text(launcher)[-3000:]
+    finally:
+        squatter.close()
+    log = text(launcher)
+    assert f"fedcore: distribute.server_port: cannot listen on 127.0.0.1:{port} (already in use" in log
