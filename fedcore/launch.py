@@ -23,7 +23,9 @@ crash, the OOM killer; or exit status 1, an unexpected error, or 4, a client tha
 on its server) up to N times each, after 1 s, then 2, 4, ... (at most 30 s) for each
 further restart of that process. A client is started again with the same arguments (it
 loads its state from its state folder, `fedcore.comm.client_state`); the server is started again
-on the same port with `resume_from=latest`, so the clients reconnect to the resumed course.
+on the same port with `resume_from=latest`, so the clients reconnect to the resumed course;
+from its death until the new one listens, the launch's clients do not count the time against
+their `distribute.retry_timeout` (`fedcore.comm.restart_notice`).
 A configuration error (status 2), an interrupt (130) and a course's own outcomes (3, 5, 6)
 are not restarted.
 
@@ -53,6 +55,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from fedcore.comm.restart_notice import RestartNotice
 from fedcore.comm.stream import INSECURE_NOTED_ENV, INSECURE_WARNING, TOKEN_ENV, write_secret
 from fedcore.kernel.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_SERVER_GONE, LAUNCHED_ENV, FedcoreError
 from fedcore.kernel.files import make_folder, set_private
@@ -301,9 +304,11 @@ def main(argv: list[str] | None = None) -> int:
         # at most 3 calls: a flooding connection gets no more than that (docs/deployment.md)
         server_extra.append("distribute.max_streams_per_connection=4")
     os.environ[LAUNCHED_ENV] = "1"   # every process inherits it: one `interrupted` line, the launcher's
+    guardian = _Guardian()  # before anything it would have to clean up
+    notice = RestartNotice(guardian.secrets(Path(tempfile.mkdtemp(prefix="fedcore-launch-"))))  # mode 0700
+    os.environ.update(notice.env)   # its clients wait for a server it restarts (and its edges)
     client_env: dict[int, dict] = {k: dict(os.environ) for k in range(1, n + 1)}
     secrets_dir = None
-    guardian = _Guardian()  # before anything it would have to clean up
     tree = None
     if cfg["topology.edges"]:   # a hierarchical course: edge processes between server and clients
         from fedcore.deployment.launch_tree import LaunchTree
@@ -343,6 +348,11 @@ def main(argv: list[str] | None = None) -> int:
     preexec = _die_with_parent()
     starter = _Starter(args.start_method, preexec)
     starter.watch(guardian)
+    from fedcore.deployment import forkserver, launch_capacity as cap
+    warning = cap.crowding(1 + n + (cfg["topology.edges"] or 0), starter.server is None, forkserver.available(),
+                           cap.cores(), cap.available_mb())
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     port = "0"
     ports: dict[int, str] = {}   # with edges: the port of each client's edge
     if cfg.source("distribute.server_port") != "default":
@@ -387,6 +397,11 @@ def main(argv: list[str] | None = None) -> int:
         while rc is None:
             now = time.monotonic()
             rc = server.check(now)
+            if server.due is not None and not notice.active:   # dead, to be started again
+                address_file.unlink(missing_ok=True)
+                notice.begin()
+            elif notice.active and server.due is None and address_file.exists():   # it listens again
+                notice.end()
             for child in children[1:]:
                 child.check(now)
             if rc is None and all(c.ended not in (None, 0) for c in clients):
@@ -413,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         _stop([c.proc for c in children], signal.SIGTERM, 5.0)
         starter.close()
-        for folder in (secrets_dir, keys_dir):
+        for folder in (secrets_dir, keys_dir, notice.path.parent):
             if folder is not None:
                 shutil.rmtree(folder, ignore_errors=True)
         guardian.release()

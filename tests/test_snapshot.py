@@ -105,3 +105,54 @@ def test_an_interrupt_during_the_write_lands_after_it(tmp_path):
         time.sleep(5)   # not reached if the interrupt was held back until the write ended
     assert (tmp_path / "latest").read_text().strip() == "round_7.pt"
     assert torch.equal(torch.load(tmp_path / "round_7.pt", weights_only=True)["w"], state["w"])
+
+
+def _reads(monkeypatch) -> list[str]:
+    """The snapshot files the course reads."""
+    from fedcore.runtime import snapshot_input
+    read, real = [], snapshot_input._readable
+    monkeypatch.setattr(snapshot_input, "_readable", lambda path, key=None: read.append(path) or real(path, key))
+    return read
+
+
+def test_a_run_folder_as_resume_from_resumes_from_its_newest_snapshot(tmp_path, full, monkeypatch):
+    """`resume_from=<a run's outdir>`: its checkpoints folder's newest complete round_<k>.pt
+    (round 2 here, a half-written round 3 ignored), so the course ends as the uninterrupted one."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    for k in (1, 2):
+        (run / "checkpoints" / f"round_{k}.pt").write_bytes((full / "checkpoints" / f"round_{k}.pt").read_bytes())
+    (run / "checkpoints" / "round_3.tmp").write_bytes(b"\x00" * 10)
+    (run / "checkpoints" / "latest").write_text("round_2.pt\n")
+    read = _reads(monkeypatch)
+    Course(small_cfg(run, resume_from=str(run), **COMMON)).run()
+    assert read == [str(run / "checkpoints" / "round_2.pt")]
+    assert _rounds(run) == [1, 2, 3, 4]
+    a, b = _final(full), _final(run)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_checkpoint_folder_named_directly_resumes_from_its_newest_snapshot(tmp_path, full, monkeypatch):
+    run = tmp_path / "run"
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    for k in (1, 2):
+        (saved / f"round_{k}.pt").write_bytes((full / "checkpoints" / f"round_{k}.pt").read_bytes())
+    read = _reads(monkeypatch)
+    Course(small_cfg(run, resume_from=str(saved), **COMMON)).run()
+    assert read == [str(saved / "round_2.pt")]
+    assert _rounds(run) == [1, 2, 3, 4]   # rounds 1-2 from the snapshot's records, 3-4 run again
+    a, b = _final(full), _final(run)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_run_folder_without_a_snapshot_says_in_one_line_where_it_looked(tmp_path, capsys):
+    from fedcore.run import main
+    empty = tmp_path / "old_run"
+    (empty / "checkpoints").mkdir(parents=True)
+    (empty / "checkpoints" / "round_2.tmp").write_bytes(b"\x00")   # never completed
+    code = main(["--cfg", "scenarios/quickstart.yaml", f"outdir={tmp_path / 'new'}", f"resume_from={empty}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"fedcore: resume_from: no snapshot in the folder '{empty}': looked for "
+                             f"round_<k>.pt (and the latest pointer) in '{empty / 'checkpoints'}' and in '{empty}'")

@@ -6,7 +6,8 @@ jitter, resuming the same session (queued messages are kept; a message cut
 off mid-stream is sent again and the server drops the duplicate). A server
 silent for `distribute.heartbeat_timeout` (longer while one of its messages is
 half-received) counts as broken; a server unreachable for
-`distribute.retry_timeout` ends the process with exit code 4. A server that
+`distribute.retry_timeout` ends the process with exit code 4 (not counting the time its
+launcher says it is restarting that server, `fedcore.comm.restart_notice`). A server that
 refuses a second session for this id (the previous process's session is
 still alive) is tried again the same way; one that finds this client's
 course config different ends it with exit code 2, naming the keys.
@@ -38,6 +39,7 @@ from fedcore.comm.client_inbound import MESSAGE, ClientInbound, ClientStream
 from fedcore.comm.allocator import release_large_blocks
 from fedcore.comm.chunking import FRAME_OVERHEAD, Reassembler, SharedContent, first_chunk_size
 from fedcore.comm.fingerprint import fingerprint
+from fedcore.comm.restart_notice import server_restarting
 from fedcore.comm.turns import TURN_BYTES
 from fedcore.comm.handover import Delivery, Raise
 from fedcore.comm.stream import (METHOD, MD_CLIENT_ID, MD_COURSE, MD_REFUSED, MD_RESEND, MD_SESSION, MD_TOKEN, Outbox,
@@ -235,6 +237,7 @@ class GrpcClientComm(ClientInbound):
         connect = channel.stream_stream(METHOD)
         attempt, last_ok, reason = 0, time.monotonic(), "not connected yet"
         held = ""   # why the server last refused this id while another session held it
+        waited = False   # whether it said it waits for a server its launcher restarts
         # A working server is one that delivers messages. A welcomed stream's heartbeats count
         # too, but only on the first stream since the last message: a server that welcomes and
         # breaks the stream again and again without a round is given up on after retry_timeout.
@@ -257,7 +260,7 @@ class GrpcClientComm(ClientInbound):
                             stream.last_recv = time.monotonic()
                         delivered = delivered or shown == MESSAGE
                         if shown == MESSAGE or (shown and fresh):
-                            last_ok, attempt, fresh = stream.last_recv, 0, True
+                            last_ok, attempt, fresh, waited = stream.last_recv, 0, True, False
                     reason = "the server closed the stream"
                 except grpc.RpcError as exc:
                     code = exc.code()
@@ -311,6 +314,11 @@ class GrpcClientComm(ClientInbound):
                     fresh = delivered
                 if self._closing.is_set():
                     break
+                if server_restarting():   # its launcher is bringing it back: not lost meanwhile
+                    if not waited:
+                        log.warning("client %s: the launcher is restarting the server; waiting for it "
+                                    "(distribute.retry_timeout counts from when it is back)", self.who)
+                    last_ok, waited = time.monotonic(), True
                 gone = time.monotonic() - last_ok
                 if gone >= self.retry_timeout:
                     self._fail(ServerUnreachable(

@@ -34,7 +34,7 @@ from fedcore.runtime.device import CPU, to_cpu, to_device
 from fedcore.kernel.errors import ConfigError
 from fedcore.kernel.file_tag import load_key
 from fedcore.kernel.files import make_folder
-from fedcore.runtime.snapshot import LATEST, interrupts_deferred, write_snapshot
+from fedcore.runtime.snapshot import LATEST, in_run_folder, interrupts_deferred, write_snapshot
 from fedcore.runtime.snapshot_input import FORMAT, load, load_tensor_file
 
 __all__ = ["Checkpointer", "resume", "load_tensor_file", "stop_at_round_end"]
@@ -47,8 +47,9 @@ declare("checkpoint.path", str, None, "folder for checkpoints (default: <outdir>
 declare("checkpoint.keep", int, None, "newest checkpoints kept in checkpoint.path, older ones "
         "removed once a new one is complete (0: all; default: all in simulation, 2 on a deployed "
         "server)", check=non_negative)
-declare("resume_from", str, None, "a checkpoint file (round_<k>.pt) to resume a course from, or "
-        "latest: the newest complete one in checkpoint.path (either way, a round_<k>.pt that does "
+declare("resume_from", str, None, "a checkpoint file (round_<k>.pt) to resume a course from; "
+        "a run folder: the newest complete one in its checkpoints folder (or in the folder itself); "
+        "or latest: the newest complete one in checkpoint.path (any way, a round_<k>.pt that does "
         "not load or is not intact - an entry missing, a tensor of another shape, NaN or "
         "infinite - is skipped, with a warning line, for the newest older one beside it)")
 
@@ -56,7 +57,9 @@ declare("resume_from", str, None, "a checkpoint file (round_<k>.pt) to resume a 
 @validator
 def _check_resume(cfg) -> None:
     path = cfg["resume_from"]
-    if path and path != LATEST and not Path(path).is_file():
+    if path and path != LATEST and Path(path).is_dir():
+        in_run_folder(Path(path))   # a folder without a snapshot: said now, in one line
+    elif path and path != LATEST and not Path(path).is_file():
         raise ConfigError(f"resume_from: checkpoint '{path}' does not exist")
     if path and cfg["course"] == "async" and cfg.get("distribute.role") is None:
         # A checkpoint holds no updates in flight, no buffer and no timers: resuming such a

@@ -27,7 +27,7 @@ from fedcore.kernel.errors import ConfigError
 from fedcore.kernel.file_tag import write_tagged
 from fedcore.kernel.files import make_folder, write_atomic
 
-__all__ = ["LATEST", "PAUSE_ENV", "interrupts_deferred", "write_snapshot", "snapshots", "resolve", "newest_loadable"]
+__all__ = ["LATEST", "PAUSE_ENV", "interrupts_deferred", "write_snapshot", "snapshots", "in_run_folder", "resolve", "newest_loadable"]
 
 log = logging.getLogger("fedcore.checkpoint")
 
@@ -100,10 +100,24 @@ def write_snapshot(state: dict, folder: Path, round_: int, keep: int, key: bytes
     return path
 
 
+def in_run_folder(folder: Path) -> str:
+    """The snapshot a run folder given as `resume_from` stands for: the newest complete
+    `round_<k>.pt` in its `checkpoints` folder (where `latest` points, unless a kill came
+    between the two), else in the folder itself (a checkpoint folder named directly)."""
+    for place in (folder / "checkpoints", folder):
+        found = snapshots(place)
+        if found:
+            return str(found[-1][1])
+    raise ConfigError(f"resume_from: no snapshot in the folder '{folder}': looked for round_<k>.pt "
+                      f"(and the latest pointer) in '{folder / 'checkpoints'}' and in '{folder}'; "
+                      "name a round_<k>.pt file, or a run folder whose course wrote checkpoints")
+
+
 def resolve(value: str, folder: Path | None) -> str:
-    """`resume_from` as a file: `latest` is the newest snapshot in `folder`."""
+    """`resume_from` as a file: `latest` is the newest snapshot in `folder`; a folder is the
+    newest snapshot of that run (`in_run_folder`)."""
     if value != LATEST:
-        return value
+        return in_run_folder(Path(value)) if Path(value).is_dir() else value
     if folder is None:
         raise ConfigError("resume_from: latest needs outdir or checkpoint.path to find the snapshots in")
     found = snapshots(folder)
