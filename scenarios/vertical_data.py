@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fedcore.kernel.config import declare, validator
+from fedcore.kernel.config import declare, resolver, validator
 from fedcore.kernel.errors import ConfigError
-from fedcore.kernel.registry import partitioners
+from fedcore.kernel.registry import components, partitioners
 
 __all__ = ["PartyTable", "party_tables", "party_table", "train_test_ids", "column_groups", "resolve_columns", "vertical"]
 
@@ -219,11 +219,29 @@ def vertical(raw, n: int, cfg) -> list[np.ndarray]:
                       "vertical course; it cannot split rows among horizontal clients")
 
 
+@resolver
+def _vertical_course(values: dict) -> None:
+    """`data.partition: vertical` runs the vertical course of `vertical.method`."""
+    if values["data.partition"] == "vertical":
+        values["course"] = f"vertical_{values['vertical.method']}"
+
+
 @validator
 def _check_vertical(cfg) -> None:
     if cfg["data.partition"] != "vertical":
         return
+    for key in ("resume_from", "checkpoint.every"):
+        if cfg[key]:
+            raise ConfigError(f"{key}: a vertical course does not write or resume snapshots; unset {key}")
+    for key, default in (("asyn.use", False), ("topology.edges", 0), ("executor", "sequential")):
+        if cfg[key] != default:
+            raise ConfigError(f"{key}: a vertical course runs one synchronous flow; set {key}={default}")
     cols = cfg["vertical.columns"]
     if cols is not None and len(cols) != cfg["vertical.parties"]:
         raise ConfigError(f"vertical.columns: {len(cols)} column lists for "
                           f"vertical.parties={cfg['vertical.parties']}")
+
+
+components.register("vertical_tables", party_tables)
+components.register("vertical_table", party_table)
+components.register("vertical_train_test_ids", train_test_ids)
