@@ -181,3 +181,4 @@ def _psi():
 
 components.register("psi", _psi)
 components.register("batches_per_epoch", batches_per_epoch)
+components.register("batch_rows", batch_rows)

@@ -154,6 +154,8 @@ def align(worker, shared: list[str]) -> None:
     """The worker's aligned train and test rows (the seeded split every party draws)."""
     train_ids, test_ids = components.get("vertical_train_test_ids")(shared, worker.course.cfg)
     worker.train_rows, worker.test_rows = worker.table.aligned(train_ids), worker.table.aligned(test_ids)
+    if worker.course.cfg["vertical.standardize"]:
+        components.get("vertical_standardize")(worker.train_rows, worker.test_rows)
 
 
 # ------------------------------------------------------------------ stage 2: split learning

@@ -26,7 +26,7 @@ from fedcore.kernel.config import declare, resolver, validator
 from fedcore.kernel.errors import ConfigError
 from fedcore.kernel.registry import components, partitioners
 
-__all__ = ["PartyTable", "party_tables", "party_table", "train_test_ids", "column_groups", "resolve_columns", "vertical"]
+__all__ = ["PartyTable", "party_tables", "party_table", "train_test_ids", "column_groups", "resolve_columns", "standardize", "vertical"]
 
 ACTIVE = 0
 
@@ -40,6 +40,8 @@ declare("vertical.files", list, None, "vertical: one CSV file per party (a heade
         "numeric features; party 0's also holds data.label_column); replaces data.type/data.root")
 declare("vertical.id_column", str, "id", "vertical: the column holding each row's sample id in "
         "vertical.files")
+declare("vertical.standardize", bool, False, "vertical: each party scales its columns to mean 0 and "
+        "variance 1 by the statistics of its own aligned training rows (a local step, no message)")
 declare("vertical.keep", float, 1.0, "vertical, shipped data sets: the fraction of the sample ids "
         "each party holds (seeded, per party), so that the parties' id sets differ",
         check=lambda v: None if 0 < v <= 1 else f"must be in (0, 1], got {v}")
@@ -204,6 +206,16 @@ def party_table(cfg, party: int) -> PartyTable:
     return _shipped(cfg)[party]
 
 
+def standardize(train: PartyTable, test: PartyTable) -> None:
+    """Scale both tables' columns by the training rows' mean and standard deviation (1 where 0)."""
+    if not train.x.is_floating_point() or len(train.ids) == 0:
+        return
+    mean = train.x.mean(dim=0, keepdim=True)
+    std = train.x.std(dim=0, keepdim=True, unbiased=False)
+    std = torch.where(std > 0, std, torch.ones_like(std))
+    train.x, test.x = (train.x - mean) / std, (test.x - mean) / std
+
+
 def train_test_ids(shared: list[str], cfg) -> tuple[list[str], list[str]]:
     """The seeded split of the shared ids (sorted) into train and test (`data.test_size`)."""
     ids = sorted(shared)
@@ -245,3 +257,4 @@ def _check_vertical(cfg) -> None:
 components.register("vertical_tables", party_tables)
 components.register("vertical_table", party_table)
 components.register("vertical_train_test_ids", train_test_ids)
+components.register("vertical_standardize", standardize)
