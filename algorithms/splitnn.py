@@ -52,7 +52,7 @@ def batch_rows(seed: int, n: int, batch_size: int, step: int) -> torch.Tensor:
 
 
 def _mlp(sizes: list[int], relu_last: bool) -> nn.Sequential:
-    layers: list[nn.Module] = []
+    layers: list[nn.Module] = [nn.Flatten()]   # image strips (N, C, H, w) or columns (N, d)
     for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
         layers.append(nn.Linear(a, b))
         if i < len(sizes) - 2 or relu_last:
@@ -67,7 +67,9 @@ def _seeded(seed: int, tag: int, build, dtype: torch.dtype) -> nn.Module:
         return build().to(dtype)
 
 
-def bottom_model(cfg, party: int, in_features: int) -> nn.Module:
+def bottom_model(cfg, party: int, in_shape: tuple[int, ...] | int) -> nn.Module:
+    """Party `party`'s bottom model over samples of `in_shape` (its columns, or its image strip)."""
+    in_features = in_shape if isinstance(in_shape, int) else math.prod(in_shape)
     sizes = [in_features, *cfg["vertical.bottom_hidden"], cfg["vertical.cut"]]
     return _seeded(cfg["seed"], 100 + party, lambda: _mlp(sizes, relu_last=True),
                    getattr(torch, cfg["model.dtype"]))
@@ -93,7 +95,7 @@ class BottomParty:
     def __init__(self, cfg, party: int, x_train: torch.Tensor, x_test: torch.Tensor):
         self.cfg, self.party = cfg, party
         self.x_train, self.x_test = x_train, x_test
-        self.model = bottom_model(cfg, party, x_train.shape[1])
+        self.model = bottom_model(cfg, party, tuple(x_train.shape[1:]))
         self.opt = make_optimizer(cfg, self.model.parameters())
         self._out: torch.Tensor | None = None
 
