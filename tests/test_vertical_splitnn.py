@@ -70,7 +70,7 @@ def test_gradient_noise_changes_only_what_the_passive_parties_receive(tmp_path):
     noisy = fedcore.run({**BASE, "outdir": str(tmp_path / "b"), "vertical.gradient_noise": 0.5})
     fa = torch.load(tmp_path / "a" / "final_model.pt", weights_only=True)
     fb = torch.load(tmp_path / "b" / "final_model.pt", weights_only=True)
-    assert not torch.equal(fa["bottom1.0.weight"], fb["bottom1.0.weight"])
+    assert not torch.equal(fa["bottom1.1.weight"], fb["bottom1.1.weight"])
     assert exact.summary["psi_intersection"] == noisy.summary["psi_intersection"]
 
 
