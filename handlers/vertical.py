@@ -248,6 +248,9 @@ def record(active, round_: int) -> None:
 
 
 def finish(active) -> None:
+    states = active.party_states()
+    count = sum(v.numel() for v in states.values())
+    active.course.monitor.add_summary("model", {"trainable_params": count, "total_params": count})
     active.finished = True
     active.course.monitor.add_summary("stop", {"stopped_by": "max_rounds"})
     active.send("finish", active.course.client_ids, {})

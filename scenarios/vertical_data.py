@@ -105,8 +105,8 @@ def _shipped(cfg) -> list[PartyTable]:
     x, y = raw.x, raw.y
     if raw.test is not None:
         x, y = torch.cat([x, raw.test.x]), torch.cat([y, raw.test.y])
-    if cfg["model.dtype"] == "float64" and x.is_floating_point():
-        x = x.double()
+    if x.is_floating_point():
+        x = x.to(getattr(torch, cfg["model.dtype"]))
     n, parties = len(y), cfg["vertical.parties"]
     ids = np.array([str(i) for i in range(n)])
     if x.dim() == 4:   # images: vertical strips of the width
@@ -177,7 +177,8 @@ def _read_csv(cfg, party: int, path: str) -> PartyTable:
         names = sorted(set(labels), key=natural_key)
         index = {c: i for i, c in enumerate(names)}
         y, classes = torch.tensor([index[v] for v in labels], dtype=torch.long), len(names)
-    return PartyTable(party, ids, x.reshape(len(rows), len(features)), features, y, classes)
+    x = x.reshape(len(rows), len(features)).to(getattr(torch, cfg["model.dtype"]))
+    return PartyTable(party, ids, x, features, y, classes)
 
 
 def party_tables(cfg) -> list[PartyTable]:
@@ -195,14 +196,14 @@ def party_tables(cfg) -> list[PartyTable]:
 
 
 def party_table(cfg, party: int) -> PartyTable:
-    """Party `party`'s table alone (a deployed party reads only its own file)."""
+    """Party `party`'s table alone, read from its own file only (a passive party's
+    `num_classes` is then 0: the label count is the active party's to tell)."""
     files = cfg["vertical.files"]
     if files is not None:
-        table = _read_csv(cfg, party, files[party])
-        if party != ACTIVE:
-            table.num_classes = _read_csv(cfg, ACTIVE, files[ACTIVE]).num_classes \
-                if Path(files[ACTIVE]).is_file() else 0
-        return table
+        if len(files) != cfg["vertical.parties"]:
+            raise ConfigError(f"vertical.files: {len(files)} files for vertical.parties="
+                              f"{cfg['vertical.parties']}; give one CSV file per party")
+        return _read_csv(cfg, party, files[party])
     return _shipped(cfg)[party]
 
 

@@ -97,3 +97,19 @@ def test_bad_vertical_input_exits_2_in_one_line(tmp_path):
         r = _cli(tmp_path, "--cfg", cfg, *args)
         assert r.returncode == 2, r.stderr
         assert key in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_a_course_on_the_users_csv_files_trains_on_the_shared_ids(tmp_path):
+    import random
+    rng = random.Random(0)
+    a_rows = [[f"c{i}", rng.gauss(0, 1), rng.gauss(0, 1), i % 2] for i in range(0, 60)]
+    b_rows = [[f"c{i}", rng.gauss(0, 1)] for i in range(20, 90)]        # shares c20..c59 with a
+    with open(tmp_path / "a.csv", "w", newline="") as f:
+        csv.writer(f).writerows([["id", "f1", "f2", "label"], *a_rows])
+    with open(tmp_path / "b.csv", "w", newline="") as f:
+        csv.writer(f).writerows([["id", "g1"], *b_rows])
+    result = fedcore.run({"seed": 0, "verbose": False, "data.partition": "vertical",
+                          "vertical.files": [str(tmp_path / "a.csv"), str(tmp_path / "b.csv")],
+                          "federate.total_round_num": 1, "train.batch_size": 8, "outdir": str(tmp_path / "o")})
+    assert result.summary["psi_intersection"] == 40
+    assert result.summary["total_params"] > 0 and "test_acc" in result.records[-1]
