@@ -13,7 +13,7 @@ import secrets
 
 import torch
 
-__all__ = ["keypair", "encode", "decode", "encrypt", "decrypt_raw", "linear_combination", "add_plain",
+__all__ = ["keypair", "encode", "decode", "encrypt", "decrypt_raw", "linear_combination", "add_plain", "random_mask",
            "to_bytes", "from_bytes", "PublicKey"]
 
 
