@@ -2,8 +2,8 @@
 
     python -m fedcore.scenarios.plugin_effects [--rounds R] [--seeds 1 2 3]
 
-Every number in docs/plugins.md comes from this script (synthetic data, no
-download). Accuracies are the final round's, averaged over the seeds.
+Every accuracy table of docs/plugins.md and docs/personalization.md comes from this script
+(synthetic data, no download). Accuracies are the final round's, averaged over the seeds.
 """
 from __future__ import annotations
 

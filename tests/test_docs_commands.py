@@ -1,11 +1,13 @@
 """The docs' commands, as they stand: every `python -m fedcore.run` in a fenced block of the
-README and docs/ runs and exits 0, and the figures the docs print beside the quickstart and
-the digits scenario are what those runs write (to the precision printed).
+README and docs/ (its subfolders included) runs and exits 0, and the figures the docs print
+beside the quickstart and the digits scenario are what those runs write (to the precision
+printed).
 
 Left out, each for a stated reason: usage lines and examples built on files the reader
 writes (their --cfg file is not in the repository, or an argument is a placeholder such as
-KEY), deployed roles (a server and its clients run together: the deploy tests), and commands
-that read a secret from the shell."""
+KEY), deployed roles (a server and its clients run together: the deploy tests), commands
+that read a secret from the shell, and the lines of a shell loop (an argument holds its
+variable, such as seed=$S)."""
 from __future__ import annotations
 
 import json
@@ -23,7 +25,7 @@ from tests.deploy_helpers import run_fedcore
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 PLACEHOLDERS = {"KEY", "X"}
 
 
@@ -70,6 +72,8 @@ def _why_left_out(env: dict[str, str], args: list[str]) -> str | None:
         return "a deployed role"
     if any(a in PLACEHOLDERS or a.startswith("[") for a in args):
         return "a usage line with placeholders"
+    if any("$" in a for a in args):
+        return "a line of a shell loop"
     for flag, value in zip(args, args[1:]):
         if flag == "--cfg" and not (ROOT / value).is_file():
             return f"its config {value} is the reader's own"
