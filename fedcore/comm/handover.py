@@ -13,12 +13,13 @@ __all__ = ["Arrival", "Batch", "NewSession", "Lost", "Delivery", "Raise"]
 
 
 class Arrival:
-    """A received message, delivered on the scheduler thread."""
+    """A received message, delivered on the scheduler thread (`session`: the one it came on;
+    its join_in makes it a candidate for rounds, `Session.joining`)."""
 
-    __slots__ = ("comm", "msg", "nbytes", "turn")
+    __slots__ = ("comm", "msg", "nbytes", "turn", "session")
 
-    def __init__(self, comm, msg: Message, nbytes: int, turn: object = None):
-        self.comm, self.msg, self.nbytes, self.turn = comm, msg, nbytes, turn
+    def __init__(self, comm, msg: Message, nbytes: int, turn: object = None, session=None):
+        self.comm, self.msg, self.nbytes, self.turn, self.session = comm, msg, nbytes, turn, session
 
     def __call__(self) -> None:
         comm, msg = self.comm, self.msg
@@ -27,13 +28,15 @@ class Arrival:
                 comm.count_bytes(msg, SERVER_ID, self.nbytes)
             if msg.msg_type == "join_in":
                 comm.quiet_info(f"joined {msg.sender}", f"client {msg.sender} joined the course", logging.INFO)
+                if self.session is not None:
+                    self.session.joining = False
             elif msg.msg_type == "updates" and not comm.update_gate(msg):
                 return
             elif msg.msg_type == "metrics" and not comm.metrics_gate.admit(msg):
                 return
             comm.server.deliver(msg)
         finally:   # handled (an update folded) or dropped: the next large message may come in
-            self.msg = None
+            self.msg = self.session = None
             if self.turn is not None:
                 comm._on_loop(comm._turns.give_back, self.turn)   # nothing once the server stopped
         comm.after_delivery()
@@ -56,15 +59,16 @@ class Batch:
 
 
 class NewSession:
-    """A new session (a new process) for a client id, on the scheduler thread."""
+    """A new session for a client id, on the scheduler thread: a new process, or (`returning`)
+    the process whose session was lost, back with the same session id."""
 
-    __slots__ = ("comm", "client_id")
+    __slots__ = ("comm", "client_id", "returning")
 
-    def __init__(self, comm, client_id: int):
-        self.comm, self.client_id = comm, client_id
+    def __init__(self, comm, client_id: int, returning: bool = False):
+        self.comm, self.client_id, self.returning = comm, client_id, returning
 
     def __call__(self) -> None:
-        self.comm.on_new_session(self.client_id)
+        self.comm.on_new_session(self.client_id, self.returning)
 
 
 class Lost:

@@ -88,7 +88,8 @@ class ServerCourse(Course):
 
     @property
     def client_ids(self) -> list[int]:
-        """The clients a handler may address: connected and joined (all ids before assembly)."""
+        """The clients a handler may address: connected and joined, the process of the session
+        included (all ids before assembly)."""
         if self.built:
             live = self.comm.live_ids(self.server.joined)
             benched = self.deployment.benched(self.server)  # missed a deadline, silent since
@@ -162,12 +163,17 @@ class ServerCourse(Course):
         self.monitor.count_bytes(msg, receiver, nbytes)
         self.deployment.note_traffic(self.server, msg, receiver, self.scheduler.now)
 
-    def _new_session(self, client_id: int) -> None:
-        """A new process joins as `client_id`: what an earlier session declared is not its
-        (a squatter's num_samples 0 would void the real client's updates)."""
+    def _new_session(self, client_id: int, returning: bool = False) -> None:
+        """A session for `client_id` connected (a candidate for rounds once its process has
+        joined: `client_ids`). A new process: what an earlier session declared is not its (a
+        squatter's num_samples 0 would void the real client's updates). The process whose
+        session was lost, back (`returning`): off the bench, asked again."""
+        self._departed.discard(client_id)
+        if returning:
+            self.deployment.returned(self.server, client_id)
+            return
         from fedcore.runtime.admission import AdmissionState
         self.server.state(AdmissionState).declared.pop(client_id, None)
-        self._departed.discard(client_id)
         self.deployment.new_session(self.server, client_id)
 
     def updates_refused(self, received: list, admitted: list) -> None:
@@ -300,7 +306,7 @@ class ClientCourse(Course):
         _refuse_undeployable(self.trainer)
         apply_torch_threads(cfg)
         self.built = True
-        comm.on_new_server = StartEvent(self.client, "start")
+        comm.on_new_server = comm.on_readmitted = StartEvent(self.client, "start")   # join again
         comm.attach(self.client)
         return self
 
