@@ -114,6 +114,10 @@ class GrpcClientComm(ClientInbound):
         self.client_id: int | None = None
         self.server_session: str | None = None
         self.on_new_server: Callable[[], None] | None = None  # a restarted server: join again
+        # welcomed again by the same server (a redial): join again, since a join that gRPC took
+        # just before the stream ended is not sent again, and a server whose session for this
+        # process was lost counts it as a member only from a join; one more changes nothing
+        self.on_readmitted: Callable[[], None] | None = None
         self.worker = None
         self.fatal: FedcoreError | None = None
         self.connected = False
