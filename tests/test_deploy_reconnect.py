@@ -148,6 +148,7 @@ def test_a_new_process_is_no_candidate_until_it_joins_and_its_session_comes_back
         _until(lambda: len(sessions) == 3, "the second process's session")
         assert sessions[2] == (2, False)
         assert server.live_ids() == [2] and server.live_ids({2}) == []   # the first one's join is not its own
+        assert server.live_ids({2}, joining=True) == [2]   # what a finished course tells it is over
         _join(second, 2)
         assert at_server.wait(2)
         assert server.live_ids({2}) == [2]

@@ -232,12 +232,12 @@ class GrpcServerComm(CallAdmission, Inbound):
         self._thread = None
 
     # ------------------------------------------------------------ what the course asks
-    def live_ids(self, joined: set[int] | None = None) -> list[int]:
+    def live_ids(self, joined: set[int] | None = None, joining: bool = False) -> list[int]:
         """Ids of clients whose session is alive (and, if given, that have joined: are in
-        `joined` and their process has sent its join_in)."""
+        `joined` and, unless `joining`, their process has sent its own join_in)."""
         with self._lock:
             ids = [c for c, s in self.sessions.items()
-                   if s.state == "live" and (joined is None or (c in joined and not s.joining))]
+                   if s.state == "live" and (joined is None or (c in joined and (joining or not s.joining)))]
         return sorted(ids)
 
     def describe(self) -> dict[str, Any]:

@@ -88,12 +88,14 @@ class ServerCourse(Course):
 
     @property
     def client_ids(self) -> list[int]:
-        """The clients a handler may address: connected and joined, the process of the session
-        included (all ids before assembly)."""
+        """The clients a handler may address: connected and joined, by the process of the
+        session (all ids before assembly; once finished, a member's new process that has not
+        joined yet too: it is told the course is over)."""
         if self.built:
-            live = self.comm.live_ids(self.server.joined)
+            finished = self.server.finished
+            live = self.comm.live_ids(self.server.joined, joining=finished)
             benched = self.deployment.benched(self.server)  # missed a deadline, silent since
-            if benched and not self.server.finished:
+            if benched and not finished:
                 live = [c for c in live if c not in benched]
             return live
         return self._all_ids
