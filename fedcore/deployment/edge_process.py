@@ -53,8 +53,8 @@ class _Router:
     def send(self, msg) -> None:
         (self.up if tuple(msg.receivers) == (SERVER_ID,) else self.down).send(msg)
 
-    def live_ids(self, joined=None) -> list[int]:   # the edge's clients, as a server's
-        return self.down.live_ids(joined)
+    def live_ids(self, joined=None, joining: bool = False) -> list[int]:   # the edge's clients, as a server's
+        return self.down.live_ids(joined, joining)
 
     def expire(self, timeout: float) -> list[tuple[int, str]]:
         return self.down.expire(timeout)
