@@ -137,6 +137,9 @@ def test_a_new_process_is_no_candidate_until_it_joins_and_its_session_comes_back
         assert sessions[1] == (2, True)
         assert server.live_ids({2}) == [2]             # a member again, before any join
         _until(lambda: welcomed_again == [1], "the client to hear the same server again")
+        _join(first, 2)                                 # what a course's client does then
+        first.send(Message("note", 2, (0,), 5, 0.0, {"n": 1}))
+        assert at_server.wait(2) and at_server.got == [{"client_id": 2}, {"n": 1}]   # the repeat unseen
 
         first.close()                                   # goodbye: its session ends
         _until(lambda: server.live_ids() == [], "the first process to leave")
@@ -150,7 +153,7 @@ def test_a_new_process_is_no_candidate_until_it_joins_and_its_session_comes_back
         assert server.live_ids() == [2] and server.live_ids({2}) == []   # the first one's join is not its own
         assert server.live_ids({2}, joining=True) == [2]   # what a finished course tells it is over
         _join(second, 2)
-        assert at_server.wait(2)
+        assert at_server.wait(3) and at_server.got[-1] == {"client_id": 2}
         assert server.live_ids({2}) == [2]
     finally:
         first.close()

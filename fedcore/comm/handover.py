@@ -14,7 +14,8 @@ __all__ = ["Arrival", "Batch", "NewSession", "Lost", "Delivery", "Raise"]
 
 class Arrival:
     """A received message, delivered on the scheduler thread (`session`: the one it came on;
-    its join_in makes it a candidate for rounds, `Session.joining`)."""
+    its first join_in makes it a candidate for rounds, `Session.joining`; a later one is a
+    repeat, dropped unseen)."""
 
     __slots__ = ("comm", "msg", "nbytes", "turn", "session")
 
@@ -24,12 +25,14 @@ class Arrival:
     def __call__(self) -> None:
         comm, msg = self.comm, self.msg
         try:
+            if msg.msg_type == "join_in" and self.session is not None:
+                if not self.session.joining:
+                    return   # a process already in joins again after each redial: nothing new, not counted
+                self.session.joining = False
             if self.nbytes:
                 comm.count_bytes(msg, SERVER_ID, self.nbytes)
             if msg.msg_type == "join_in":
                 comm.quiet_info(f"joined {msg.sender}", f"client {msg.sender} joined the course", logging.INFO)
-                if self.session is not None:
-                    self.session.joining = False
             elif msg.msg_type == "updates" and not comm.update_gate(msg):
                 return
             elif msg.msg_type == "metrics" and not comm.metrics_gate.admit(msg):
