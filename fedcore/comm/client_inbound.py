@@ -127,4 +127,5 @@ class ClientInbound:
                 self.scheduler.call_soon(self.on_new_server)
         elif again and self.on_readmitted is not None:
             self.scheduler.call_soon(self.on_readmitted)
+        self.outbox.wake()   # what was queued goes now (`GrpcClientComm._requests`)
         self._welcomed.set()

@@ -361,7 +361,9 @@ class GrpcClientComm(ClientInbound):
         def on_message(size: int) -> None:
             stream.large = stream.large or size >= TURN_BYTES
 
-        yield from self.outbox.frames(token, alive, self.hb_interval, idle, on_message)
+        # messages go once the server has welcomed this stream: one it refuses would take them with it
+        yield from self.outbox.frames(token, alive, self.hb_interval, idle, on_message,
+                                      ready=lambda: stream.welcomed)
 
 
 def _marked(exc: grpc.RpcError, key: str) -> bool:
