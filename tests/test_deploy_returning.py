@@ -3,7 +3,8 @@ course late, or is stopped (SIGSTOP) just after joining, for longer than the hea
 and resumed. The model moved on without its data, so its honest updates are larger than the
 others' for a while; a bound of 4 x the median of the others alone refused them. Admission scales a
 returning client's update to the bound instead (fedcore/runtime/admission.py `Returning`): it is
-aggregated, nothing is refused."""
+aggregated, nothing is refused. And a client SIGKILLed and restarted mid-course is asked again,
+and aggregated, from the round after its new process joined (FedAvg and SCAFFOLD)."""
 import json
 import signal
 
