@@ -21,8 +21,11 @@ where t is the lower median of the *other* clients' latest reply times. No
 client can lengthen its own deadline by being late, a minority of slow clients
 cannot move the median, and the ceiling bounds what any number can do. A client
 dropped for its deadline is not sampled again until it sends an update (a late
-one) or joins again, so a client whose trainer hangs while its heartbeats flow
-delays the course once, by at most its deadline.
+one), joins again from a new process, or comes back after its session was lost,
+so a client whose trainer hangs while its heartbeats flow delays the course
+once, by at most its deadline. A new process is sampled only once it has joined
+(`ServerCourse.client_ids`): until then it is building its course and could not
+answer in time.
 
 A round of several exchanges (secure aggregation's five stages, `time_stages`) is
 timed per stage: each stage's request starts its clients' clocks, and t is the
@@ -49,7 +52,7 @@ from fedcore.kernel.registry import behaviours, components
 from fedcore.kernel.server_state import worker_state
 
 __all__ = ["arm", "join_timeout", "client_lost", "round_check", "note_traffic", "ReplyTimes",
-           "DeployWatch", "benched", "time_stages", "install"]
+           "DeployWatch", "benched", "time_stages", "new_session", "returned", "install"]
 
 log = logging.getLogger("fedcore.deploy")
 
@@ -273,6 +276,14 @@ def new_session(server, client_id: int) -> None:
     server.state(DeployWatch).new_sessions.add(client_id)
 
 
+def returned(server, client_id: int) -> None:
+    """The process of `client_id` is back after its session was lost (the same session id):
+    off the bench, so it is asked again. A hung trainer's heartbeats keep its session, so
+    this does not let one be waited for anew; a process silent past `heartbeat_timeout` each
+    time costs the course at most one deadline per return, as a restart does."""
+    benched(server).discard(client_id)
+    _joined_during_course(server, client_id, "session back")
+
 
 def note_traffic(server, msg, receiver: int, now: float) -> None:
     """Every message the deployed server sends or receives: a stage's requests sent (models,
@@ -293,9 +304,18 @@ def note_traffic(server, msg, receiver: int, now: float) -> None:
         if msg.sender not in watch.new_sessions:
             return
         watch.new_sessions.discard(msg.sender)
+        _joined_during_course(server, msg.sender, "new process joined")
     else:
         return
     watch.benched.discard(msg.sender)
+
+
+def _joined_during_course(server, cid: int, how: str) -> None:
+    """A client that joins a running course, or comes back to it, is asked from the next round
+    on: listed in the summary (`joined_during_course`) with the round then in progress."""
+    if server.started and not server.finished:
+        _listed(server, "joined_during_course",
+                {"client": cid, "round": server.round, "how": how})
 
 
 def _overdue(server, since: float) -> list[int]:

@@ -218,6 +218,25 @@ def test_a_benched_client_comes_back_with_an_update_or_a_new_processs_join_only(
     assert deployment.benched(server) == set()
 
 
+def test_a_process_back_on_its_lost_session_leaves_the_bench_and_each_return_is_listed():
+    # Client 2 was benched, then its session was lost (silent past heartbeat_timeout: a model
+    # sent meanwhile went with the session) and the same process came back on its session id:
+    # it will not re-join, and no late update of it is coming, so only its return can bring it
+    # back. Client 3 restarted: its new process's join brings it back, as before.
+    course, server = _timed_server()
+    deployment.benched(server).update({2, 3})
+    deployment.returned(server, 2)
+    assert deployment.benched(server) == {3}
+    deployment.new_session(server, 3)
+    deployment.note_traffic(server, _Msg("join_in", 3, 0), SERVER_ID, 1.0)
+    assert deployment.benched(server) == set()
+    assert course.monitor.extra_summary["joined_during_course"] == [
+        {"client": 2, "round": 4, "how": "session back"}, {"client": 3, "round": 4, "how": "new process joined"}]
+    server.started = False                                   # before the course: nothing to list
+    deployment.returned(server, 1)
+    assert course.monitor.extra_summary["joined_during_course_total"] == 2
+
+
 def test_lost_lists_stay_bounded():
     course, server = _server()
     for k in range(LISTED + 30):

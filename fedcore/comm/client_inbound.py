@@ -111,7 +111,8 @@ class ClientInbound:
             raise WireError(f"the server's welcome names resumed round {resumed}, not a round")
         stream.welcomed = True
         stream.last_recv = time.monotonic()
-        new_server = self.server_session is not None and w.server_session != self.server_session
+        again = self.server_session is not None   # not this process's first welcome
+        new_server = again and w.server_session != self.server_session
         self.client_id, self.server_session, self.connected = w.client_id, w.server_session, True
         # a resuming server says from which round (a field of newer servers' welcomes); the
         # state kept on disk goes back to that round first, so the join declares one it can take
@@ -124,4 +125,7 @@ class ClientInbound:
                         f" (the course resumed at round {resumed})" if resumed else "")
             if self.on_new_server is not None:
                 self.scheduler.call_soon(self.on_new_server)
+        elif again and self.on_readmitted is not None:
+            self.scheduler.call_soon(self.on_readmitted)
+        self.outbox.wake()   # what was queued goes now (`GrpcClientComm._requests`)
         self._welcomed.set()

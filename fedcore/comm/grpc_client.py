@@ -116,6 +116,10 @@ class GrpcClientComm(ClientInbound):
         self.client_id: int | None = None
         self.server_session: str | None = None
         self.on_new_server: Callable[[], None] | None = None  # a restarted server: join again
+        # welcomed again by the same server (a redial): join again, since a join that gRPC took
+        # just before the stream ended is not sent again, and a server whose session for this
+        # process was lost counts it as a member only from a join; one more changes nothing
+        self.on_readmitted: Callable[[], None] | None = None
         self.worker = None
         self.fatal: FedcoreError | None = None
         self.connected = False
@@ -365,7 +369,9 @@ class GrpcClientComm(ClientInbound):
         def on_message(size: int) -> None:
             stream.large = stream.large or size >= TURN_BYTES
 
-        yield from self.outbox.frames(token, alive, self.hb_interval, idle, on_message)
+        # messages go once the server has welcomed this stream: one it refuses would take them with it
+        yield from self.outbox.frames(token, alive, self.hb_interval, idle, on_message,
+                                      ready=lambda: stream.welcomed)
 
 
 def _marked(exc: grpc.RpcError, key: str) -> bool:

@@ -115,7 +115,8 @@ class GrpcServerComm(CallAdmission, Inbound):
         self._handover: list = []         # events for the scheduler, gathered on the loop
         self._open: dict[int, int] = {}   # client id -> its calls still running (under _lock)
         self._admitted_peers: dict = {}   # `peer_key` -> ids of the sessions admitted on that connection
-        self.on_new_session: Callable[[int], None] = lambda client_id: None   # on the scheduler thread
+        # (client id, returning: the same process back after its session was lost), on the scheduler thread
+        self.on_new_session: Callable[[int, bool], None] = lambda client_id, returning: None
         self.update_gate: Callable[[Message], bool] = lambda msg: True       # False: dropped unseen
 
     # ------------------------------------------------------------ lifecycle
@@ -231,11 +232,13 @@ class GrpcServerComm(CallAdmission, Inbound):
         self._thread = None
 
     # ------------------------------------------------------------ what the course asks
-    def live_ids(self, joined: set[int] | None = None) -> list[int]:
-        """Ids of clients whose session is alive (and, if given, that have joined)."""
+    def live_ids(self, joined: set[int] | None = None, joining: bool = False) -> list[int]:
+        """Ids of clients whose session is alive (and, if given, that have joined: are in
+        `joined` and, unless `joining`, their process has sent its own join_in)."""
         with self._lock:
-            ids = [c for c, s in self.sessions.items() if s.state == "live"]
-        return sorted(c for c in ids if joined is None or c in joined)
+            ids = [c for c, s in self.sessions.items()
+                   if s.state == "live" and (joined is None or (c in joined and (joining or not s.joining)))]
+        return sorted(ids)
 
     def describe(self) -> dict[str, Any]:
         """Per-client connection facts for the summary."""

@@ -13,16 +13,22 @@ __all__ = ["Arrival", "Batch", "NewSession", "Lost", "Delivery", "Raise"]
 
 
 class Arrival:
-    """A received message, delivered on the scheduler thread."""
+    """A received message, delivered on the scheduler thread (`session`: the one it came on;
+    its first join_in makes it a candidate for rounds, `Session.joining`; a later one is a
+    repeat, dropped unseen)."""
 
-    __slots__ = ("comm", "msg", "nbytes", "turn")
+    __slots__ = ("comm", "msg", "nbytes", "turn", "session")
 
-    def __init__(self, comm, msg: Message, nbytes: int, turn: object = None):
-        self.comm, self.msg, self.nbytes, self.turn = comm, msg, nbytes, turn
+    def __init__(self, comm, msg: Message, nbytes: int, turn: object = None, session=None):
+        self.comm, self.msg, self.nbytes, self.turn, self.session = comm, msg, nbytes, turn, session
 
     def __call__(self) -> None:
         comm, msg = self.comm, self.msg
         try:
+            if msg.msg_type == "join_in" and self.session is not None:
+                if not self.session.joining:
+                    return   # a process already in joins again after each redial: nothing new, not counted
+                self.session.joining = False
             if self.nbytes:
                 comm.count_bytes(msg, SERVER_ID, self.nbytes)
             if msg.msg_type == "join_in":
@@ -33,7 +39,7 @@ class Arrival:
                 return
             comm.server.deliver(msg)
         finally:   # handled (an update folded) or dropped: the next large message may come in
-            self.msg = None
+            self.msg = self.session = None
             if self.turn is not None:
                 comm._on_loop(comm._turns.give_back, self.turn)   # nothing once the server stopped
         comm.after_delivery()
@@ -56,15 +62,16 @@ class Batch:
 
 
 class NewSession:
-    """A new session (a new process) for a client id, on the scheduler thread."""
+    """A new session for a client id, on the scheduler thread: a new process, or (`returning`)
+    the process whose session was lost, back with the same session id."""
 
-    __slots__ = ("comm", "client_id")
+    __slots__ = ("comm", "client_id", "returning")
 
-    def __init__(self, comm, client_id: int):
-        self.comm, self.client_id = comm, client_id
+    def __init__(self, comm, client_id: int, returning: bool = False):
+        self.comm, self.client_id, self.returning = comm, client_id, returning
 
     def __call__(self) -> None:
-        self.comm.on_new_session(self.client_id)
+        self.comm.on_new_session(self.client_id, self.returning)
 
 
 class Lost:

@@ -133,7 +133,7 @@ class Inbound:
             else:
                 msg = self._decode(s, data)
             s.last_delivered = frame.chunk.message_id
-            self._hand_over(Arrival(self, msg, len(data), turn))
+            self._hand_over(Arrival(self, msg, len(data), turn, s))
         elif kind == "bye":
             with self._lock:
                 if s.state == "live":

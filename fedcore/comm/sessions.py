@@ -38,6 +38,7 @@ class Session:
     last_seen: float = field(default_factory=time.monotonic)
     last_delivered: int = 0       # highest message id handed to the scheduler (drops duplicates)
     streams: int = 0              # streams opened by this session (1 + reconnects)
+    joining: bool = False         # a new process's session whose join_in has not come yet
     receiving: bool = False       # one of its messages is half-received (a slow link may be busy)
     calls: set = field(default_factory=set)   # the tasks of its calls still running (on the loop)
     left: dict = field(default_factory=dict)  # `peer_key` -> when it moved off that connection
@@ -200,7 +201,14 @@ class CallAdmission:
                 live = s
             else:
                 if s is None or s.state != "live":
+                    # The process whose session was lost dials again with its session id: it is
+                    # where it was (joined, or still to join). Any other is a new process, which
+                    # is no candidate for a round until its join_in comes: it is still building
+                    # its course, and asked now it would miss its deadline and be benched.
+                    returning = s is not None and hmac.compare_digest(s.session_id.encode(), session_id.encode())
+                    joining = s.joining if returning else True
                     s = Session(cid, session_id, AsyncOutbox(self.chunk_size, self.first_size, self._ids, self._loop), peer)
+                    s.joining = joining
                     self.sessions[cid] = s
                     how = "connected"
                 else:
@@ -226,5 +234,5 @@ class CallAdmission:
             self.quiet_info(f"reconnected {cid}", f"client {cid} reconnected from {peer}", logging.INFO)
         else:
             self.quiet_info(f"connected {cid}", f"client {cid} connected from {peer}", logging.INFO)
-            self._hand_over(NewSession(self, cid))   # before anything this session sends
+            self._hand_over(NewSession(self, cid, returning))   # before anything this session sends
         return s, token_

@@ -140,12 +140,15 @@ class Outbox(OwnedQueue):
 
     def frames(self, token: object, alive: Callable[[], bool], interval: float,
                on_idle: Callable[[], bytes | None],
-               on_message: Callable[[int], None] | None = None) -> Iterator[bytes]:
+               on_message: Callable[[int], None] | None = None,
+               ready: Callable[[], bool] = lambda: True) -> Iterator[bytes]:
         """Frames to write, for as long as this stream owns the outbox and `alive()` holds.
 
         An item is removed only when the stream asks for the frame after its
         last one, i.e. once gRPC has taken all of it; a heartbeat (from
-        `on_idle`, which may return None to end the stream) fills idle intervals.
+        `on_idle`, which may return None to end the stream) fills idle intervals,
+        and every interval until `ready()` (queued items wait for it: a call the
+        server refuses takes what it is sent with it, unread).
         `on_message(size)` is told each message's size as its first frame goes.
         """
         def mine() -> bool:
@@ -153,11 +156,11 @@ class Outbox(OwnedQueue):
 
         while True:
             with self._cond:
-                if not self._items and mine():
+                if (not self._items or not ready()) and mine():
                     self._cond.wait(interval)
                 if not mine():
                     return
-                item = self._items[0] if self._items else None
+                item = self._items[0] if self._items and ready() else None
             if item is None:
                 idle = on_idle()
                 if idle is None:

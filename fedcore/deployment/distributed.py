@@ -92,11 +92,14 @@ class ServerCourse(Course):
 
     @property
     def client_ids(self) -> list[int]:
-        """The clients a handler may address: connected and joined (all ids before assembly)."""
+        """The clients a handler may address: connected and joined, by the process of the
+        session (all ids before assembly; once finished, a member's new process that has not
+        joined yet too: it is told the course is over)."""
         if self.built:
-            live = self.comm.live_ids(self.server.joined)
+            finished = self.server.finished
+            live = self.comm.live_ids(self.server.joined, joining=finished)
             benched = self.deployment.benched(self.server)  # missed a deadline, silent since
-            if benched and not self.server.finished:
+            if benched and not finished:
                 live = [c for c in live if c not in benched]
             return live
         return self._all_ids
@@ -167,12 +170,17 @@ class ServerCourse(Course):
         self.monitor.count_bytes(msg, receiver, nbytes)
         self.deployment.note_traffic(self.server, msg, receiver, self.scheduler.now)
 
-    def _new_session(self, client_id: int) -> None:
-        """A new process joins as `client_id`: what an earlier session declared is not its
-        (a squatter's num_samples 0 would void the real client's updates)."""
+    def _new_session(self, client_id: int, returning: bool = False) -> None:
+        """A session for `client_id` connected (a candidate for rounds once its process has
+        joined: `client_ids`). A new process: what an earlier session declared is not its (a
+        squatter's num_samples 0 would void the real client's updates). The process whose
+        session was lost, back (`returning`): off the bench, asked again."""
+        self._departed.discard(client_id)
+        if returning:
+            self.deployment.returned(self.server, client_id)
+            return
         from fedcore.runtime.admission import AdmissionState
         self.server.state(AdmissionState).declared.pop(client_id, None)
-        self._departed.discard(client_id)
         self.deployment.new_session(self.server, client_id)
 
     def updates_refused(self, received: list, admitted: list) -> None:
@@ -315,7 +323,7 @@ class ClientCourse(Course):
         _refuse_undeployable(self.trainer)
         apply_torch_threads(cfg)
         self.built = True
-        comm.on_new_server = StartEvent(self.client, "start")
+        comm.on_new_server = comm.on_readmitted = StartEvent(self.client, "start")   # join again
         comm.attach(self.client)
         return self
 

@@ -54,8 +54,8 @@ class _Router:
     def send(self, msg) -> None:
         (self.up if tuple(msg.receivers) == (SERVER_ID,) else self.down).send(msg)
 
-    def live_ids(self, joined=None) -> list[int]:   # the edge's clients, as a server's
-        return self.down.live_ids(joined)
+    def live_ids(self, joined=None, joining: bool = False) -> list[int]:   # the edge's clients, as a server's
+        return self.down.live_ids(joined, joining)
 
     def expire(self, timeout: float) -> list[tuple[int, str]]:
         return self.down.expire(timeout)
@@ -70,7 +70,8 @@ class _FromCloud:
 
 
 class _Rejoin:
-    """A restarted cloud: join it again for the clients already in."""
+    """A restarted cloud, or the same one after a redial: join it again for the clients
+    already in (`GrpcClientComm.on_readmitted`)."""
 
     def __init__(self, edge: Worker):
         self.edge = edge
@@ -160,7 +161,7 @@ class EdgeCourse(ServerCourse):
         self.edge.selected = set()
         self.down.attach(self.edge)
         self.up.attach(_FromCloud(self.edge))
-        self.up.on_new_server = _Rejoin(self.edge)
+        self.up.on_new_server = self.up.on_readmitted = _Rejoin(self.edge)
         self.built = True
         return self
 
