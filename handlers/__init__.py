@@ -1,7 +1,7 @@
 """The default <event, handler> sets. Each module registers handlers on worker roles."""
-from fedcore.handlers import analytics, asyn, deployment, evaluation, join, rounds, sync, training  # noqa: F401
+from fedcore.handlers import analytics, asyn, deployment, evaluation, join, rounds, sync, training, trees  # noqa: F401
 from fedcore.handlers import attack, edge, performance_drop, secure_aggregation  # noqa: F401  (plug-ins)
 from fedcore.handlers import analytics_secure  # noqa: F401  (after secure_aggregation, whose handlers it changes)
 
 __all__ = ["analytics", "analytics_secure", "asyn", "attack", "deployment", "edge", "evaluation", "join", "performance_drop", "rounds",
-           "secure_aggregation", "sync", "training"]
+           "secure_aggregation", "sync", "training", "trees"]
