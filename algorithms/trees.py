@@ -98,7 +98,7 @@ def params_of(cfg) -> tc.Params:
 def table_of(data) -> tuple[np.ndarray, np.ndarray]:
     """A client's whole table (train, val and test rows) as float64 features and labels."""
     splits = [getattr(data, f) for f in ("train", "val", "test") if hasattr(data, f)]
-    x = torch.cat([s.x.reshape(len(s.y), -1) for s in splits]) if splits else torch.zeros(0, 0)
+    x = torch.cat([s.x.flatten(1) for s in splits]) if splits else torch.zeros(0, 0)
     y = torch.cat([s.y for s in splits]) if splits else torch.zeros(0)
     return x.to(torch.float64).cpu().numpy(), y.to(torch.float64).cpu().numpy()
 

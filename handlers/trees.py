@@ -58,7 +58,7 @@ def score(model_json: bytes, test, objective: str) -> dict[str, float]:
         return {}
     import xgboost as xgb
     from fedcore.algorithms.trees import booster_of
-    x = test.x.reshape(len(test.y), -1).double().numpy()
+    x = test.x.flatten(1).double().numpy()
     y = test.y.double().numpy()
     pred = booster_of(model_json).predict(xgb.DMatrix(x)).astype(np.float64)
     if objective == "reg:squarederror":
