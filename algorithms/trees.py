@@ -138,8 +138,8 @@ def trees_booster(cfg, input_shape, num_classes: int) -> nn.Module:
 
 
 def _cuts(t: torch.Tensor) -> list[np.ndarray]:
-    a = t.numpy()
-    return [row[np.isfinite(row)].astype(np.float32) for row in a]
+    """Each feature's cuts from the broadcast rows, padded by repeating the last (increasing) one."""
+    return [np.unique(row).astype(np.float32) for row in t.numpy()]
 
 
 # ------------------------------------------------------------------ the plug-ins
@@ -252,9 +252,7 @@ class TreesAggregator(Aggregator):
 
     def _publish(self) -> None:
         width = max(len(c) for c in self.cuts)
-        cuts = np.full((len(self.cuts), width), np.inf)
-        for j, c in enumerate(self.cuts):
-            cuts[j, :len(c)] = c
+        cuts = np.stack([np.pad(c, (0, width - len(c)), mode="edge") for c in self.cuts]).astype(np.float64)
         hist = self.mode == "histogram"
         self.global_state = {
             "stage": torch.tensor([HISTOGRAM if hist else BOOST]),
@@ -305,7 +303,7 @@ def update_layout(server) -> dict[str, Any]:
         return None
 
     def finite(v):
-        return None if bool(torch.isfinite(v[~torch.isnan(v)]).all()) else "trees sketch must be finite or NaN"
+        return None if bool(torch.isfinite(v).all()) else "trees sketch must be finite"
     return {"sketch": vector("sketch", torch.float64, lambda v: sketch(v) or finite(v)),
             "hist": vector("hist", torch.float64, hist),
             "trees": vector("trees", torch.uint8, trees)}

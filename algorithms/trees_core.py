@@ -54,9 +54,9 @@ def grad_hess(objective: str, margin: np.ndarray, y: np.ndarray) -> tuple[np.nda
 def local_sketch(x: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
     """Per feature, at most `width` (value, count) pairs summarising the client's column: its
     distinct values with their counts when it has no more than `width`, else the values at
-    evenly spaced ranks, each standing for the rows up to it. Rows of NaN padding."""
+    evenly spaced ranks, each standing for the rows up to it. Padding has count 0."""
     n, f = x.shape
-    values, counts = np.full((f, width), np.nan), np.zeros((f, width))
+    values, counts = np.zeros((f, width)), np.zeros((f, width))
     for j in range(f):
         u, c = np.unique(x[:, j], return_counts=True)
         if len(u) > width:
@@ -75,7 +75,7 @@ def merge_cuts(values: np.ndarray, counts: np.ndarray, max_bin: int) -> list[np.
     cuts = []
     for j in range(values.shape[1]):
         v, c = values[:, j].reshape(-1), counts[:, j].reshape(-1)
-        keep = ~np.isnan(v)
+        keep = c > 0
         u, inv = np.unique(v[keep].astype(np.float32), return_inverse=True)
         w = np.bincount(inv, weights=c[keep], minlength=len(u))
         if len(u) > max_bin:
