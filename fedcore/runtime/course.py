@@ -140,6 +140,9 @@ class Course:
     # ------------------------------------------------------------ assembly
     def build(self, data: Any = None) -> "Course":
         cfg = self.cfg
+        if cfg["data.partition"] == "vertical":   # parties hold columns, not clients rows
+            registry.components.get("vertical_course")(self)
+            return self
         self.data = data if data is not None else registry.components.get("federated_data")(cfg)
         self.data_from_config = data is None     # what a remote executor can rebuild on its own
         self.say_empty_clients()
