@@ -30,6 +30,7 @@ from fedcore.kernel.contract import Aggregator, Algorithm, FitResult, ReceivedUp
 from fedcore.kernel.errors import ConfigError
 from fedcore.kernel.hooks import Wrappable
 from fedcore.kernel.registry import algorithms, models
+from fedcore.scenarios import vertical_data  # noqa: F401  (its resolver names the vertical course first)
 
 __all__ = ["TreesTrainer", "TreesAggregator", "TREES", "params_of", "table_of", "booster_of"]
 
@@ -59,8 +60,13 @@ declare("trees.base_score", float, None, "task: trees: the initial prediction (a
 
 @resolver
 def _trees_course(values: dict) -> None:
-    """`task: trees` runs the trees course and plug-ins for a fixed upper bound of rounds."""
+    """`task: trees` runs the trees course and plug-ins for a fixed upper bound of rounds; with
+    `data.partition: vertical`, SecureBoost (handlers/secureboost.py), a round per tree."""
     if values["task"] != "trees":
+        return
+    if values["data.partition"] == "vertical":
+        values.update({"course": "trees_secureboost", "federate.total_round_num": values["trees.num_trees"],
+                       "model.dtype": "float64"})
         return
     hist = values["trees.mode"] == "histogram"
     rounds = values["trees.num_trees"] * (values["trees.max_depth"] if hist else 1)
