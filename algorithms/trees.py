@@ -91,6 +91,10 @@ def _check_trees(cfg) -> None:
         if cfg[key] != default:
             raise ConfigError(f"{key}: task: trees runs every round in a star, one client after "
                               f"another, without secure aggregation or DP of updates; set {key}={as_text}")
+    if cfg["data.partition"] == "vertical" and (cfg["federate.mode"] == "distributed"
+                                                or cfg.get("distribute.role") is not None):
+        raise ConfigError("federate.mode: SecureBoost (task: trees, data.partition: vertical) runs in "
+                          "simulation only; set federate.mode=standalone")
     b = cfg["trees.base_score"]
     if b is not None and cfg["trees.objective"] == "binary:logistic" and not 0 < b < 1:
         raise ConfigError(f"trees.base_score: {b} is not a probability in (0, 1) (binary:logistic)")

@@ -61,14 +61,14 @@ def _own_cuts(x: np.ndarray, max_bin: int) -> list[np.ndarray]:
 def active_setup(active, _event=None) -> None:
     """`aligned` (active): key pair, own cuts, base score; send the public modulus."""
     cfg = active.course.cfg
-    x, y = active.train_rows.x.double().numpy(), active.train_rows.y.double().numpy()
     if active.train_rows.y is None:
-        raise ConfigError("data.label_column: the active party holds no labels")
+        raise v.AlignmentRefused("data.label_column: the active party holds no labels")
+    x, y = active.train_rows.x.double().numpy(), active.train_rows.y.double().numpy()
     if cfg["trees.objective"] == "binary:logistic" and active.table.num_classes != 2:
-        raise ConfigError(f"trees.objective: binary:logistic needs 2 classes, the labels have "
+        raise v.AlignmentRefused(f"trees.objective: binary:logistic needs 2 classes, the labels have "
                           f"{active.table.num_classes}; use trees.objective=reg:squarederror")
     if cfg["trees.max_bin"] > len(y):
-        raise ConfigError(f"trees.max_bin: {cfg['trees.max_bin']} bins for {len(y)} aligned training "
+        raise v.AlignmentRefused(f"trees.max_bin: {cfg['trees.max_bin']} bins for {len(y)} aligned training "
                           "rows; set trees.max_bin to at most the number of rows")
     p = _params(cfg)
     base = cfg["trees.base_score"]

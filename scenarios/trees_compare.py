@@ -18,7 +18,6 @@ __all__ = ["main", "compare"]
 
 
 def _metrics(booster, x: np.ndarray, y: np.ndarray, objective: str) -> float:
-    import xgboost as xgb
     from fedcore.handlers.trees import score
     from fedcore.scenarios.data import Split
     import torch

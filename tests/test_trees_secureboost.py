@@ -98,3 +98,15 @@ def test_label_column_missing_at_the_active_party_exits_2(tmp_path):
     assert r.returncode == 2, r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "no column 'target'" in lines[0]
+
+
+def test_more_bins_than_aligned_rows_exits_2(tmp_path):
+    files, *_ = _files(tmp_path, m=20)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"task: trees\ndata: {{partition: vertical}}\ntrees: {{max_bin: 64}}\n"
+                   f"vertical: {{parties: 2, files: [{files[0]}, {files[1]}], he: {{key_bits: 256}}}}\n")
+    r = subprocess.run([sys.executable, "-m", "fedcore.run", "--cfg", str(cfg), f"outdir={tmp_path / 'o'}",
+                        "verbose=0"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].count("trees.max_bin: 64 bins for") == 1
