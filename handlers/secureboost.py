@@ -83,6 +83,7 @@ def active_setup(active, _event=None) -> None:
     sb.public, sb.private = _pl().keypair(cfg["vertical.he.key_bits"])
     sb.n, sb.frac = sb.public.n, cfg["vertical.he.frac_bits"]
     sb.party_bins, sb.pending, sb.trees, sb.hist, sb.tree_nodes = {}, set(), [], {}, []
+    sb.party_time: dict[int, float] = {}   # when each passive party's last histograms of a tree came in
     sb.margin = np.full(len(y), _margin0(p.objective, base), dtype=np.float32)
     active.party_states = lambda: {}   # final_model.pt: the joint booster's JSON bytes, at the end
     n = sb.n
@@ -149,6 +150,7 @@ def active_histograms(active, msg) -> None:
         raise ConfigError(f"secureboost: party {msg.sender} sent {len(cts)} histogram entries, not {want}")
     plain = pl.decode(pl.decrypt_raw(sb.private, cts), sb.frac, sb.n).numpy()
     sb.hist[msg.sender] = plain.reshape(k, len(bins), width, 2)
+    sb.party_time[msg.sender] = active.now
     sb.pending.discard(msg.sender)
     if not sb.pending:
         choose_splits(active)
@@ -212,7 +214,7 @@ def after_level(active) -> None:
     g_loss = _train_loss(sb)
     active.course.monitor.record_round(len(sb.trees), active.now, {
         "num_updates": active.course.num_clients, "train_loss": g_loss, "trees_count": float(len(sb.trees)),
-        **active.course.party_bytes.take()})
+        **active.course.party_bytes.take(), **{f"virtual_time_party_{p}": t for p, t in sorted(sb.party_time.items())}})
     if len(sb.trees) < active.course.cfg["trees.num_trees"]:
         new_tree(active)
         return
