@@ -87,11 +87,20 @@ def test_histogram_on_a_shared_grid_uneven_clients():
     y = (x[:, 0] - 2 * x[:, 1] + rng.normal(size=500) * 3 > -6).astype(float)
     parts = [(x[:40], y[:40]), (x[40:90], y[40:90]), (x[90:], y[90:])]
     p = tc.Params("binary:logistic", max_depth=4, max_bin=16)
-    sketches = [tc.local_sketch(px, 32) for px, _ in parts]
-    cuts = tc.merge_cuts(np.stack([s[0] for s in sketches]), np.stack([s[1] for s in sketches]), 16)
+    model, cuts = _federated(parts, p, 0.5, 4)
     assert [list(c) for c in cuts] == [list(np.arange(1, 12, dtype=np.float32)) + [np.float32(22.00001)]] * 4
-    model = tc.template(p.xgboost(0.5), 4)
-    for _ in range(4):
+    central = xgb.train(_params(p.objective, 4, 0.3, 16, 0.5), xgb.DMatrix(x, label=y), 4)
+    _assert_same_trees(model["learner"]["gradient_booster"]["model"]["trees"], _trees(central))
+
+
+def _federated(parts, p: tc.Params, base: float, rounds: int):
+    """The histogram method's arithmetic, one client per part, without the message flow."""
+    f = parts[0][0].shape[1]
+    sketches = [tc.local_sketch(px, 2 * p.max_bin) for px, _ in parts]
+    cuts = tc.merge_cuts(np.stack([s[0] for s in sketches]), np.stack([s[1] for s in sketches]), p.max_bin)
+    width = max(len(c) for c in cuts)
+    model = tc.template(p.xgboost(base), f)
+    for _ in range(rounds):
         bst = xgb.Booster(model_file=bytearray(json.dumps(model).encode()))
         per = []
         for px, py in parts:
@@ -99,10 +108,49 @@ def test_histogram_on_a_shared_grid_uneven_clients():
             per.append((tc.bin_rows(px, cuts), g, h))
         tb = tc.TreeBuilder(p, cuts)
         while not tb.done:
-            tb.grow(sum(tc.histograms(b, g, h, tc.route(b, tb.wire()), tb.frontier, 12) for b, g, h in per))
-        model = tc.with_trees(model, [tb.xgboost_tree(0, 4)])
-    central = xgb.train(_params(p.objective, 4, 0.3, 16, 0.5), xgb.DMatrix(x, label=y), 4)
-    _assert_same_trees(model["learner"]["gradient_booster"]["model"]["trees"], _trees(central))
+            tb.grow(sum(tc.histograms(b, g, h, tc.route(b, tb.wire()), tb.frontier, width) for b, g, h in per))
+        model = tc.with_trees(model, [tb.xgboost_tree(0, f)])
+    return model, cuts
+
+
+def _distributed_worker(args, rank, x, y, params, rounds, queue):
+    from xgboost import collective
+    with collective.CommunicatorContext(**args, dmlc_task_id=str(rank)):
+        bst = xgb.train(params, xgb.DMatrix(x, label=y), rounds)
+        if rank == 0:
+            queue.put(bytes(bst.save_raw("json")))
+
+
+def test_histogram_equals_xgboosts_own_distributed_hist():
+    """XGBoost's distributed `hist` (a rabit tracker, one process per worker, each holding one
+    client's rows) grows the trees the federated histogram method grows from the same rows."""
+    import multiprocessing as mp
+    tracker_mod = pytest.importorskip("xgboost.tracker", reason="this xgboost build has no tracker")
+    rng = np.random.default_rng(11)
+    x = rng.integers(0, 9, size=(300, 3)).astype(float)
+    y = x[:, 0] * 1.5 - x[:, 2] + rng.normal(size=300)
+    parts = [(x[:120], y[:120]), (x[120:], y[120:])]
+    p = tc.Params("reg:squarederror", max_depth=3, max_bin=16)
+    params = _params(p.objective, 3, 0.3, 16, 0.5)
+    tracker = tracker_mod.RabitTracker(host_ip="127.0.0.1", n_workers=2)
+    tracker.start()
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_distributed_worker, args=(tracker.worker_args(), r, px, py, params, 3, queue))
+             for r, (px, py) in enumerate(parts)]
+    for proc in procs:
+        proc.start()
+    try:
+        dist = json.loads(queue.get(timeout=120))
+    finally:
+        for proc in procs:
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.kill()
+        tracker.wait_for(10)
+    model, _ = _federated(parts, p, 0.5, 3)
+    _assert_same_trees(model["learner"]["gradient_booster"]["model"]["trees"],
+                       dist["learner"]["gradient_booster"]["model"]["trees"])
 
 
 def test_histogram_gradients_are_xgboosts():
