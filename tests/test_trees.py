@@ -157,7 +157,8 @@ def test_histogram_gradients_are_xgboosts():
     """grad/hess by hand: squared error m - y, 1; logistic p - y, p (1 - p)."""
     m, y = np.array([0.0, 2.0, -1.0]), np.array([1.0, 0.0, 1.0])
     g, h = tc.grad_hess("reg:squarederror", m, y)
-    np.testing.assert_allclose(g, [-1, 2, -2]) and np.testing.assert_allclose(h, [1, 1, 1])
+    np.testing.assert_allclose(g, [-1, 2, -2])
+    np.testing.assert_allclose(h, [1, 1, 1])
     g, h = tc.grad_hess("binary:logistic", m, y)
     p = 1 / (1 + np.exp(-m))
     np.testing.assert_allclose(g, p - y, rtol=1e-6)
