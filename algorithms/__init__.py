@@ -1,6 +1,6 @@
 """Plug-in trainers and aggregators, one module per algorithm."""
 from fedcore.algorithms import (analytics, diloco, fedasync, fedavg, fedbuff, feddyn, fedmos, fednova,  # noqa: F401
-                                fedprox, moon, scaffold, staleness)
+                                fedprox, moon, scaffold, staleness, trees)
 # lora first: its exact combination of adapters is the innermost, so DP's accounting sees every update
 from fedcore.algorithms import lora  # noqa: F401
 from fedcore.algorithms import dp, local_budget, personalization, robust  # noqa: F401  (behaviour plug-ins)
@@ -14,4 +14,4 @@ from fedcore.kernel.contract import Aggregator, Algorithm, Trainer
 __all__ = ["Aggregator", "Algorithm", "Trainer", "analytics", "compression", "diloco", "dp", "dp_ftrl", "fedasync", "fedavg",
            "fedbuff", "fedex",
            "feddyn", "fedmos", "fednova", "fedprox", "fedrep", "local_budget", "lora", "moon", "personalization",
-           "pfedme", "robust", "scaffold", "splitnn", "staleness", "streaming", "vertical_lr"]
+           "pfedme", "robust", "scaffold", "splitnn", "staleness", "streaming", "trees", "vertical_lr"]

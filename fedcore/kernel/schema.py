@@ -33,8 +33,9 @@ declare("plugins", list, [], "modules to import before the config is checked; th
 declare("extensions", list, [], "named handler extensions (registry 'behaviours') installed after "
         "the course's default handlers")
 declare("task", str, "train", "what the course does: train (a model) or analytics (federated "
-        "statistics of the clients' rows: analytics.*; sets course, algorithm.name and model.type)",
-        choices=("train", "analytics"))
+        "statistics of the clients' rows: analytics.*) or trees (gradient-boosted trees with XGBoost: "
+        "trees.*); analytics and trees set course, algorithm.name and model.type",
+        choices=("train", "analytics", "trees"))
 declare("course", str, "sync", "the default handler set: sync (all_received)",
         choices=lambda: registry.courses.names())
 
