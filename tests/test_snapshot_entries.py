@@ -41,8 +41,6 @@ OPEN = {
 }
 
 
-@pytest.mark.xfail(strict=True, reason="entries checked by container type only: a traceback, "
-                                       "or a round that disagrees with the file resumed")
 @pytest.mark.parametrize("what", OPEN)
 def test_an_entry_of_the_right_container_but_wrong_content_is_refused_and_the_one_before_resumes(
         tmp_path, full, what, caplog):  # noqa: F811
