@@ -203,6 +203,8 @@ def _check_contents(course, path: str, state: dict[str, Any]) -> None:
     if sparse is not None:
         raise damaged(f"{sparse[0]} is a {str(sparse[1].layout).removeprefix('torch.')} tensor, "
                       "not a dense one")
+    if _foreign(course, state):   # refused as another course's by `_checked`, not as damaged
+        return
     live = {"aggregator": course.server.aggregator.state_dict(),
             "extras": {name: get() for name, (get, _) in course.checkpointer.extras.items()}}
     if set(state["aggregator"]) != set(live["aggregator"]):
@@ -216,6 +218,15 @@ def _check_contents(course, path: str, state: dict[str, Any]) -> None:
         if not (_count(cid) or isinstance(cid, str) and cid.isdigit()) or not isinstance(cs, dict) \
                 or not all(isinstance(key, str) for key in cs):
             raise damaged(f"client state {cid!r} is not a client's id and a dict of named entries")
+
+
+def _foreign(course, state: dict[str, Any]) -> bool:
+    """The snapshot names another algorithm or config than this course's: its states need
+    not be of this course's layout."""
+    from fedcore.comm.fingerprint import differing_keys
+    theirs = state.get("course")
+    return state.get("algorithm", course.cfg["algorithm.name"]) != course.cfg["algorithm.name"] \
+        or (isinstance(theirs, str) and bool(differing_keys(course.cfg, theirs)))
 
 
 _KINDS = (torch.Tensor, dict, (list, tuple), str, bool, (int, float))
