@@ -2,8 +2,10 @@
 
 A file is refused in one line (a ConfigError naming it and what is wrong) where it does not
 load, fails its HMAC tag (`fedcore.kernel.file_tag`), or is not intact: an entry that a
-resume restores missing or of another type, the global model not of this course's names,
-shapes and dtypes, a tensor of the aggregator's or a plug-in's state not of the layout the
+resume restores missing, of another type or of other contents (`_check_contents`: a round
+not its file's, a non-finite time, records that are not records, an aggregator entry not
+the course's or of another kind, a sparse tensor, a client state not a dict), the global
+model not of this course's names, shapes and dtypes, a tensor of the aggregator's or a plug-in's state not of the layout the
 course holds, any tensor NaN or infinite (the check an aggregate passes), a random state
 that its generator does not take. Such a file is skipped for the snapshot before it
 (`fedcore.runtime.snapshot.newest_loadable`). A snapshot that is intact but not this
