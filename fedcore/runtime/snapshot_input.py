@@ -183,7 +183,9 @@ _CONTENTS: dict[str, Any] = {
     "records": _records_fault,
     "pending": _pending_fault,
     "bytes": lambda v: _pair_fault(v, 3, _number, "3 byte totals >= 0"),
-    "best": lambda v: _pair_fault(v, 2, lambda x: x is None or _number(x, -math.inf), "[best accuracy, count]")
+    # the best accuracy may be NaN (a first evaluation of NaN is kept), never infinite
+    "best": lambda v: _pair_fault(v, 2, lambda x: x is None or _number(x, -math.inf)
+                                  or isinstance(x, float) and math.isnan(x), "[best accuracy, count]")
     or (None if _count(v[1]) else "its count is not an int >= 0"),
     "target": lambda v: _pair_fault(v, 2, lambda x: x is None or _number(x), "[time or None, round or None]"),
 }
