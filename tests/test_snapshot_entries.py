@@ -70,3 +70,11 @@ def test_a_damaged_snapshot_named_alone_is_refused_naming_the_file_and_the_fault
         Course(small_cfg(tmp_path / "r", resume_from=str(folder / "round_3.pt"), **COMMON)).build()
     assert str(err.value) == (f"resume_from: '{folder / 'round_3.pt'}' is damaged "
                               "(entry 'round' is 1, its file's is 3)")
+
+
+def test_a_snapshot_naming_another_algorithm_is_a_course_refusal_with_no_fallback(tmp_path, full):  # noqa: F811
+    # an older snapshot of the same run names the same algorithm: none would do better
+    run = tmp_path / "run"
+    _planted(full, run, lambda s: s.update(algorithm="fedavg"))
+    with pytest.raises(ConfigError, match=r"round_2.pt' was written by algorithm.name fedavg, not scaffold"):
+        Course(small_cfg(run, resume_from="latest", **COMMON)).build()
