@@ -136,8 +136,8 @@ def newest_loadable(path: str, load: Callable[[str], Any]) -> tuple[str, Any]:
         return path, load(path)
     except ConfigError as first:
         p = Path(path)
-        older = [f for r, f in reversed(snapshots(p.parent)) if f != p and _round(p) is not None
-                 and r < _round(p)]
+        older = [f for r, f in reversed(snapshots(p.parent)) if f != p and round_of(p) is not None
+                 and r < round_of(p)]
         for candidate in older:
             log.warning("%s; using the snapshot before it, %s", first, candidate)
             try:
@@ -147,6 +147,7 @@ def newest_loadable(path: str, load: Callable[[str], Any]) -> tuple[str, Any]:
         raise first from None
 
 
-def _round(path: Path) -> int | None:
+def round_of(path: Path) -> int | None:
+    """k of a file named round_<k>.pt (None for any other name)."""
     stem = path.stem
     return int(stem[6:]) if stem.startswith("round_") and stem[6:].isdigit() else None

@@ -2,8 +2,10 @@
 
 A file is refused in one line (a ConfigError naming it and what is wrong) where it does not
 load, fails its HMAC tag (`fedcore.kernel.file_tag`), or is not intact: an entry that a
-resume restores missing or of another type, the global model not of this course's names,
-shapes and dtypes, a tensor of the aggregator's or a plug-in's state not of the layout the
+resume restores missing, of another type or of other contents (`_check_contents`: a round
+not its file's, a non-finite time, records that are not records, an aggregator entry not
+the course's or of another kind, a sparse tensor, a client state not a dict), the global
+model not of this course's names, shapes and dtypes, a tensor of the aggregator's or a plug-in's state not of the layout the
 course holds, any tensor NaN or infinite (the check an aggregate passes), a random state
 that its generator does not take. Such a file is skipped for the snapshot before it
 (`fedcore.runtime.snapshot.newest_loadable`). A snapshot that is intact but not this
@@ -14,6 +16,8 @@ from __future__ import annotations
 
 import copy
 import io
+import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +28,7 @@ from fedcore.kernel.file_tag import HEADER, TagError, untag
 from fedcore.kernel.files import check_folder
 from fedcore.kernel.model_ops import first_non_finite, tensors_in
 from fedcore.kernel.server_state import StateError, decode
-from fedcore.runtime.snapshot import newest_loadable, resolve
+from fedcore.runtime.snapshot import newest_loadable, resolve, round_of
 
 __all__ = ["FORMAT", "load", "load_tensor_file"]
 
@@ -102,6 +106,7 @@ def _intact(course, path: str, state: Any) -> dict[str, Any]:
         if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
             raise ConfigError(f"resume_from: '{path}' is damaged (entry '{name}' is a "
                               f"{type(value).__name__})")
+    _check_contents(course, path, state)
     server = course.server
     missing = set(server.aggregator.global_state) ^ set(state["global_state"])
     if missing:
@@ -134,6 +139,118 @@ def _intact(course, path: str, state: Any) -> dict[str, Any]:
     except StateError as exc:
         raise ConfigError(f"resume_from: '{path}' is not a usable snapshot: {exc}") from None
     return state
+
+
+def _number(x: Any, least: float = 0.0) -> bool:
+    """A finite int or float (not a bool) of at least `least`."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= least
+
+
+def _count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _record(r: Any) -> bool:
+    """A round's record as the monitor keeps it: a dict with its round."""
+    return isinstance(r, dict) and all(isinstance(k, str) for k in r) and _count(r.get("round"))
+
+
+def _records_fault(records: str | list) -> str | None:
+    if isinstance(records, str):
+        try:
+            records = [json.loads(line) for line in records.splitlines()]
+        except ValueError as exc:
+            return f"a line is not JSON: {(str(exc).splitlines() or ['?'])[0]}"
+    bad = next((i for i, r in enumerate(records) if not _record(r)), None)
+    return None if bad is None else f"record {bad} is not a dict with its round"
+
+
+def _pending_fault(pending: dict) -> str | None:
+    for r, p in pending.items():
+        if not (_count(r) or isinstance(r, str) and r.isdigit()) or not isinstance(p, dict) \
+                or not isinstance(p.get("record"), dict) or not _count(p.get("expected")):
+            return f"round {r!r} is not {{record: dict, expected: count}}"
+    return None
+
+
+def _pair_fault(value: list | tuple, n: int, ok: Any, what: str) -> str | None:
+    return None if len(value) == n and all(ok(x) for x in value) else f"not {what}"
+
+
+# entry -> its contents' fault (None: none), beyond its container type: what `restore` assumes
+_CONTENTS: dict[str, Any] = {
+    "virtual_time": lambda v: None if _number(v) else f"{v!r} is not a finite time >= 0",
+    "records": _records_fault,
+    "pending": _pending_fault,
+    "bytes": lambda v: _pair_fault(v, 3, _number, "3 byte totals >= 0"),
+    # the best accuracy may be NaN (a first evaluation of NaN is kept), never infinite
+    "best": lambda v: _pair_fault(v, 2, lambda x: x is None or _number(x, -math.inf)
+                                  or isinstance(x, float) and math.isnan(x), "[best accuracy, count]")
+    or (None if _count(v[1]) else "its count is not an int >= 0"),
+    "target": lambda v: _pair_fault(v, 2, lambda x: x is None or _number(x), "[time or None, round or None]"),
+}
+
+
+def _check_contents(course, path: str, state: dict[str, Any]) -> None:
+    """Every entry's contents of the kind `restore` puts in place, so that a resume never
+    fails halfway (or goes on from a round other than its file's): else a one-line ConfigError."""
+    def damaged(what: str) -> ConfigError:
+        return ConfigError(f"resume_from: '{path}' is damaged ({what})")
+    k, r = round_of(Path(path)), state["round"]
+    if r < 0 or (k is not None and r != k):
+        raise damaged(f"entry 'round' is {r}" + (f", its file's is {k}" if k is not None else ""))
+    for name, fault in _CONTENTS.items():
+        why = fault(state[name])
+        if why is not None:
+            raise damaged(f"entry '{name}': {why}")
+    sparse = next(((n, t) for n, t in tensors_in(state) if t.layout != torch.strided), None)
+    if sparse is not None:
+        raise damaged(f"{sparse[0]} is a {str(sparse[1].layout).removeprefix('torch.')} tensor, "
+                      "not a dense one")
+    if _foreign(course, state):   # refused as another course's by `_checked`, not as damaged
+        return
+    live = {"aggregator": course.server.aggregator.state_dict(),
+            "extras": {name: get() for name, (get, _) in course.checkpointer.extras.items()}}
+    if set(state["aggregator"]) != set(live["aggregator"]):
+        differ = sorted(map(str, set(state["aggregator"]) ^ set(live["aggregator"])))
+        raise damaged(f"aggregator entry '{differ[0]}' is not the course's")
+    for where, tree in live.items():
+        why = _kind_fault(state.get(where, {}), tree, where)
+        if why is not None:
+            raise damaged(why)
+    for cid, cs in state["client_states"].items():
+        if not (_count(cid) or isinstance(cid, str) and cid.isdigit()) or not isinstance(cs, dict) \
+                or not all(isinstance(key, str) for key in cs):
+            raise damaged(f"client state {cid!r} is not a client's id and a dict of named entries")
+
+
+def _foreign(course, state: dict[str, Any]) -> bool:
+    """The snapshot names another algorithm or config than this course's: its states need
+    not be of this course's layout."""
+    from fedcore.comm.fingerprint import differing_keys
+    theirs = state.get("course")
+    return state.get("algorithm", course.cfg["algorithm.name"]) != course.cfg["algorithm.name"] \
+        or (isinstance(theirs, str) and bool(differing_keys(course.cfg, theirs)))
+
+
+_KINDS = (torch.Tensor, dict, (list, tuple), str, bool, (int, float))
+
+
+def _kind_fault(saved: Any, live: Any, where: str) -> str | None:
+    """Where `saved` is not of the kind of what the course holds now (`live`): a tensor for a
+    tensor, a dict for a dict (compared entry by entry where both have it), a list for a list, a
+    number for a number. None in the course (a state not made yet) takes anything."""
+    kind = next((k for k in _KINDS if isinstance(live, k)), None)
+    if kind is None:   # None (a state not made yet) or an object of no kind here
+        return None
+    if not isinstance(saved, kind) or (isinstance(saved, bool) and kind is not bool):
+        return f"{where} is a {type(saved).__name__}, the course holds a {type(live).__name__}"
+    if isinstance(live, dict):
+        for key in live.keys() & saved.keys():
+            why = _kind_fault(saved[key], live[key], f"{where}.{key}")
+            if why is not None:
+                return why
+    return None
 
 
 def _check_rng(path: str, server, state: dict[str, Any]) -> None:
