@@ -101,3 +101,15 @@ def test_the_tensorboard_logger_makes_a_private_folder_of_private_files(tmp_path
     files = [f for f in folder.iterdir() if f.is_file()]
     assert _mode(folder) == 0o700 and files
     assert {f.name: _mode(f) for f in files} == {f.name: 0o600 for f in files}
+
+
+def test_the_secagg_roster_is_written_through_no_planted_link(tmp_path):
+    need_extra("secagg")
+    from fedcore.algorithms.secagg_identity import load_roster, write_roster
+    victim = _victim(tmp_path)
+    out = tmp_path / "keys"
+    out.mkdir(mode=0o700)
+    (out / "secagg_roster.json").symlink_to(victim)
+    path, keys = write_roster(out, [1, 2])
+    assert victim.read_bytes() == VICTIM
+    assert not path.is_symlink() and sorted(load_roster(path)) == [1, 2] and sorted(keys) == [1, 2]
