@@ -25,6 +25,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from fedcore.comm.stream import write_secret
+from fedcore.kernel.files import write_atomic
 
 __all__ = ["SIGNATURE_BYTES", "new_signing_key", "sign", "verify", "public_hex", "write_roster",
            "load_roster", "load_signing_key", "keys_statement", "shares_statement", "survivors_statement",
@@ -68,7 +69,7 @@ def write_roster(folder: str | Path, ids: list[int]) -> tuple[Path, dict[int, Pa
         paths[k] = folder / f"secagg_client_{k}.key"
         write_secret(paths[k], key.private_bytes_raw().hex() + "\n")
     path = folder / "secagg_roster.json"
-    path.write_text(json.dumps(roster, indent=1) + "\n")
+    write_atomic(path, json.dumps(roster, indent=1) + "\n")   # a link planted there is replaced, not followed
     return path, paths
 
 

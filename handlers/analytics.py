@@ -13,6 +13,7 @@ import json
 import logging
 
 from fedcore.handlers import join, rounds, training
+from fedcore.kernel.files import write_atomic
 from fedcore.kernel.contract import ReceivedUpdate
 from fedcore.kernel.registry import courses
 
@@ -68,7 +69,7 @@ def _write_statistics(server) -> None:
     if agg.multiplier is not None:
         body["dp"] = {**agg.privacy(), "sigmas": {str(r): s for r, s in sorted(agg.sigmas.items())}}
     if course.outdir is not None:
-        (course.outdir / "statistics.json").write_text(json.dumps(body, indent=2) + "\n")
+        write_atomic(course.outdir / "statistics.json", json.dumps(body, indent=2) + "\n")
     brief = {col: {g: {k: v for k, v in stats.items() if k != "histogram"} for g, stats in per.items()}
              for col, per in agg.statistics.items()}
     course.monitor.add_summary("analytics", {"analytics": brief, **agg.privacy()})

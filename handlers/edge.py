@@ -144,7 +144,8 @@ def admit_edge(server, msg) -> None:
     """Cloud `receiving_join_in`: an edge joins for its clients; start when every edge is in
     (an edge that joins again after the start is sent the next cloud round's model). An edge
     declaring more samples than its clients may hold is refused that declaration: it joins
-    counting for 0 samples, so nothing it sends is aggregated."""
+    counting for 0 samples, so nothing it sends is aggregated; one already admitted keeps the
+    count it was first admitted with."""
     topology = server.course.topology
     if msg.sender not in topology.edges:   # deployed: only edges dial the cloud
         admission.note(server, "join from a worker that is not an edge",
@@ -153,12 +154,15 @@ def admit_edge(server, msg) -> None:
     n = msg.content.get("num_samples") if isinstance(msg.content, dict) else None
     bound = server.state(admission.AdmissionState).bounds[msg.sender]
     if not (type(n) is int and 0 <= n <= bound):
+        declared = server.state(admission.AdmissionState).declared
+        first = declared.get(msg.sender)
+        outcome = ("it counts for 0 samples" if first is None
+                   else f"the count it was first admitted with ({first} samples) stands")
         admission.note(server, "edge declaration above its clients' bound",
                        f"cloud: refused edge {msg.sender}'s declaration of {n} samples at its join: its "
-                       f"clients {topology.edges[msg.sender]} may hold {bound} together; it counts for 0 "
-                       "samples")
+                       f"clients {topology.edges[msg.sender]} may hold {bound} together; {outcome}")
         server.joined.add(msg.sender)
-        server.state(admission.AdmissionState).declared.setdefault(msg.sender, 0)
+        declared.setdefault(msg.sender, 0)
     else:
         join.note_join(server, msg)
     if len(server.joined) == len(server.course.topology.edges) and not server.started:

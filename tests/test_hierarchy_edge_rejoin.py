@@ -3,6 +3,8 @@ entry each round) that joins twice, to re-declare: the cloud keeps the first adm
 declaration of an edge (`join.note_join`), and a refused one counts for 0, so a second join can
 neither raise its weight past what it first declared nor undo a refusal. Expected models from
 the update rule by hand (tests/test_hierarchy_hostile_edge.py's helpers)."""
+import logging
+
 import pytest
 
 from fedcore.kernel.message import SERVER_ID
@@ -32,3 +34,18 @@ def test_an_edge_joining_again_cannot_re_declare(tmp_path, first, second, weighs
     for _ in range(ROUNDS):
         w, b = _expected_within_bound("none", w, b) if weighs else _honest_round(w, b)
     assert _final(tmp_path) == pytest.approx((w, b), abs=1e-12)
+
+
+@pytest.mark.parametrize("first, second, outcome", [
+    (DECLARED, BOUNDS[9], "it counts for 0 samples"),
+    (BOUNDS[9], DECLARED, f"the count it was first admitted with ({BOUNDS[9]} samples) stands"),
+], ids=["refused-at-first-join", "refused-at-second-join"])
+def test_the_cloud_logs_what_a_refused_declaration_leaves_the_edge(tmp_path, caplog, first, second, outcome):
+    """A refusal at a second join leaves the edge its first admitted count (the test above), and
+    the log says so rather than that it counts for 0."""
+    course, _ = _hostile_course(tmp_path, BOUNDS[9], BOUNDS[9])
+    _joining_twice(course, first, second)
+    with caplog.at_level(logging.WARNING, logger="fedcore.admission"):
+        course.run()
+    [line] = [r.getMessage() for r in caplog.records if "refused edge 9's declaration" in r.getMessage()]
+    assert line.endswith(f"together; {outcome}")

@@ -24,7 +24,7 @@ from typing import IO, Any, Callable
 from fedcore.kernel.errors import ConfigError
 
 __all__ = ["set_private", "make_folder", "check_folder", "write_atomic", "open_fresh", "open_append",
-           "create_new", "fsync_dir"]
+           "create_new", "fsync_dir", "restrict_files"]
 
 _private = True
 _TRIES = 5   # removals of a name someone keeps re-planting before the write gives up
@@ -40,10 +40,13 @@ def _file_mode() -> int:
     return 0o600 if _private else 0o666
 
 
-def make_folder(path: Path | str, key: str | None = None) -> Path:
+def make_folder(path: Path | str, key: str | None = None, replace_link: bool = False) -> Path:
     """`path` created (and its missing parents) 0700 where private; with `key`, refused where others may
-    write it (see `check_folder`)."""
+    write it (see `check_folder`); with `replace_link`, a link at `path` (planted for a third-party
+    writer to follow) is removed, never followed, and a folder made in its place."""
     path = Path(path)
+    if replace_link and path.is_symlink():
+        os.unlink(path)
     missing = []
     while not path.is_dir() and path not in missing and path != path.parent:
         missing.append(path)
@@ -54,6 +57,16 @@ def make_folder(path: Path | str, key: str | None = None) -> Path:
     if key is not None:
         check_folder(path, key)
     return path
+
+
+def restrict_files(folder: Path | str) -> None:
+    """The files a third-party writer (TensorBoard) created in `folder`, a folder this run made,
+    given this run's mode (0600 where private) instead of the umask's; links are left alone."""
+    if not _private:
+        return
+    for entry in os.scandir(folder):
+        if entry.is_file(follow_symlinks=False):
+            os.chmod(entry.path, 0o600)
 
 
 def check_folder(path: Path | str, key: str) -> None:

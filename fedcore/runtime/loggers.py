@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from fedcore.kernel.config import declare
 from fedcore.kernel.errors import ConfigError
-from fedcore.kernel.files import open_append, open_fresh
+from fedcore.kernel.files import make_folder, open_append, open_fresh, restrict_files
 from fedcore.runtime.monitor import Callback
 
 __all__ = ["LOGGERS", "make_loggers", "CsvLogger", "TensorBoardLogger", "MlflowLogger",
@@ -103,7 +103,10 @@ class TensorBoardLogger(Callback):
 
     def on_start(self, monitor) -> None:
         from torch.utils.tensorboard import SummaryWriter
-        self.writer = SummaryWriter(str(_run_folder("tensorboard", self.outdir) / "tensorboard"))
+        # SummaryWriter opens the names it is given: its folder is made here, a link there removed
+        folder = make_folder(_run_folder("tensorboard", self.outdir) / "tensorboard", replace_link=True)
+        self.writer = SummaryWriter(str(folder))
+        restrict_files(folder)
         self.writer.add_text("config", "```\n" + json.dumps(self.cfg.as_tree(), indent=1) + "\n```")
 
     def on_record(self, record: dict[str, Any]) -> None:

@@ -16,6 +16,7 @@ import numpy as np
 
 from fedcore.kernel import registry
 from fedcore.kernel.errors import ConfigError
+from fedcore.kernel.files import write_atomic
 from fedcore.tune.study import Study
 
 __all__ = ["fedex_search", "DEFAULT_ARMS"]
@@ -50,5 +51,5 @@ def fedex_search(study: Study, budget: float, arms: int | None) -> None:
     theta = summary["fedex_theta"]
     best = candidates[int(np.argmax(theta))]
     row.extra = {"best_params": best, "fedex_theta": theta}
-    (study.outdir / "fedex.json").write_text(json.dumps(
+    write_atomic(study.outdir / "fedex.json", json.dumps(
         {"candidates": candidates, "theta": theta, "most_likely": best}, indent=2) + "\n")

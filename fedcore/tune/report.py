@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
 import logging
 from pathlib import Path
@@ -9,6 +10,7 @@ from typing import Any
 
 import yaml
 
+from fedcore.kernel.files import open_fresh, write_atomic
 from fedcore.tune.study import Study
 
 __all__ = ["write_outputs", "plot_study"]
@@ -21,14 +23,14 @@ def write_outputs(study: Study, method: str) -> dict[str, Any]:
     out = study.outdir
     trials = study.trials()
     keys = study.space.keys
-    with (out / "trials.csv").open("w", newline="") as f:
+    with open_fresh(out / "trials.csv", newline="") as f:
         w = csv.writer(f)
         w.writerow(["trial", *keys, "objective", "budget", "rounds", "status", "outdir"])
         for t in trials:
             w.writerow([t["trial"], *(t["params"].get(k) for k in keys), t["objective"], t["budget"],
                         t["rounds"], t["status"], t["outdir"]])
     best = study.best()
-    (out / "best_config.yaml").write_text(yaml.safe_dump(study.best_config(), sort_keys=False))
+    write_atomic(out / "best_config.yaml", yaml.safe_dump(study.best_config(), sort_keys=False))
     summary = {
         "method": method,
         "metric": study.objective.metric,
@@ -43,7 +45,7 @@ def write_outputs(study: Study, method: str) -> dict[str, Any]:
         "best_budget": best.budget if best else None,
         "best_config": str(out / "best_config.yaml"),
     }
-    (out / "study.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_atomic(out / "study.json", json.dumps(summary, indent=2) + "\n")
     plot_study(study, out / "plot.png")
     return summary
 
@@ -79,6 +81,8 @@ def plot_study(study: Study, path: Path) -> Path | None:
     ax2.set_ylabel(study.objective.metric)
     ax2.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    image = io.BytesIO()   # matplotlib opens the name it is given; the file is written here instead
+    fig.savefig(image, format="png", dpi=100)
     plt.close(fig)
+    write_atomic(path, image.getvalue())
     return path

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from fedcore.kernel.errors import EXIT_DIVERGED, ConfigError, CourseDiverged
+from fedcore.kernel.files import make_folder, open_fresh
 
 __all__ = ["CourseRun", "Job", "run_jobs", "read_run"]
 
@@ -66,10 +67,10 @@ def _run_course(job: Job) -> CourseRun:
 def _run_subprocess(job: Job, threads: int) -> CourseRun:
     """Run one course as `python -m fedcore.run` (trials in parallel, one process each, that
     share the cores: OMP_NUM_THREADS bounds what `torch_threads: auto` takes)."""
-    job.outdir.mkdir(parents=True, exist_ok=True)
+    make_folder(job.outdir)
     cmd = [sys.executable, "-m", "fedcore.run", "--cfg", str(job.base), *job.argv()]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(threads)}
-    with open(job.outdir / "stderr.txt", "w") as err:
+    with open_fresh(job.outdir / "stderr.txt") as err:
         proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env)
     if proc.returncode != 0:
         lines = (job.outdir / "stderr.txt").read_text().strip().splitlines()

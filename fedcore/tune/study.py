@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ import yaml
 
 from fedcore.kernel.config import Config, composed_keys
 from fedcore.kernel.errors import ConfigError
+from fedcore.kernel.files import make_folder, open_append, write_atomic
 from fedcore.tune.progress import StudyProgress
 from fedcore.tune.runner import CourseRun, Job, run_jobs
 from fedcore.tune.space import SearchSpace
@@ -88,13 +90,12 @@ class Study:
                  parallel: int = 1):
         if budget_unit not in BUDGET_UNITS:
             raise ConfigError(f"--budget-unit: '{budget_unit}' is not one of {', '.join(BUDGET_UNITS)}")
-        self.outdir = Path(outdir)
-        self.outdir.mkdir(parents=True, exist_ok=True)
+        self.outdir = make_folder(outdir)
         self.space, self.objective, self.unit = space, objective, budget_unit
         self.seed, self.parallel = seed, max(1, int(parallel))
         self.base_tree = _base_tree(base)
         self.base = self.outdir / "base.yaml"     # what every trial's `--cfg` reads
-        self.base.write_text(yaml.safe_dump(self.base_tree, sort_keys=False))
+        write_atomic(self.base, yaml.safe_dump(self.base_tree, sort_keys=False))
         self._check_base()
         if objective.metric.startswith("test_"):
             log.warning("objective %s: selecting a configuration on test data makes its test "
@@ -104,12 +105,10 @@ class Study:
         self.rows: list[Row] = []
         self._cache: dict[tuple[int, float], Row] = {}
         self._table = self.outdir / "trials.jsonl"
-        if self._table.is_file():
-            for line in self._table.read_text().splitlines():
-                if line.strip():
-                    row = Row(**json.loads(line))
-                    self._cache[(row.trial, row.budget)] = row
-                    self.rows.append(row)   # the study's outputs cover its earlier runs too
+        for row in _read_rows(self._table):
+            self._cache[(row.trial, row.budget)] = row
+            self.rows.append(row)   # the study's outputs cover its earlier runs too
+        self._table_open = False    # trials.jsonl made afresh (holding the rows read) on the first record
 
     # ------------------------------------------------------------ configs
     def _check_base(self) -> None:
@@ -224,8 +223,12 @@ class Study:
     def _record(self, row: Row) -> Row:
         self.rows.append(row)
         self._cache[(row.trial, row.budget)] = row
-        with self._table.open("a") as f:
-            f.write(json.dumps(row.as_dict()) + "\n")
+        if not self._table_open:   # rewritten once, all or nothing: a link there is replaced, not followed
+            write_atomic(self._table, "".join(json.dumps(r.as_dict()) + "\n" for r in self.rows))
+            self._table_open = True
+        else:
+            with open_append(self._table) as f:
+                f.write(json.dumps(row.as_dict()) + "\n")
         return row
 
     # ------------------------------------------------------------ results
@@ -313,3 +316,25 @@ def _set_dotted(tree: dict, key: str, value: Any) -> None:
             raise ConfigError(f"config key '{key}': '{part}' is not a section in the base config")
     node[parts[-1]] = value
 
+
+def _read_rows(table: Path) -> list[Row]:
+    """The rows an earlier run of the study recorded in `table`. A link there (planted: it is not
+    followed) or a line that is not a row (a write cut short by a kill) is logged and skipped."""
+    try:
+        fd = os.open(table, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        return []
+    except OSError as e:
+        log.warning("%s: not read (%s); the study starts afresh", table, e.strerror or e)
+        return []
+    with os.fdopen(fd, encoding="utf-8", errors="replace") as f:
+        lines = f.read().splitlines()
+    rows = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(Row(**json.loads(line)))
+        except (ValueError, TypeError) as e:
+            log.warning("%s:%d: not a recorded evaluation (%s); skipped", table, n, e)
+    return rows
