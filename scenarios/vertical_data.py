@@ -243,9 +243,9 @@ def _vertical_course(values: dict) -> None:
 def _check_vertical(cfg) -> None:
     if cfg["data.partition"] != "vertical":
         return
-    if cfg["federate.mode"] != "standalone":
-        raise ConfigError("federate.mode: a vertical course runs in simulation only (standalone); "
-                          "its deployment as gRPC processes is not available yet")
+    if cfg["federate.mode"] == "distributed" and cfg["vertical.method"] != "splitnn":
+        raise ConfigError(f"federate.mode: a vertical course deploys with vertical.method=splitnn only; "
+                          f"{cfg['vertical.method']} runs in simulation (federate.mode=standalone)")
     for key in ("resume_from", "checkpoint.every"):
         if cfg[key]:
             raise ConfigError(f"{key}: a vertical course does not write or resume snapshots; unset {key}")
