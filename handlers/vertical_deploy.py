@@ -9,17 +9,23 @@ its own table (`vertical_table`) and installs the simulation's handlers, plus:
   party (its columns cannot be trained without it);
 - checks of what a passive party sends (`MESSAGE_CHECKS`, read by fedcore.comm.validation), so
   that a malformed message is refused on the wire instead of raising in a handler;
-- message bounds from the party's own row count and the cut width (`party_bounds`).
+- message bounds from the party's own row count and the cut width (`party_bounds`);
+- a passive party's trained bottom model stays with it: written to `vertical.party_model` at the
+  end (the active party's final_model.pt holds the top model and its own bottom model).
 """
 from __future__ import annotations
 
+import io
 import logging
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
 
 from fedcore.handlers import vertical as v
+from fedcore.kernel.config import declare
+from fedcore.kernel.files import write_atomic
 from fedcore.kernel.errors import FedcoreError
 from fedcore.kernel.registry import components, courses
 from fedcore.kernel.scheduler import HandlerError
@@ -34,6 +40,11 @@ ACTIVE = v.ACTIVE
 POINT_BYTES = 32          # a blinded Curve25519 u-coordinate
 MAX_ID_CHARS = 256        # a sample id's characters
 OTHER_SET_FACTOR = 4      # the other party's id set may be up to 4x this party's (bounds)
+
+
+declare("vertical.party_model", str, None, "vertical, deployed passive party: a file to write its "
+        "trained bottom model to (torch state dict, keys bottom<p>.*) when the course finishes; "
+        "{party} in the path is replaced by the party's number; default: not written")
 
 
 class PartyLost(FedcoreError, HandlerError):
@@ -110,9 +121,29 @@ def party_lost(active, event: dict) -> None:
                     f"({event['reason']}); the course stops (round {active.round})")
 
 
+def wait_for_parties(active, _event=None) -> None:
+    """Active `start` (listening): PSI waits for every passive party's `join_in`."""
+    log.info("vertical: waiting for %d passive parties to join", active.course.num_clients)
+
+
+def leave(party, msg) -> None:
+    """Passive `receiving_finish`: the course is over; keep our trained bottom model."""
+    v.finished(party, msg)
+    path = party.course.cfg["vertical.party_model"]
+    bottom = getattr(party, "bottom", None)
+    if path and bottom is not None:
+        buf = io.BytesIO()
+        torch.save({f"bottom{party.id}.{k}": t for k, t in bottom.model.state_dict().items()}, buf)
+        path = Path(path.replace("{party}", str(party.id))).expanduser()
+        write_atomic(path, buf.getvalue())
+        log.info("vertical: party %d wrote its bottom model to %s", party.id, path)
+
+
 def install(course) -> None:
     s, c = course.server_table, course.client_table
+    s.register("start", wait_for_parties, sends=("client_lost",))
     c.register("start", join_party, sends=("join_in",))
+    c.register("receiving_finish", leave)
     s.register("receiving_join_in", admit_party, sends=("psi_request",))
     s.register("client_lost", party_lost)
 

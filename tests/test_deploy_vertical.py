@@ -1,0 +1,64 @@
+"""A vertical SplitNN course deployed as real processes (the active party serving, the passive
+parties as clients) equals its simulation; a passive party that dies stops the course with one
+line naming it."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+
+pytest.importorskip("cryptography", reason="vertical courses need the 'vertical' extra (pip install 'fedcore[vertical]')")
+
+from fedcore.kernel.config import load_config  # noqa: E402
+from fedcore.runtime.course import Course  # noqa: E402
+from tests.deploy_helpers import ROOT, serve_course, text, wait_exit, wait_for  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def _cfg(tmp_path, **over):
+    """scenarios/vertical_split.yaml (digits, 3 parties, Adam) with one epoch."""
+    tree = yaml.safe_load((ROOT / "scenarios" / "vertical_split.yaml").read_text())
+    tree["federate"]["total_round_num"] = 1
+    tree["verbose"] = False
+    tree.setdefault("distribute", {}).update({"heartbeat_interval": 0.5, **over})
+    path = tmp_path / "vertical.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+def _records(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_deployed_splitnn_equals_the_simulation(tmp_path, procs):
+    cfg = _cfg(tmp_path)
+    parties = {k: tmp_path / f"party{k}.pt" for k in (1, 2)}
+    out = tmp_path / "deployed"
+    launcher = procs.start("launch", [
+        "-m", "fedcore.launch", "--start-method", "forkserver", "--cfg", str(cfg), f"outdir={out}",
+        "--client-opt", f"vertical.party_model={tmp_path / 'party{party}.pt'}"])
+    assert wait_exit(launcher, 120) == 0, text(launcher)[-3000:]
+    log = text(launcher)
+    for k in (1, 2):
+        assert f"client {k}: course finished" in log, log[-3000:]
+
+    sim_dir = tmp_path / "simulated"
+    Course(load_config(str(cfg), extra={"outdir": str(sim_dir)})).run()
+    simulated = torch.load(sim_dir / "final_model.pt", weights_only=True)
+    deployed = torch.load(out / "final_model.pt", weights_only=True)   # the active party's
+    assert sorted(deployed) == sorted(k for k in simulated if k.startswith(("top.", "bottom0.")))
+    for k in (1, 2):   # each passive party's bottom model stays with it
+        own = torch.load(parties[k], weights_only=True)
+        assert sorted(own) == sorted(n for n in simulated if n.startswith(f"bottom{k}."))
+        deployed.update(own)
+    assert deployed.keys() == simulated.keys()
+    for name, value in simulated.items():
+        assert torch.allclose(deployed[name], value, rtol=0, atol=1e-6), name
+    dep, sim = _records(out / "metrics.jsonl"), _records(sim_dir / "metrics.jsonl")
+    assert [r["round"] for r in dep] == [r["round"] for r in sim] == [1]
+    assert dep[0]["test_acc"] == pytest.approx(sim[0]["test_acc"], abs=1e-6)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["psi_intersection"] == json.loads((sim_dir / "summary.json").read_text())["psi_intersection"]
