@@ -62,3 +62,20 @@ def test_deployed_splitnn_equals_the_simulation(tmp_path, procs):
     assert dep[0]["test_acc"] == pytest.approx(sim[0]["test_acc"], abs=1e-6)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["psi_intersection"] == json.loads((sim_dir / "summary.json").read_text())["psi_intersection"]
+
+
+def test_a_passive_party_that_dies_stops_the_course_naming_it(tmp_path, procs):
+    cfg = _cfg(tmp_path, heartbeat_timeout=3.0, insecure=True)   # loopback
+    tree = yaml.safe_load(cfg.read_text())
+    tree["federate"]["total_round_num"] = 1000   # still training when the party dies
+    cfg.write_text(yaml.safe_dump(tree))
+    out = tmp_path / "deployed"
+    server, _port, client = serve_course(procs, cfg, out)
+    parties = {k: client(k) for k in (1, 2)}
+    wait_for(lambda: "(2 of 2)" in text(server), 60, "both passive parties to join")
+    parties[1].kill()
+    code = wait_exit(server, 60)
+    log = text(server)
+    assert code not in (0, None), log[-3000:]
+    lines = [line for line in log.splitlines() if "party 1 left before the course finished" in line]
+    assert len(lines) == 1 and lines[0].startswith("fedcore: vertical: party 1"), log[-3000:]
