@@ -390,9 +390,11 @@ def deployed_process() -> None:
         pass
 
 
-def run_distributed(cfg, outdir, check_only: bool = False, command: list[str] | None = None) -> int:
+def run_distributed(cfg, outdir, check_only: bool = False, command: list[str] | None = None,
+                    courses: tuple[type[ServerCourse], type[ClientCourse]] | None = None) -> int:
     """`federate.mode: distributed`: run this process's role, server or client (`command`: how it
-    was started, for the command that resumes an interrupted server); an edge runs through
+    was started, for the command that resumes an interrupted server; `courses`: the server's and
+    the client's course classes, a vertical course's parties'); an edge runs through
     `fedcore.deployment.edge_process.run_edge`, which builds on this module."""
     role = cfg["distribute.role"]
     if role is None:
@@ -402,10 +404,7 @@ def run_distributed(cfg, outdir, check_only: bool = False, command: list[str] | 
         raise ConfigError("distribute.role: edge runs through python -m fedcore.run "
                           "(fedcore.deployment.edge_process.run_edge)")
     deployed_process()
-    server_class, client_class = ServerCourse, ClientCourse
-    if cfg["data.partition"] == "vertical":   # parties, not a model's clients
-        from fedcore.deployment.vertical_parties import PartyClientCourse, PartyServerCourse
-        server_class, client_class = PartyServerCourse, PartyClientCourse
+    server_class, client_class = courses or (ServerCourse, ClientCourse)
     if role == "client":
         return run_client(cfg, client_class)
     progress = cfg["verbose"]  # a bar on a terminal, periodic round lines elsewhere

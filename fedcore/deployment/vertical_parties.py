@@ -15,7 +15,7 @@ from fedcore.kernel import registry
 from fedcore.kernel.scheduler import PRIORITY_TIMER
 from fedcore.runtime.course import StartEvent
 
-__all__ = ["PartyServerCourse", "PartyClientCourse"]
+__all__ = ["PartyServerCourse", "PartyClientCourse", "PARTY_COURSES"]
 
 ACTIVE = 0
 CPU = torch.device("cpu")   # a vertical course trains on the CPU, as in simulation
@@ -73,3 +73,6 @@ class PartyClientCourse(ClientCourse):
 
     def bounds(self) -> tuple[int, int]:
         return registry.components.get("vertical_party_bounds")(self.cfg, self.table_rows)
+
+
+PARTY_COURSES = (PartyServerCourse, PartyClientCourse)   # for run_distributed (fedcore.run)
