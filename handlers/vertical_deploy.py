@@ -83,19 +83,24 @@ def build_party(course, party: int):
     course.checkpointer = SimpleNamespace(folder=None, stop_requested=False,
                                           save_last_completed=lambda: None)
     course.resumed_at = None
-    course.table_rows = len(table.ids)
+    course.table = table
     course.built = True
     return worker
 
 
-def party_bounds(cfg, rows: int) -> tuple[int, int]:
-    """(bytes, values) one message of a party holding `rows` ids may carry: the PSI sets (this
-    party's and the other's, taken as at most OTHER_SET_FACTOR times as many), the shared ids,
-    and one float64 cut tensor per row; plus 1 MiB and 4096 values of framing."""
-    n = OTHER_SET_FACTOR * rows
-    per_row = 2 * (POINT_BYTES + 16) + MAX_ID_CHARS + 8 * max(cfg["vertical.cut"], 1)
-    return (cfg["distribute.max_message_bytes"] or n * per_row + 2 ** 20,
-            cfg["distribute.max_message_values"] or 2 * n + 4096)
+def party_bounds(cfg, table) -> tuple[int, int]:
+    """(bytes, values) one message to a party holding `table` may carry: the PSI sets (this
+    party's and the other's, taken as at most OTHER_SET_FACTOR times as many ids) or as many
+    ciphertexts (HE-LR, each below n^2), the shared ids, and one float64 tensor of a cut (or
+    logit) row per id; plus 4096 values and 1 MiB of framing."""
+    n = OTHER_SET_FACTOR * len(table.ids)
+    item = MAX_ID_CHARS + 16                                # an id string, or a PSI point
+    if cfg["vertical.method"] == "he_lr":
+        item = max(item, 2 * ((cfg["vertical.he.key_bits"] + 7) // 8) + 16)   # a ciphertext
+    values = 2 * n + 4096
+    width = max(cfg["vertical.cut"], table.num_classes, 1)
+    return (cfg["distribute.max_message_bytes"] or values * item + 8 * n * width + 2 ** 20,
+            cfg["distribute.max_message_values"] or values)
 
 
 # ------------------------------------------------------------------ the join stage
@@ -130,10 +135,15 @@ def leave(party, msg) -> None:
     """Passive `receiving_finish`: the course is over; keep our trained bottom model."""
     v.finished(party, msg)
     path = party.course.cfg["vertical.party_model"]
-    bottom = getattr(party, "bottom", None)
-    if path and bottom is not None:
+    if not path or not hasattr(party, "total_steps"):   # nothing trained (or nowhere to keep it)
+        return
+    if hasattr(party, "bottom"):   # SplitNN: the bottom model
+        state = {f"bottom{party.id}.{k}": t for k, t in party.bottom.model.state_dict().items()}
+    else:                          # HE-LR: the party's weights
+        state = {f"w{party.id}": party.model.w}
+    if state:
         buf = io.BytesIO()
-        torch.save({f"bottom{party.id}.{k}": t for k, t in bottom.model.state_dict().items()}, buf)
+        torch.save(state, buf)
         path = Path(path.replace("{party}", str(party.id))).expanduser()
         write_atomic(path, buf.getvalue())
         log.info("vertical: party %d wrote its bottom model to %s", party.id, path)
@@ -179,38 +189,69 @@ def _cut_tensor(h: Any, rows: int | None, cut: int, dtype: torch.dtype, what: st
     return None
 
 
+def _cut(active) -> tuple[int, torch.dtype]:
+    """The width and dtype of a passive party's rows: SplitNN's cut, HE-LR's partial logits."""
+    cfg = active.course.cfg
+    if cfg["vertical.method"] == "he_lr":
+        return active.table.num_classes, torch.float64
+    return cfg["vertical.cut"], getattr(torch, cfg["model.dtype"])
+
+
 def check_activations(content: Any, active) -> str | None:
+    """`activations` (SplitNN) and `partial_logits` (HE-LR): a step's rows of the batch."""
     if not isinstance(content, dict) or set(content) != {"step", "h"}:
         return "activations content must be {step: int, h: tensor}"
     step, total = content["step"], getattr(active, "total_steps", None)
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0 or (total is not None and step >= total):
+    if not _step(step, total):
         return f"activations step {step!r} is not a step of this course"
     cfg = active.course.cfg
     rows = None
     if total is not None:
         rows = len(components.get("batch_rows")(cfg["seed"], len(active.train_rows.ids), cfg["train.batch_size"], step))
-    problem = _cut_tensor(content["h"], rows, cfg["vertical.cut"], _dtype(cfg), "activations h")
+    problem = _cut_tensor(content["h"], rows, *_cut(active), "activations h")
     if problem is None and rows is None and len(content["h"]) > cfg["train.batch_size"]:
         return f"activations h holds {len(content['h'])} rows, more than train.batch_size"
     return problem
 
 
 def check_test_activations(content: Any, active) -> str | None:
+    """`test_activations` (SplitNN) and `test_logits` (HE-LR): one row per test id."""
     if not isinstance(content, dict) or set(content) != {"h"}:
         return "test_activations content must be {h: tensor}"
-    cfg = active.course.cfg
     rows = len(active.test_rows.ids) if hasattr(active, "test_rows") else None
-    return _cut_tensor(content["h"], rows, cfg["vertical.cut"], _dtype(cfg), "test_activations h")
+    return _cut_tensor(content["h"], rows, *_cut(active), "test_activations h")
 
 
-def _dtype(cfg) -> torch.dtype:
-    return getattr(torch, cfg["model.dtype"])
+def check_masked_gradient(content: Any, active) -> str | None:
+    """HE-LR `masked_gradient`: ciphertexts below n^2, each in the key's fixed width."""
+    if not isinstance(content, dict) or set(content) != {"step", "c"}:
+        return "masked_gradient content must be {step: int, c: [ciphertexts]}"
+    model = getattr(active, "model", None)
+    if not hasattr(model, "n"):
+        return "masked_gradient before the Paillier key (or in a course without one)"
+    if not _step(content["step"], getattr(active, "total_steps", None)):
+        return f"masked_gradient step {content['step']!r} is not a step of this course"
+    nsquare = model.n * model.n
+    width = (nsquare.bit_length() + 7) // 8
+    c = content["c"]
+    if not isinstance(c, list) or not c or any(not isinstance(x, bytes) or len(x) != width for x in c):
+        return f"masked_gradient c must be a non-empty list of {width}-byte ciphertexts"
+    if any(int.from_bytes(x, "big") >= nsquare for x in c):
+        return "masked_gradient c holds a value not below n^2"
+    return None
+
+
+def _step(step: Any, total: int | None) -> bool:
+    return isinstance(step, int) and not isinstance(step, bool) and step >= 0 and (total is None or step < total)
 
 
 MESSAGE_CHECKS: dict[str, Callable[[Any, Any], "str | None"]] = {
     "psi_reply": check_psi_reply,
     "activations": check_activations,
     "test_activations": check_test_activations,
+    "partial_logits": check_activations,
+    "test_logits": check_test_activations,
+    "masked_gradient": check_masked_gradient,
 }
 components.register("vertical_message_checks", MESSAGE_CHECKS)
 components.register("vertical_party_bounds", party_bounds)

@@ -243,9 +243,10 @@ def _vertical_course(values: dict) -> None:
 def _check_vertical(cfg) -> None:
     if cfg["data.partition"] != "vertical":
         return
-    if cfg["federate.mode"] == "distributed" and cfg["vertical.method"] != "splitnn":
-        raise ConfigError(f"federate.mode: a vertical course deploys with vertical.method=splitnn only; "
-                          f"{cfg['vertical.method']} runs in simulation (federate.mode=standalone)")
+    if cfg["federate.mode"] == "distributed" and cfg["vertical.method"] == "he_lr" and cfg["vertical.files"]:
+        raise ConfigError("vertical.files: a deployed he_lr course runs on a shipped data set only (a "
+                          "passive party reading its own file does not know the class count); run it "
+                          "with federate.mode=standalone")
     for key in ("resume_from", "checkpoint.every"):
         if cfg[key]:
             raise ConfigError(f"{key}: a vertical course does not write or resume snapshots; unset {key}")

@@ -43,7 +43,7 @@ class PartyServerCourse(ServerCourse):
         self.comm.update_gate = lambda msg: True   # no `updates` in a vertical course
         self.comm.attach(registry.components.get("vertical_party")(self, ACTIVE))
         self.comm.max_message, self.comm.max_values = \
-            registry.components.get("vertical_party_bounds")(self.cfg, self.table_rows)
+            registry.components.get("vertical_party_bounds")(self.cfg, self.table)
         return self
 
     def _count_bytes(self, msg, receiver: int, nbytes: int) -> None:
@@ -72,7 +72,7 @@ class PartyClientCourse(ClientCourse):
         return self
 
     def bounds(self) -> tuple[int, int]:
-        return registry.components.get("vertical_party_bounds")(self.cfg, self.table_rows)
+        return registry.components.get("vertical_party_bounds")(self.cfg, self.table)
 
 
 PARTY_COURSES = (PartyServerCourse, PartyClientCourse)   # for run_distributed (fedcore.run)
