@@ -201,7 +201,7 @@ def check_activations(content: Any, active) -> str | None:
     """`activations` (SplitNN) and `partial_logits` (HE-LR): a step's rows of the batch."""
     if not isinstance(content, dict) or set(content) != {"step", "h"}:
         return "activations content must be {step: int, h: tensor}"
-    step, total = content["step"], getattr(active, "total_steps", None)
+    step, total = content["step"], _total(active)
     if not _step(step, total):
         return f"activations step {step!r} is not a step of this course"
     cfg = active.course.cfg
@@ -229,7 +229,7 @@ def check_masked_gradient(content: Any, active) -> str | None:
     model = getattr(active, "model", None)
     if not hasattr(model, "n"):
         return "masked_gradient before the Paillier key (or in a course without one)"
-    if not _step(content["step"], getattr(active, "total_steps", None)):
+    if not _step(content["step"], _total(active)):
         return f"masked_gradient step {content['step']!r} is not a step of this course"
     nsquare = model.n * model.n
     width = (nsquare.bit_length() + 7) // 8
@@ -239,6 +239,12 @@ def check_masked_gradient(content: Any, active) -> str | None:
     if any(int.from_bytes(x, "big") >= nsquare for x in c):
         return "masked_gradient c holds a value not below n^2"
     return None
+
+
+def _total(active) -> int | None:
+    """The course's steps, once the active party has aligned (None before)."""
+    per_epoch = getattr(active, "per_epoch", None)
+    return None if per_epoch is None else per_epoch * active.course.cfg["federate.total_round_num"]
 
 
 def _step(step: Any, total: int | None) -> bool:

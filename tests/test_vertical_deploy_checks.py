@@ -11,6 +11,7 @@ from fedcore.algorithms.splitnn import BottomParty, TopParty  # noqa: E402
 from fedcore.comm.validation import check_content  # noqa: E402
 from fedcore.deployment.vertical_parties import PartyServerCourse  # noqa: E402
 from fedcore.handlers import vertical as v  # noqa: E402
+from fedcore.handlers.vertical_lr import setup_active  # noqa: E402
 from fedcore.kernel.config import load_config  # noqa: E402
 from fedcore.scenarios.vertical_data import party_table  # noqa: E402
 
@@ -102,3 +103,40 @@ def test_gradient_noise_is_seeded_in_simulation_and_from_the_os_when_deployed():
     for n in (a, b):
         assert abs(n.std().item() - 0.5) < 5 * 0.5 / (2 * n.numel()) ** 0.5
         assert abs(n.mean().item()) < 5 * 0.5 / n.numel() ** 0.5
+
+
+def test_he_lr_ciphertexts_must_lie_below_n_squared_in_the_keys_width():
+    over = {**BASE, **DEPLOYED, "vertical.method": "he_lr", "vertical.he.key_bits": 256}
+    cfg = load_config(None, extra=over)
+    active = PartyServerCourse(cfg).build().server
+    assert "before the Paillier key" in check_content("masked_gradient", {"step": 0, "c": [bytes(64)]}, active)
+    ids = sorted(set(active.table.ids) & set(party_table(cfg, 1).ids))
+    v.align(active, ids)
+    sent = []
+    active.send = lambda *a, **k: sent.append(a)   # the public key goes nowhere here
+    setup_active(active)   # the course's own set-up: weights at zero, a fresh key pair
+    nsquare = active.model.n ** 2
+    width = (nsquare.bit_length() + 7) // 8
+    honest = [(nsquare - 1).to_bytes(width, "big")]
+    assert check_content("masked_gradient", {"step": 0, "c": honest}, active) is None
+    assert "not below n^2" in check_content("masked_gradient", {"step": 0, "c": [b"\xff" * width]}, active)
+    assert f"{width}-byte" in check_content("masked_gradient", {"step": 0, "c": [bytes(width + 1)]}, active)
+    logits = torch.zeros(cfg["train.batch_size"], active.table.num_classes, dtype=torch.float64)
+    assert check_content("partial_logits", {"step": 0, "h": logits}, active) is None
+    assert "expected" in check_content("partial_logits", {"step": 0, "h": logits[:, 1:]}, active)
+
+
+def test_a_deployed_he_lr_course_on_csv_files_is_refused_in_one_line(tmp_path):
+    import subprocess
+    import sys
+    files = [tmp_path / "a.csv", tmp_path / "b.csv"]
+    files[0].write_text("id,u,label\np1,1,0\np2,2,1\n")
+    files[1].write_text("id,v\np1,1\np2,2\n")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"data: {{partition: vertical}}\nvertical: {{method: he_lr, files: ['{files[0]}', '{files[1]}']}}\n")
+    r = subprocess.run([sys.executable, "-m", "fedcore.run", "--cfg", str(cfg), "federate.mode=distributed",
+                        "distribute.role=server", "distribute.insecure=true", f"outdir={tmp_path / 'out'}"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().startswith("fedcore: vertical.files: a deployed he_lr course"), r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
