@@ -1,6 +1,6 @@
-"""A vertical SplitNN course deployed as real processes (the active party serving, the passive
-parties as clients) equals its simulation; a passive party that dies stops the course with one
-line naming it."""
+"""A vertical course deployed as real processes (the active party serving, the passive parties
+as clients) equals its simulation (SplitNN and HE-LR); a passive party that dies, or that sends
+malformed activations (refused on the wire), stops the course with one line naming it."""
 from __future__ import annotations
 
 import json
@@ -97,3 +97,20 @@ def test_a_passive_party_that_dies_stops_the_course_naming_it(tmp_path, procs):
     assert code not in (0, None), log[-3000:]
     lines = [line for line in log.splitlines() if "party 1 left before the course finished" in line]
     assert len(lines) == 1 and lines[0].startswith("fedcore: vertical: party 1"), log[-3000:]
+
+
+def test_a_party_sending_malformed_activations_is_refused_on_the_wire_and_named(tmp_path, procs):
+    cfg = _cfg(tmp_path, insecure=True)   # loopback
+    out = tmp_path / "deployed"
+    server, port, client = serve_course(procs, cfg, out)
+    client(2)
+    procs.fedcore("client1", cfg, "distribute.role=client", f"distribute.server_port={port}",
+                             "distribute.client_id=1", "plugins=[tests.vertical_attacker]")
+    code = wait_exit(server, 60)
+    log = text(server)
+    assert code not in (0, None), log[-3000:]
+    assert "refused a message: activations h is (32, 17)" in log, log[-3000:]   # on the wire, not in a handler
+    assert "raised" not in log and "Traceback" not in log, log[-3000:]
+    lines = [line for line in log.splitlines() if line.startswith("fedcore: vertical: party 1 left before")]
+    assert len(lines) == 1 and "refused" in lines[0], log[-3000:]
+    assert not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text().strip()   # no round
