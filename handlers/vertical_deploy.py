@@ -43,7 +43,7 @@ OTHER_SET_FACTOR = 4      # the other party's id set may be up to 4x this party'
 
 
 declare("vertical.party_model", str, None, "vertical, deployed passive party: a file to write its "
-        "trained bottom model to (torch state dict, keys bottom<p>.*) when the course finishes; "
+        "trained part to when the course finishes (torch state dict: SplitNN bottom<p>.*, HE-LR w<p>); "
         "{party} in the path is replaced by the party's number; default: not written")
 
 
@@ -76,7 +76,6 @@ def build_party(course, party: int):
         worker = course.client = Client(party, course.client_table, course, None)
         worker.table, worker.finished = table, False
         course.clients[party] = worker
-    course.model = torch.nn.Module()   # bounds come from party_bounds, not from a model
     courses.get(cfg["course"])(course)
     install(course)
     course.behaviours = []
