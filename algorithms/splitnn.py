@@ -11,7 +11,8 @@ the joined columns with one optimizer (tests/test_vertical_splitnn.py).
 Batch order: epoch e's permutation of the aligned training rows is drawn from (seed, e), so
 every party, simulated or deployed, cuts the same batches without a message.
 `vertical.gradient_noise` adds Gaussian noise to each returned dL/dh_p (the standard mitigation
-of label leakage through cut-layer gradients; docs/vertical.md).
+of label leakage through cut-layer gradients; docs/vertical.md): seeded in simulation, from the
+operating system in a deployment.
 """
 from __future__ import annotations
 
