@@ -11,7 +11,8 @@ the joined columns with one optimizer (tests/test_vertical_splitnn.py).
 Batch order: epoch e's permutation of the aligned training rows is drawn from (seed, e), so
 every party, simulated or deployed, cuts the same batches without a message.
 `vertical.gradient_noise` adds Gaussian noise to each returned dL/dh_p (the standard mitigation
-of label leakage through cut-layer gradients; docs/vertical.md).
+of label leakage through cut-layer gradients; docs/vertical.md): seeded in simulation, from the
+operating system in a deployment.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from torch import nn
 
 from fedcore.kernel.config import declare, non_negative, positive
 from fedcore.kernel.registry import components
+from fedcore.algorithms.dp_noise import OS_NOISE, deployed, standard_normal
 
 __all__ = ["batches_per_epoch", "batch_rows", "bottom_model", "top_model", "make_optimizer",
            "BottomParty", "TopParty"]
@@ -145,9 +147,16 @@ class TopParty:
         for p in range(1, self.parties):
             g = cut[p].grad
             if sigma > 0:
-                g = g + sigma * torch.randn(g.shape, generator=self.noise, dtype=g.dtype)
+                g = g + sigma * self._standard_normal(g)
             grads[p] = g
         return grads, loss.item()
+
+    def _standard_normal(self, g: torch.Tensor) -> torch.Tensor:
+        """N(0, 1) noise shaped like `g`: seeded in simulation (reproducible), from the operating
+        system in a deployment (a seed in the config would let anyone regenerate and remove it)."""
+        if deployed(self.cfg):
+            return standard_normal(g.numel(), OS_NOISE).to(g.dtype).reshape(g.shape)
+        return torch.randn(g.shape, generator=self.noise, dtype=g.dtype)
 
     def evaluate(self, received: dict[int, torch.Tensor]) -> dict[str, float]:
         with torch.no_grad():

@@ -281,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     except FedcoreError as exc:
         print(f"fedcore: {exc}", file=sys.stderr)
         return exc.exit_code
-    n = args.clients if args.clients is not None else cfg["federate.client_num"]
+    default = cfg["vertical.parties"] - 1 if cfg["data.partition"] == "vertical" else cfg["federate.client_num"]
+    n = args.clients if args.clients is not None else default   # a vertical course: its passive parties
     if n < 1:
         print("fedcore: usage: --clients must be >= 1", file=sys.stderr)
         return EXIT_CONFIG

@@ -84,7 +84,11 @@ def _run(args) -> int:
         if cfg["distribute.role"] == "edge":   # an edge aggregator of a hierarchical course
             from fedcore.deployment.edge_process import run_edge
             return run_edge(cfg, outdir, args.check)
-        return run_distributed(cfg, outdir, check_only=args.check, command=_command(args))
+        parties = {}
+        if cfg["data.partition"] == "vertical":   # parties, one per process
+            from fedcore.deployment.vertical_parties import PARTY_COURSES
+            parties["courses"] = PARTY_COURSES
+        return run_distributed(cfg, outdir, check_only=args.check, command=_command(args), **parties)
     from fedcore.runtime.checkpoint import interrupted_message
     from fedcore.runtime.course import Course
     course = Course(cfg, outdir, progress=cfg["verbose"]).build()

@@ -263,12 +263,13 @@ def finished(party, _msg) -> None:
 
 def install_alignment(course) -> None:
     s, c = course.server_table, course.client_table
-    s.register("start", psi_start, sends=("psi_request",))
+    if course.cfg["federate.mode"] != "distributed":   # deployed: handlers/vertical_deploy.py
+        s.register("start", psi_start, sends=("psi_request",))
+        c.register("receiving_finish", finished)
     c.register("receiving_psi_request", psi_answer, sends=("psi_reply",))
     s.register("receiving_psi_reply", psi_collect, sends=("psi_done",))
     s.register("psi_done", psi_finish, sends=("psi_result", "aligned"))
     c.register("receiving_psi_result", psi_learn, sends=("aligned",))
-    c.register("receiving_finish", finished)
 
 
 @courses.register("vertical_splitnn")

@@ -9,7 +9,8 @@ and a sample count. The declaration is the course's: its algorithm's
 `update_layout` (`fedcore.kernel.contract.Algorithm`), changed by each of its
 behaviours that declares one (`install.update_layout`: compression's encoded
 maps, FedEx's feedback); a behaviour that adds message types declares their
-checks (`install.message_checks`: secure aggregation's protocol messages).
+checks (`install.message_checks`: secure aggregation's protocol messages); a vertical course's
+parties' messages are checked by `vertical_message_checks` (handlers/vertical_deploy.py).
 """
 from __future__ import annotations
 
@@ -154,5 +155,7 @@ def check_content(msg_type: str, content: Any, server) -> str | None:
     if check is None:
         course = _course(server)
         declared = _declared(course.cfg, "message_checks") if course is not None else []
+        if course is not None and course.cfg["data.partition"] == "vertical":   # the parties' messages
+            declared.append(registry.components.get("vertical_message_checks"))
         check = next((checks[msg_type] for checks in declared if msg_type in checks), None)
     return check(content, server) if check is not None else None

@@ -327,6 +327,12 @@ class ClientCourse(Course):
         comm.attach(self.client)
         return self
 
+    def bounds(self) -> tuple[int, int]:
+        """(bytes, values) a message to this client may carry: the config's, else its model's."""
+        cfg = self.cfg
+        return (cfg["distribute.max_message_bytes"] or message_bound(self.model),
+                cfg["distribute.max_message_values"] or value_bound(self.model, cfg))
+
 
 def own_data_config(cfg):
     """The config that builds a client's local data as a one-client federation."""
@@ -342,7 +348,7 @@ def _warn_if_insecure(cfg) -> None:
         log.warning(INSECURE_WARNING)
 
 
-def run_client(cfg) -> int:
+def run_client(cfg, course_class: type[ClientCourse] = ClientCourse) -> int:
     """Connect, build this client's half of the course, and serve until `finish`."""
     from fedcore.comm.grpc_client import GrpcClientComm
     _warn_if_insecure(cfg)
@@ -353,11 +359,10 @@ def run_client(cfg) -> int:
     try:
         cid = comm.wait_welcome()
         log.info("client %d admitted by %s", cid, comm.address)
-        course = ClientCourse(cfg, scheduler).build(cid, comm)
+        course = course_class(cfg, scheduler).build(cid, comm)
         set_context(lambda: {"worker": f"client {cid}", "round": course.client.round})
-        # until now the client read nothing past the welcome: its bounds come from its own model
-        comm.set_bounds(cfg["distribute.max_message_bytes"] or message_bound(course.model),
-                        cfg["distribute.max_message_values"] or value_bound(course.model, cfg))
+        # until now the client read nothing past the welcome: its bounds come from its own course
+        comm.set_bounds(*course.bounds())
         scheduler.schedule(0.0, PRIORITY_TIMER, StartEvent(course.client, "start"))
         scheduler.run()
         finished = course.client.finished
@@ -393,9 +398,11 @@ def deployed_process() -> None:
         pass
 
 
-def run_distributed(cfg, outdir, check_only: bool = False, command: list[str] | None = None) -> int:
+def run_distributed(cfg, outdir, check_only: bool = False, command: list[str] | None = None,
+                    courses: tuple[type[ServerCourse], type[ClientCourse]] | None = None) -> int:
     """`federate.mode: distributed`: run this process's role, server or client (`command`: how it
-    was started, for the command that resumes an interrupted server); an edge runs through
+    was started, for the command that resumes an interrupted server; `courses`: the server's and
+    the client's course classes, a vertical course's parties'); an edge runs through
     `fedcore.deployment.edge_process.run_edge`, which builds on this module."""
     role = cfg["distribute.role"]
     if role is None:
@@ -405,10 +412,11 @@ def run_distributed(cfg, outdir, check_only: bool = False, command: list[str] | 
         raise ConfigError("distribute.role: edge runs through python -m fedcore.run "
                           "(fedcore.deployment.edge_process.run_edge)")
     deployed_process()
+    server_class, client_class = courses or (ServerCourse, ClientCourse)
     if role == "client":
-        return run_client(cfg)
+        return run_client(cfg, client_class)
     progress = cfg["verbose"]  # a bar on a terminal, periodic round lines elsewhere
-    course = ServerCourse(cfg, outdir, progress=progress).build()
+    course = server_class(cfg, outdir, progress=progress).build()
     set_context(lambda: {"worker": "server", "round": course.server.round})
     try:
         return course.check_or_run(check_only)
