@@ -85,7 +85,7 @@ def active_setup(active, _event=None) -> None:
     sb.party_bins, sb.pending, sb.trees, sb.hist, sb.tree_nodes = {}, set(), [], {}, []
     sb.party_time: dict[int, float] = {}   # when each passive party's last histograms of a tree came in
     sb.margin = np.full(len(y), _margin0(p.objective, base), dtype=np.float32)
-    active.party_states = lambda: {}   # final_model.pt: the joint booster's JSON bytes, at the end
+    active.aggregator.states = lambda: {}   # final_model.pt: the joint booster's JSON bytes, at the end
     n = sb.n
     active.send("sb_key", active.course.client_ids, {"n": n.to_bytes((n.bit_length() + 7) // 8, "big")})
     sb.pending = set(active.course.client_ids)
@@ -253,7 +253,7 @@ def active_reveal(active, msg) -> None:
     model = tc.with_trees(tc.template(sb.params.xgboost(sb.base), joint), sb.trees)
     body = json.dumps(model).encode()
     import torch
-    active.party_states = lambda: {"booster": torch.from_numpy(np.frombuffer(body, dtype=np.uint8).copy())}
+    active.aggregator.states = lambda: {"booster": torch.from_numpy(np.frombuffer(body, dtype=np.uint8).copy())}
     course = active.course
     if course.outdir is not None:
         write_atomic(course.outdir / "final_model.json", body)

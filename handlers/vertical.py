@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from types import SimpleNamespace
+from typing import Callable
 
 import torch
 
@@ -43,12 +44,12 @@ class PartyModels:
 
     def __init__(self, course):
         self.course = course
+        # every party's state, once the course's setup has built the parties' models
+        self.states: Callable[[], dict[str, torch.Tensor]] | None = None
 
     @property
     def global_state(self) -> dict[str, torch.Tensor] | None:
-        course = self.course
-        parts = getattr(course.server, "party_states", None)
-        return parts() if parts is not None else None
+        return self.states() if self.states is not None else None
 
 
 class PartyBytes:
@@ -171,7 +172,7 @@ def split_setup_active(active, _event=None) -> None:
     active.total_steps = active.per_epoch * cfg["federate.total_round_num"]
     active.acts, active.test_acts, active.trained, active.losses = {}, {}, set(), []
     active.party_time = {}
-    active.party_states = lambda: {**active.model.state(), **{
+    active.aggregator.states = lambda: {**active.model.state(), **{
         f"bottom{p}.{k}": v for p, c in course.clients.items() for k, v in c.bottom.model.state_dict().items()}}
 
 
@@ -248,7 +249,7 @@ def record(active, round_: int) -> None:
 
 
 def finish(active) -> None:
-    states = active.party_states()
+    states = active.aggregator.states()
     count = sum(v.numel() for v in states.values())
     active.course.monitor.add_summary("model", {"trainable_params": count, "total_params": count})
     active.finished = True

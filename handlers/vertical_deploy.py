@@ -70,7 +70,7 @@ def build_party(course, party: int):
         server.table, server.aggregator = table, v.PartyModels(course)
         server.finished, server.started, server.round, server.selected = False, False, 1, set()
         server.joined = set()
-        server.party_states = lambda: {}   # until alignment: nothing trained yet
+        server.aggregator.states = lambda: {}   # until alignment: nothing trained yet
         worker = server
     else:
         worker = course.client = Client(party, course.client_table, course, None)

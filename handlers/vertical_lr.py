@@ -31,7 +31,7 @@ def setup_active(active, _event=None) -> None:
     active.per_epoch = components.get("batches_per_epoch")(len(active.train_rows.ids), cfg["train.batch_size"])
     active.acts, active.test_acts, active.trained, active.losses, active.party_time = {}, {}, set(), [], {}
     active.grads_pending = {}
-    active.party_states = lambda: {**active.model.state(), **{
+    active.aggregator.states = lambda: {**active.model.state(), **{
         f"w{p}": c.model.w.clone() for p, c in course.clients.items()}}
     n = active.model.n
     active.send("public_key", course.client_ids, {"n": n.to_bytes((n.bit_length() + 7) // 8, "big")})

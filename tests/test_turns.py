@@ -108,7 +108,7 @@ def test_a_small_messages_delivery_leaves_the_turn_its_streams_next_large_messag
         loop = asyncio.get_running_loop()
         server = Server(loop)
         status = StreamStatus(Reassembler(64 << 20, 1 << 20))
-        s = types.SimpleNamespace(client_id=3, last_delivered=0, receiving=False, last_seen=0.0)
+        s = types.SimpleNamespace(client_id=3, last_delivered=0, receiving=False, last_seen=0.0, joining=True)
         small = b"join"
         await server._take(s, pb.Frame(chunk=pb.Chunk(message_id=1, offset=0, total_size=len(small), data=small,
                                                       sha256=hashlib.sha256(small).digest())), status)
@@ -165,7 +165,7 @@ def test_a_stream_ending_while_its_large_message_decodes_keeps_the_turn_until_th
         loop = asyncio.get_running_loop()
         server = Server(loop)
         status = StreamStatus(Reassembler(64 << 20, 32 << 20))
-        s = types.SimpleNamespace(client_id=3, last_delivered=0, receiving=False, last_seen=0.0)
+        s = types.SimpleNamespace(client_id=3, last_delivered=0, receiving=False, last_seen=0.0, joining=True)
         data = bytes(TURN_BYTES)
         reader = asyncio.ensure_future(server._take(s, pb.Frame(chunk=pb.Chunk(
             message_id=1, offset=0, total_size=len(data), data=data, sha256=hashlib.sha256(data).digest())), status))

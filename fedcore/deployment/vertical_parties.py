@@ -39,7 +39,7 @@ class PartyServerCourse(ServerCourse):
         self.comm.device = self.device = CPU
         if self.outdir is not None:
             self.comm.spool_dir = str(self.outdir)
-        self.comm.on_new_session = self._departed.discard
+        self.comm.on_new_session = lambda client_id, returning: self._departed.discard(client_id)
         self.comm.update_gate = lambda msg: True   # no `updates` in a vertical course
         self.comm.attach(registry.components.get("vertical_party")(self, ACTIVE))
         self.comm.max_message, self.comm.max_values = \
