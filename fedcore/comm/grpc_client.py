@@ -221,6 +221,12 @@ class GrpcClientComm(ClientInbound):
     # ------------------------------------------------------------ the connection loop
     def _channel(self) -> grpc.Channel:
         options = grpc_options(self.chunk_size, server=False)
+        # gRPC's own reconnection backs off up to 120 s by default, answering every call meanwhile
+        # with its last error: a server back after a long absence (a restart) would look gone for
+        # that long. Its backoff follows the client's own (distribute.backoff_initial / _max).
+        initial, most = (max(1, int(s * 1000)) for s in self.backoff)
+        options += [("grpc.initial_reconnect_backoff_ms", initial),
+                    ("grpc.max_reconnect_backoff_ms", max(initial, most))]
         if self.insecure:
             return grpc.insecure_channel(self.address, options=options)
         if self.server_name:
