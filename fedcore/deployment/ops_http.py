@@ -17,15 +17,14 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Callable
 from urllib.parse import urlsplit
 
 from fedcore.comm.client_state import write_atomic
 from fedcore.comm.stream import _read, host_port
+from fedcore.dashboard.server import SECURITY_HEADERS, QuietHandler, threaded_server
 from fedcore.kernel.errors import ConfigError
 
 __all__ = ["OpsServer", "start_ops"]
@@ -43,15 +42,12 @@ class OpsServer:
         self.token = token
         handler = type("Handler", (_Handler,), {"ops": self})
         try:
-            self.httpd = ThreadingHTTPServer((host, port), handler)
+            self.httpd, self._thread = threaded_server(host, port, handler, "fedcore-ops", poll_interval=0.2)
         except OSError as exc:
             raise ConfigError(f"distribute.metrics_port: cannot listen on {host_port(host, port)} "
                               f"({exc.strerror or exc}); choose another port or 0 for a free one") from None
-        self.httpd.daemon_threads = True
         self.port = self.httpd.server_address[1]
         self.address = host_port(host, self.port)
-        self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.2},
-                                        name="fedcore-ops", daemon=True)
         self._thread.start()
 
     def authorized(self, header: str | None) -> bool:
@@ -66,25 +62,13 @@ class OpsServer:
         self._thread.join(5.0)
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(QuietHandler):
     ops: OpsServer
-    server_version = "fedcore"
-    sys_version = ""
-
-    def log_message(self, format, *args) -> None:   # a probe every second is no log line
-        pass
 
     def _send(self, status: int, body: bytes, ctype: str = "application/json",
               extra: dict | None = None) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(body)))
-        extra = {"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff", **(extra or {})}
-        for k, v in extra.items():
-            self.send_header(k, v)
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(body)
+        self.send_body(status, body, ctype,
+                       {"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff", **(extra or {})})
 
     def _state(self, check: Callable[[], tuple[bool, dict]]) -> None:
         ok, facts = check()
@@ -113,7 +97,6 @@ class _Handler(BaseHTTPRequestHandler):
                 if path == "/dashboard":
                     return self._send(308, b"", "text/plain", {"Location": "/dashboard/"})
                 if path.startswith("/dashboard/") and ops.dashboard is not None:
-                    from fedcore.dashboard.server import SECURITY_HEADERS
                     status, ctype, body = ops.dashboard.respond(path[len("/dashboard/"):], url.query)
                     return self._send(status, body, ctype, SECURITY_HEADERS)
             self._send(404, b'{"status": "not found"}')
