@@ -47,91 +47,9 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'fedcore' has no attribute {name!r}")
 
 
-# ---------------------------------------------------------------- the old module names
-# The modules live in role subpackages (kernel, execution, runtime, deployment, comm, wire).
-# Code written against the flat layout (`import fedcore.runtime.course`, `python -m fedcore.kernel.key_index`)
-# gets the same module object under its old name, not a copy.
-_MOVED = {
-    "admission": "runtime.admission",
-    "batch_order": "kernel.batch_order",
-    "batching": "execution.batching",
-    "checkpoint": "runtime.checkpoint",
-    "client_conv": "execution.client_conv",
-    "client_state": "comm.client_state",
-    "completeness": "kernel.completeness",
-    "config": "kernel.config",
-    "config_keys": "kernel.config_keys",
-    "contract": "kernel.contract",
-    "course": "runtime.course",
-    "dense_step": "execution.dense_step",
-    "deploy_config": "deployment.deploy_config",
-    "deployed_resume": "deployment.deployed_resume",
-    "device": "runtime.device",
-    "distributed": "deployment.distributed",
-    "edge_process": "deployment.edge_process",
-    "errors": "kernel.errors",
-    "executor": "execution.executor",
-    "form_boundary": "execution.form_boundary",
-    "hooks": "kernel.hooks",
-    "inner_loop": "kernel.inner_loop",
-    "key_index": "kernel.key_index",
-    "launch_guard": "deployment.launch_guard",
-    "launch_tree": "deployment.launch_tree",
-    "loggers": "runtime.loggers",
-    "message": "kernel.message",
-    "model_ops": "kernel.model_ops",
-    "monitor": "runtime.monitor",
-    "numpy_trainer": "execution.numpy_trainer",
-    "procpool": "execution.procpool",
-    "progress": "runtime.progress",
-    "quiet": "runtime.quiet",
-    "random_layers": "execution.random_layers",
-    "ray_executor": "execution.ray_executor",
-    "registry": "kernel.registry",
-    "sampling": "runtime.sampling",
-    "scheduler": "kernel.scheduler",
-    "schema": "kernel.schema",
-    "serialization": "wire.serialization",
-    "server_optimizer": "runtime.server_optimizer",
-    "server_state": "kernel.server_state",
-    "shamir": "kernel.shamir",
-    "snapshot": "runtime.snapshot",
-    "speed_sampling": "runtime.speed_sampling",
-    "state": "kernel.state",
-    "step_graphs": "execution.step_graphs",
-    "tensor_forms": "wire.tensor_forms",
-    "timing": "runtime.timing",
-    "topology": "runtime.topology",
-    "vector_term": "kernel.vector_term",
-    "vectorized": "execution.vectorized",
-    "worker": "kernel.worker",
-}
+# Old import paths of moved modules keep working, with a DeprecationWarning naming the new one
+# (fedcore/kernel/moved.py; the deprecation policy is in CHANGELOG.md).
+from fedcore.kernel import moved as _moved  # noqa: E402  (standard library only)
 
-
-def _install_old_names() -> None:
-    import importlib
-    import importlib.abc
-    import importlib.util
-    import sys
-
-    class OldName(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-        def find_spec(self, name, path=None, target=None):
-            if not name.startswith("fedcore.") or name[8:] not in _MOVED:
-                return None
-            where = importlib.util.find_spec(f"fedcore.{_MOVED[name[8:]]}")
-            return importlib.util.spec_from_loader(name, self, origin=where.origin)
-
-        def create_module(self, spec):
-            return importlib.import_module(f"fedcore.{_MOVED[spec.name[8:]]}")
-
-        def exec_module(self, module):
-            """Already executed under its own name."""
-
-        def get_code(self, name):   # python -m fedcore.<old name>
-            new = f"fedcore.{_MOVED[name[8:]]}"
-            return importlib.util.find_spec(new).loader.get_code(new)
-
-    sys.meta_path.insert(0, OldName())   # before any finder that would find the old file
-
-
-_install_old_names()
+_MOVED = _moved.MOVED
+_moved.install()

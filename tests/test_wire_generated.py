@@ -38,7 +38,7 @@ def test_committed_descriptors_match_the_proto(tmp_path):
     assert rc == 0
     fresh = _without_json_names(descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes()).file[0])
     committed = descriptor_pb2.FileDescriptorProto.FromString(fedcore_pb2.DESCRIPTOR.serialized_pb)
-    assert committed == fresh, "regenerate: see docs/deployment.md (generated code)"
+    assert committed == fresh, "regenerate: see docs/deployment_reference.md (generated code)"
     assert (tmp_path / "fedcore_pb2_grpc.py").is_file()
 
 

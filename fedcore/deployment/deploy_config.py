@@ -87,7 +87,7 @@ declare("distribute.pause_after_closed_calls", bool, True, "server: after taking
         "queued for a connection already closed for its refusals, hold back the taking of further "
         "calls for 1 ms (at most a quarter of the time), so that gRPC drops that connection's other "
         "calls itself: a rapid reset costs the server a fraction of what it did, while calls wait "
-        "a little longer in gRPC's backlog (docs/deployment.md, threat model). false: take calls "
+        "a little longer in gRPC's backlog (docs/threat_model.md). false: take calls "
         "as fast as they come")
 declare("distribute.max_message_values", int, None, "largest number of values (fields and list "
         "entries of the encoding) a message may hold; more is refused before it is decoded "
