@@ -207,7 +207,7 @@ def psi_learn(party, msg) -> None:
         raise vs.SetupRefused("vertical: the active party's psi_result is not {ids, classes, round}")
     classes = content["classes"]
     if isinstance(classes, bool) or not isinstance(classes, int) or not 1 <= classes <= MAX_CLASSES:
-        raise vs.SetupRefused(f"vertical: the active party's psi_result names {str(classes)[:40]!r} "
+        raise vs.SetupRefused(f"vertical: the active party's psi_result names {repr(classes)[:40]} "
                               f"classes, not an int in 1..{MAX_CLASSES}")
     party.resumed_round = vs.check_round(content, cfg["federate.total_round_num"])
     party.table.num_classes = classes
@@ -237,7 +237,8 @@ def split_setup_active(active, _event=None) -> None:
     active.acts, active.test_acts, active.trained, active.losses = {}, {}, set(), []
     active.party_time = {}
     active.aggregator.states = lambda: {**active.model.state(), **{
-        f"bottom{p}.{k}": v for p, c in course.clients.items() for k, v in c.bottom.model.state_dict().items()}}
+        f"bottom{p}.{k}": v for p, c in course.clients.items() if hasattr(c, "bottom")   # set up
+        for k, v in c.bottom.model.state_dict().items()}}
     if resume_round(active) >= cfg["federate.total_round_num"]:
         finish(active)   # resumed from the last round's snapshot: nothing left to train
 

@@ -32,7 +32,7 @@ def setup_active(active, _event=None) -> None:
     active.acts, active.test_acts, active.trained, active.losses, active.party_time = {}, {}, set(), [], {}
     active.grads_pending = {}
     active.aggregator.states = lambda: {**active.model.state(), **{
-        f"w{p}": c.model.w.clone() for p, c in course.clients.items()}}
+        f"w{p}": c.model.w.clone() for p, c in course.clients.items() if hasattr(c, "model")}}   # set up
     n = active.model.n
     active.send("public_key", course.client_ids, {"n": n.to_bytes((n.bit_length() + 7) // 8, "big")})
     if v.resume_round(active) >= cfg["federate.total_round_num"]:
