@@ -170,3 +170,18 @@ def test_a_passive_party_learns_the_class_count_and_round_from_psi_result():
     party = _Party()
     v.psi_learn(party, SimpleNamespace(content={"ids": ["b", "a"], "classes": 3, "round": 2}, sender=0))
     assert party.table.num_classes == 3 and party.resumed_round == 2 and party.triggered == ["aligned"]
+
+
+def test_with_an_hmac_key_an_altered_snapshot_is_refused_and_the_party_states_are_tagged(tmp_path):
+    key = tmp_path / "key"
+    key.write_bytes(b"k" * 32)
+    key.chmod(0o600)
+    out = _snapshotted(tmp_path, **{"checkpoint.hmac_key_file": str(key)})
+    assert (out / "client_state" / "1" / "round_2.state").read_bytes().startswith(b"FCTAG1 ")
+    snap = out / "checkpoints" / "round_2.pt"
+    raw = bytearray(snap.read_bytes())
+    raw[-10] ^= 1
+    snap.write_bytes(bytes(raw))
+    fedcore.run({**BASE, "federate.total_round_num": 2, "outdir": str(out), "checkpoint.every": 1,
+                 "resume_from": "latest", "checkpoint.hmac_key_file": str(key)})
+    assert json.loads((out / "summary.json").read_text())["resumed_from"]["round"] == 1
