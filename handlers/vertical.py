@@ -322,6 +322,8 @@ def record(active, round_: int) -> None:
     active.round = round_
     if round_ >= course.cfg["federate.total_round_num"]:
         finish(active)
+    else:
+        course.checkpointer.stop_if_asked(round_)
 
 
 def finish(active) -> None:

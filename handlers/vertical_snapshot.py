@@ -40,6 +40,7 @@ from fedcore.kernel.errors import ConfigError, FedcoreError
 from fedcore.kernel.file_tag import TagError, load_key, untag
 from fedcore.kernel.files import check_folder, make_folder
 from fedcore.kernel.scheduler import HandlerError
+from fedcore.runtime.monitor import StopRun
 from fedcore.runtime.snapshot import LATEST, newest_loadable, resolve, round_of, snapshots, write_snapshot
 from fedcore.runtime.snapshot_input import load_tensor_file
 
@@ -182,6 +183,12 @@ class VerticalSnapshots:
 
     def save_last_completed(self) -> None:
         """An interrupted deployment writes nothing more: only rounds every party saved resume."""
+
+    def stop_if_asked(self, round_: int) -> None:
+        """A simulation asked to stop (Ctrl-C, SIGTERM: fedcore.runtime.checkpoint.stop_at_round_end)
+        stops after a round whose snapshot every party wrote (any round where none are due)."""
+        if self.stop_requested and (self.due(round_) or not self.every):
+            raise StopRun("interrupted")
 
     def capture(self, active, round_: int) -> None:
         """Round `round_`'s last batch stepped: keep the active party's state of its end."""

@@ -185,3 +185,25 @@ def test_with_an_hmac_key_an_altered_snapshot_is_refused_and_the_party_states_ar
     fedcore.run({**BASE, "federate.total_round_num": 2, "outdir": str(out), "checkpoint.every": 1,
                  "resume_from": "latest", "checkpoint.hmac_key_file": str(key)})
     assert json.loads((out / "summary.json").read_text())["resumed_from"]["round"] == 1
+
+
+def test_a_simulation_asked_to_stop_stops_after_a_round_every_party_saved_and_resumes(tmp_path, monkeypatch):
+    """Ctrl-C (here: the request it makes, in round 2) stops after the next round whose snapshot
+    is due (every 2: round 2), and the course resumes from it to the uninterrupted result."""
+    from fedcore.handlers import vertical_snapshot as vsnap
+    whole, out = tmp_path / "whole", tmp_path / "run"
+    fedcore.run({**BASE, "outdir": str(whole)})
+    asked = vsnap.VerticalSnapshots.capture
+
+    def capture(self, active, round_):
+        if round_ == 1:
+            self.stop_requested = True   # what stop_at_round_end's signal handler sets
+        asked(self, active, round_)
+    monkeypatch.setattr(vsnap.VerticalSnapshots, "capture", capture)
+    fedcore.run({**BASE, "outdir": str(out), "checkpoint.every": 2})
+    assert [r["round"] for r in _records(out)] == [1, 2]
+    assert json.loads((out / "summary.json").read_text())["stopped_by"] == "interrupted"
+    monkeypatch.undo()
+    fedcore.run({**BASE, "outdir": str(out), "checkpoint.every": 2, "resume_from": "latest"})
+    a, b = _final(whole), _final(out)
+    assert all(torch.equal(a[k], b[k]) for k in a)
