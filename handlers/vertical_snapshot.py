@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from fedcore.comm.client_state import ClientStateDir, StateRefused, default_state_dir
+from fedcore.comm.client_state import ClientStateDir, default_state_dir
 from fedcore.comm.fingerprint import fingerprint
 from fedcore.kernel.errors import ConfigError, FedcoreError
 from fedcore.kernel.file_tag import TagError, load_key, untag
