@@ -118,7 +118,7 @@ def capture_keys(part) -> list[str]:
 
 def _optimizer_fault(state: Any, params: list[torch.Tensor], name: str) -> str | None:
     """An optimizer's per-parameter state: entries of existing parameters, each a dict of named
-    finite float tensors shaped like its parameter (or scalars: Adam's step)."""
+    finite float tensors shaped like its parameter (Adam's `step`: a scalar)."""
     if not isinstance(state, dict):
         return f"optimizer state '{name}' is not a dict"
     for index, entry in state.items():
@@ -129,7 +129,7 @@ def _optimizer_fault(state: Any, params: list[torch.Tensor], name: str) -> str |
             if t is None and key == "momentum_buffer":
                 continue
             if not isinstance(key, str) or not isinstance(t, torch.Tensor) or not t.is_floating_point() \
-                    or t.layout != torch.strided or (t.shape != params[index].shape and t.numel() != 1):
+                    or t.layout != torch.strided or (t.shape != params[index].shape and not (key == "step" and t.numel() == 1)):
                 return f"optimizer state '{name}' of parameter {index} ('{key}') is not of its shape"
             if not torch.isfinite(t).all():
                 return f"optimizer state '{name}' of parameter {index} holds NaN or infinite values"

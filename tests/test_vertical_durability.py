@@ -89,7 +89,7 @@ def test_a_damaged_snapshot_is_refused_in_one_line_and_the_one_before_used(tmp_p
     assert json.loads((out / "summary.json").read_text())["resumed_from"]["round"] == 1
 
 
-@pytest.mark.parametrize("change", ["nan", "optimizer", "records", "other_course"])
+@pytest.mark.parametrize("change", ["nan", "optimizer", "scalar_moment", "records", "other_course"])
 def test_a_snapshot_not_intact_or_of_another_course_is_refused(tmp_path, change):
     out = _snapshotted(tmp_path)
     for r in (1, 2):
@@ -99,6 +99,8 @@ def test_a_snapshot_not_intact_or_of_another_course_is_refused(tmp_path, change)
             next(iter(state["parts"]["tensors"].values())).view(-1)[0] = float("nan")
         elif change == "optimizer":   # Adam's moments of another shape
             state["parts"]["optimizers"]["top"][0]["exp_avg"] = torch.zeros(7, 7)
+        elif change == "scalar_moment":   # a scalar where Adam keeps a tensor of the parameter's shape
+            state["parts"]["optimizers"]["top"][0]["exp_avg"] = torch.zeros(())
         elif change == "records":
             state["records"] = state["records"].split("\n")[0] if r == 2 else "not json"
         torch.save(state, snap)
@@ -109,6 +111,7 @@ def test_a_snapshot_not_intact_or_of_another_course_is_refused(tmp_path, change)
     text = str(err.value)
     assert "\n" not in text and text.startswith("resume_from: ") and "round_1.pt" in text
     assert {"nan": "NaN or infinite", "optimizer": "optimizer state 'top' of parameter 0",
+            "scalar_moment": "optimizer state 'top' of parameter 0 ('exp_avg') is not of its shape",
             "records": "records", "other_course": "another course's"}[change] in text
 
 
