@@ -118,7 +118,7 @@ def admit_party(active, msg) -> None:
     course stops, naming it, to be resumed from its last snapshot with every party."""
     if active.started and not active.finished:
         raise PartyLost(f"vertical: party {msg.sender} joined again as a new process (its part of the "
-                        f"course in progress is lost); the course stops (round {active.round})")
+                        f"course in progress is lost); {_stops(active)}")
     active.joined.add(msg.sender)
     log.info("vertical: party %d joined (%d of %d)", msg.sender, len(active.joined), active.course.num_clients)
     if len(active.joined) == active.course.num_clients and not active.started:
@@ -131,7 +131,16 @@ def party_lost(active, event: dict) -> None:
     if active.finished:
         return
     raise PartyLost(f"vertical: party {event['client_id']} left before the course finished "
-                    f"({event['reason']}); the course stops (round {active.round})")
+                    f"({event['reason']}); {_stops(active)}")
+
+
+def _stops(active) -> str:
+    """What a stopped course tells its operator: where it stopped, and where it can resume."""
+    last = active.course.checkpointer.last_path
+    resume = (f"; start the active party again with resume_from=latest (the snapshot of round "
+              f"{active.course.checkpointer.last_round}) and the lost party, to go on from there"
+              if last is not None else "")
+    return f"the course stops (round {active.round}){resume}"
 
 
 def wait_for_parties(active, _event=None) -> None:

@@ -97,6 +97,7 @@ def test_a_passive_party_killed_and_started_again_by_hand_rejoins_from_the_last_
     assert wait_exit(server, 60) == 1, text(server)[-3000:]
     lines = [x for x in text(server).splitlines() if "party 1 left before the course finished" in x]
     assert len(lines) == 1 and lines[0].startswith("fedcore: vertical: party 1"), text(server)[-3000:]
+    assert "start the active party again with resume_from=latest (the snapshot of round 2)" in lines[0]
 
     again = _server(procs, "server_again", cfg, out, port, "resume_from=latest")
     party1 = _party(procs, "party1_again", cfg, tmp_path, port, 1)
