@@ -10,6 +10,7 @@ SIGKILLed and resumed. HE-LR deployed on per-party CSV files equals its simulati
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -71,42 +72,54 @@ def _server(procs, name, cfg, out, port=0, *extra, env=None):
                          f"outdir={out}", *extra, env=env)
 
 
-def _party(procs, name, cfg, tmp_path, port, k):
+def _party(procs, name, cfg, tmp_path, port, k, env=None):
     """Passive party k, keeping its state in <tmp>/party<k>/client_state/<k>."""
     return procs.fedcore(name, cfg, "distribute.role=client", f"distribute.server_port={port}",
                          f"distribute.client_id={k}", f"outdir={tmp_path / f'party{k}'}",
-                         f"vertical.party_model={tmp_path / 'party{party}.pt'}")
+                         f"vertical.party_model={tmp_path / 'party{party}.pt'}", env=env)
 
 
-def _started(procs, cfg, tmp_path, out, env):
+def _started(procs, cfg, tmp_path, out, env=None, party_env=None):
     server = _server(procs, "server", cfg, out, env=env)
     port = server_port(out, server)
-    return server, port, {k: _party(procs, f"party{k}", cfg, tmp_path, port, k) for k in (1, 2)}
+    return server, port, {k: _party(procs, f"party{k}", cfg, tmp_path, port, k, (party_env or {}).get(k))
+                          for k in (1, 2)}
+
+
+def _killing(tmp_path):
+    """The course's config with tests.vertical_killer loaded (inert unless its variable is set)."""
+    tree = yaml.safe_load(yaml.safe_dump(COURSE))
+    tree["plugins"] = ["tests.vertical_killer"]
+    return _cfg(tmp_path, tree)
+
+
+STEPS = 19   # party 1 dies after this many steps: in round 3 (an epoch of ~50 aligned rows is ~7 batches)
 
 
 def test_a_passive_party_killed_and_started_again_by_hand_rejoins_from_the_last_snapshot(tmp_path, procs):
-    """The active party pauses after its snapshot of round 2 while party 1 is SIGKILLed; it then
-    stops, naming party 1; it is resumed (resume_from=latest) and party 1 started again by hand;
-    party 2, never stopped, reconnects and goes back to its round 2 like party 1."""
-    cfg = _cfg(tmp_path)
+    """Party 1 is SIGKILLed in round 3 (by its own hand, tests.vertical_killer: no timing); the
+    active party stops, naming it and its last snapshot; it is resumed (resume_from=latest) and
+    party 1 started again by hand; party 2, never stopped, reconnects and goes back to the
+    snapshot's round like party 1."""
+    cfg = _killing(tmp_path)
     out = tmp_path / "deployed"
-    server, port, parties = _started(procs, cfg, tmp_path, out, env={PAUSE: "2:2:after"})
-    wait_for(lambda: "test pause after the snapshot write of round_2.pt" in text(server), 120,
-             "the snapshot of round 2")
-    parties[1].kill()
+    server, port, parties = _started(procs, cfg, tmp_path, out,
+                                     party_env={1: {KILL: f"1:{STEPS}:{tmp_path / 'killed'}"}})
+    assert wait_exit(parties[1], 120) == -9, text(parties[1])[-3000:]
     assert wait_exit(server, 60) == 1, text(server)[-3000:]
     lines = [x for x in text(server).splitlines() if "party 1 left before the course finished" in x]
     assert len(lines) == 1 and lines[0].startswith("fedcore: vertical: party 1"), text(server)[-3000:]
-    assert "start the active party again with resume_from=latest (the snapshot of round 2)" in lines[0]
+    r = int(re.search(r"resume_from=latest \(the snapshot of round (\d+)\)", lines[0]).group(1))
+    assert 1 <= r < ROUNDS
 
     again = _server(procs, "server_again", cfg, out, port, "resume_from=latest")
     party1 = _party(procs, "party1_again", cfg, tmp_path, port, 1)
     assert wait_exit(again, 120) == 0, text(again)[-3000:]
     for p in (party1, parties[2]):
         assert wait_exit(p, 60) == 0, text(p)[-3000:]
-    assert "resuming from the snapshot of round 2" in text(again)
-    assert "party 1 goes on from its state of round 2" in text(party1)
-    assert "party 2 goes on from its state of round 2" in text(parties[2])
+    assert f"resuming from the snapshot of round {r}" in text(again)
+    assert f"party 1 goes on from its state of round {r}" in text(party1)
+    assert f"party 2 goes on from its state of round {r}" in text(parties[2])
     _equals_simulation(tmp_path, cfg, out, [1, 2])
 
 
@@ -130,16 +143,13 @@ def test_a_passive_party_killed_under_launch_restart_comes_back_and_the_course_f
     """`fedcore.launch --restart 2`: party 1 SIGKILLs itself once, in round 3 (tests.vertical_killer);
     the active party stops naming it (exit 1), and the launcher starts both again, the active
     party resuming from its latest snapshot (party 1 is found by no pid: it dies by its own hand)."""
-    tree = yaml.safe_load(yaml.safe_dump(COURSE))
-    tree["plugins"] = ["tests.vertical_killer"]
-    cfg = _cfg(tmp_path, tree)
+    cfg = _killing(tmp_path)
     out = tmp_path / "deployed"
     marker = tmp_path / "killed"
-    steps = 19   # an epoch of the course's ~50 aligned training rows is ~7 batches: mid-course
     launcher = procs.start("launch", [
         "-m", "fedcore.launch", "--start-method", "forkserver", "--restart", "2", "--cfg", str(cfg),
         f"outdir={out}", "--client-opt", f"vertical.party_model={tmp_path / 'party{party}.pt'}"],
-        env={KILL: f"1:{steps}:{marker}"})
+        env={KILL: f"1:{STEPS}:{marker}"})
     assert wait_exit(launcher, 180) == 0, text(launcher)[-3000:]
     log = text(launcher)
     assert marker.exists() and "fedcore.launch: client 1 died (killed by SIGKILL)" in log, log[-3000:]
