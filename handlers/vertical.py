@@ -201,18 +201,36 @@ def psi_finish(active, _event=None) -> None:
 
 def psi_learn(party, msg) -> None:
     """`receiving_psi_result`: keep the shared rows, learn the class count (a passive party's
-    own file has no labels) and the round to go on from, then start training."""
-    content, cfg = msg.content, party.course.cfg
+    own file has no labels) and the round to go on from, then start training. A setup this
+    party cannot use, or a round it holds no state of, stops it (`stop_party`)."""
+    try:
+        setup = _setup(msg.content, party.course.cfg["federate.total_round_num"])
+        party.table.num_classes, party.resumed_round = setup
+        align(party, list(msg.content["ids"]))
+        party.trigger("aligned")
+    except (vs.SetupRefused, vs.StateMissing) as exc:
+        stop_party(party, exc)
+
+
+def _setup(content, total: int) -> tuple[int, int]:
+    """(classes, round) of a `psi_result`, or SetupRefused saying why not, in one line."""
     if not isinstance(content, dict) or set(content) != {"ids", "classes", "round"}:
         raise vs.SetupRefused("vertical: the active party's psi_result is not {ids, classes, round}")
     classes = content["classes"]
     if isinstance(classes, bool) or not isinstance(classes, int) or not 1 <= classes <= MAX_CLASSES:
         raise vs.SetupRefused(f"vertical: the active party's psi_result names {repr(classes)[:40]} "
                               f"classes, not an int in 1..{MAX_CLASSES}")
-    party.resumed_round = vs.check_round(content, cfg["federate.total_round_num"])
-    party.table.num_classes = classes
-    align(party, list(content["ids"]))
-    party.trigger("aligned")
+    return classes, vs.check_round(content, total)
+
+
+def stop_party(party, exc: Exception) -> None:
+    """End this passive party with `exc`'s line: raised in simulation; deployed, through its
+    course's `end_with` (a client reports an error raised while handling a message and waits for the
+    next one, which would leave the course waiting on this party)."""
+    end_with = getattr(party.course, "end_with", None)
+    if end_with is None:
+        raise exc
+    end_with(exc)
 
 
 def align(worker, shared: list[str]) -> None:

@@ -129,11 +129,15 @@ def _optimizer_fault(state: Any, params: list[torch.Tensor], name: str) -> str |
             if t is None and key == "momentum_buffer":
                 continue
             if not isinstance(key, str) or not isinstance(t, torch.Tensor) or not t.is_floating_point() \
-                    or t.layout != torch.strided or (t.shape != params[index].shape and not (key == "step" and t.numel() == 1)):
+                    or t.layout != torch.strided or not _shaped(t, params[index], key):
                 return f"optimizer state '{name}' of parameter {index} ('{key}') is not of its shape"
             if not torch.isfinite(t).all():
                 return f"optimizer state '{name}' of parameter {index} holds NaN or infinite values"
     return None
+
+
+def _shaped(t: torch.Tensor, param: torch.Tensor, key: str) -> bool:
+    return t.shape == param.shape or (key == "step" and t.numel() == 1)
 
 
 def apply(saved: dict[str, Any], part) -> None:
@@ -216,7 +220,8 @@ def load_snapshot(course, template) -> dict[str, Any] | None:
     """The checked snapshot `resume_from` names (None: `latest` in a deployment with none yet,
     the course starts at round 1). `template`: the active party's part, of the course's layout."""
     value, checkpointer = course.cfg["resume_from"], course.checkpointer
-    if value == LATEST and checkpointer.deployed and (checkpointer.folder is None or not snapshots(checkpointer.folder)):
+    folder = checkpointer.folder
+    if value == LATEST and checkpointer.deployed and (folder is None or not snapshots(folder)):
         log.warning("resume_from=latest: no snapshot in %s yet; the course starts from round 1",
                     checkpointer.folder)
         return None

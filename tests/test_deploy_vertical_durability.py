@@ -201,3 +201,26 @@ def test_deployed_he_lr_on_per_party_csv_files_equals_its_simulation(tmp_path, p
         assert value.abs().sum() > 0, name   # trained
     dep, sim = _records(out), _records(sim_dir)
     assert [r["test_acc"] for r in dep] == pytest.approx([r["test_acc"] for r in sim], abs=1e-6)
+
+
+def test_a_passive_party_without_its_state_of_the_snapshot_stops_in_one_line(tmp_path, procs):
+    """The course resumed from its snapshot of round 4, party 1's state folder emptied: party 1
+    exits 1 with one line (not a handler's error reported while it waits on), and the active
+    party stops naming it."""
+    cfg = _cfg(tmp_path)
+    out = tmp_path / "deployed"
+    server, port, parties = _started(procs, cfg, tmp_path, out)
+    for p in (server, *parties.values()):
+        assert wait_exit(p, 120) == 0, text(p)[-3000:]
+    for f in (tmp_path / "party1" / "client_state" / "1").iterdir():
+        f.unlink()
+    again = _server(procs, "server_again", cfg, out, port, f"resume_from={out / 'checkpoints' / 'round_4.pt'}")
+    party1, party2 = (_party(procs, f"party{k}_again", cfg, tmp_path, port, k) for k in (1, 2))
+    assert wait_exit(party1, 60) == 1, text(party1)[-3000:]
+    lines = [x for x in text(party1).splitlines() if x.startswith("fedcore:")]
+    assert len(lines) == 1 and lines[0].startswith(
+        "fedcore: vertical: party 1 holds no usable state of round 4 ("), text(party1)[-3000:]
+    assert "Traceback" not in text(party1)
+    assert wait_exit(again, 60) == 1, text(again)[-3000:]
+    assert "fedcore: vertical: party 1 left before the course finished" in text(again)
+    assert "party 2 goes on from its state of round 4" in text(party2)

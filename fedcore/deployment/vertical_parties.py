@@ -77,5 +77,11 @@ class PartyClientCourse(ClientCourse):
     def bounds(self) -> tuple[int, int]:
         return registry.components.get("vertical_party_bounds")(self.cfg, self.table)
 
+    def end_with(self, exc: Exception) -> None:
+        """End this party's process with `exc` (its one line, its exit status), raised by its
+        scheduler outside the delivery of a message (which reports a handler's error and goes on)."""
+        from fedcore.comm.handover import Raise
+        self.scheduler.call_soon(Raise(exc))
+
 
 PARTY_COURSES = (PartyServerCourse, PartyClientCourse)   # for run_distributed (fedcore.run)
