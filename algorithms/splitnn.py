@@ -119,6 +119,14 @@ class BottomParty:
         with torch.no_grad():
             return self.model(self.x_test)
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """What a snapshot keeps of this party (handlers/vertical_snapshot.py): its parameters,
+        live, and its optimizer's state (`optimizers`)."""
+        return self.model.state_dict()
+
+    def optimizers(self) -> dict[str, torch.optim.Optimizer]:
+        return {"bottom": self.opt}
+
 
 class TopParty:
     """The active party: its own bottom model, the top model and the labels."""
@@ -167,6 +175,14 @@ class TopParty:
             loss = nn.functional.cross_entropy(logits, self.y_test)
             acc = (logits.argmax(1) == self.y_test).double().mean()
         return {"test_acc": float(acc), "test_loss": float(loss)}
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """What a snapshot keeps (handlers/vertical_snapshot.py): both models' parameters, live,
+        their optimizers' states, and the simulation's gradient-noise generator."""
+        return self.state()
+
+    def optimizers(self) -> dict[str, torch.optim.Optimizer]:
+        return {"top": self.opt, "bottom0": self.bottom.opt}
 
     def state(self) -> dict[str, torch.Tensor]:
         out = {f"top.{k}": v for k, v in self.top.state_dict().items()}

@@ -79,6 +79,14 @@ class LrPassive:
                 out.append(pl.add_plain(key, s, m))
         return out
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """What a snapshot keeps (handlers/vertical_snapshot.py): the weights, live (plain SGD
+        keeps no optimizer state)."""
+        return {"w": self.w}
+
+    def optimizers(self) -> dict:
+        return {}
+
     def unmask_and_step(self, decrypted: list[int]) -> None:
         pl, n = _pl(), self.key.n
         if self._masks is None or len(decrypted) != len(self._masks):
@@ -92,13 +100,14 @@ class LrPassive:
 class LrActive:
     """The active party: its weights and the bias, the labels and the Paillier key pair."""
 
-    def __init__(self, cfg, x_train, x_test, y_train, y_test, num_classes: int):
+    def __init__(self, cfg, x_train, x_test, y_train, y_test, num_classes: int, keyed: bool = True):
         self.cfg = cfg
         self.x_train, self.x_test = x_train.double(), x_test.double()
         self.y_train, self.y_test = y_train, y_test
         self.w = torch.zeros(x_train.shape[1], num_classes, dtype=torch.float64)
         self.b = torch.zeros(num_classes, dtype=torch.float64)
-        self.public, self._private = _pl().keypair(cfg["vertical.he.key_bits"])
+        # keyed=False: a template of the layout only (a snapshot is checked against it)
+        self.public, self._private = _pl().keypair(cfg["vertical.he.key_bits"]) if keyed else (None, None)
 
     @property
     def n(self) -> int:
@@ -117,6 +126,14 @@ class LrActive:
         self.b -= lr * r.mean(0)
         enc = pl.encrypt(self.public, pl.encode(r, self.cfg["vertical.he.frac_bits"], self.n))
         return enc, loss
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """What a snapshot keeps (handlers/vertical_snapshot.py): the weights and bias, live (the
+        key pair is not kept: a resumed course makes a fresh one)."""
+        return {"w0": self.w, "bias": self.b}
+
+    def optimizers(self) -> dict:
+        return {}
 
     def decrypt(self, masked: list[int]) -> list[int]:
         return _pl().decrypt_raw(self._private, masked)

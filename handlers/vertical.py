@@ -14,7 +14,6 @@ draws alike. metrics.jsonl holds per-party bytes and virtual time; summary.json
 from __future__ import annotations
 
 import logging
-from types import SimpleNamespace
 from typing import Callable
 
 import torch
@@ -26,12 +25,14 @@ from fedcore.kernel.state import make_state_store
 from fedcore.kernel.worker import Client, Server
 from fedcore.runtime.timing import TimeModel
 from fedcore.comm.inprocess import InProcessComm
+from fedcore.handlers import vertical_snapshot as vs
 
 log = logging.getLogger("fedcore.vertical")
 
-__all__ = ["build_vertical", "install"]
+__all__ = ["build_vertical", "install", "prepare_resume", "MAX_CLASSES"]
 
 ACTIVE = 0
+MAX_CLASSES = 1 << 16   # the most classes a passive party accepts from the active party
 
 
 class AlignmentRefused(ConfigError, HandlerError):
@@ -96,13 +97,64 @@ def build_vertical(course) -> None:
     for p in course.client_ids:
         client = Client(p, course.client_table, course, None)
         client.table, client.finished = course.tables_by_party[p], False
+        client.durable = vs.PassiveState.of(course, p, cfg, deployed=False)
         course.clients[p] = client
         course.comm.attach(client)
     courses.get(cfg["course"])(course)
     course.behaviours = []   # the horizontal behaviours (DP, compression, ...) do not apply here
-    course.checkpointer = SimpleNamespace(folder=None, stop_requested=False)   # no snapshots (refused)
-    course.resumed_at = None
+    course.checkpointer = vs.VerticalSnapshots(course, deployed=False)
+    course.resumed_at = None   # a resumed vertical course starts as a new one: join, PSI (vs)
+    prepare_resume(course, server.table, deployed=False)
     course.built = True
+
+
+def prepare_resume(course, table, deployed: bool) -> None:
+    """`resume_from`: the checked snapshot (`course.vertical_resume`, None: from the start), its
+    records and clock; its models are put in place once the active party has aligned."""
+    course.vertical_resume = None
+    if not course.cfg["resume_from"]:
+        return
+    state = vs.load_snapshot(course, active_template(course.cfg, table, course.num_clients + 1))
+    if state is None:
+        return
+    course.vertical_resume = state
+    vs.restore_records(course, state, keep_lines=deployed)
+    if deployed:
+        course.scheduler.continue_from(state["virtual_time"])
+    else:
+        course.scheduler.now = course.server.now = state["virtual_time"]
+    course.server.round = state["round"]
+
+
+def active_template(cfg, table, parties: int):
+    """The active party's part, of the course's layout and untrained (what a snapshot is checked
+    against before the active party has aligned)."""
+    x, y = table.x, table.y
+    if cfg["vertical.method"] == "he_lr":
+        return components.get("lr_active")(cfg, x, x[:0], y, y[:0], table.num_classes, keyed=False)
+    own = components.get("splitnn_bottom")(cfg, ACTIVE, x, x[:0])
+    return components.get("splitnn_top")(cfg, parties, own, y, y[:0], table.num_classes)
+
+
+def resume_round(active) -> int:
+    """The round the course goes on from (0: the start); a resumed one's models put in place."""
+    state = getattr(active.course, "vertical_resume", None)
+    if state is None:
+        return 0
+    vs.apply(state["parts"], active.model)
+    active.round = state["round"]
+    return state["round"]
+
+
+def fresh(active, msg) -> bool:
+    """A party's training message counts once the active party has aligned and, deployed, once
+    that party joined this process's course (one queued for an earlier incarnation of the
+    active party and delivered on reconnecting is dropped, with a line)."""
+    joined = getattr(active, "joined", None)
+    if hasattr(active, "acts") and (joined is None or msg.sender in joined):
+        return True
+    log.info("vertical: dropped %s from party %d, sent before it joined this course", msg.msg_type, msg.sender)
+    return False
 
 
 # ------------------------------------------------------------------ stage 1: alignment
@@ -140,15 +192,45 @@ def psi_finish(active, _event=None) -> None:
                           "id (check vertical.files and vertical.id_column)")
     active.course.monitor.add_summary("vertical", {"psi_intersection": len(shared),
                                                    "parties": active.course.num_clients + 1})
-    active.send("psi_result", active.course.client_ids, {"ids": shared})
+    resumed = getattr(active.course, "vertical_resume", None)
+    active.send("psi_result", active.course.client_ids, {   # and how to set up: classes, the round
+        "ids": shared, "classes": active.table.num_classes, "round": resumed["round"] if resumed else 0})
     align(active, shared)
     active.trigger("aligned")
 
 
 def psi_learn(party, msg) -> None:
-    """`receiving_psi_result`: keep the shared rows, then start training."""
-    align(party, list(msg.content["ids"]))
-    party.trigger("aligned")
+    """`receiving_psi_result`: keep the shared rows, learn the class count (a passive party's
+    own file has no labels) and the round to go on from, then start training. A setup this
+    party cannot use, or a round it holds no state of, stops it (`stop_party`)."""
+    try:
+        setup = _setup(msg.content, party.course.cfg["federate.total_round_num"])
+        party.table.num_classes, party.resumed_round = setup
+        align(party, list(msg.content["ids"]))
+        party.trigger("aligned")
+    except (vs.SetupRefused, vs.StateMissing) as exc:
+        stop_party(party, exc)
+
+
+def _setup(content, total: int) -> tuple[int, int]:
+    """(classes, round) of a `psi_result`, or SetupRefused saying why not, in one line."""
+    if not isinstance(content, dict) or set(content) != {"ids", "classes", "round"}:
+        raise vs.SetupRefused("vertical: the active party's psi_result is not {ids, classes, round}")
+    classes = content["classes"]
+    if isinstance(classes, bool) or not isinstance(classes, int) or not 1 <= classes <= MAX_CLASSES:
+        raise vs.SetupRefused(f"vertical: the active party's psi_result names {repr(classes)[:40]} "
+                              f"classes, not an int in 1..{MAX_CLASSES}")
+    return classes, vs.check_round(content, total)
+
+
+def stop_party(party, exc: Exception) -> None:
+    """End this passive party with `exc`'s line: raised in simulation; deployed, through its
+    course's `end_with` (a client reports an error raised while handling a message and waits for the
+    next one, which would leave the course waiting on this party)."""
+    end_with = getattr(party.course, "end_with", None)
+    if end_with is None:
+        raise exc
+    end_with(exc)
 
 
 def align(worker, shared: list[str]) -> None:
@@ -173,7 +255,10 @@ def split_setup_active(active, _event=None) -> None:
     active.acts, active.test_acts, active.trained, active.losses = {}, {}, set(), []
     active.party_time = {}
     active.aggregator.states = lambda: {**active.model.state(), **{
-        f"bottom{p}.{k}": v for p, c in course.clients.items() for k, v in c.bottom.model.state_dict().items()}}
+        f"bottom{p}.{k}": v for p, c in course.clients.items() if hasattr(c, "bottom")   # set up
+        for k, v in c.bottom.model.state_dict().items()}}
+    if resume_round(active) >= cfg["federate.total_round_num"]:
+        finish(active)   # resumed from the last round's snapshot: nothing left to train
 
 
 def split_setup_passive(party, _event=None) -> None:
@@ -183,7 +268,9 @@ def split_setup_passive(party, _event=None) -> None:
     per_epoch = components.get("batches_per_epoch")
     party.per_epoch = per_epoch(len(party.train_rows.ids), cfg["train.batch_size"])
     party.total_steps = party.per_epoch * cfg["federate.total_round_num"]
-    send_activations(party, 0)
+    party.durable.restore(party.bottom, party.resumed_round)
+    if party.resumed_round * party.per_epoch < party.total_steps:
+        send_activations(party, party.resumed_round * party.per_epoch)
 
 
 def send_activations(party, step: int) -> None:
@@ -194,6 +281,8 @@ def send_activations(party, step: int) -> None:
 
 def collect_activations(active, msg) -> None:
     """`receiving_activations`: keep a party's cut activations; `all_activations` when all are in."""
+    if not fresh(active, msg):
+        return
     step = int(msg.content["step"])
     active.acts.setdefault(step, {})[msg.sender] = msg.content["h"]
     if len(active.acts[step]) == active.course.num_clients:
@@ -208,6 +297,7 @@ def top_step(active, step: int) -> None:
     for p, g in grads.items():
         active.send("cut_gradients", p, {"step": step, "g": g}, round_=round_)
     if (step + 1) % active.per_epoch == 0:
+        active.course.checkpointer.capture(active, round_)
         active.trained.add(round_)
         active.trigger("round_ready", round_)
 
@@ -218,6 +308,7 @@ def apply_gradients(party, msg) -> None:
     party.bottom.backward(msg.content["g"])
     party.spend(float(len(msg.content["g"])))
     if (step + 1) % party.per_epoch == 0:
+        party.durable.save(party.bottom, (step + 1) // party.per_epoch)
         party.send("test_activations", ACTIVE, {"h": party.bottom.test_activations()}, round_=msg.round)
     if step + 1 < party.total_steps:
         send_activations(party, step + 1)
@@ -225,6 +316,8 @@ def apply_gradients(party, msg) -> None:
 
 def collect_test(active, msg) -> None:
     """`receiving_test_activations`: keep them; `round_ready` when every party's are in."""
+    if not fresh(active, msg):
+        return
     active.test_acts.setdefault(msg.round, {})[msg.sender] = msg.content["h"]
     active.party_time.setdefault(msg.round, {})[msg.sender] = active.now
     if len(active.test_acts[msg.round]) == active.course.num_clients:
@@ -243,9 +336,12 @@ def record(active, round_: int) -> None:
               **{f"virtual_time_party_{p}": t for p, t in active.party_time.pop(round_).items()}}
     active.losses = []
     course.monitor.record_round(round_, active.now, fields)
+    course.checkpointer.write(active, round_)
     active.round = round_
     if round_ >= course.cfg["federate.total_round_num"]:
         finish(active)
+    else:
+        course.checkpointer.stop_if_asked(round_)
 
 
 def finish(active) -> None:

@@ -18,12 +18,12 @@ from __future__ import annotations
 import io
 import logging
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
 
 from fedcore.handlers import vertical as v
+from fedcore.handlers import vertical_snapshot as vs
 from fedcore.kernel.config import declare
 from fedcore.kernel.files import write_atomic
 from fedcore.kernel.errors import FedcoreError
@@ -75,14 +75,17 @@ def build_party(course, party: int):
     else:
         worker = course.client = Client(party, course.client_table, course, None)
         worker.table, worker.finished = table, False
+        # its own state folder: the process's config has the outdir (the course's has none)
+        worker.durable = vs.PassiveState.of(course, party, getattr(course, "process_cfg", cfg), deployed=True)
         course.clients[party] = worker
     courses.get(cfg["course"])(course)
     install(course)
     course.behaviours = []
-    course.checkpointer = SimpleNamespace(folder=None, stop_requested=False,
-                                          save_last_completed=lambda: None)
     course.resumed_at = None
     course.table = table
+    if party == ACTIVE:
+        course.checkpointer = vs.VerticalSnapshots(course, deployed=True)
+        v.prepare_resume(course, table, deployed=True)
     course.built = True
     return worker
 
@@ -109,7 +112,13 @@ def join_party(party, _event=None) -> None:
 
 
 def admit_party(active, msg) -> None:
-    """Active `receiving_join_in`: once every passive party joined, align (PSI)."""
+    """Active `receiving_join_in`: once every passive party joined, align (PSI). A party that
+    joins once the course has started is a new process (one that is in joins again only after
+    a redial, which the communicator does not pass on): the state it trained is gone, so the
+    course stops, naming it, to be resumed from its last snapshot with every party."""
+    if active.started and not active.finished:
+        raise PartyLost(f"vertical: party {msg.sender} joined again as a new process (its part of the "
+                        f"course in progress is lost); {_stops(active)}")
     active.joined.add(msg.sender)
     log.info("vertical: party %d joined (%d of %d)", msg.sender, len(active.joined), active.course.num_clients)
     if len(active.joined) == active.course.num_clients and not active.started:
@@ -122,7 +131,16 @@ def party_lost(active, event: dict) -> None:
     if active.finished:
         return
     raise PartyLost(f"vertical: party {event['client_id']} left before the course finished "
-                    f"({event['reason']}); the course stops (round {active.round})")
+                    f"({event['reason']}); {_stops(active)}")
+
+
+def _stops(active) -> str:
+    """What a stopped course tells its operator: where it stopped, and where it can resume."""
+    last = active.course.checkpointer.last_path
+    resume = (f"; start the active party again with resume_from=latest (the snapshot of round "
+              f"{active.course.checkpointer.last_round}) and the lost party, to go on from there"
+              if last is not None else "")
+    return f"the course stops (round {active.round}){resume}"
 
 
 def wait_for_parties(active, _event=None) -> None:

@@ -32,9 +32,11 @@ def setup_active(active, _event=None) -> None:
     active.acts, active.test_acts, active.trained, active.losses, active.party_time = {}, {}, set(), [], {}
     active.grads_pending = {}
     active.aggregator.states = lambda: {**active.model.state(), **{
-        f"w{p}": c.model.w.clone() for p, c in course.clients.items()}}
+        f"w{p}": c.model.w.clone() for p, c in course.clients.items() if hasattr(c, "model")}}   # set up
     n = active.model.n
     active.send("public_key", course.client_ids, {"n": n.to_bytes((n.bit_length() + 7) // 8, "big")})
+    if v.resume_round(active) >= cfg["federate.total_round_num"]:
+        v.finish(active)   # resumed from the last round's snapshot: nothing left to train
 
 
 def setup_passive(party, _event=None) -> None:
@@ -44,7 +46,9 @@ def setup_passive(party, _event=None) -> None:
                                                party.table.num_classes)
     party.per_epoch = components.get("batches_per_epoch")(len(party.train_rows.ids), cfg["train.batch_size"])
     party.total_steps = party.per_epoch * cfg["federate.total_round_num"]
-    send_partial(party, 0)
+    party.durable.restore(party.model, party.resumed_round)
+    if party.resumed_round * party.per_epoch < party.total_steps:
+        send_partial(party, party.resumed_round * party.per_epoch)
 
 
 def send_partial(party, step: int) -> None:
@@ -67,6 +71,7 @@ def residuals(active, step: int) -> None:
     wire = components.get("paillier")().to_bytes(enc, width)
     active.send("encrypted_residuals", active.course.client_ids, {"step": step, "c": wire}, round_=round_)
     if (step + 1) % active.per_epoch == 0:
+        active.course.checkpointer.capture(active, round_)
         active.trained.add(round_)
         active.trigger("round_ready", round_)
 
@@ -83,6 +88,8 @@ def masked_gradient(party, msg) -> None:
 
 def decrypt(active, msg) -> None:
     """`receiving_masked_gradient`: decrypt the masked sums (uniform modulo n) and return them."""
+    if not v.fresh(active, msg):
+        return
     pl, n = components.get("paillier")(), active.model.n
     plain = active.model.decrypt(pl.from_bytes(list(msg.content["c"]), n * n))
     width = (n.bit_length() + 7) // 8
@@ -96,6 +103,7 @@ def step_passive(party, msg) -> None:
     step = int(msg.content["step"])
     party.model.unmask_and_step(pl.from_bytes(list(msg.content["v"]), party.model.key.n))
     if (step + 1) % party.per_epoch == 0:
+        party.durable.save(party.model, (step + 1) // party.per_epoch)
         party.send("test_logits", ACTIVE, {"h": party.model.test_partial()}, round_=msg.round)
     if step + 1 < party.total_steps:
         send_partial(party, step + 1)

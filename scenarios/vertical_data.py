@@ -243,13 +243,11 @@ def _vertical_course(values: dict) -> None:
 def _check_vertical(cfg) -> None:
     if cfg["data.partition"] != "vertical":
         return
-    if cfg["federate.mode"] == "distributed" and cfg["vertical.method"] == "he_lr" and cfg["vertical.files"]:
-        raise ConfigError("vertical.files: a deployed he_lr course runs on a shipped data set only (a "
-                          "passive party reading its own file does not know the class count); run it "
-                          "with federate.mode=standalone")
-    for key in ("resume_from", "checkpoint.every"):
-        if cfg[key]:
-            raise ConfigError(f"{key}: a vertical course does not write or resume snapshots; unset {key}")
+    if cfg["course"] not in ("vertical_splitnn", "vertical_he_lr"):   # snapshots: those two courses'
+        for key in ("resume_from", "checkpoint.every"):
+            if cfg[key]:
+                raise ConfigError(f"{key}: a {cfg['course']} course does not write or resume snapshots; "
+                                  f"unset {key}")
     for key, default in (("asyn.use", False), ("topology.edges", 0), ("executor", "sequential")):
         if cfg[key] != default:
             raise ConfigError(f"{key}: a vertical course runs one synchronous flow; set {key}={default}")

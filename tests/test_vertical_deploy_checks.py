@@ -124,19 +124,3 @@ def test_he_lr_ciphertexts_must_lie_below_n_squared_in_the_keys_width():
     logits = torch.zeros(cfg["train.batch_size"], active.table.num_classes, dtype=torch.float64)
     assert check_content("partial_logits", {"step": 0, "h": logits}, active) is None
     assert "expected" in check_content("partial_logits", {"step": 0, "h": logits[:, 1:]}, active)
-
-
-def test_a_deployed_he_lr_course_on_csv_files_is_refused_in_one_line(tmp_path):
-    import subprocess
-    import sys
-    files = [tmp_path / "a.csv", tmp_path / "b.csv"]
-    files[0].write_text("id,u,label\np1,1,0\np2,2,1\n")
-    files[1].write_text("id,v\np1,1\np2,2\n")
-    cfg = tmp_path / "c.yaml"
-    cfg.write_text(f"data: {{partition: vertical}}\nvertical: {{method: he_lr, files: ['{files[0]}', '{files[1]}']}}\n")
-    r = subprocess.run([sys.executable, "-m", "fedcore.run", "--cfg", str(cfg), "federate.mode=distributed",
-                        "distribute.role=server", "distribute.insecure=true", f"outdir={tmp_path / 'out'}"],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2, r.stderr
-    assert r.stderr.strip().startswith("fedcore: vertical.files: a deployed he_lr course"), r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -44,6 +44,8 @@ class PartyServerCourse(ServerCourse):
         self.comm.attach(registry.components.get("vertical_party")(self, ACTIVE))
         self.comm.max_message, self.comm.max_values = \
             registry.components.get("vertical_party_bounds")(self.cfg, self.table)
+        resumed = getattr(self, "vertical_resume", None)
+        self.comm.resumed_round = resumed["round"] if resumed else 0   # told in every welcome
         return self
 
     def _count_bytes(self, msg, receiver: int, nbytes: int) -> None:
@@ -66,6 +68,7 @@ class PartyClientCourse(ClientCourse):
         self.timing = _measured_time()
         self.comm = comm
         comm.device = self.device = CPU
+        self.process_cfg = comm.cfg   # with this process's outdir: where the party keeps its state
         party = registry.components.get("vertical_party")(self, client_id)
         comm.on_new_server = StartEvent(party, "start")
         comm.attach(party)
@@ -73,6 +76,12 @@ class PartyClientCourse(ClientCourse):
 
     def bounds(self) -> tuple[int, int]:
         return registry.components.get("vertical_party_bounds")(self.cfg, self.table)
+
+    def end_with(self, exc: Exception) -> None:
+        """End this party's process with `exc` (its one line, its exit status), raised by its
+        scheduler outside the delivery of a message (which reports a handler's error and goes on)."""
+        from fedcore.comm.handover import Raise
+        self.scheduler.call_soon(Raise(exc))
 
 
 PARTY_COURSES = (PartyServerCourse, PartyClientCourse)   # for run_distributed (fedcore.run)
