@@ -13,7 +13,8 @@ loads the global adapters, takes `--steps` SGD steps on its own batches of rando
 sends its adapters; the server averages them (model.lora.aggregation: separate, the same
 arithmetic as the plain loop's mean). The plain loop does the same work with one model and no
 messages. Tokens per second count the training tokens of the rounds after the first (the
-first builds and warms up) over those rounds' wall seconds.
+first builds and warms up) over those rounds' wall seconds; `cpu_s_timed` is the process's CPU
+seconds in them.
 
 The fedcore sequential course runs first; `peak_rss_gb` is the process's peak resident memory
 (VmHWM) when it ends: imports, data, the model's build and the whole course, nothing else
@@ -21,7 +22,7 @@ yet. `base_copies` counts the copies of the frozen base that the server's model 
 trainer's hold together (1: they share it). Then, unless `--course-only`, the plain loop and
 fedcore's vectorized executor (the adapters of a round's clients stacked over one shared
 frozen base) where it accepts the course, else its reason is printed. The last line reads
-`llm_lora_tokens_per_s_fedcore_sequential=... tokens_timed=... wall_s_timed=...
+`llm_lora_tokens_per_s_fedcore_sequential=... tokens_timed=... wall_s_timed=... cpu_s_timed=...
 peak_rss_gb=... base_copies=... [plain=... ratio_sequential_over_plain=...
 fedcore_vectorized=... ratio_vectorized_over_plain=...]`. Exits 1 with one line where the
 peak exceeds `--max-rss-gb` (24), and 2 where `--device cuda` (the default) finds no GPU.
@@ -48,10 +49,12 @@ SIZES = {
 
 @dataclass
 class Timed:
-    """Training tokens of the rounds after the first, and their wall seconds."""
+    """Training tokens of the rounds after the first, their wall seconds and the process's CPU
+    seconds in them (what a shared machine's load does not stretch)."""
 
     tokens: int
     seconds: float
+    cpu_seconds: float
 
     @property
     def per_s(self) -> float:
@@ -85,10 +88,9 @@ def _data(size: dict, a):
     return FederatedData(clients, split(a.batch), (a.seq_len,), size["vocab"])
 
 
-def _timed(a, round_seconds: list[float]) -> Timed:
+def _timed(a, wall: list[float], cpu: list[float]) -> Timed:
     """The rounds after the first: every client's `steps` batches of `batch` x `seq_len` tokens."""
-    rest = round_seconds[1:]
-    return Timed(a.clients * a.steps * a.batch * a.seq_len * len(rest), sum(rest))
+    return Timed(a.clients * a.steps * a.batch * a.seq_len * (len(wall) - 1), sum(wall[1:]), sum(cpu[1:]))
 
 
 def _sync(device: str) -> None:
@@ -104,10 +106,10 @@ def run_plain(cfg, data, a) -> Timed:
     params = [p for p in model.parameters() if p.requires_grad]
     global_ = [p.detach().clone() for p in params]
     opt = torch.optim.SGD(params, lr=0.01)
-    times = []
+    times, cpu = [], []
     for _ in range(a.rounds):
         _sync(a.device)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         sums = [torch.zeros_like(p) for p in params]
         for cid in sorted(data.clients):
             train = data.clients[cid].train
@@ -127,12 +129,14 @@ def run_plain(cfg, data, a) -> Timed:
         global_ = [acc / len(data.clients) for acc in sums]
         _sync(a.device)
         times.append(time.perf_counter() - t0)
-    return _timed(a, times)
+        cpu.append(time.process_time() - c0)
+    return _timed(a, times, cpu)
 
 
 def run_course(cfg, data, a, before_run=None) -> Timed:
     from bench.common import run_fedcore
-    return _timed(a, run_fedcore(cfg, data, before_run).wall_rounds)
+    rounds = run_fedcore(cfg, data, before_run)
+    return _timed(a, rounds.wall_rounds, rounds.cpu_rounds)
 
 
 def base_copies(*models: torch.nn.Module) -> int:
@@ -184,19 +188,20 @@ def main(argv=None) -> int:
     sequential = run_course(_config(size, a, "sequential"), data, a, before_run)
     peak_gb = peak_rss() / 1e9
     gc.collect()
-    print(f"fedcore sequential:      {sequential.per_s:,.1f} tokens/s; peak RSS {peak_gb:.3f} GB", flush=True)
-    line = (f"llm_lora_tokens_per_s_fedcore_sequential={sequential.per_s:.1f} "
+    print(f"fedcore sequential:      {sequential.per_s:,.3f} tokens/s; peak RSS {peak_gb:.3f} GB", flush=True)
+    line = (f"llm_lora_tokens_per_s_fedcore_sequential={sequential.per_s:.3f} "
             f"tokens_timed={sequential.tokens} wall_s_timed={sequential.seconds:.6f} "
+            f"cpu_s_timed={sequential.cpu_seconds:.6f} "
             f"peak_rss_gb={peak_gb:.3f} base_copies={seen['base_copies']}")
     if not a.course_only:
         plain = run_plain(_config(size, a, "sequential"), data, a).per_s
-        print(f"plain single-model loop: {plain:,.1f} tokens/s", flush=True)
-        line += f" plain={plain:.1f} ratio_sequential_over_plain={sequential.per_s / plain:.3f}"
+        print(f"plain single-model loop: {plain:,.3f} tokens/s", flush=True)
+        line += f" plain={plain:.3f} ratio_sequential_over_plain={sequential.per_s / plain:.3f}"
         why = seen["why_not_vectorized"]
         if why is None:
             vectorized = run_course(_config(size, a, "vectorized"), data, a).per_s
-            print(f"fedcore vectorized:      {vectorized:,.1f} tokens/s")
-            line += f" fedcore_vectorized={vectorized:.1f} ratio_vectorized_over_plain={vectorized / plain:.3f}"
+            print(f"fedcore vectorized:      {vectorized:,.3f} tokens/s")
+            line += f" fedcore_vectorized={vectorized:.3f} ratio_vectorized_over_plain={vectorized / plain:.3f}"
         else:
             print(f"fedcore vectorized:      not run ({why})")
     print(line)
