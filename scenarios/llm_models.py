@@ -14,6 +14,7 @@ the mean token loss every trainer already computes.
 """
 from __future__ import annotations
 
+import copy
 import os
 import warnings
 from pathlib import Path
@@ -109,6 +110,24 @@ class CausalLM(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm(input_ids=x).logits.transpose(1, 2)
+
+    def __deepcopy__(self, memo: dict) -> "CausalLM":
+        """A copy with its own adapters over the same frozen base. A course copies its model
+        (the trainer trains in a copy of the server's), and a base of a billion parameters held
+        twice would double its memory; the base is never trained nor exchanged, so one copy
+        serves every model of the process."""
+        for p in self.frozen_base():
+            memo[id(p)] = p
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
+
+    def frozen_base(self) -> list[nn.Parameter]:
+        """The parameters that adapters leave frozen and out of the state (none without them)."""
+        if self.exchanged is None:
+            return []
+        return [p for n, p in self.named_parameters() if n not in self.exchanged and not p.requires_grad]
 
     def load_state_dict(self, state, strict: bool = True, assign: bool = False):
         if self.exchanged is None and not self.aliases:

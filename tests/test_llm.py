@@ -414,3 +414,32 @@ def test_a_group_too_short_for_one_window_is_named(caplog):
     assert x.shape == (6, 4) and set(groups.tolist()) == {names.index("g1")}
     assert "1 group(s) hold no more than data.text.seq_len (4) tokens, so no window and no client: zed" \
         in caplog.text
+
+
+def _distinct_values(*models) -> int:
+    """Values held in memory by `models` together: each storage once."""
+    seen = {}
+    for m in models:
+        for p in m.parameters():
+            seen[p.untyped_storage().data_ptr()] = p.untyped_storage().nbytes() // p.element_size()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("r", [RANK, 0])
+def test_a_course_holds_a_frozen_base_once_and_adapters_per_model(r):
+    """The trainer trains in a copy of the server's model: with adapters the copy shares the
+    frozen base and owns its adapters; without them (every weight trained) it owns everything."""
+    import copy
+    course = Course(lm_cfg(**{"model.lora.r": r})).build()
+    server, trainer = course.server.model, course.trainer.model
+    trainable, total = server.parameter_counts()
+    expected = total + trainable if r else 2 * total     # one base, an adapter set per model
+    assert _distinct_values(server, trainer) == expected
+    third = copy.deepcopy(trainer)                       # and so for any further copy
+    assert _distinct_values(server, trainer, third) == expected + (trainable if r else total)
+    course.run()
+    state = server.state_dict()
+    assert state.keys() == trainer.state_dict().keys()
+    moved = dict(trainer.named_parameters())
+    for n, p in server.named_parameters():
+        assert (p is moved[n]) == (r > 0 and not p.requires_grad), n
