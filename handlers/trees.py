@@ -5,21 +5,65 @@ The flow is the synchronous course's (join, rounds of `models` and `updates`, `a
 every client every round, except in `cyclic` mode, where one client a round is asked, in turn.
 The booster is scored on the server's held-out rows whenever it gained trees; at the end it
 is written as `final_model.json` in XGBoost's format (`xgboost.Booster(model_file=...)`).
+Each round's record holds, per client, the bytes it sent and received in the round and in all
+(`bytes_client_<c>`, `bytes_client_<c>_total`: the same count as `bytes_up`/`bytes_down`) and
+when its reply arrived (`virtual_time_client_<c>`), as a vertical course reports its parties.
 """
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 
 from fedcore.handlers import analytics, join, rounds, training
 from fedcore.kernel.errors import ConfigError
 from fedcore.kernel.files import write_atomic
+from fedcore.kernel.message import SERVER_ID
 from fedcore.kernel.registry import courses
+from fedcore.kernel.server_state import transient, worker_state
 
 log = logging.getLogger("fedcore.trees")
 
-__all__ = ["ask", "add_up", "score", "install"]
+__all__ = ["ask", "collect", "add_up", "score", "install", "ClientTraffic"]
+
+
+@worker_state("trees_traffic")
+@dataclass
+class ClientTraffic:
+    """Per client: bytes to and from it since the last record and in all, and when its reply of
+    the round arrived. Not saved: a record's counts start afresh with the process."""
+    round: dict = transient(dict)
+    total: dict = transient(dict)
+    arrived: dict = transient(dict)
+
+    def count(self, msg, receiver: int, nbytes: int) -> None:
+        client = msg.sender if receiver == SERVER_ID else receiver
+        self.round[client] = self.round.get(client, 0) + nbytes
+        self.total[client] = self.total.get(client, 0) + nbytes
+
+    def take(self, client_ids) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for c in sorted(client_ids):
+            out[f"bytes_client_{c}"] = self.round.get(c, 0)
+            out[f"bytes_client_{c}_total"] = self.total.get(c, 0)
+        out.update({f"virtual_time_client_{c}": t for c, t in sorted(self.arrived.items())})
+        self.round, self.arrived = {}, {}
+        return out
+
+
+def _count_per_client(course) -> None:
+    """Every message the server's communicator counts is also counted for its client (the
+    communicator's byte callback, extended; in simulation and deployment alike)."""
+    server, comm = getattr(course, "server", None), getattr(course, "comm", None)
+    if server is None or comm is None or not hasattr(comm, "count_bytes"):
+        return
+    traffic, forward = server.state(ClientTraffic), comm.count_bytes
+
+    def count(msg, receiver: int, nbytes: int) -> None:
+        forward(msg, receiver, nbytes)
+        traffic.count(msg, receiver, nbytes)
+    comm.count_bytes = count
 
 
 def ask(server, _event=None) -> None:
@@ -35,8 +79,20 @@ def ask(server, _event=None) -> None:
 def add_up(server, _event=None) -> None:
     """`all_received`: aggregate, record the round (scored when trees were added); go on or finish."""
     updates, server.buffer = server.buffer, []
+    record(server, {"num_updates": len(updates), **server.aggregator.aggregate(updates, server.round)})
+
+
+def collect(server, msg) -> None:
+    """`receiving_updates`: note when the client's reply came, then keep it (analytics' rule)."""
+    if not server.finished and msg.round == server.round and msg.sender in server.selected:
+        server.state(ClientTraffic).arrived[msg.sender] = server.now
+    analytics.collect_sums(server, msg)
+
+
+def record(server, fields: dict) -> None:
+    """Score (when trees were added) and record the round; go on or write the booster and finish."""
     agg, course = server.aggregator, server.course
-    fields = {"num_updates": len(updates), **agg.aggregate(updates, server.round)}
+    fields.update(server.state(ClientTraffic).take(course.client_ids))
     if fields.get("trees_tree_done"):
         fields.update(score(agg.model_json(), course.data.server_test, course.cfg["trees.objective"]))
     course.monitor.record_round(server.round, server.now, fields)
@@ -86,10 +142,11 @@ def _check_data(course) -> None:
 @courses.register("trees")
 def install(course) -> None:
     _check_data(course)
+    _count_per_client(course)
     join.install(course)
     training.install(course)
     s = course.server_table
     s.register("max_rounds_reached", rounds.finish_course, sends=("finish",))
     s.register("all_joined_in", ask, sends=("models",))
-    s.register("receiving_updates", analytics.collect_sums, sends=("all_received",))
+    s.register("receiving_updates", collect, sends=("all_received",))
     s.register("all_received", add_up, sends=("models", "max_rounds_reached"))
