@@ -95,10 +95,6 @@ def _check_trees(cfg) -> None:
         raise ConfigError("secure_aggregation.enabled: task: trees sums histograms securely in trees.mode "
                           "histogram only (bagging and cyclic send trees, SecureBoost encrypts its own); "
                           "set trees.mode=histogram or secure_aggregation.enabled=false")
-    if cfg["secure_aggregation.enabled"] and (cfg["federate.mode"] == "distributed"
-                                              or cfg.get("distribute.role") is not None):
-        raise ConfigError("secure_aggregation.enabled: secure trees histograms run in simulation only; set "
-                          "federate.mode=standalone or secure_aggregation.enabled=false")
     b = cfg["trees.base_score"]
     if b is not None and cfg["trees.objective"] == "binary:logistic" and not 0 < b < 1:
         raise ConfigError(f"trees.base_score: {b} is not a probability in (0, 1) (binary:logistic)")

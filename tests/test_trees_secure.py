@@ -155,3 +155,18 @@ def test_secure_trees_in_bagging_or_cyclic_is_refused_in_one_line(tmp_path, caps
                  "secure_aggregation.enabled=true", f"outdir={tmp_path / 'o'}"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "\n" not in err and "secure_aggregation.enabled" in err and "histogram" in err
+
+
+def test_a_secure_level_without_every_client_stops_the_course(tmp_path):
+    """Client 2's masked input never arrives: the others' sum is unmasked (its masks rebuilt
+    from their shares), but a tree level grown from some clients' rows is another tree."""
+    from fedcore.kernel.errors import NothingAggregated
+    from fedcore.kernel.scheduler import HandlerError
+    over = {**COURSE, "outdir": str(tmp_path / "s"), "secure_aggregation.enabled": True,
+            "secure_aggregation.stage_timeout": 5.0}
+    course = Course(load_config(over)).build()
+    course.comm.filters.append(lambda msg, receiver: not (msg.msg_type == "secagg_masked_input" and msg.sender == 2))
+    with pytest.raises(HandlerError, match=r"round 2 of the trees course: clients \[1, 3, 4\] of \[1, 2, 3, 4\]") as caught:
+        course.run()
+    assert isinstance(caught.value.__cause__, NothingAggregated)
+    assert [r["round"] for r in course.monitor.records] == [1]   # the sketches' round only
