@@ -57,9 +57,9 @@ def check_left(content, active) -> str | None:
     problem = _int_vector(content["nodes"], "sb_left nodes")
     if problem:
         return problem
-    left, rows = content["left"], len(sb.y)
-    if not isinstance(left, torch.Tensor) or left.dtype != torch.bool or tuple(left.shape) != (len(content["nodes"]), rows):
-        return f"sb_left left must be a bool tensor of {len(content['nodes'])} x {rows}"
+    left, shape = content["left"], (len(content["nodes"]), len(sb.y))
+    if not isinstance(left, torch.Tensor) or left.dtype != torch.bool or tuple(left.shape) != shape:
+        return f"sb_left left must be a bool tensor of {shape[0]} x {shape[1]}"
     return None
 
 
