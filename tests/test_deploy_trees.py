@@ -41,6 +41,7 @@ def test_deployed_trees_equal_simulation(tmp_path, procs):
 
 
 def test_deployed_secure_trees_equal_simulation(tmp_path, procs):
+    pytest.importorskip("cryptography", reason="secure aggregation needs cryptography (extra: secagg)")
     records = _deployed_and_simulated(
         tmp_path, procs, _cfg(tmp_path, 4, "secure_aggregation: {enabled: true}\n"), 4)
     assert all(r["secagg_survivors"] == 4 for r in records[1:])

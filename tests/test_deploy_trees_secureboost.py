@@ -14,6 +14,7 @@ import yaml
 pytest.importorskip("xgboost", reason="task: trees needs xgboost (extra: trees)")
 pytest.importorskip("sklearn", reason="the breast_cancer table needs scikit-learn (extra: data)")
 pytest.importorskip("phe", reason="SecureBoost needs python-paillier (extra: vertical)")
+pytest.importorskip("cryptography", reason="vertical alignment (PSI) needs cryptography (extra: vertical)")
 
 import fedcore  # noqa: E402
 from fedcore.handlers import secureboost as sb  # noqa: E402
