@@ -130,8 +130,9 @@ def booster_of(model_json: bytes):
 class TreesBooster(nn.Module):
     """What the server broadcasts; empty until round 1 has agreed the cuts and base score."""
 
-    def __init__(self):
+    def __init__(self, num_features: int = 0):
         super().__init__()
+        self.num_features = num_features   # the data's columns (not broadcast: a bound's input)
         for name, t in _empty_state().items():
             self.register_buffer(name, t)
 
@@ -144,7 +145,7 @@ def _empty_state() -> dict[str, torch.Tensor]:
 
 @models.register("trees_booster")
 def trees_booster(cfg, input_shape, num_classes: int) -> nn.Module:
-    return TreesBooster()
+    return TreesBooster(int(np.prod(input_shape)) if input_shape else 0)
 
 
 def _cuts(t: torch.Tensor) -> list[np.ndarray]:
@@ -213,6 +214,7 @@ class TreesAggregator(Aggregator):
         self.cuts: list[np.ndarray] = []
         self.builder: tc.TreeBuilder | None = None
         self.num_feature = 0
+        self.columns = getattr(model, "num_features", 0)
         self.finished = False
 
     # a secure level that was skipped (too few survivors) reaches `aggregate` with no histograms:
@@ -281,6 +283,11 @@ class TreesAggregator(Aggregator):
         """Secure aggregation: the length of a client's masked input, this level's histograms
         and the weight."""
         return len(self.global_state["frontier"]) * self.global_state["cuts"].numel() * 2 + 1
+
+    def longest_masked(self) -> int:
+        """Secure aggregation, deployed: the longest masked input a round can bring (a deepest
+        level's histograms and the weight), for the stages' slow-link allowance."""
+        return 2 ** (self.params.max_depth - 1) * self.columns * (self.params.max_bin + 1) * 2 + 1
 
     def model_json(self) -> bytes:
         return json.dumps(self.model).encode()

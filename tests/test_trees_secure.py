@@ -122,6 +122,10 @@ def test_a_recording_server_cannot_recover_a_clients_histogram(tmp_path, monkeyp
                   received, coded, monkeypatch)
     masked = [m for m in received if m.msg_type == "secagg_masked_input"]
     assert len(masked) == 4 * 4 and len(coded) == 4 * 4   # 4 secure rounds, 4 clients each
+    # a deployed server sizes the stages' slow-link allowance on the longest masked input:
+    # 2 open nodes at depth 1 x 30 columns x (8 + 1) bins x (g, h), and the weight
+    longest = course.server.aggregator.longest_masked()
+    assert longest == 2 * 30 * 9 * 2 + 1 and max(len(m.content["masked"]) for m in masked) <= longest
     by_client: dict[int, list] = {}
     for m in masked:
         hist, q = coded[(m.sender, m.round)]
