@@ -19,7 +19,6 @@ import logging
 from dataclasses import dataclass
 
 import numpy as np
-
 import torch
 
 from fedcore.handlers import analytics, evaluation, join, rounds, training
@@ -37,7 +36,8 @@ from fedcore.kernel.server_state import transient, worker_state
 
 log = logging.getLogger("fedcore.trees")
 
-__all__ = ["ask", "collect", "add_up", "score", "install", "ClientTraffic"]
+__all__ = ["ask", "collect", "add_up", "score", "install", "ClientTraffic", "mask_histograms", "sum_histograms",
+           "install_secure"]
 
 
 @worker_state("trees_traffic")
