@@ -25,9 +25,10 @@ import torch
 from torch import nn
 
 from fedcore.algorithms import trees_core as tc
+from fedcore.algorithms import trees_secure  # noqa: F401  (declares trees.secure_frac_bits)
 from fedcore.kernel.config import declare, positive, non_negative, resolver, validator
 from fedcore.kernel.contract import Aggregator, Algorithm, FitResult, ReceivedUpdate
-from fedcore.kernel.errors import ConfigError
+from fedcore.kernel.errors import ConfigError, NothingAggregated
 from fedcore.kernel.hooks import Wrappable
 from fedcore.kernel.registry import algorithms, models
 from fedcore.scenarios import vertical_data  # noqa: F401  (its resolver names the vertical course first)
@@ -86,15 +87,14 @@ def _check_trees(cfg) -> None:
         raise ConfigError("task: trees needs xgboost (pip install 'fedcore[trees]')") from None
     for key, default, as_text in (("topology.edges", 0, "0"), ("asyn.use", False, "false"),
                                   ("executor", "sequential", "sequential"),
-                                  ("secure_aggregation.enabled", False, "false"),
                                   ("privacy.dp.mode", "none", "none")):
         if cfg[key] != default:
             raise ConfigError(f"{key}: task: trees runs every round in a star, one client after "
-                              f"another, without secure aggregation or DP of updates; set {key}={as_text}")
-    if cfg["data.partition"] == "vertical" and (cfg["federate.mode"] == "distributed"
-                                                or cfg.get("distribute.role") is not None):
-        raise ConfigError("federate.mode: SecureBoost (task: trees, data.partition: vertical) runs in "
-                          "simulation only; set federate.mode=standalone")
+                              f"another, without DP of updates; set {key}={as_text}")
+    if cfg["secure_aggregation.enabled"] and (cfg["trees.mode"] != "histogram" or cfg["data.partition"] == "vertical"):
+        raise ConfigError("secure_aggregation.enabled: task: trees sums histograms securely in trees.mode "
+                          "histogram only (bagging and cyclic send trees, SecureBoost encrypts its own); "
+                          "set trees.mode=histogram or secure_aggregation.enabled=false")
     b = cfg["trees.base_score"]
     if b is not None and cfg["trees.objective"] == "binary:logistic" and not 0 < b < 1:
         raise ConfigError(f"trees.base_score: {b} is not a probability in (0, 1) (binary:logistic)")
@@ -130,8 +130,9 @@ def booster_of(model_json: bytes):
 class TreesBooster(nn.Module):
     """What the server broadcasts; empty until round 1 has agreed the cuts and base score."""
 
-    def __init__(self):
+    def __init__(self, num_features: int = 0):
         super().__init__()
+        self.num_features = num_features   # the data's columns (not broadcast: a bound's input)
         for name, t in _empty_state().items():
             self.register_buffer(name, t)
 
@@ -144,7 +145,7 @@ def _empty_state() -> dict[str, torch.Tensor]:
 
 @models.register("trees_booster")
 def trees_booster(cfg, input_shape, num_classes: int) -> nn.Module:
-    return TreesBooster()
+    return TreesBooster(int(np.prod(input_shape)) if input_shape else 0)
 
 
 def _cuts(t: torch.Tensor) -> list[np.ndarray]:
@@ -213,9 +214,17 @@ class TreesAggregator(Aggregator):
         self.cuts: list[np.ndarray] = []
         self.builder: tc.TreeBuilder | None = None
         self.num_feature = 0
+        self.columns = getattr(model, "num_features", 0)
         self.finished = False
 
+    # a secure level that was skipped (too few survivors) reaches `aggregate` with no histograms:
+    # the tree cannot do without them, so the course stops there
+    releases_empty_rounds = True
+
     def aggregate(self, updates: list[ReceivedUpdate], round_: int) -> dict[str, float]:
+        if not updates:
+            raise NothingAggregated(f"trees: round {round_} has no updates (a secure round was skipped); "
+                                    "a tree cannot skip a level")
         ordered = sorted(updates, key=lambda u: u.client_id)   # one order of float sums everywhere
         stage = int(self.global_state["stage"][0])
         fields: dict[str, float] = {"trees_stage": float(stage)}
@@ -269,6 +278,16 @@ class TreesAggregator(Aggregator):
             "booster": _tensor(self.model_json()), "cuts": torch.from_numpy(cuts),
             "nodes": torch.from_numpy(self.builder.wire()) if hist else torch.zeros(0, 4, dtype=torch.float64),
             "frontier": torch.tensor(self.builder.frontier if hist else [], dtype=torch.int64)}
+
+    def masked_length(self, round_: int) -> int:
+        """Secure aggregation: the length of a client's masked input, this level's histograms
+        and the weight."""
+        return len(self.global_state["frontier"]) * self.global_state["cuts"].numel() * 2 + 1
+
+    def longest_masked(self) -> int:
+        """Secure aggregation, deployed: the longest masked input a round can bring (a deepest
+        level's histograms and the weight), for the stages' slow-link allowance."""
+        return 2 ** (self.params.max_depth - 1) * self.columns * (self.params.max_bin + 1) * 2 + 1
 
     def model_json(self) -> bytes:
         return json.dumps(self.model).encode()

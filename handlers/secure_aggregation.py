@@ -465,7 +465,9 @@ def install(course) -> None:
         if course.wall_clock:   # a deployed server: each stage has its own derived deadline
             from fedcore.handlers.deployment import time_stages
             model = server.aggregator.global_state   # a masked input: an int64 per entry, and the weight
-            masked = 8 * (sum(model[n].numel() for n in Settings.names(model)) + 1)
+            longest = getattr(server.aggregator, "longest_masked", None)   # its clients mask another vector
+            length = longest() if longest else sum(model[n].numel() for n in Settings.names(model)) + 1
+            masked = 8 * length
             time_stages(server, [(REQUESTS[stage], reply) for stage, reply, _ in STAGES], masked)
         _say_if_no_loss_is_tolerated(course)
         if not course.wall_clock and course.timing.has_dropouts:

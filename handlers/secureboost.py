@@ -11,6 +11,10 @@ Paillier key) grows XGBoost `hist` trees over every party's columns:
              left) -> the next level
   at the end: passive `sb_reveal` (its chosen thresholds, its test rows' directions)
 
+Deployed (`federate.mode: distributed`, fedcore/deployment/vertical_parties.py), the active party
+serves and each passive party is a client process running the same handlers; what a passive
+party sends is checked on the wire (handlers/secureboost_checks.py) before a handler reads it.
+
 A passive party holds the modulus n, ciphertexts, the rows' node assignment, and which of its
 own splits were chosen; it never sees a gradient, a label, another party's split or a leaf.
 The active party learns the passive parties' histograms' sums (it chooses splits from them),
@@ -25,16 +29,23 @@ import logging
 import numpy as np
 
 from fedcore.algorithms import trees_core as tc
+from fedcore.handlers import secureboost_checks  # noqa: F401  (the wire checks of a deployed course)
 from fedcore.handlers import vertical as v
-from fedcore.kernel.errors import ConfigError
+from fedcore.kernel.errors import ConfigError, FedcoreError
 from fedcore.kernel.files import write_atomic
 from fedcore.kernel.registry import components, courses
+from fedcore.kernel.scheduler import HandlerError
 
 log = logging.getLogger("fedcore.secureboost")
 
-__all__ = ["install"]
+__all__ = ["install", "PartyMisbehaved"]
 
 ACTIVE = v.ACTIVE
+
+
+class PartyMisbehaved(FedcoreError, HandlerError):
+    """A passive party sent well-formed content the protocol did not ask for (a histogram of the
+    wrong size, rows for a node it was not asked to split): the course stops (exit 1) naming it."""
 
 
 def _pl():
@@ -83,6 +94,8 @@ def active_setup(active, _event=None) -> None:
     sb.public, sb.private = _pl().keypair(cfg["vertical.he.key_bits"])
     sb.n, sb.frac = sb.public.n, cfg["vertical.he.frac_bits"]
     sb.party_bins, sb.pending, sb.trees, sb.hist, sb.tree_nodes = {}, set(), [], {}, []
+    sb.asked: dict[int, list[int]] = {}          # the nodes each party was last asked to split
+    sb.chosen: dict[int, list[tuple]] = {}       # (tree, node, own feature) of each party's splits
     sb.party_time: dict[int, float] = {}   # when each passive party's last histograms of a tree came in
     sb.margin = np.full(len(y), _margin0(p.objective, base), dtype=np.float32)
     active.aggregator.states = lambda: {}   # final_model.pt: the joint booster's JSON bytes, at the end
@@ -98,6 +111,8 @@ def _margin0(objective: str, base: float) -> float:
 def active_bins(active, msg) -> None:
     """`receiving_sb_bins`: a passive party's bin counts; the first tree once all are in."""
     sb = active.sb
+    if msg.sender not in sb.pending or msg.sender in sb.party_bins:
+        raise PartyMisbehaved(f"secureboost: party {msg.sender} sent its bin counts unasked; the course stops")
     sb.party_bins[msg.sender] = [int(b) for b in msg.content["bins"].tolist()]
     sb.pending.discard(msg.sender)
     if not sb.pending:
@@ -142,12 +157,19 @@ def ask_level(active) -> None:
 def active_histograms(active, msg) -> None:
     """`receiving_sb_histograms`: decrypt one party's; choose the level's splits once all are in."""
     sb, pl = active.sb, _pl()
-    k, bins = len(sb.builder.frontier), sb.party_bins[msg.sender]
-    width = max(bins) if bins else 0
+    bins, builder = sb.party_bins.get(msg.sender), getattr(sb, "builder", None)
+    if bins is None or builder is None or msg.sender not in sb.pending or msg.sender in sb.hist:
+        raise PartyMisbehaved(f"secureboost: party {msg.sender} sent histograms unasked; the course stops")
+    k, width = len(builder.frontier), max(bins) if bins else 0
     want = k * len(bins) * width * 2
-    cts = pl.from_bytes(list(msg.content["c"]), sb.n * sb.n)
-    if len(cts) != want:
-        raise ConfigError(f"secureboost: party {msg.sender} sent {len(cts)} histogram entries, not {want}")
+    if len(msg.content["c"]) != want:
+        raise PartyMisbehaved(f"secureboost: party {msg.sender} sent {len(msg.content['c'])} histogram "
+                              f"entries, not {want}; the course stops")
+    try:
+        cts = pl.from_bytes(list(msg.content["c"]), sb.n * sb.n)
+    except ValueError:
+        raise PartyMisbehaved(f"secureboost: party {msg.sender} sent a histogram entry not below n^2; "
+                              "the course stops") from None
     plain = pl.decode(pl.decrypt_raw(sb.private, cts), sb.frac, sb.n).numpy()
     sb.hist[msg.sender] = plain.reshape(k, len(bins), width, 2)
     sb.party_time[msg.sender] = active.now
@@ -180,6 +202,9 @@ def choose_splits(active) -> None:
         else:
             ask[q].append([node_id, j, node.bin])
     sb.splits_pending = {q for q, s in ask.items() if s}
+    sb.asked = {q: [node for node, _j, _b in s] for q, s in ask.items() if s}
+    for q, s in ask.items():
+        sb.chosen.setdefault(q, []).extend((len(sb.trees), node, j) for node, j, _b in s)
     log.debug("secureboost: %d nodes after a level (were %d)", len(sb.builder.nodes), before)
     for q in sorted(sb.splits_pending):
         s = ask[q]
@@ -192,6 +217,9 @@ def choose_splits(active) -> None:
 def active_left(active, msg) -> None:
     """`receiving_sb_left`: the rows each of a party's chosen splits sends left."""
     sb = active.sb
+    if msg.sender not in getattr(sb, "splits_pending", ()) or msg.content["nodes"].tolist() != sb.asked.get(msg.sender):
+        raise PartyMisbehaved(f"secureboost: party {msg.sender} answered for nodes {msg.content['nodes'].tolist()}, "
+                              f"it was asked for {sb.asked.get(msg.sender, [])}; the course stops")
     for node_id, left in zip(msg.content["nodes"].tolist(), msg.content["left"].numpy()):
         node = sb.builder.nodes[int(node_id)]
         in_node = np.nonzero(sb.at == node_id)[0]
@@ -234,6 +262,10 @@ def active_reveal(active, msg) -> None:
     """`receiving_sb_reveal`: a party's chosen thresholds and test directions; at the last, the
     joint booster is written and scored on the aligned test rows."""
     sb = active.sb
+    told = [tuple(int(v) for v in row[:3]) for row in msg.content["thresholds"].tolist()]
+    if msg.sender not in sb.pending or told != sb.chosen.get(msg.sender, []):
+        raise PartyMisbehaved(f"secureboost: party {msg.sender} revealed thresholds for splits {told}, "
+                              f"not for its {len(sb.chosen.get(msg.sender, []))} chosen ones; the course stops")
     sb.reveal[msg.sender] = msg.content
     sb.pending.discard(msg.sender)
     if sb.pending:
@@ -377,3 +409,4 @@ def install(course) -> None:
     s.register("receiving_sb_left", active_left, sends=("sb_level", "sb_gradients", "sb_done"))
     c.register("receiving_sb_done", passive_done, sends=("sb_reveal",))
     s.register("receiving_sb_reveal", active_reveal, sends=("finish",))
+
