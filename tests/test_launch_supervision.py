@@ -257,7 +257,7 @@ def test_a_stopped_launch_prints_the_launch_that_resumes_it_and_that_launch_fini
         "plugins": ["tests.slow_plugin"], "algorithm.name": "fedavg_pausing", "slow_test.pause": 0.2,
         "federate.client_num": 2, "federate.total_round_num": 8, "eval.clients": False})
     out = tmp_path / "out"
-    launcher = procs.start("launch", ["-m", "fedcore.launch", *SPAWN, "--cfg", str(cfg), f"outdir={out}"])
+    launcher = procs.start("launch", ["-m", "fedcore.launch", "--cfg", str(cfg), f"outdir={out}"])
     metrics = out / "metrics.jsonl"
     wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") >= 2, 240, "two rounds")
     launcher.send_signal(signal.SIGTERM)   # as Ctrl-C: an orderly stop
