@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.deploy_helpers import text, wait_exit, wait_for, write_cfg
+from tests.deploy_helpers import launched, listening, text, wait_exit, wait_for, write_cfg
 from tests.test_deploy_secrets import _children
 from tests.test_launch_supervision import SPAWN, _cmdline
 
@@ -115,18 +115,19 @@ def test_a_launch_whose_server_refuses_at_start_ends_at_once_with_its_status_and
 def test_a_restarted_server_whose_port_is_taken_ends_the_launch_with_its_line(procs, tmp_path):
     """`--restart`: the server is started again on its port; another process took that port
     meanwhile, so the new server cannot listen: it says so (exit 2) and the launch ends with it
-    rather than leaving its clients waiting."""
+    rather than leaving its clients waiting. The launcher is stopped (SIGSTOP) while the port
+    changes hands, so its restart cannot come first however slow the machine."""
     import socket
     cfg = write_cfg(tmp_path / "course.yaml", {
         "plugins": ["tests.slow_plugin"], "algorithm.name": "fedavg_pausing", "slow_test.pause": 0.3,
         "federate.client_num": 2, "federate.total_round_num": 10000, "eval.clients": False})
     out = tmp_path / "out"
-    launcher = procs.start("launch", ["-m", "fedcore.launch", *SPAWN, "--restart", "1", "--cfg", str(cfg),
+    launcher = procs.start("launch", ["-m", "fedcore.launch", "--restart", "1", "--cfg", str(cfg),
                                       f"outdir={out}"])
     metrics = out / "metrics.jsonl"
     wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") >= 1, 240, "a round")
     port = int((out / "server_address").read_text().strip().rsplit(":", 1)[1])
-    (server,) = [p for p in _children(launcher.pid) if "distribute.role=server" in _cmdline(p)]
+    (server,) = listening(launched(launcher.pid), port)
     squatter = socket.socket()
     squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # past the old connections' TIME_WAIT
 
@@ -136,9 +137,13 @@ def test_a_restarted_server_whose_port_is_taken_ends_the_launch_with_its_line(pr
             return True
         except OSError:   # the killed server's socket not closed yet
             return False
-    os.kill(server, signal.SIGKILL)
-    wait_for(taken, 10, "the port free")   # the launcher restarts it after 1 s
-    squatter.listen()
+    launcher.send_signal(signal.SIGSTOP)
+    try:
+        os.kill(server, signal.SIGKILL)
+        wait_for(taken, 60, "the port free")
+        squatter.listen()
+    finally:
+        launcher.send_signal(signal.SIGCONT)   # it finds its server dead, restarts it after 1 s
     try:
         assert wait_exit(launcher, 240) == 2, text(launcher)[-3000:]
     finally:
