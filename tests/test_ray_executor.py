@@ -13,9 +13,9 @@ import torch
 from fedcore.runtime.course import Course
 from fedcore.execution.procpool import usable_cores
 from fedcore.run import main
-from tests.conftest import small_cfg
+from tests.conftest import skip_module_without, small_cfg
 
-ray = pytest.importorskip("ray", reason="Ray is the optional extra 'ray' (pip install '.[ray]')")
+skip_module_without("ray")   # imported by the tests that run, not at collection (a second of CPU)
 from fedcore.execution.ray_executor import _IDLE  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -30,6 +30,7 @@ def leave_ray():
     try:
         yield
     finally:
+        import ray
         ray.shutdown()
 
 
@@ -41,6 +42,7 @@ def _run(executor, **overrides):
 
 
 def _no_address_run_starts_a_local_ray_and_leaves_its_actors_warm():
+    import ray
     assert not ray.is_initialized()
     _, seq, _ = _run("sequential")
     course, par, _ = _run("ray", executor__ray__object_store_mb=80)
