@@ -185,7 +185,8 @@ def interrupt(p: subprocess.Popen) -> None:
 FORK = ["--start-method", "forkserver"]   # launches whose processes the test does not look at
 
 
-def _proc_children(pid: int) -> list[int]:
+def children(pid: int) -> list[int]:
+    """The pids whose parent is `pid` (Linux: reads /proc)."""
     out = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -203,13 +204,13 @@ def launched(launcher: int) -> list[int]:
     children (forkserver: they all bear the fork server's command line, so a test tells them
     apart by their sockets, `listening`, or by what they write). Linux: reads /proc."""
     pids = []
-    for child in _proc_children(launcher):
+    for child in children(launcher):
         try:
             cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode()
         except OSError:
             continue
         if "fedcore.deployment.forkserver" in cmdline:
-            pids += _proc_children(child)
+            pids += children(child)
         elif "fedcore.run" in cmdline:
             pids.append(child)
     return pids
