@@ -4,11 +4,13 @@ so that a test can kill a client between two of its rounds at a moment it choose
 Loaded through `plugins: [tests.client_kill_plugin]`. `kill_test.hold_clients` wait, before
 training round `kill_test.hold_round`, until the file `<kill_test.folder>/go` exists (at most
 `kill_test.hold_max` seconds: their heartbeats flow meanwhile); `kill_test.mark_clients`
-write `<kill_test.folder>/sent_<id>_<round>` once their update of `kill_test.mark_round` has
-been handed to the connection. Neither changes what is computed.
+write `<kill_test.folder>/sent_<id>_<round>` (holding their pid, so that a test finds the
+process whatever started it) once their update of `kill_test.mark_round` has been handed to
+the connection. Neither changes what is computed.
 """
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -46,7 +48,7 @@ def _train_and_mark(client, msg) -> None:
     cfg = client.course.cfg
     if client.id in cfg["kill_test.mark_clients"] and msg.round == cfg["kill_test.mark_round"]:
         client.course.comm.outbox.wait_empty(10.0)
-        (Path(cfg["kill_test.folder"]) / f"sent_{client.id}_{msg.round}").write_text("")
+        (Path(cfg["kill_test.folder"]) / f"sent_{client.id}_{msg.round}").write_text(str(os.getpid()))
 
 
 def install(course) -> None:

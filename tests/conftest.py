@@ -58,6 +58,19 @@ def pytest_configure(config):
                             "(its processes import it); skipped with a reason where it is missing")
 
 
+def pytest_ignore_collect(collection_path, config):
+    """`-m alone`, the suite's second part, collects only the modules that mark a test `alone`
+    (the text `mark.alone`): no other can hold one, and collecting every module again costs
+    more CPU than the part's tests themselves."""
+    if (config.option.markexpr or "").strip() != "alone" or collection_path.suffix != ".py" \
+            or not collection_path.name.startswith("test_"):
+        return None
+    try:
+        return "mark.alone" not in collection_path.read_text(errors="replace") or None
+    except OSError:
+        return None
+
+
 @pytest.hookimpl(tryfirst=True)   # before -m deselects: `-m "not deploy"` must see the marker
 def pytest_collection_modifyitems(items):
     for item in items:   # real processes on loopback: the bulk of the suite's time

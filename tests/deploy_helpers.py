@@ -185,6 +185,65 @@ def interrupt(p: subprocess.Popen) -> None:
 FORK = ["--start-method", "forkserver"]   # launches whose processes the test does not look at
 
 
+def children(pid: int) -> list[int]:
+    """The pids whose parent is `pid` (Linux: reads /proc)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(entry.name))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
+def launched(launcher: int) -> list[int]:
+    """The course processes (server, edges, clients) a running `fedcore.launch` started, by
+    either start method: its children running `fedcore.run` (spawn), or its fork server's
+    children (forkserver: they all bear the fork server's command line, so a test tells them
+    apart by their sockets, `listening`, or by what they write). Linux: reads /proc."""
+    pids = []
+    for child in children(launcher):
+        try:
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "fedcore.deployment.forkserver" in cmdline:
+            pids += children(child)
+        elif "fedcore.run" in cmdline:
+            pids.append(child)
+    return pids
+
+
+def listening(pids: list[int], port: int) -> list[int]:
+    """Those of `pids` holding a TCP socket that listens on `port` (Linux: /proc/net/tcp*)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            f = row.split()
+            if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:   # 0A: LISTEN
+                inodes.add(f"socket:[{f[9]}]")
+    holders = []
+    for pid in pids:
+        try:
+            fds = list(Path(f"/proc/{pid}/fd").iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(fd) in inodes:
+                    holders.append(pid)
+                    break
+            except OSError:
+                pass
+    return holders
+
+
 def launch_course(procs, cfg: Path, out: Path, clients: int, timeout: float = 300) -> str:
     """`python -m fedcore.launch` for `cfg` (a server and its clients on loopback) writing to
     `out`; its log, once it exited 0 with every client finished and nothing refused."""

@@ -17,6 +17,11 @@ started again with the same config does not pause again:
   before it sends them to the others.
 It says `fedcore: test pause ...` on stdout when it starts sleeping.
 
+`slow_test.resume_delay` makes a server resumed from a snapshot (`resume_from`, as a launcher
+restarts it) sleep that many seconds while its course is built, before it listens: a restart
+that takes at least that long, however fast its process starts (a fork server's takes
+milliseconds).
+
 `FEDCORE_TEST_UPDATE_LOG=<file>` makes a process log the updates it handles, one JSON
 line each, with a digest of the update's content: a client each update it sends
 (`client`, `digest`), a server each update it aggregates (`round`, `client`, `digest`),
@@ -51,6 +56,8 @@ declare("slow_test.hang_eval_clients", list, None, "tests: clients whose evaluat
         "(their heartbeats go on: a trainer hung in its evaluation)")
 declare("slow_test.stall", float, 0.0, "tests: seconds a stalling client takes (just under its deadline)")
 declare("slow_test.stall_rounds", int, 0, "tests: rounds a stalling client replies in before it hangs")
+declare("slow_test.resume_delay", float, 0.0, "tests: seconds a server resumed from a snapshot "
+        "sleeps before it listens")
 declare("slow_test.stall_once_in_round", int, 0, "tests: if set, stalling clients stall only the first "
         "time they train this round (once more, after a server restart, it goes at once) and never hang")
 
@@ -120,6 +127,16 @@ def _server_pause() -> tuple[str, int, float]:
 def _pause(what: str, seconds: float) -> None:
     print(f"fedcore: test pause {what}", flush=True)
     time.sleep(seconds)
+
+
+def install_resume_delay(course) -> None:
+    if course.server is not None and course.cfg["resume_from"]:
+        _pause(f"before the resumed server listens ({course.cfg['slow_test.resume_delay']:g} s)",
+               course.cfg["slow_test.resume_delay"])
+
+
+install_resume_delay.enabled = lambda cfg: cfg["slow_test.resume_delay"] > 0
+behaviours.register("slow_test_resume_delay", install_resume_delay)
 
 
 def install_server_pause(course) -> None:

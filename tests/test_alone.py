@@ -45,3 +45,25 @@ def test_an_alone_test_overlaps_no_other_under_xdist(tmp_path):
     short = sorted(r for r in rows if r[0].startswith("short"))
     assert any(a[1] < b[2] and b[1] < a[2] for a in short for b in short if a is not b)
 
+
+
+def test_minus_m_alone_collects_only_the_modules_that_mark_a_test_alone(tmp_path):
+    """`pytest -m alone` skips collecting a test module without the text `mark.alone` (the
+    suite's hook in tests/conftest.py); any other selection collects every module."""
+    from types import SimpleNamespace
+
+    from tests.conftest import pytest_ignore_collect
+    marked = tmp_path / "test_marked.py"
+    marked.write_text("import pytest\n\n@pytest.mark.alone\ndef test_x():\n    pass\n")
+    plain = tmp_path / "test_plain.py"
+    plain.write_text("def test_y():   # a client sampled alone\n    pass\n")
+    helper = tmp_path / "helpers.py"
+    helper.write_text("")
+
+    def config(markexpr):
+        return SimpleNamespace(option=SimpleNamespace(markexpr=markexpr))
+    assert pytest_ignore_collect(plain, config("alone")) is True
+    assert pytest_ignore_collect(marked, config("alone")) is None
+    assert pytest_ignore_collect(helper, config("alone")) is None
+    for other in ("not alone", "", "alone or slow"):
+        assert pytest_ignore_collect(plain, config(other)) is None

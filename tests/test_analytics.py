@@ -14,8 +14,9 @@ import pytest
 from fedcore.algorithms import analytics_stats as st
 from fedcore.algorithms.dp_accountant import dp_epsilon
 from fedcore.kernel.config import load_config
+from tests.conftest import skip_module_without
 
-sklearn = pytest.importorskip("sklearn", reason="the wine table needs scikit-learn (extra: data)")
+skip_module_without("data", "sklearn")   # the wine table; imported where used (seconds to import)
 
 SCENARIO = "scenarios/analytics.yaml"
 DP_SCENARIO = "scenarios/analytics_dp.yaml"

@@ -9,8 +9,9 @@ import pytest
 import fedcore
 from fedcore.runtime.course import Course
 from fedcore.kernel.config import load_config
+from tests.conftest import skip_module_without
 
-pytest.importorskip("sklearn", reason="the wine table needs scikit-learn (extra: data)")
+skip_module_without("data", "sklearn")   # the wine table; imported where used (seconds to import)
 pytest.importorskip("cryptography", reason="secure aggregation needs cryptography (extra: secagg)")
 
 SCENARIO = "scenarios/analytics.yaml"

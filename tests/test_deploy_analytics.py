@@ -5,10 +5,11 @@ import json
 import pytest
 
 import fedcore
+from tests.conftest import skip_module_without
 from tests.deploy_helpers import ROOT, launch_course
 
 pytestmark = pytest.mark.slow
-pytest.importorskip("sklearn", reason="the wine table needs scikit-learn (extra: data)")
+skip_module_without("data", "sklearn")   # the wine table, read by the processes this test starts
 
 
 def test_deployed_statistics_equal_simulation(tmp_path, procs):

@@ -185,13 +185,23 @@ def test_a_hung_client_sampled_alone_is_dropped_by_the_deadline_of_earlier_round
     assert all(wait_exit(c, 60) == 0 for c in clients[1:])
 
 
-def test_a_client_on_a_100_kb_per_s_link_with_a_multi_mb_model_finishes_its_rounds(tmp_path, procs):
+def test_a_client_on_a_100_kb_per_s_link_with_a_model_over_one_chunk_finishes_its_rounds(tmp_path, procs):
+    """A chunk takes twice the heartbeat timeout on the link, as the default 2 MiB chunk does at
+    100 KB/s against the default 10 s timeout; here every size and time is the default's over 4
+    (a 512 KiB chunk, a 2.5 s timeout, 0.5 s heartbeats, a 64 KiB window), so that the model
+    crosses the link in 2 x 5.5 s rather than 2 x 22 s."""
     from tests.throttle import Throttle
-    hidden = 46_000  # mlp 8 -> 46000 -> 3: 552,003 float32 parameters, 2.2 MB (> one 2 MiB chunk)
+    scale = 4
+    chunk = 2 * 1024 * 1024 // scale
+    hidden = 46_000 // scale   # mlp 8 -> 11500 -> 3: 138,003 float32 parameters, 1.05 chunks
+    params = 8 * hidden + hidden + hidden * 3 + 3
+    assert chunk < 4 * params < 1.1 * chunk   # over one chunk, by as much as 2.2 MB over 2 MiB
     cfg = write_cfg(tmp_path / "course.yaml", {
         "federate.client_num": 2, "federate.total_round_num": 1, "eval.clients": False,
         "model.type": "mlp", "model.hidden": [hidden],
-        "distribute.insecure": True, "distribute.token": "t"})   # default chunk size and heartbeats
+        "distribute.chunk_size": chunk, "distribute.stream_window": 256 * 1024 // scale,
+        "distribute.heartbeat_interval": 2.0 / scale, "distribute.heartbeat_timeout": 10.0 / scale,
+        "distribute.insecure": True, "distribute.token": "t"})
     out = tmp_path / "out"
     server = procs.fedcore("server", cfg, "distribute.role=server", "distribute.server_port=0",
                            f"outdir={out}")
@@ -208,6 +218,6 @@ def test_a_client_on_a_100_kb_per_s_link_with_a_multi_mb_model_finishes_its_roun
         link.close()
     records = _strict(out / "metrics.jsonl")
     assert [r["num_updates"] for r in records] == [2]
-    assert link.moved > 2 * 4 * 552_003  # the model went down and the update came up through the link
+    assert link.moved > 2 * 4 * params  # the model went down and the update came up through the link
     for log in (text(server), text(slow)):
         assert "lost" not in log and "silent" not in log and "reconnect" not in log

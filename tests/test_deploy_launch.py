@@ -3,42 +3,45 @@ that refuses at its start ends the launch at once, with its status and its line.
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.deploy_helpers import text, wait_exit, wait_for, write_cfg
-from tests.test_deploy_secrets import _children
-from tests.test_launch_supervision import SPAWN, _cmdline
+from tests.deploy_helpers import launched, listening, text, wait_exit, wait_for, write_cfg
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc")
 @pytest.mark.slow
 def test_a_server_sigkilled_under_restart_keeps_its_clients_and_the_course_completes(procs, tmp_path):
-    """The clients give up on a server gone for 3 s (distribute.retry_timeout), far less than the
-    restart takes (1 s of delay, then a fresh interpreter importing torch and resuming): they
-    wait for the server their launcher restarts instead, the same processes, and the resumed
-    course runs every round once."""
+    """The clients give up on a server gone for 3 s (distribute.retry_timeout), less than the
+    restart takes (1 s of delay, then the resumed server holds 4 s before it listens:
+    slow_test.resume_delay): they wait for the server their launcher restarts instead, the same
+    processes, and the resumed course runs every round once."""
     cfg = write_cfg(tmp_path / "course.yaml", {
         "plugins": ["tests.slow_plugin"], "algorithm.name": "fedavg_pausing", "slow_test.pause": 0.3,
+        "slow_test.resume_delay": 4.0,
         "federate.client_num": 2, "federate.total_round_num": 6, "eval.clients": False,
         "distribute.retry_timeout": 3.0, "distribute.backoff_initial": 0.1, "distribute.backoff_max": 0.5})
     out = tmp_path / "out"
-    launcher = procs.start("launch", ["-m", "fedcore.launch", *SPAWN, "--restart", "1", "--cfg", str(cfg),
+    launcher = procs.start("launch", ["-m", "fedcore.launch", "--restart", "1", "--cfg", str(cfg),
                                       f"outdir={out}"])
-    metrics = out / "metrics.jsonl"
+    metrics, address = out / "metrics.jsonl", out / "server_address"
 
     def two_rounds():
         assert launcher.poll() is None, text(launcher)[-3000:]
         return metrics.exists() and metrics.read_text().count("\n") >= 2
     wait_for(two_rounds, 240, "two rounds")
-
-    def of(role: str) -> list[int]:
-        return [p for p in _children(launcher.pid) if role in _cmdline(p)]
-    clients = sorted(of("distribute.role=client"))
-    (server,) = of("distribute.role=server")
+    port = int(address.read_text().strip().rsplit(":", 1)[1])
+    courses = launched(launcher.pid)
+    (server,) = listening(courses, port)
+    clients = sorted(set(courses) - {server})
     assert len(clients) == 2
     os.kill(server, signal.SIGKILL)
+    killed = time.monotonic()
+    wait_for(lambda: not address.exists(), 30, "the launcher to see its server dead")
+    wait_for(address.exists, 60, "the restarted server to listen")
+    assert time.monotonic() - killed > 3.0   # longer than the clients' retry_timeout
     assert wait_exit(launcher, 240) == 0, text(launcher)[-3000:]
     log = text(launcher)
     assert "fedcore.launch: the server died (killed by SIGKILL); restart 1 of 1 in 1s" in log
@@ -115,18 +118,19 @@ def test_a_launch_whose_server_refuses_at_start_ends_at_once_with_its_status_and
 def test_a_restarted_server_whose_port_is_taken_ends_the_launch_with_its_line(procs, tmp_path):
     """`--restart`: the server is started again on its port; another process took that port
     meanwhile, so the new server cannot listen: it says so (exit 2) and the launch ends with it
-    rather than leaving its clients waiting."""
+    rather than leaving its clients waiting. The launcher is stopped (SIGSTOP) while the port
+    changes hands, so its restart cannot come first however slow the machine."""
     import socket
     cfg = write_cfg(tmp_path / "course.yaml", {
         "plugins": ["tests.slow_plugin"], "algorithm.name": "fedavg_pausing", "slow_test.pause": 0.3,
         "federate.client_num": 2, "federate.total_round_num": 10000, "eval.clients": False})
     out = tmp_path / "out"
-    launcher = procs.start("launch", ["-m", "fedcore.launch", *SPAWN, "--restart", "1", "--cfg", str(cfg),
+    launcher = procs.start("launch", ["-m", "fedcore.launch", "--restart", "1", "--cfg", str(cfg),
                                       f"outdir={out}"])
     metrics = out / "metrics.jsonl"
     wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") >= 1, 240, "a round")
     port = int((out / "server_address").read_text().strip().rsplit(":", 1)[1])
-    (server,) = [p for p in _children(launcher.pid) if "distribute.role=server" in _cmdline(p)]
+    (server,) = listening(launched(launcher.pid), port)
     squatter = socket.socket()
     squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # past the old connections' TIME_WAIT
 
@@ -136,9 +140,13 @@ def test_a_restarted_server_whose_port_is_taken_ends_the_launch_with_its_line(pr
             return True
         except OSError:   # the killed server's socket not closed yet
             return False
-    os.kill(server, signal.SIGKILL)
-    wait_for(taken, 10, "the port free")   # the launcher restarts it after 1 s
-    squatter.listen()
+    launcher.send_signal(signal.SIGSTOP)
+    try:
+        os.kill(server, signal.SIGKILL)
+        wait_for(taken, 60, "the port free")
+        squatter.listen()
+    finally:
+        launcher.send_signal(signal.SIGCONT)   # it finds its server dead, restarts it after 1 s
     try:
         assert wait_exit(launcher, 240) == 2, text(launcher)[-3000:]
     finally:

@@ -13,18 +13,7 @@ from fedcore.deployment.distributed import ServerCourse
 from fedcore.launch import write_private
 from tests.conftest import small_cfg
 from tests.deploy_helpers import ROOT, _env, write_cfg
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    out.append(int(entry.name))
-            except (OSError, ValueError, IndexError):
-                pass
-    return out
+from tests.deploy_helpers import children as _children
 
 
 @pytest.mark.slow

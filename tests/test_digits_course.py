@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import need_extra
+from tests.conftest import skip_module_without
 
-need_extra("data")
+skip_module_without("data")   # imported by the courses that run, not at collection
 
 from fedcore.kernel.config import load_config
 from fedcore.runtime.course import Course

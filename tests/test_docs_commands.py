@@ -157,6 +157,13 @@ def quickstart(tmp_path_factory) -> Path:
     return out
 
 
+def test_the_quickstart_reaches_the_accuracy_its_docs_promise(quickstart):
+    summary = json.loads((quickstart / "summary.json").read_text())
+    assert summary["rounds"] == 60
+    assert summary["final_test_acc"] >= 0.70
+    assert summary["time_to_target"] is not None and summary["time_to_target"] < summary["virtual_time"]
+
+
 def test_the_quickstart_writes_the_learning_curve_its_page_prints(quickstart):
     out = quickstart
     records, summary = _records(out), json.loads((out / "summary.json").read_text())

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from fedcore.deployment.launch_guard import _alive
-from tests.deploy_helpers import ROOT, text, wait_exit, wait_for, write_cfg
+from tests.deploy_helpers import ROOT, launched, text, wait_exit, wait_for, write_cfg
 from tests.test_deploy_secrets import _children
 
 SPAWN = ["--start-method", "spawn"]   # launches whose processes the test finds by their command lines
@@ -194,20 +194,22 @@ def test_a_client_sigkilled_under_restart_comes_back_with_its_state_and_the_cour
         "distribute.heartbeat_interval": 0.2, "distribute.heartbeat_timeout": 1.5,
         "distribute.backoff_initial": 0.1, "distribute.backoff_max": 0.5})
     out = tmp_path / "out"
-    launcher = procs.start("launch", ["-m", "fedcore.launch", *SPAWN, "--restart", "1", "--cfg", str(cfg),
+    launcher = procs.start("launch", ["-m", "fedcore.launch", "--restart", "1", "--cfg", str(cfg),
                                       f"outdir={out}"])
+    sent = marks / "sent_1_2"
 
-    def sent():
+    def sent_pid():
         assert launcher.poll() is None, text(launcher)[-3000:]
-        return (marks / "sent_1_2").exists()
-    wait_for(sent, 240, "client 1's update of round 2")
+        return sent.exists() and sent.read_text()   # written at once: the pid, or nothing yet
+    first = int(wait_for(sent_pid, 240, "client 1's update of round 2"))
     time.sleep(1.0)                                  # on its way over loopback
-    (first,) = [p for p in _children(launcher.pid) if "distribute.client_id=1" in _cmdline(p)]
+    before = set(launched(launcher.pid))
+    assert first in before and len(before) == 4      # the server and three clients
     os.kill(first, signal.SIGKILL)
     wait_for(lambda: "client 1: loaded its state of round 2" in text(launcher), 120,
              "client 1 restarted with its state")
-    (again,) = [p for p in _children(launcher.pid) if "distribute.client_id=1" in _cmdline(p)]
-    assert again != first
+    after = set(launched(launcher.pid))
+    assert first not in after and len(after - before) == 1   # one new process: client 1 again
     time.sleep(1.0)                                  # its join on its way
     (marks / "go").write_text("")
     assert wait_exit(launcher, 240) == 0, text(launcher)[-3000:]
@@ -257,7 +259,7 @@ def test_a_stopped_launch_prints_the_launch_that_resumes_it_and_that_launch_fini
         "plugins": ["tests.slow_plugin"], "algorithm.name": "fedavg_pausing", "slow_test.pause": 0.2,
         "federate.client_num": 2, "federate.total_round_num": 8, "eval.clients": False})
     out = tmp_path / "out"
-    launcher = procs.start("launch", ["-m", "fedcore.launch", *SPAWN, "--cfg", str(cfg), f"outdir={out}"])
+    launcher = procs.start("launch", ["-m", "fedcore.launch", "--cfg", str(cfg), f"outdir={out}"])
     metrics = out / "metrics.jsonl"
     wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") >= 2, 240, "two rounds")
     launcher.send_signal(signal.SIGTERM)   # as Ctrl-C: an orderly stop

@@ -1,21 +1,10 @@
-"""The shipped quickstart scenario reaches the accuracy its docs promise."""
+"""The README's quickstart ends with a plot. (That the quickstart reaches the accuracy its docs
+promise is checked on the page's own run: tests/test_docs_commands.py.)"""
 from pathlib import Path
 
 import pytest
 
-from fedcore.kernel.config import load_config
-from fedcore.runtime.course import Course
-
 SCENARIO = Path(__file__).resolve().parent.parent / "scenarios" / "quickstart.yaml"
-
-
-@pytest.mark.slow
-def test_quickstart_reaches_target(tmp_path):
-    cfg = load_config(SCENARIO, [f"outdir={tmp_path}", "verbose=false"])
-    summary = Course(cfg).run()
-    assert summary["rounds"] == 60
-    assert summary["final_test_acc"] >= 0.70
-    assert summary["time_to_target"] is not None and summary["time_to_target"] < summary["virtual_time"]
 
 
 @pytest.mark.extra("plot")

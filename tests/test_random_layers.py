@@ -1,6 +1,7 @@
 """Dropout draws from the client's own stream: every executor trains the same model with
 dropout on, the vectorized engine runs every fit batched, and a layer it cannot replay is
-named before the first round."""
+named before the first round. (Ray's actors: tests/test_ray_executor.py, on the local Ray
+its other courses share.)"""
 from __future__ import annotations
 
 import logging
@@ -185,22 +186,3 @@ def test_check_names_the_layer_that_keeps_a_course_sequential(tmp_path):
     out = run_fedcore(["--cfg", tmp_path / "c.yaml", "--check"], timeout=120)
     assert out.returncode == 0, out.stderr
     assert "layer features.1 (BatchNorm2d)" in out.stdout + out.stderr
-
-
-@pytest.mark.slow
-def test_ray_actors_draw_the_clients_own_dropout_masks():
-    ray = pytest.importorskip("ray", reason="Ray is the optional extra 'ray' (pip install '.[ray]')")
-    over = dict(torch_threads=1, model__type="mlp", model__hidden=[9], model__mlp_dropout=0.3,
-                train__local_steps=3, federate__sample_client_num=4, federate__total_round_num=2)
-    try:
-        results = {}
-        for executor in ("sequential", "ray"):
-            course = Course(small_cfg(None, executor=executor, executor__ray__object_store_mb=80,
-                                      **over)).build()
-            summary = course.run()
-            results[executor] = (summary, dict(course.server.aggregator.global_state))
-    finally:
-        ray.shutdown()
-    assert results["ray"][0]["batched_fits"] == 8 and results["ray"][0]["sequential_fits"] == 0
-    seq, par = results["sequential"][1], results["ray"][1]
-    assert all(torch.equal(seq[k], par[k]) for k in seq)

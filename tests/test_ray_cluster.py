@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from fedcore.runtime.course import Course
-from tests.conftest import small_cfg
+from tests.conftest import skip_module_without, small_cfg
 
-ray = pytest.importorskip("ray", reason="Ray is the optional extra 'ray' (pip install '.[ray]')")
+skip_module_without("ray")   # its processes import Ray; this one need not, even to collect
 
 pytestmark = pytest.mark.slow
 

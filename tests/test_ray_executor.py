@@ -1,7 +1,9 @@
 """`executor: ray`: Ray actors train the clients and the course's numbers are the sequential
 executor's, with client state carried across rounds; without Ray the key is exit 2 naming
 the extra. The first course starts a local Ray (one CPU per usable core: 2 on the test
-machines, no dashboard, a small object store), which serves the whole module."""
+machines, no dashboard, a small object store), which serves every course after it. Starting
+Ray is most of these tests' cost, and `pytest -n` would start one per worker that runs one of
+them: the courses on a local Ray are one test, each checked as its own test would."""
 import logging
 import sys
 
@@ -11,9 +13,9 @@ import torch
 from fedcore.runtime.course import Course
 from fedcore.execution.procpool import usable_cores
 from fedcore.run import main
-from tests.conftest import small_cfg
+from tests.conftest import skip_module_without, small_cfg
 
-ray = pytest.importorskip("ray", reason="Ray is the optional extra 'ray' (pip install '.[ray]')")
+skip_module_without("ray")   # imported by the tests that run, not at collection (a second of CPU)
 from fedcore.execution.ray_executor import _IDLE  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -28,6 +30,7 @@ def leave_ray():
     try:
         yield
     finally:
+        import ray
         ray.shutdown()
 
 
@@ -38,7 +41,8 @@ def _run(executor, **overrides):
     return course, dict(course.server.aggregator.global_state), trace
 
 
-def test_with_no_address_a_run_starts_a_local_ray_and_leaves_its_actors_warm():
+def _no_address_run_starts_a_local_ray_and_leaves_its_actors_warm():
+    import ray
     assert not ray.is_initialized()
     _, seq, _ = _run("sequential")
     course, par, _ = _run("ray", executor__ray__object_store_mb=80)
@@ -67,10 +71,10 @@ ALGORITHMS = {
 }
 
 
-@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
-def test_ray_equals_sequential(algorithm, caplog):
+def _ray_equals_sequential(algorithm, caplog):
     overrides = ALGORITHMS[algorithm]
     _, seq, seq_trace = _run("sequential", **overrides)
+    caplog.clear()
     with caplog.at_level(logging.INFO, logger="fedcore.executor"):
         course, par, par_trace = _run("ray", executor__ray__object_store_mb=80, **overrides)
     engine = course.trainer.engine
@@ -82,6 +86,39 @@ def test_ray_equals_sequential(algorithm, caplog):
     assert "executor ray: round 1: clients" in caplog.text
     assert engine._actors == []            # given back at the end of the run
     assert len(engine._nodes) == usable_cores()     # one actor per CPU of the local Ray
+
+
+def _ray_actors_draw_the_clients_own_dropout_masks():
+    """Dropout draws from the client's own stream in an actor too (tests/test_random_layers.py
+    checks the other executors)."""
+    over = dict(torch_threads=1, model__type="mlp", model__hidden=[9], model__mlp_dropout=0.3,
+                train__local_steps=3, federate__sample_client_num=4, federate__total_round_num=2)
+    results = {}
+    for executor in ("sequential", "ray"):
+        course = Course(small_cfg(None, executor=executor, executor__ray__object_store_mb=80,
+                                  **over)).build()
+        summary = course.run()
+        results[executor] = (summary, dict(course.server.aggregator.global_state))
+    assert results["ray"][0]["batched_fits"] == 8 and results["ray"][0]["sequential_fits"] == 0
+    seq, par = results["sequential"][1], results["ray"][1]
+    assert all(torch.equal(seq[k], par[k]) for k in seq)
+
+
+def test_courses_on_one_local_ray_equal_their_sequential_runs(caplog):
+    """Each check below was a test of its own; a failing one is named, the others still run."""
+    checks = {"a run with no address starts a local Ray and leaves its actors warm":
+              _no_address_run_starts_a_local_ray_and_leaves_its_actors_warm}
+    checks.update({f"ray equals sequential [{a}]": (lambda a=a: _ray_equals_sequential(a, caplog))
+                   for a in sorted(ALGORITHMS)})
+    checks["ray actors draw the clients' own dropout masks"] = \
+        _ray_actors_draw_the_clients_own_dropout_masks
+    failed = {}
+    for name, check in checks.items():
+        try:
+            check()
+        except AssertionError as e:
+            failed[name] = e
+    assert not failed, "\n".join(f"{name}: {e}" for name, e in failed.items())
 
 
 def test_ray_falls_back_when_the_data_cannot_be_rebuilt(caplog):
