@@ -412,7 +412,9 @@ def main(argv: list[str] | None = None) -> int:
                       "stopping the server", file=sys.stderr, flush=True)
                 rc = EXIT_CONFIG if EXIT_CONFIG in codes else EXIT_FAILURE
             time.sleep(0.1)
-        grace = time.monotonic() + 15.0
+        # a finished course's clients get its end and leave on their own; after a server that
+        # failed for good they would only wait for it, so they are stopped at once
+        grace = time.monotonic() + (15.0 if rc == 0 else 0.0)
         for child in children[1:]:
             try:
                 child.proc.wait(max(0.0, grace - time.monotonic()))
