@@ -20,6 +20,7 @@ EXTRAS = {
     "tune": ("optuna",), "plot": ("matplotlib",), "tensorboard": ("tensorboard",),
     "mlflow": ("mlflow",), "wandb": ("wandb",), "ray": ("ray",),
     "llm": ("transformers", "peft", "datasets"), "ops": ("prometheus_client",),
+    "trees": ("xgboost",), "vertical": ("phe", "cryptography"),
     "dev": ("grpc_tools",),   # test tools of the dev extra: protoc, opacus
 }
 
@@ -31,6 +32,17 @@ def skip_module_without(extra: str, *modules: str):
     missing = [m for m in modules or EXTRAS[extra] if importlib.util.find_spec(m) is None]
     if missing:
         pytest.skip(_missing(extra, missing[0]), allow_module_level=True)
+
+
+class lazy_module:
+    """A module imported at its first use: collecting a test module then costs no import
+    (xgboost and scikit-learn take seconds, in every xdist worker)."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attr: str):
+        return getattr(importlib.import_module(self._name), attr)
 
 
 def _missing(extra: str, module: str) -> str:

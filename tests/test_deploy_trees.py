@@ -4,13 +4,14 @@ secure aggregation too, where the server unmasks only the sum of the clients' co
 import json
 
 import pytest
+from tests.conftest import skip_module_without
 
 import fedcore
 from tests.deploy_helpers import ROOT, launch_course
 
 pytestmark = pytest.mark.slow
-pytest.importorskip("xgboost", reason="task: trees needs xgboost (extra: trees)")
-pytest.importorskip("sklearn", reason="the breast_cancer table needs scikit-learn (extra: data)")
+skip_module_without("trees", "xgboost")
+skip_module_without("data", "sklearn")
 
 
 def _cfg(tmp_path, clients: int, extra: str = ""):

@@ -8,11 +8,12 @@ import json
 from types import SimpleNamespace
 
 import pytest
+from tests.conftest import skip_module_without
 import torch
 import yaml
 
-pytest.importorskip("xgboost", reason="task: trees needs xgboost (extra: trees)")
-pytest.importorskip("sklearn", reason="the breast_cancer table needs scikit-learn (extra: data)")
+skip_module_without("trees", "xgboost")
+skip_module_without("data", "sklearn")
 pytest.importorskip("phe", reason="SecureBoost needs python-paillier (extra: vertical)")
 pytest.importorskip("cryptography", reason="vertical alignment (PSI) needs cryptography (extra: vertical)")
 

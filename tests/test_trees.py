@@ -12,9 +12,11 @@ import sys
 
 import numpy as np
 import pytest
+from tests.conftest import lazy_module, skip_module_without
 
-xgb = pytest.importorskip("xgboost", reason="task: trees needs xgboost (extra: trees)")
-pytest.importorskip("sklearn", reason="the breast_cancer and diabetes tables need scikit-learn (extra: data)")
+skip_module_without("trees", "xgboost")
+xgb = lazy_module("xgboost")
+skip_module_without("data", "sklearn")
 
 import fedcore  # noqa: E402
 from fedcore.algorithms import trees_core as tc  # noqa: E402

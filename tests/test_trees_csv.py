@@ -7,8 +7,10 @@ import json
 
 import numpy as np
 import pytest
+from tests.conftest import lazy_module, skip_module_without
 
-xgb = pytest.importorskip("xgboost", reason="task: trees needs xgboost (extra: trees)")
+skip_module_without("trees", "xgboost")
+xgb = lazy_module("xgboost")
 
 import fedcore  # noqa: E402
 from fedcore.run import main  # noqa: E402

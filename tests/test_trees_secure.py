@@ -11,9 +11,11 @@ import json
 
 import numpy as np
 import pytest
+from tests.conftest import lazy_module, skip_module_without
 
-xgb = pytest.importorskip("xgboost", reason="task: trees needs xgboost (extra: trees)")
-pytest.importorskip("sklearn", reason="the breast_cancer table needs scikit-learn (extra: data)")
+skip_module_without("trees", "xgboost")
+xgb = lazy_module("xgboost")
+skip_module_without("data", "sklearn")
 pytest.importorskip("cryptography", reason="secure aggregation needs cryptography (extra: secagg)")
 
 from fedcore.algorithms import trees_secure as ts  # noqa: E402

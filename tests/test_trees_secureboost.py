@@ -12,8 +12,10 @@ import sys
 
 import numpy as np
 import pytest
+from tests.conftest import lazy_module, skip_module_without
 
-xgb = pytest.importorskip("xgboost", reason="task: trees needs xgboost (extra: trees)")
+skip_module_without("trees", "xgboost")
+xgb = lazy_module("xgboost")
 pytest.importorskip("phe", reason="SecureBoost needs python-paillier (extra: vertical)")
 
 import fedcore  # noqa: E402

@@ -9,9 +9,10 @@ import json
 
 import numpy as np
 import pytest
+from tests.conftest import skip_module_without
 import torch
 
-pytest.importorskip("xgboost", reason="task: trees needs xgboost (extra: trees)")
+skip_module_without("trees", "xgboost")
 
 import fedcore  # noqa: E402
 from fedcore.kernel.config import load_config  # noqa: E402
