@@ -39,9 +39,10 @@ import weakref
 __all__ = ["available", "ForkServer", "ForkedProcess", "ForkServerGone"]
 
 MODULES = ("fedcore.run", "fedcore.launch")   # what it runs, as `python -m` does
-# what a deployed course imports; numpy.ma is np.unique's first import (a data split's)
+# what a deployed course imports; numpy.ma is np.unique's first import (a data split's);
+# sklearn.datasets where installed: the shipped tables (digits, the quickstart's) load through it
 PRELOAD = ("grpc", "numpy", "numpy.ma", "torch", "torch._dynamo", "yaml", "fedcore.deployment.distributed",
-           "fedcore.comm.grpc_server", "fedcore.comm.grpc_client", *MODULES)
+           "fedcore.comm.grpc_server", "fedcore.comm.grpc_client", "sklearn.datasets", *MODULES)
 _PR_SET_PDEATHSIG = 1
 SOCKET_PATH_MAX = 107   # bytes of a Unix socket's path on Linux (sun_path, less its final NUL)
 
@@ -61,7 +62,7 @@ def _preload() -> None:
     for name in PRELOAD:
         try:
             importlib.import_module(name)
-        except ImportError:   # a torch without _dynamo: each child imports what it needs
+        except ImportError:   # a torch without _dynamo, no scikit-learn: each child imports what it needs
             pass
     from fedcore.kernel.registry import load_builtin
     load_builtin()
