@@ -16,11 +16,9 @@ import torch
 
 from fedcore.algorithms import analytics_stats as st
 from fedcore.handlers import analytics, evaluation, rounds, secagg_client
-from fedcore.handlers.secagg_blame import SecaggServer
-from fedcore.handlers.secure_aggregation import start_secure_round, unmasked_total
+from fedcore.handlers.secure_aggregation import start_secure_round, whole_sum
 from fedcore.kernel.contract import ReceivedUpdate
 from fedcore.kernel.registry import behaviours
-from fedcore.kernel.errors import NothingAggregated
 from fedcore.kernel.worker import Stopwatch
 
 __all__ = ["mask_sums", "sum_securely", "install"]
@@ -42,19 +40,10 @@ def sum_securely(server, _event=None) -> None:
     """`secagg_shares_revealed`: unmask the round's sum, check it, aggregate it as the round's
     one update; a sum that cannot be unmasked or is out of range stops the course
     (NothingAggregated): a statistic of the union cannot skip a round."""
-    from fedcore.algorithms.secure_sum import ShareShortage, out_of_range
-    state = server.state(SecaggServer)
-    sr = state.current
-    try:
-        total = unmasked_total(server, sr)
-        problem = out_of_range(total, sum(sr.weights[v] for v in sr.survivors), st.ROW_BITS)
-    except (ShareShortage, ValueError) as exc:
-        problem = f"cannot unmask: {exc}"
-    state.current = None
-    if problem is not None:
-        raise NothingAggregated(f"secure aggregation: round {sr.round} of the analytics course: {problem}; "
-                                "a statistic of the union cannot skip a round")
-    state.aggregated += 1
+    from fedcore.algorithms.secure_sum import out_of_range
+    sr, total = whole_sum(server, "analytics", "a statistic of the union cannot skip a round",
+                          lambda sr, total: out_of_range(total, sum(sr.weights[v] for v in sr.survivors),
+                                                         st.ROW_BITS))
     update = ReceivedUpdate(0, {"sums": torch.from_numpy(total[:-1].astype(np.int64)),
                                 "extremes": torch.zeros(0, dtype=torch.float64),
                                 "num_samples": int(total[-1])}, sr.round, 0)

@@ -45,6 +45,7 @@ from fedcore.algorithms.secagg_settings import Settings, neighbour_graph
 from fedcore.handlers import rounds, secagg_checks, secagg_client, sync
 from fedcore.handlers.secagg_blame import (SecaggServer, ServerRound, checked_shares, exclude, keys_problem,
                                            settle_survivors, shares_problem, survivor_keys)
+from fedcore.kernel.errors import NothingAggregated
 from fedcore.kernel.message import SERVER_ID
 from fedcore.kernel.registry import behaviours
 from fedcore.kernel.scheduler import PRIORITY_TIMER
@@ -343,6 +344,25 @@ def unmask_and_aggregate(server, _event=None) -> None:
     state.aggregated += 1
     if rounds.aggregate(server, [update], fields):
         start_secure_round(server)
+
+
+def whole_sum(server, course: str, why: str, check) -> tuple[ServerRound, np.ndarray]:
+    """The round's unmasked sum for a course whose rounds cannot skip (a statistic of the union,
+    a tree level): `check(sr, total)` names what is wrong with it, or None; a sum that cannot be
+    unmasked or fails the check stops the course (NothingAggregated, saying `why`)."""
+    from fedcore.algorithms.secure_sum import ShareShortage
+    state = server.state(SecaggServer)
+    sr = state.current
+    try:
+        total = unmasked_total(server, sr)
+        problem = check(sr, total)
+    except (ShareShortage, ValueError) as exc:
+        problem = f"cannot unmask: {exc}"
+    state.current = None
+    if problem is not None:
+        raise NothingAggregated(f"secure aggregation: round {sr.round} of the {course} course: {problem}; {why}")
+    state.aggregated += 1
+    return sr, total
 
 
 def unmasked_total(server, sr: ServerRound) -> np.ndarray:

@@ -28,7 +28,7 @@ from fedcore.handlers import attack, performance_drop  # noqa: F401
 from fedcore.handlers import secagg_client, secure_aggregation as secagg
 from fedcore.handlers.secagg_blame import SecaggServer
 from fedcore.kernel.contract import ReceivedUpdate
-from fedcore.kernel.errors import ConfigError, NothingAggregated
+from fedcore.kernel.errors import ConfigError
 from fedcore.kernel.files import write_atomic
 from fedcore.kernel.message import SERVER_ID
 from fedcore.kernel.registry import behaviours, courses
@@ -204,24 +204,17 @@ def sum_histograms(server, _event=None) -> None:
     otherwise the course stops, as an analytics course does."""
     from fedcore.algorithms import trees_secure as ts
     from fedcore.algorithms.secagg_settings import Settings
-    from fedcore.algorithms.secure_sum import ShareShortage
-    state = server.state(SecaggServer)
-    sr, cfg = state.current, server.course.cfg
+    cfg = server.course.cfg
     everyone = sorted(server.course.client_ids)
-    try:
-        total = secagg.unmasked_total(server, sr)
-        problem = None
+
+    def check(sr, total) -> str | None:
         if sorted(sr.survivors) != everyone:
-            problem = f"clients {sorted(sr.survivors)} of {everyone} are in the sum"
-        elif int(total[-1]) != len(everyone):
-            problem = f"its total weight is {int(total[-1])}, not the {len(everyone)} clients"
-    except (ShareShortage, ValueError) as exc:
-        problem = f"cannot unmask: {exc}"
-    state.current = None
-    if problem is not None:
-        raise NothingAggregated(f"secure aggregation: round {sr.round} of the trees course: {problem}; a "
-                                "tree level needs every client's histograms")
-    state.aggregated += 1
+            return f"clients {sorted(sr.survivors)} of {everyone} are in the sum"
+        if int(total[-1]) != len(everyone):
+            return f"its total weight is {int(total[-1])}, not the {len(everyone)} clients"
+        return None
+
+    sr, total = secagg.whole_sum(server, "trees", "a tree level needs every client's histograms", check)
     hist = ts.decode(total[:-1], cfg["trees.secure_frac_bits"], Settings.of(cfg).modulus)
     update = ReceivedUpdate(0, {"hist": torch.from_numpy(hist)}, sr.round, 0)
     record(server, {"num_updates": len(sr.survivors), "secagg_survivors": len(sr.survivors), **sr.fields(),
