@@ -33,6 +33,7 @@ docs/compression.md (large models) and docs/performance.md (W8).
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 from dataclasses import dataclass
@@ -41,7 +42,8 @@ from typing import Callable
 import torch
 
 from fedcore.runtime import admission
-from fedcore.wire.spooled import release
+from fedcore.runtime.parking import PARKED_TENSOR_BYTES, Parking
+from fedcore.wire.spooled import blank, is_mapped, release
 
 from fedcore.kernel import registry
 from fedcore.kernel.config import declare
@@ -53,7 +55,8 @@ from fedcore.kernel.server_state import worker_state
 
 log = logging.getLogger("fedcore.course")
 
-__all__ = ["RunningMean", "FoldingBuffer", "fold_when_sent", "folds", "round_buffer", "AUTO_MIN_BYTES"]
+__all__ = ["RunningMean", "FoldingBuffer", "fold_when_sent", "spill_in_simulation", "folds", "round_buffer",
+           "AUTO_MIN_BYTES", "SPILL_AUTO_BYTES"]
 
 AUTO_MIN_BYTES = 16 * 2 ** 20   # `auto` folds models at least this large
 
@@ -68,6 +71,17 @@ declare("aggregator.streaming_sum", str, "float64", "dtype of the running sum of
         "simulation only to that rounding)", choices=("float64", "model"))
 
 
+SPILL_AUTO_BYTES = 64 * 2 ** 20   # `aggregator.spill: auto` spills models at least this large
+
+declare("aggregator.spill", str, "auto", "a simulation whose rounds fold (aggregator.streaming) "
+        "keeps, while its clients train, the global model, the float64 running sum and a server "
+        "optimizer's moments in unlinked private files in the run's outdir (the system's temporary "
+        "folder without one), not in memory; each client reads the model from there and folds its "
+        "update into the sum there, a slice at a time (per client: the model read once, the sum "
+        "read and written once): on, off, or auto (models of 64 MiB or more)",
+        choices=("auto", "on", "off"))
+
+
 class RunningMean:
     """sum_i w_i x_i (float64, or each floating entry's own dtype) and sum_i w_i over models
     folded one at a time.
@@ -79,8 +93,9 @@ class RunningMean:
     uniformly: until a positive weight arrives the sum is unweighted, and it restarts at
     that weight."""
 
-    def __init__(self, in_model_dtype: bool = False) -> None:
+    def __init__(self, in_model_dtype: bool = False, spill: bool = False, folder: str | None = None) -> None:
         self.in_model_dtype = in_model_dtype   # floating entries summed in their own dtype
+        self.spill, self.folder = spill, folder   # the sum in a file in `folder` (see `_blank_sum`)
         self.sum: dict[str, list[torch.Tensor]] | None = None
         self.like: dict[str, tuple[torch.dtype, torch.Size]] = {}
         self.total = 0.0      # sum of the positive weights
@@ -88,14 +103,18 @@ class RunningMean:
 
     def fold(self, model: dict[str, torch.Tensor], weight: float) -> None:
         if self.sum is None:
-            self.sum = {n: [torch.zeros(min(SUM_PIECE, t.numel() - at), dtype=self._sum_dtype(t), device=t.device)
-                            for at in range(0, t.numel(), SUM_PIECE)] for n, t in model.items()}
+            self.sum = self._blank_sum(model) if self.spill else None
+            if self.sum is None:
+                self.sum = {n: [torch.zeros(min(SUM_PIECE, t.numel() - at), dtype=self._sum_dtype(t),
+                                            device=t.device) for at in range(0, t.numel(), SUM_PIECE)]
+                            for n, t in model.items()}
             self.like = {n: (t.dtype, t.shape, t.device) for n, t in model.items()}
         if weight > 0:
             if self.total == 0 and self.count:
                 for pieces in self.sum.values():
                     for piece in pieces:
                         piece.zero_()
+                        release(piece)
             self.total += weight
         elif self.total == 0:
             self.count += 1
@@ -104,6 +123,32 @@ class RunningMean:
             return     # weight zero among positive weights: it adds nothing
         for name, pieces in self.sum.items():
             _add_scaled(pieces, model[name], weight)
+
+    def _blank_sum(self, model: dict[str, torch.Tensor]) -> dict[str, list[torch.Tensor]] | None:
+        """The sum's pieces as views of a new unlinked file in `folder` (wire/spooled.py `blank`),
+        each piece's pages given back once added to: the same float64 additions in the same
+        order, with the sum in the system's page cache instead of the process. None (the sum
+        in memory) where a tensor is not on the CPU or the file cannot be made (said once)."""
+        if any(t.device.type != "cpu" for t in model.values()):
+            return None
+        try:
+            flat = blank({n: ((t.numel(),), self._sum_dtype(t)) for n, t in model.items()}, self.folder)
+        except OSError as exc:
+            log.warning("aggregator.spill: the running sum could not be kept in a file in %s (%s); it "
+                        "stays in memory", self.folder or "the temporary folder", exc)
+            self.spill = False
+            return None
+        return {n: [f[at:at + SUM_PIECE] for at in range(0, f.numel(), SUM_PIECE)] for n, f in flat.items()}
+
+    def _blank_mean(self) -> dict[str, torch.Tensor]:
+        """Where a spilled sum's mean is written: a new file of its own (the next global model,
+        parked as it is made, runtime/parking.py), or nothing (memory) where it cannot be made."""
+        try:
+            return blank({n: (tuple(shape), dtype) for n, (dtype, shape, _) in self.like.items()}, self.folder)
+        except OSError as exc:
+            log.warning("aggregator.spill: the round's mean could not be kept in a file in %s (%s); it "
+                        "is made in memory", self.folder or "the temporary folder", exc)
+            return {}
 
     def _sum_dtype(self, t: torch.Tensor) -> torch.dtype:
         return t.dtype if self.in_model_dtype and t.is_floating_point() else torch.float64
@@ -116,9 +161,11 @@ class RunningMean:
         """The weighted mean in each entry's own dtype (integers rounded); releases the sum."""
         out, divisor, sums = {}, self.weight, self.sum or {}
         self.sum = None
+        spilled = self._blank_mean() if sums and all(is_mapped(p[0]) for p in sums.values() if p) else {}
         for name in list(sums):
             pieces, (dtype, shape, device) = sums.pop(name), self.like[name]
-            mean = torch.empty(shape, dtype=dtype, device=device)   # mapped as it is written
+            mean = spilled.get(name)   # in a file like the sum, or in memory mapped as it is written
+            mean = torch.empty(shape, dtype=dtype, device=device) if mean is None else mean
             flat, at = mean.view(-1), 0
             pieces.reverse()
             while pieces:
@@ -127,6 +174,8 @@ class RunningMean:
                 if not dtype.is_floating_point:
                     piece.round_()
                 flat[at:at + piece.numel()].copy_(piece)
+                release(piece)   # a spilled sum's pages go back to its file, and its mean's
+                release(flat[at:at + piece.numel()])
                 at += piece.numel()
                 del piece
             out[name] = mean
@@ -147,6 +196,7 @@ def _add_scaled(pieces: list[torch.Tensor], t: torch.Tensor, weight: float) -> N
             part = flat[base + start:base + stop]
             acc[start:stop].add_(part.to(acc.dtype), alpha=weight)
             release(part)   # a spooled update's pages go back once folded (wire/spooled.py)
+            release(acc[start:stop])   # and a spilled sum's (`RunningMean._blank_sum`)
         base += acc.numel()
 
 
@@ -156,7 +206,10 @@ class FoldingBuffer:
 
     def __init__(self, server) -> None:
         self.server = server
-        self.running = RunningMean(server.course.cfg["aggregator.streaming_sum"] == "model")
+        parking = server.state(Parking)
+        spill = parking.spill_sum and 0 < parking.min_bytes <= _model_bytes(server.aggregator)
+        self.running = RunningMean(server.course.cfg["aggregator.streaming_sum"] == "model", spill,
+                                   parking.folder)
         self.received: list[ReceivedUpdate] = []
         self.admitted: list[ReceivedUpdate] = []
         self.sent: dict[int, bool] = {}   # client -> admitted, for updates folded as they were sent
@@ -220,6 +273,58 @@ def fold_when_sent(server, collect) -> Callable[[Message, int], None]:
         buffer.fold_sent(ReceivedUpdate(msg.sender, content, msg.round, 0))
         content.pop("model")
     return tap
+
+
+def spill_in_simulation(server) -> None:
+    """`aggregator.spill`: a simulation's folding rounds park the global model
+    (runtime/parking.py) and keep their running sum, and a server optimizer its moments, in
+    files (wire/spooled.py `blank`), so that the process holds, while a client trains, little
+    more than the trainer's working copy and its gradients. The same arithmetic on the same
+    values: the results are those of the rounds held in memory, bit for bit."""
+    mode = server.course.cfg["aggregator.spill"]
+    if mode == "off":
+        return
+    parking = server.state(Parking)
+    outdir = getattr(server.course, "outdir", None)
+    parking.min_bytes = 1 if mode == "on" else SPILL_AUTO_BYTES
+    parking.folder = None if outdir is None else str(outdir)
+    parking.spill_sum = True
+    opt = getattr(server.aggregator, "server_optimizer", None)
+    if opt is not None:
+        opt.allocate = lambda like: _spilled_like(server, like)
+    if _model_bytes(server.aggregator) >= parking.min_bytes:
+        _map_large_allocations()
+
+
+MMAP_THRESHOLD = 2 ** 20   # bytes from which glibc maps an allocation on its own (`_map_large_allocations`)
+
+
+def _map_large_allocations() -> None:
+    """Ask glibc (where it is the C library) to map each allocation of MMAP_THRESHOLD bytes
+    or more on its own, and unmap it when freed: a large model's training makes transient
+    tensors (activations, their gradients) of a few MiB, which glibc's adaptive threshold
+    would otherwise keep in its heap once freed, fragmented, a heap that grew by a model's
+    size over a round's clients. Costs a page fault per page of each such tensor."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallopt(-3, MMAP_THRESHOLD)   # M_MMAP_THRESHOLD (fixes it: no adaptive threshold)
+    except (OSError, AttributeError):     # not glibc: its own policy
+        pass
+
+
+def _spilled_like(server, like: torch.Tensor) -> torch.Tensor:
+    """An uninitialised tensor like `like`: in a file where the round spills (see
+    `spill_in_simulation`), else in memory."""
+    parking = server.state(Parking)
+    if (like.device.type == "cpu" and like.numel() * like.element_size() >= PARKED_TENSOR_BYTES
+            and 0 < parking.min_bytes <= _model_bytes(server.aggregator)):
+        try:
+            return blank({"t": (tuple(like.shape), like.dtype)}, parking.folder)["t"]
+        except OSError as exc:
+            log.warning("aggregator.spill: a server optimizer's step could not be kept in a file in %s "
+                        "(%s); it stays in memory", parking.folder or "the temporary folder", exc)
+            parking.spill_sum = False
+    return torch.empty_like(like)
 
 
 def folds(aggregator) -> bool:

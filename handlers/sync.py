@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 
 from fedcore.runtime import admission, parking
-from fedcore.algorithms.streaming import FoldingBuffer, fold_when_sent, round_buffer
+from fedcore.algorithms.streaming import FoldingBuffer, fold_when_sent, round_buffer, spill_in_simulation
 from fedcore.kernel.contract import ReceivedUpdate
 from fedcore.handlers import evaluation, join, rounds, training
 from fedcore.kernel.registry import components, courses
@@ -91,3 +91,4 @@ def install(course) -> None:
     taps = getattr(getattr(course, "comm", None), "taps", None)
     if taps is not None:   # a simulation: a folding round folds each update as it is sent
         taps.append(fold_when_sent(course.server, collect_update))
+        spill_in_simulation(course.server)   # and keeps large models in files meanwhile
