@@ -33,7 +33,6 @@ docs/compression.md (large models) and docs/performance.md (W8).
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import math
 from dataclasses import dataclass
@@ -42,7 +41,7 @@ from typing import Callable
 import torch
 
 from fedcore.runtime import admission
-from fedcore.runtime.parking import PARKED_TENSOR_BYTES, Parking
+from fedcore.runtime.parking import Parking
 from fedcore.wire.spooled import blank, is_mapped, release
 
 from fedcore.kernel import registry
@@ -55,8 +54,7 @@ from fedcore.kernel.server_state import worker_state
 
 log = logging.getLogger("fedcore.course")
 
-__all__ = ["RunningMean", "FoldingBuffer", "fold_when_sent", "spill_in_simulation", "folds", "round_buffer",
-           "AUTO_MIN_BYTES", "SPILL_AUTO_BYTES"]
+__all__ = ["RunningMean", "FoldingBuffer", "fold_when_sent", "folds", "round_buffer", "AUTO_MIN_BYTES"]
 
 AUTO_MIN_BYTES = 16 * 2 ** 20   # `auto` folds models at least this large
 
@@ -69,17 +67,6 @@ declare("aggregator.streaming_sum", str, "float64", "dtype of the running sum of
         "model (the model's own dtype: one float32 model less on the server, but a mean that "
         "depends on the arrival order to that dtype's rounding, so a deployed course equals its "
         "simulation only to that rounding)", choices=("float64", "model"))
-
-
-SPILL_AUTO_BYTES = 64 * 2 ** 20   # `aggregator.spill: auto` spills models at least this large
-
-declare("aggregator.spill", str, "auto", "a simulation whose rounds fold (aggregator.streaming) "
-        "keeps, while its clients train, the global model, the float64 running sum and a server "
-        "optimizer's moments in unlinked private files in the run's outdir (the system's temporary "
-        "folder without one), not in memory; each client reads the model from there and folds its "
-        "update into the sum there, a slice at a time (per client: the model read once, the sum "
-        "read and written once): on, off, or auto (models of 64 MiB or more)",
-        choices=("auto", "on", "off"))
 
 
 class RunningMean:
@@ -273,58 +260,6 @@ def fold_when_sent(server, collect) -> Callable[[Message, int], None]:
         buffer.fold_sent(ReceivedUpdate(msg.sender, content, msg.round, 0))
         content.pop("model")
     return tap
-
-
-def spill_in_simulation(server) -> None:
-    """`aggregator.spill`: a simulation's folding rounds park the global model
-    (runtime/parking.py) and keep their running sum, and a server optimizer its moments, in
-    files (wire/spooled.py `blank`), so that the process holds, while a client trains, little
-    more than the trainer's working copy and its gradients. The same arithmetic on the same
-    values: the results are those of the rounds held in memory, bit for bit."""
-    mode = server.course.cfg["aggregator.spill"]
-    if mode == "off":
-        return
-    parking = server.state(Parking)
-    outdir = getattr(server.course, "outdir", None)
-    parking.min_bytes = 1 if mode == "on" else SPILL_AUTO_BYTES
-    parking.folder = None if outdir is None else str(outdir)
-    parking.spill_sum = True
-    opt = getattr(server.aggregator, "server_optimizer", None)
-    if opt is not None:
-        opt.allocate = lambda like: _spilled_like(server, like)
-    if _model_bytes(server.aggregator) >= parking.min_bytes:
-        _map_large_allocations()
-
-
-MMAP_THRESHOLD = 2 ** 20   # bytes from which glibc maps an allocation on its own (`_map_large_allocations`)
-
-
-def _map_large_allocations() -> None:
-    """Ask glibc (where it is the C library) to map each allocation of MMAP_THRESHOLD bytes
-    or more on its own, and unmap it when freed: a large model's training makes transient
-    tensors (activations, their gradients) of a few MiB, which glibc's adaptive threshold
-    would otherwise keep in its heap once freed, fragmented, a heap that grew by a model's
-    size over a round's clients. Costs a page fault per page of each such tensor."""
-    try:
-        libc = ctypes.CDLL(None)
-        libc.mallopt(-3, MMAP_THRESHOLD)   # M_MMAP_THRESHOLD (fixes it: no adaptive threshold)
-    except (OSError, AttributeError):     # not glibc: its own policy
-        pass
-
-
-def _spilled_like(server, like: torch.Tensor) -> torch.Tensor:
-    """An uninitialised tensor like `like`: in a file where the round spills (see
-    `spill_in_simulation`), else in memory."""
-    parking = server.state(Parking)
-    if (like.device.type == "cpu" and like.numel() * like.element_size() >= PARKED_TENSOR_BYTES
-            and 0 < parking.min_bytes <= _model_bytes(server.aggregator)):
-        try:
-            return blank({"t": (tuple(like.shape), like.dtype)}, parking.folder)["t"]
-        except OSError as exc:
-            log.warning("aggregator.spill: a server optimizer's step could not be kept in a file in %s "
-                        "(%s); it stays in memory", parking.folder or "the temporary folder", exc)
-            parking.spill_sum = False
-    return torch.empty_like(like)
 
 
 def folds(aggregator) -> bool:

@@ -10,10 +10,10 @@ the time goes to moving and aggregating the model) runs with streaming aggregati
 - `deploy`: a server and one process per client on loopback (gRPC, plaintext), each
   client holding its own copy of the model; the server's peak RSS is measured in its
   own process (bench/peak_rss.py, `getrusage`);
-- `sim`: one simulation process, whose peak RSS holds the server's global model and
-  running sum, the trainer's working model and the update being folded: a simulation folds
-  each update as its client sends it (algorithms/streaming.py, `fold_when_sent`), so its
-  ratio does not grow with the clients per round either, but it is not the server's alone.
+- `sim`: one simulation process: a simulation folds each update as its client sends it
+  (algorithms/streaming.py, `fold_when_sent`) and keeps the global model and the running sum
+  in files while clients train (`aggregator.spill`), so its peak RSS holds the trainer's
+  working model and its gradients or the update being folded, whatever the clients per round.
 
 `--algorithms` runs each size with each algorithm: fedavg, fedadam (FedAvg's mean and a
 server Adam step, whose two moments are server state) or scaffold (which does not fold: a
@@ -31,8 +31,10 @@ footprint, measured first with a 1 MB model) and the wall time of its last round
 fit the machine's memory are left out with a line saying so (`fits`: a deployed server
 peaks at about 2x the model above a 1 MB model's process (the float64 running sum; the
 global model and the update being folded wait in files, docs/compression.md), a client at
-about 4.3x, a simulation at
-about 7x whatever the clients, plus ~0.4 GB per process).
+about 4.3x, a folding simulation at about 2.3x whatever the clients (the global model, the
+sum and a server optimizer's moments wait in files, `aggregator.spill`), plus ~0.4 GB per
+process). A simulation's ratio is taken above a 1 MB model's simulation (its data, its
+workers), a server's above a 1 MB model's server.
 """
 from __future__ import annotations
 
@@ -137,14 +139,18 @@ def run_deploy(cfg: Path, out: Path, clients: int) -> tuple[int, float]:
     return int(peak.read_text()), _round_wall(out)
 
 
-def fits(mode: str, size: int, clients: int, available: int) -> bool:
+def fits(mode: str, size: int, clients: int, available: int, algorithm: str = "fedavg") -> bool:
     """Whether a run should fit in `available` bytes, from what was measured: a deployed
     server peaks at ~2x the model, a client at ~4.3x, but not at once (a 2.25 GB model, one
     client: the machine's available memory fell by 6x the model at most); a simulation
-    process at ~7x: the global model, which the server's module views, the trainer's module
-    and its gradients, the float64 running sum (two models) and the update being folded."""
-    need = ((3.5 + 2 * clients) * size + (clients + 1) * BASE_PROCESS if mode == "deploy"
-            else 8 * size + BASE_PROCESS)
+    process that folds at ~2.3x (the trainer's working copy, and its gradients or the update
+    being folded; the global model, the running sum and a server optimizer's moments wait in
+    files, `aggregator.spill`, whose pages the system's cache holds: ~4x more), one of
+    SCAFFOLD at ~5x per client (each client's two updates and control variate)."""
+    if mode == "deploy":
+        need = (3.5 + 2 * clients) * size + (clients + 1) * BASE_PROCESS
+    else:
+        need = ((4 + 5 * clients) if algorithm == "scaffold" else 8) * size + BASE_PROCESS
     return need < 0.9 * available
 
 
@@ -182,11 +188,11 @@ def main(argv: list[str]) -> int:
             print(f"W8 process baseline (simulation of a 1 MB model): {base_sim / 1e9:.2f} GB", flush=True)
         for label, size, clients in parse_runs(args.runs):
             for mode in modes:
-                if not fits(mode, size, clients, available_bytes()):
-                    print(f"W8 {mode} {label} x{clients}: left out, does not fit the "
-                          f"{available_bytes() / 1e9:.1f} GB available", flush=True)
-                    continue
                 for algorithm in algorithms:
+                    if not fits(mode, size, clients, available_bytes(), algorithm):
+                        print(f"W8 {mode} {label} x{clients} {algorithm}: left out, does not fit the "
+                              f"{available_bytes() / 1e9:.1f} GB available", flush=True)
+                        continue
                     name = f"{mode}_{label}_{clients}_{algorithm}"
                     out = Path(tmp) / name
                     cfg = course_yaml(Path(tmp) / f"{name}.yaml", size, clients, args.rounds, args.sum, algorithm)

@@ -4,7 +4,8 @@ from __future__ import annotations
 import logging
 
 from fedcore.runtime import admission, parking
-from fedcore.algorithms.streaming import FoldingBuffer, fold_when_sent, round_buffer, spill_in_simulation
+from fedcore.algorithms.spill import spill_in_simulation
+from fedcore.algorithms.streaming import FoldingBuffer, fold_when_sent, round_buffer
 from fedcore.kernel.contract import ReceivedUpdate
 from fedcore.handlers import evaluation, join, rounds, training
 from fedcore.kernel.registry import components, courses
