@@ -48,18 +48,17 @@ def spill_in_simulation(server) -> None:
     more than the trainer's working copy and its gradients. The same arithmetic on the same
     values: the results are those of the rounds held in memory, bit for bit."""
     mode = server.course.cfg["aggregator.spill"]
-    if mode == "off":
+    if mode == "off" or (mode == "auto" and _model_bytes(server.aggregator) < SPILL_AUTO_BYTES):
         return
     parking = server.state(Parking)
     outdir = getattr(server.course, "outdir", None)
-    parking.min_bytes = 1 if mode == "on" else SPILL_AUTO_BYTES
+    parking.min_bytes = 1
     parking.folder = None if outdir is None else str(outdir)
     parking.spill_sum = True
     opt = getattr(server.aggregator, "server_optimizer", None)
     if opt is not None:
         opt.allocate = lambda like: _spilled_like(server, like)
-    if _model_bytes(server.aggregator) >= parking.min_bytes:
-        _map_large_allocations()
+    _map_large_allocations()
 
 
 MMAP_THRESHOLD = 2 ** 20   # bytes from which glibc maps an allocation on its own (`_map_large_allocations`)

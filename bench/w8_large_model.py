@@ -1,7 +1,7 @@
 """W8: large models with bounded server memory.
 
     python bench/w8_large_model.py [--runs 100MB:8,1GB:8,3GB:2] [--modes deploy,sim] [--rounds 2] [--sum float64|model]
-                                   [--algorithms fedavg,fedadam,scaffold]
+                                   [--algorithms fedavg,fedadam,scaffold] [--spill auto|on|off]
 
 For each model size and number of clients, one FedAvg course of an MLP 64 -> H -> 3
 (H chosen so its float32 weights take the size; one local step of 10 samples, so
@@ -67,7 +67,7 @@ ALGORITHMS = ("fedavg", "fedadam", "scaffold")
 
 
 def course_yaml(path: Path, size: int, clients: int, rounds: int, running_sum: str = "float64",
-                algorithm: str = "fedavg") -> Path:
+                algorithm: str = "fedavg", spill: str = "auto") -> Path:
     hidden = max(1, size // 4 // 69)     # 64*H + H + 3*H + 3 floats
     folds = algorithm != "scaffold"      # SCAFFOLD's rule needs every update: `on` would be refused
     tree = {"seed": 0, "verbose": False, "algorithm": {"name": "fedavg" if algorithm == "fedadam" else algorithm},
@@ -76,7 +76,8 @@ def course_yaml(path: Path, size: int, clients: int, rounds: int, running_sum: s
                      "synthetic": {"samples_per_client": 10, "dim": 64, "num_classes": 3}},
             "model": {"type": "mlp", "hidden": [hidden]},
             "train": {"batch_size": 10, "local_steps": 1, "optimizer": {"lr": 0.01}},
-            "eval": {"clients": False}, "aggregator": {"streaming": "on" if folds else "auto", "streaming_sum": running_sum},
+            "eval": {"clients": False}, "aggregator": {"streaming": "on" if folds else "auto", "streaming_sum": running_sum,
+                           "spill": spill},
             "admission": {"norm_ratio": float("inf")},
             "distribute": {"insecure": True, "token": "w8", "heartbeat_timeout": 600.0}}
     if algorithm == "fedadam":
@@ -169,6 +170,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--sum", default="float64", choices=("float64", "model"),
                    help="aggregator.streaming_sum: the running sum in float64 (exact in any order) "
                         "or in the model's dtype (a model less)")
+    p.add_argument("--spill", default="auto", choices=("auto", "on", "off"),
+                   help="aggregator.spill: a simulation keeps the global model and the running sum "
+                        "in files while clients train (auto: models of 64 MiB or more)")
     p.add_argument("--algorithms", default="fedavg",
                    help=f"comma-separated, of {', '.join(ALGORITHMS)}")
     args = p.parse_args(argv)
@@ -195,7 +199,8 @@ def main(argv: list[str]) -> int:
                         continue
                     name = f"{mode}_{label}_{clients}_{algorithm}"
                     out = Path(tmp) / name
-                    cfg = course_yaml(Path(tmp) / f"{name}.yaml", size, clients, args.rounds, args.sum, algorithm)
+                    cfg = course_yaml(Path(tmp) / f"{name}.yaml", size, clients, args.rounds, args.sum, algorithm,
+                                      args.spill)
                     peak, wall = (run_deploy(cfg, out, clients) if mode == "deploy" else run_sim(cfg, out))
                     ratio = peak / size
                     who = "server" if mode == "deploy" else "simulation process"
