@@ -8,9 +8,10 @@ a `FoldingBuffer`: an arriving update passes admission's per-update checks, is w
 by the aggregator's own rule and added to a float64 running sum, and is let go. The
 server then holds the global model and the running sum (float64: twice a float32 model),
 however many clients send (a deployed server keeps the global model in a file meanwhile,
-runtime/parking.py); at the round's end the aggregator receives one update carrying
-the mean (with `contributors` naming the clients, as a secure sum does), whose weighted
-mean is itself.
+runtime/parking.py; a simulation of a large model the sum and its mean too,
+algorithms/spill.py); at the round's end the aggregator receives one update carrying the
+mean (with `contributors` naming the clients, as a secure sum does), whose weighted mean
+is itself.
 
 The float64 sum makes the result the exact mean up to float64 rounding, whatever the
 order updates arrive in, then rounded once to the model's dtype; the list-based path
