@@ -55,7 +55,8 @@ from fedcore.kernel.server_state import worker_state
 
 log = logging.getLogger("fedcore.course")
 
-__all__ = ["RunningMean", "FoldingBuffer", "fold_when_sent", "folds", "round_buffer", "AUTO_MIN_BYTES"]
+__all__ = ["RunningMean", "FoldingBuffer", "fold_when_sent", "folds", "folded_keys", "round_buffer",
+           "AUTO_MIN_BYTES"]
 
 AUTO_MIN_BYTES = 16 * 2 ** 20   # `auto` folds models at least this large
 
@@ -145,9 +146,10 @@ class RunningMean:
     def weight(self) -> float:
         return self.total if self.total > 0 else float(self.count)
 
-    def mean(self) -> dict[str, torch.Tensor]:
-        """The weighted mean in each entry's own dtype (integers rounded); releases the sum."""
-        out, divisor, sums = {}, self.weight, self.sum or {}
+    def mean(self, divide: bool = True) -> dict[str, torch.Tensor]:
+        """The weighted mean in each entry's own dtype (integers rounded), or with `divide`
+        False the sum itself; releases the sum."""
+        out, divisor, sums = {}, (self.weight if divide else 1.0), self.sum or {}
         self.sum = None
         spilled = self._blank_mean() if sums and all(is_mapped(p[0]) for p in sums.values() if p) else {}
         for name in list(sums):
@@ -196,8 +198,10 @@ class FoldingBuffer:
         self.server = server
         parking = server.state(Parking)
         spill = parking.spill_sum and 0 < parking.min_bytes <= _model_bytes(server.aggregator)
-        self.running = RunningMean(server.course.cfg["aggregator.streaming_sum"] == "model", spill,
-                                   parking.folder)
+        self.keys = folded_keys(server.aggregator)   # content key -> summed (else a weighted mean)
+        self.runnings = {k: RunningMean(server.course.cfg["aggregator.streaming_sum"] == "model", spill,
+                                        parking.folder) for k in self.keys}
+        self.running = self.runnings[next(k for k, summed in self.keys.items() if not summed)]
         self.received: list[ReceivedUpdate] = []
         self.admitted: list[ReceivedUpdate] = []
         self.sent: dict[int, bool] = {}   # client -> admitted, for updates folded as they were sent
@@ -219,7 +223,9 @@ class FoldingBuffer:
         kept = admission.admit_updates(self.server, [update])
         if kept:
             update = kept[0]
-            self.running.fold(update.content["model"], float(self.server.aggregator.weights([update])[0]))
+            weight = float(self.server.aggregator.weights([update])[0])
+            for key, summed in self.keys.items():
+                self.runnings[key].fold(update.content[key], 1.0 if summed else weight)
         return bool(kept)
 
     def __len__(self) -> int:
@@ -229,8 +235,8 @@ class FoldingBuffer:
         """One update standing for the admitted ones: their weighted mean, weighing their total."""
         ids = sorted(r.client_id for r in self.admitted)
         weight = self.running.weight
-        one = ReceivedUpdate(ids[0], {"model": self.running.mean(), "num_samples": weight},
-                             self.admitted[0].round, 0, owned=True)
+        content = {k: self.runnings[k].mean(divide=not summed) for k, summed in self.keys.items()}
+        one = ReceivedUpdate(ids[0], {**content, "num_samples": weight}, self.admitted[0].round, 0, owned=True)
         one.contributors = ids
         return one
 
@@ -252,15 +258,24 @@ def fold_when_sent(server, collect) -> Callable[[Message, int], None]:
         if (receiver != server.id or msg.msg_type != "updates" or not isinstance(buffer, FoldingBuffer)
                 or server.finished or msg.round != server.round or msg.sender not in server.selected
                 or msg.sender in buffer.sent or not isinstance(content, dict)
-                or not isinstance(content.get("model"), dict)):
+                or not all(isinstance(content.get(k), dict) for k in buffer.keys)):
             return
         handlers = server.handlers
         entry = handlers.entries.get("receiving_updates")
         if entry is None or entry.fn is not collect or handlers.observers.get("receiving_updates"):
             return
         buffer.fold_sent(ReceivedUpdate(msg.sender, content, msg.round, 0))
-        content.pop("model")
+        for key in buffer.keys:
+            content.pop(key)
     return tap
+
+
+def folded_keys(aggregator) -> dict[str, bool]:
+    """The update's entries a folding round sums, each a model-shaped dict: summed as they
+    are (True) or as the aggregator's weighted mean (False); an aggregator that folds more
+    than the model says so with `folded` (SCAFFOLD: the mean model delta, the summed
+    control-variate deltas)."""
+    return dict(getattr(aggregator, "folded", {"model": False}))
 
 
 def folds(aggregator) -> bool:

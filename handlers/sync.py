@@ -64,7 +64,8 @@ def collect_update(server, msg) -> None:
     server.buffer.append(ReceivedUpdate(msg.sender, msg.content, msg.round, 0))
     if msg.owned and isinstance(server.buffer, FoldingBuffer):
         # folded: the received copy is let go now, not after the aggregation this may trigger
-        msg.content.pop("model", None)
+        for key in server.buffer.keys:
+            msg.content.pop(key, None)
     if not server.selected:
         server.trigger("all_received")
 
