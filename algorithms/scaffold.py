@@ -100,6 +100,7 @@ class ScaffoldTrainer(Trainer):
             delta_control[n] = new - c_i[n]
             new_c_i[n] = new
         client_state["c_i"] = new_c_i
+        self._correction = []   # c - c_i: a model, not kept while the update is folded and sent
         return {"delta": delta_model, "delta_control": delta_control, "num_samples": n_train}
 
     def vector_term(self) -> VectorTerm:

@@ -28,8 +28,9 @@ the sum is kept in pieces, so the mean is cast piece by piece as the sum is let 
 that need every update at once keep the list: robust rules and central DP (their
 combination replaces the mean, `combine.replace_combination`), admission's influence
 check (a median over the round, where `admission.norm_ratio` is set), FedEx, and
-aggregators with a rule of their own (SCAFFOLD, FedNova, FedDyn, FedBuff, pFedMe,
-asynchronous courses). Those hold k updates of a round: k times the model. See
+aggregators with a rule of their own (FedNova, FedDyn, FedBuff, pFedMe, asynchronous
+courses; SCAFFOLD's is linear and folds two sums, `folded_keys`). Those hold k updates of a
+round: k times the model. See
 docs/compression.md (large models) and docs/performance.md (W8).
 """
 from __future__ import annotations
