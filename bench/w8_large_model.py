@@ -16,9 +16,10 @@ the time goes to moving and aggregating the model) runs with streaming aggregati
   working model and its gradients or the update being folded, whatever the clients per round.
 
 `--algorithms` runs each size with each algorithm: fedavg, fedadam (FedAvg's mean and a
-server Adam step, whose two moments are server state) or scaffold (which does not fold: a
-round holds its updates, and each client's control variate waits in the client state store,
-in memory; counted in the ratio).
+server Adam step, whose two moments are server state) or scaffold (which folds the weighted
+mean of dy_i and the sum of dc_i; each client's control variate waits in the disk state
+store, `state.store: disk`, so it is not counted; the server's c, the trainer's c_i and
+c - c_i and the update's two halves are).
 
 `--sum model` keeps the running sum in the model's dtype (`aggregator.streaming_sum`):
 a float32 model less on the server, for a mean that depends on the arrival order.
@@ -148,11 +149,12 @@ def fits(mode: str, size: int, clients: int, available: int, algorithm: str = "f
     process that folds at ~2.3x (the trainer's working copy, and its gradients or the update
     being folded; the global model, the running sum and a server optimizer's moments wait in
     files, `aggregator.spill`, whose pages the system's cache holds: ~4x more), one of
-    SCAFFOLD at ~5x per client (each client's two updates and control variate)."""
+    SCAFFOLD at ~11x (its control variates, the trainer's and the server's, and the
+    update's two halves and their temporaries)."""
     if mode == "deploy":
         need = (3.5 + 2 * clients) * size + (clients + 1) * BASE_PROCESS
     else:
-        need = ((4 + 5 * clients) if algorithm == "scaffold" else 8) * size + BASE_PROCESS
+        need = (14 if algorithm == "scaffold" else 8) * size + BASE_PROCESS
     return need < 0.9 * available
 
 
