@@ -55,6 +55,7 @@ def spill_in_simulation(server) -> None:
     parking.min_bytes = 1
     parking.folder = None if outdir is None else str(outdir)
     parking.spill_sum = True
+    parking.key = "aggregator.spill"
     opt = getattr(server.aggregator, "server_optimizer", None)
     if opt is not None:
         opt.allocate = lambda like: _spilled_like(server, like)

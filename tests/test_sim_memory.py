@@ -213,3 +213,17 @@ def test_a_steps_flop_are_counted_on_the_meta_device_as_on_the_models_own():
     course.trainer.model.train()
     assert executor.step_mflop(course) == executor._count_step(
         course.trainer.model, torch.zeros((10,) + tuple(x.shape[1:]), dtype=x.dtype, device="meta"), meta=True)
+
+
+def test_a_folder_that_cannot_take_the_files_leaves_the_round_in_memory(tmp_path, caplog):
+    from fedcore.runtime.parking import Parking
+    course = Course(small_cfg(tmp_path / "gone", **{**LARGE, "aggregator__spill": "on"})).build()
+    course.server.state(Parking).folder = str(tmp_path / "no such folder")
+    course.run()
+    held = _course(tmp_path, "held", aggregator__spill="off")
+    # said once, naming the key, and the course went on in memory
+    assert caplog.text.count("aggregator.spill: the global model could not be kept in a file") == 1
+    assert not course.server.buffer.running.spill
+    assert not any(is_mapped(t) for t in course.server.aggregator.global_state.values())
+    for name, t in held.server.aggregator.global_state.items():
+        assert torch.equal(course.server.aggregator.global_state[name], t), name

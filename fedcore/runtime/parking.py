@@ -43,6 +43,7 @@ class Parking:
     min_bytes: int = 0
     folder: str | None = None
     spill_sum: bool = False
+    key: str = "distribute.spool_dir"   # the key a failure names
 
 
 def park_global(server) -> None:
@@ -66,8 +67,8 @@ def park_global(server) -> None:
     try:
         parked = park(large, parking.folder)
     except OSError as exc:
-        log.warning("distribute.spool_dir: the global model could not be kept in a file (%s); it "
-                    "stays in memory while rounds collect", exc)
+        log.warning("%s: the global model could not be kept in a file (%s); it stays in memory "
+                    "while rounds collect", parking.key, exc)
         parking.min_bytes = 0
         return
     aggregator.global_state = {**state, **parked}
