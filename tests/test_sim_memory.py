@@ -46,6 +46,7 @@ def _records(path):
     {"algorithm__name": "fedprox", "server_optimizer__type": "sgdm"},
     {"aggregator__streaming_sum": "model"},
     {"algorithm__name": "scaffold"},
+    {"executor": "vectorized", "server_optimizer__type": "adam"},
 ])
 def test_a_spilled_course_equals_the_one_held_in_memory_bit_for_bit(tmp_path, monkeypatch, algorithm):
     # bands of 2^16 values: the server optimizer steps the first weight band by band, into files
