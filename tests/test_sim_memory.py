@@ -228,3 +228,26 @@ def test_a_folder_that_cannot_take_the_files_leaves_the_round_in_memory(tmp_path
     assert not any(is_mapped(t) for t in course.server.aggregator.global_state.values())
     for name, t in held.server.aggregator.global_state.items():
         assert torch.equal(course.server.aggregator.global_state[name], t), name
+
+
+def test_the_vectorized_executor_trains_and_folds_a_batch_of_clients_at_a_time(tmp_path, monkeypatch):
+    from fedcore.execution import batching
+    sizes, waiting = [], []
+    compute = batching.BatchingTrainer._compute
+
+    def watched(self, batch, key, first):
+        before = len(batch.tried)
+        compute(self, batch, key, first)
+        sizes.append(len(batch.tried) - before)
+        waiting.append(len(self._ready))      # results computed, not yet picked up by a delivery
+    monkeypatch.setattr(batching.BatchingTrainer, "_compute", watched)
+    kw = dict(executor="vectorized", federate__total_round_num=2)
+    three = _course(tmp_path, "three", executor__batch_clients=3, **kw)
+    assert sizes == [3, 3, 2] * 2 and max(waiting) == 3     # 8 clients a round: 3, 3 and 2
+    assert three.trainer.batched_fits == 16 and three.trainer.sequential_fits == 0
+    sizes.clear()
+    waiting.clear()
+    whole = _course(tmp_path, "whole", **kw)
+    assert sizes == [8, 8] and max(waiting) == 8
+    for name, t in whole.server.aggregator.global_state.items():   # each client's training is its own
+        assert torch.allclose(three.server.aggregator.global_state[name], t, rtol=1e-6, atol=1e-7), name
