@@ -37,7 +37,7 @@ class Parking:
     """Set by the deployment on its server, or by a simulation (`aggregator.spill`): models of
     `min_bytes` or more (0: never) are parked in `folder` (None: the system's temporary
     folder); with `spill_sum`, a folding round's running sum and a server optimizer's moments
-    go there too (a simulation's, algorithms/streaming.py `spill_in_simulation`). Nothing to
+    go there too (a simulation's, algorithms/spill.py `spill_in_simulation`). Nothing to
     save: the deployment or the simulation sets it again when a course resumes."""
     transient = True
     min_bytes: int = 0

@@ -101,7 +101,7 @@ class ServerOptimizer:
         self.v: dict[str, torch.Tensor] = {}
         self.t = 0          # steps taken
         # where a banded step writes the new model and moments: memory, or a file (a simulation
-        # that spills them, algorithms/streaming.py `spill_in_simulation`)
+        # that spills them, algorithms/spill.py `spill_in_simulation`)
         self.allocate: Callable[[torch.Tensor], torch.Tensor] = torch.empty_like
 
     @property
