@@ -100,6 +100,7 @@ class ScaffoldTrainer(Trainer):
             delta_control[n] = new - c_i[n]
             new_c_i[n] = new
         client_state["c_i"] = new_c_i
+        self._correction = []   # c - c_i: a model, not kept while the update is folded and sent
         return {"delta": delta_model, "delta_control": delta_control, "num_samples": n_train}
 
     def vector_term(self) -> VectorTerm:
@@ -153,7 +154,14 @@ class ScaffoldTerm(VectorTerm):
 
 
 class ScaffoldAggregator(Aggregator):
-    """x <- x + eta_g mean(dy_i); c <- c + (1/N) sum(dc_i)."""
+    """x <- x + eta_g mean(dy_i); c <- c + (1/N) sum(dc_i).
+
+    Both are linear in the updates, so a round may fold them as they arrive
+    (algorithms/streaming.py): the weighted mean of dy_i and the sum of dc_i, which arrive as
+    one update whose mean and sum are themselves."""
+
+    streams_updates = True
+    folded = {"delta": False, "delta_control": True}
 
     def __init__(self, model, cfg, num_clients: int):
         super().__init__(model, cfg, num_clients)

@@ -8,9 +8,10 @@ a `FoldingBuffer`: an arriving update passes admission's per-update checks, is w
 by the aggregator's own rule and added to a float64 running sum, and is let go. The
 server then holds the global model and the running sum (float64: twice a float32 model),
 however many clients send (a deployed server keeps the global model in a file meanwhile,
-runtime/parking.py); at the round's end the aggregator receives one update carrying
-the mean (with `contributors` naming the clients, as a secure sum does), whose weighted
-mean is itself.
+runtime/parking.py; a simulation of a large model the sum and its mean too,
+algorithms/spill.py); at the round's end the aggregator receives one update carrying the
+mean (with `contributors` naming the clients, as a secure sum does), whose weighted mean
+is itself.
 
 The float64 sum makes the result the exact mean up to float64 rounding, whatever the
 order updates arrive in, then rounded once to the model's dtype; the list-based path
@@ -27,8 +28,9 @@ the sum is kept in pieces, so the mean is cast piece by piece as the sum is let 
 that need every update at once keep the list: robust rules and central DP (their
 combination replaces the mean, `combine.replace_combination`), admission's influence
 check (a median over the round, where `admission.norm_ratio` is set), FedEx, and
-aggregators with a rule of their own (SCAFFOLD, FedNova, FedDyn, FedBuff, pFedMe,
-asynchronous courses). Those hold k updates of a round: k times the model. See
+aggregators with a rule of their own (FedNova, FedDyn, FedBuff, pFedMe, asynchronous
+courses; SCAFFOLD's is linear and folds two sums, `folded_keys`). Those hold k updates of a
+round: k times the model. See
 docs/compression.md (large models) and docs/performance.md (W8).
 """
 from __future__ import annotations
@@ -41,7 +43,8 @@ from typing import Callable
 import torch
 
 from fedcore.runtime import admission
-from fedcore.wire.spooled import release
+from fedcore.runtime.parking import Parking
+from fedcore.wire.spooled import blank, is_mapped, release
 
 from fedcore.kernel import registry
 from fedcore.kernel.config import declare
@@ -53,7 +56,8 @@ from fedcore.kernel.server_state import worker_state
 
 log = logging.getLogger("fedcore.course")
 
-__all__ = ["RunningMean", "FoldingBuffer", "fold_when_sent", "folds", "round_buffer", "AUTO_MIN_BYTES"]
+__all__ = ["RunningMean", "FoldingBuffer", "fold_when_sent", "folds", "folded_keys", "round_buffer",
+           "AUTO_MIN_BYTES"]
 
 AUTO_MIN_BYTES = 16 * 2 ** 20   # `auto` folds models at least this large
 
@@ -79,8 +83,9 @@ class RunningMean:
     uniformly: until a positive weight arrives the sum is unweighted, and it restarts at
     that weight."""
 
-    def __init__(self, in_model_dtype: bool = False) -> None:
+    def __init__(self, in_model_dtype: bool = False, spill: bool = False, folder: str | None = None) -> None:
         self.in_model_dtype = in_model_dtype   # floating entries summed in their own dtype
+        self.spill, self.folder = spill, folder   # the sum in a file in `folder` (see `_blank_sum`)
         self.sum: dict[str, list[torch.Tensor]] | None = None
         self.like: dict[str, tuple[torch.dtype, torch.Size]] = {}
         self.total = 0.0      # sum of the positive weights
@@ -88,14 +93,18 @@ class RunningMean:
 
     def fold(self, model: dict[str, torch.Tensor], weight: float) -> None:
         if self.sum is None:
-            self.sum = {n: [torch.zeros(min(SUM_PIECE, t.numel() - at), dtype=self._sum_dtype(t), device=t.device)
-                            for at in range(0, t.numel(), SUM_PIECE)] for n, t in model.items()}
+            self.sum = self._blank_sum(model) if self.spill else None
+            if self.sum is None:
+                self.sum = {n: [torch.zeros(min(SUM_PIECE, t.numel() - at), dtype=self._sum_dtype(t),
+                                            device=t.device) for at in range(0, t.numel(), SUM_PIECE)]
+                            for n, t in model.items()}
             self.like = {n: (t.dtype, t.shape, t.device) for n, t in model.items()}
         if weight > 0:
             if self.total == 0 and self.count:
                 for pieces in self.sum.values():
                     for piece in pieces:
                         piece.zero_()
+                        release(piece)
             self.total += weight
         elif self.total == 0:
             self.count += 1
@@ -105,6 +114,32 @@ class RunningMean:
         for name, pieces in self.sum.items():
             _add_scaled(pieces, model[name], weight)
 
+    def _blank_sum(self, model: dict[str, torch.Tensor]) -> dict[str, list[torch.Tensor]] | None:
+        """The sum's pieces as views of a new unlinked file in `folder` (wire/spooled.py `blank`),
+        each piece's pages given back once added to: the same float64 additions in the same
+        order, with the sum in the system's page cache instead of the process. None (the sum
+        in memory) where a tensor is not on the CPU or the file cannot be made (said once)."""
+        if any(t.device.type != "cpu" for t in model.values()):
+            return None
+        try:
+            flat = blank({n: ((t.numel(),), self._sum_dtype(t)) for n, t in model.items()}, self.folder)
+        except OSError as exc:
+            log.warning("aggregator.spill: the running sum could not be kept in a file in %s (%s); it "
+                        "stays in memory", self.folder or "the temporary folder", exc)
+            self.spill = False
+            return None
+        return {n: [f[at:at + SUM_PIECE] for at in range(0, f.numel(), SUM_PIECE)] for n, f in flat.items()}
+
+    def _blank_mean(self) -> dict[str, torch.Tensor]:
+        """Where a spilled sum's mean is written: a new file of its own (the next global model,
+        parked as it is made, runtime/parking.py), or nothing (memory) where it cannot be made."""
+        try:
+            return blank({n: (tuple(shape), dtype) for n, (dtype, shape, _) in self.like.items()}, self.folder)
+        except OSError as exc:
+            log.warning("aggregator.spill: the round's mean could not be kept in a file in %s (%s); it "
+                        "is made in memory", self.folder or "the temporary folder", exc)
+            return {}
+
     def _sum_dtype(self, t: torch.Tensor) -> torch.dtype:
         return t.dtype if self.in_model_dtype and t.is_floating_point() else torch.float64
 
@@ -112,13 +147,16 @@ class RunningMean:
     def weight(self) -> float:
         return self.total if self.total > 0 else float(self.count)
 
-    def mean(self) -> dict[str, torch.Tensor]:
-        """The weighted mean in each entry's own dtype (integers rounded); releases the sum."""
-        out, divisor, sums = {}, self.weight, self.sum or {}
+    def mean(self, divide: bool = True) -> dict[str, torch.Tensor]:
+        """The weighted mean in each entry's own dtype (integers rounded), or with `divide`
+        False the sum itself; releases the sum."""
+        out, divisor, sums = {}, (self.weight if divide else 1.0), self.sum or {}
         self.sum = None
+        spilled = self._blank_mean() if sums and all(is_mapped(p[0]) for p in sums.values() if p) else {}
         for name in list(sums):
             pieces, (dtype, shape, device) = sums.pop(name), self.like[name]
-            mean = torch.empty(shape, dtype=dtype, device=device)   # mapped as it is written
+            mean = spilled.get(name)   # in a file like the sum, or in memory mapped as it is written
+            mean = torch.empty(shape, dtype=dtype, device=device) if mean is None else mean
             flat, at = mean.view(-1), 0
             pieces.reverse()
             while pieces:
@@ -127,6 +165,8 @@ class RunningMean:
                 if not dtype.is_floating_point:
                     piece.round_()
                 flat[at:at + piece.numel()].copy_(piece)
+                release(piece)   # a spilled sum's pages go back to its file, and its mean's
+                release(flat[at:at + piece.numel()])
                 at += piece.numel()
                 del piece
             out[name] = mean
@@ -147,6 +187,7 @@ def _add_scaled(pieces: list[torch.Tensor], t: torch.Tensor, weight: float) -> N
             part = flat[base + start:base + stop]
             acc[start:stop].add_(part.to(acc.dtype), alpha=weight)
             release(part)   # a spooled update's pages go back once folded (wire/spooled.py)
+            release(acc[start:stop])   # and a spilled sum's (`RunningMean._blank_sum`)
         base += acc.numel()
 
 
@@ -156,7 +197,12 @@ class FoldingBuffer:
 
     def __init__(self, server) -> None:
         self.server = server
-        self.running = RunningMean(server.course.cfg["aggregator.streaming_sum"] == "model")
+        parking = server.state(Parking)
+        spill = parking.spill_sum and 0 < parking.min_bytes <= _model_bytes(server.aggregator)
+        self.keys = folded_keys(server.aggregator)   # content key -> summed (else a weighted mean)
+        self.runnings = {k: RunningMean(server.course.cfg["aggregator.streaming_sum"] == "model", spill,
+                                        parking.folder) for k in self.keys}
+        self.running = self.runnings[next(k for k, summed in self.keys.items() if not summed)]
         self.received: list[ReceivedUpdate] = []
         self.admitted: list[ReceivedUpdate] = []
         self.sent: dict[int, bool] = {}   # client -> admitted, for updates folded as they were sent
@@ -178,7 +224,9 @@ class FoldingBuffer:
         kept = admission.admit_updates(self.server, [update])
         if kept:
             update = kept[0]
-            self.running.fold(update.content["model"], float(self.server.aggregator.weights([update])[0]))
+            weight = float(self.server.aggregator.weights([update])[0])
+            for key, summed in self.keys.items():
+                self.runnings[key].fold(update.content[key], 1.0 if summed else weight)
         return bool(kept)
 
     def __len__(self) -> int:
@@ -188,8 +236,8 @@ class FoldingBuffer:
         """One update standing for the admitted ones: their weighted mean, weighing their total."""
         ids = sorted(r.client_id for r in self.admitted)
         weight = self.running.weight
-        one = ReceivedUpdate(ids[0], {"model": self.running.mean(), "num_samples": weight},
-                             self.admitted[0].round, 0, owned=True)
+        content = {k: self.runnings[k].mean(divide=not summed) for k, summed in self.keys.items()}
+        one = ReceivedUpdate(ids[0], {**content, "num_samples": weight}, self.admitted[0].round, 0, owned=True)
         one.contributors = ids
         return one
 
@@ -211,15 +259,24 @@ def fold_when_sent(server, collect) -> Callable[[Message, int], None]:
         if (receiver != server.id or msg.msg_type != "updates" or not isinstance(buffer, FoldingBuffer)
                 or server.finished or msg.round != server.round or msg.sender not in server.selected
                 or msg.sender in buffer.sent or not isinstance(content, dict)
-                or not isinstance(content.get("model"), dict)):
+                or not all(isinstance(content.get(k), dict) for k in buffer.keys)):
             return
         handlers = server.handlers
         entry = handlers.entries.get("receiving_updates")
         if entry is None or entry.fn is not collect or handlers.observers.get("receiving_updates"):
             return
         buffer.fold_sent(ReceivedUpdate(msg.sender, content, msg.round, 0))
-        content.pop("model")
+        for key in buffer.keys:
+            content.pop(key)
     return tap
+
+
+def folded_keys(aggregator) -> dict[str, bool]:
+    """The update's entries a folding round sums, each a model-shaped dict: summed as they
+    are (True) or as the aggregator's weighted mean (False); an aggregator that folds more
+    than the model says so with `folded` (SCAFFOLD: the mean model delta, the summed
+    control-variate deltas)."""
+    return dict(getattr(aggregator, "folded", {"model": False}))
 
 
 def folds(aggregator) -> bool:

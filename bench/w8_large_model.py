@@ -1,6 +1,7 @@
 """W8: large models with bounded server memory.
 
     python bench/w8_large_model.py [--runs 100MB:8,1GB:8,3GB:2] [--modes deploy,sim] [--rounds 2] [--sum float64|model]
+                                   [--algorithms fedavg,fedadam,scaffold] [--spill auto|on|off]
 
 For each model size and number of clients, one FedAvg course of an MLP 64 -> H -> 3
 (H chosen so its float32 weights take the size; one local step of 10 samples, so
@@ -9,10 +10,16 @@ the time goes to moving and aggregating the model) runs with streaming aggregati
 - `deploy`: a server and one process per client on loopback (gRPC, plaintext), each
   client holding its own copy of the model; the server's peak RSS is measured in its
   own process (bench/peak_rss.py, `getrusage`);
-- `sim`: one simulation process, whose peak RSS holds the server's global model and
-  running sum, the trainer's working model and the update being folded: a simulation folds
-  each update as its client sends it (algorithms/streaming.py, `fold_when_sent`), so its
-  ratio does not grow with the clients per round either, but it is not the server's alone.
+- `sim`: one simulation process: a simulation folds each update as its client sends it
+  (algorithms/streaming.py, `fold_when_sent`) and keeps the global model and the running sum
+  in files while clients train (`aggregator.spill`), so its peak RSS holds the trainer's
+  working model and its gradients or the update being folded, whatever the clients per round.
+
+`--algorithms` runs each size with each algorithm: fedavg, fedadam (FedAvg's mean and a
+server Adam step, whose two moments are server state) or scaffold (which folds the weighted
+mean of dy_i and the sum of dc_i; each client's control variate waits in the disk state
+store, `state.store: disk`, so it is not counted; the server's c, the trainer's c_i and
+c - c_i and the update's two halves are).
 
 `--sum model` keeps the running sum in the model's dtype (`aggregator.streaming_sum`):
 a float32 model less on the server, for a mean that depends on the arrival order.
@@ -25,8 +32,10 @@ footprint, measured first with a 1 MB model) and the wall time of its last round
 fit the machine's memory are left out with a line saying so (`fits`: a deployed server
 peaks at about 2x the model above a 1 MB model's process (the float64 running sum; the
 global model and the update being folded wait in files, docs/compression.md), a client at
-about 4.3x, a simulation at
-about 7x whatever the clients, plus ~0.4 GB per process).
+about 4.3x, a folding simulation at about 2.3x whatever the clients (the global model, the
+sum and a server optimizer's moments wait in files, `aggregator.spill`), plus ~0.4 GB per
+process). A simulation's ratio is taken above a 1 MB model's simulation (its data, its
+workers), a server's above a 1 MB model's server.
 """
 from __future__ import annotations
 
@@ -55,17 +64,26 @@ def parse_runs(text: str) -> list[tuple[str, int, int]]:
     return out
 
 
-def course_yaml(path: Path, size: int, clients: int, rounds: int, running_sum: str = "float64") -> Path:
+ALGORITHMS = ("fedavg", "fedadam", "scaffold")
+
+
+def course_yaml(path: Path, size: int, clients: int, rounds: int, running_sum: str = "float64",
+                algorithm: str = "fedavg", spill: str = "auto") -> Path:
     hidden = max(1, size // 4 // 69)     # 64*H + H + 3*H + 3 floats
-    tree = {"seed": 0, "verbose": False,
+    tree = {"seed": 0, "verbose": False, "algorithm": {"name": "fedavg" if algorithm == "fedadam" else algorithm},
             "federate": {"client_num": clients, "total_round_num": rounds},
             "data": {"type": "synthetic", "partition": "natural",
                      "synthetic": {"samples_per_client": 10, "dim": 64, "num_classes": 3}},
             "model": {"type": "mlp", "hidden": [hidden]},
             "train": {"batch_size": 10, "local_steps": 1, "optimizer": {"lr": 0.01}},
-            "eval": {"clients": False}, "aggregator": {"streaming": "on", "streaming_sum": running_sum},
+            "eval": {"clients": False}, "aggregator": {"streaming": "on", "streaming_sum": running_sum,
+                           "spill": spill},
             "admission": {"norm_ratio": float("inf")},
             "distribute": {"insecure": True, "token": "w8", "heartbeat_timeout": 600.0}}
+    if algorithm == "fedadam":
+        tree["server_optimizer"] = {"type": "adam"}
+    if algorithm == "scaffold":   # each client's control variate waits on disk, not in the process
+        tree["state"] = {"store": "disk", "path": str(path.with_suffix(".states"))}
     path.write_text(yaml.safe_dump(tree))
     return path
 
@@ -124,14 +142,19 @@ def run_deploy(cfg: Path, out: Path, clients: int) -> tuple[int, float]:
     return int(peak.read_text()), _round_wall(out)
 
 
-def fits(mode: str, size: int, clients: int, available: int) -> bool:
+def fits(mode: str, size: int, clients: int, available: int, algorithm: str = "fedavg") -> bool:
     """Whether a run should fit in `available` bytes, from what was measured: a deployed
     server peaks at ~2x the model, a client at ~4.3x, but not at once (a 2.25 GB model, one
     client: the machine's available memory fell by 6x the model at most); a simulation
-    process at ~7x: the global model, which the server's module views, the trainer's module
-    and its gradients, the float64 running sum (two models) and the update being folded."""
-    need = ((3.5 + 2 * clients) * size + (clients + 1) * BASE_PROCESS if mode == "deploy"
-            else 8 * size + BASE_PROCESS)
+    process that folds at ~2.3x (the trainer's working copy, and its gradients or the update
+    being folded; the global model, the running sum and a server optimizer's moments wait in
+    files, `aggregator.spill`, whose pages the system's cache holds: ~4x more), one of
+    SCAFFOLD at ~11x (its control variates, the trainer's and the server's, and the
+    update's two halves and their temporaries)."""
+    if mode == "deploy":
+        need = (3.5 + 2 * clients) * size + (clients + 1) * BASE_PROCESS
+    else:
+        need = (14 if algorithm == "scaffold" else 8) * size + BASE_PROCESS
     return need < 0.9 * available
 
 
@@ -150,31 +173,49 @@ def main(argv: list[str]) -> int:
     p.add_argument("--sum", default="float64", choices=("float64", "model"),
                    help="aggregator.streaming_sum: the running sum in float64 (exact in any order) "
                         "or in the model's dtype (a model less)")
+    p.add_argument("--spill", default="auto", choices=("auto", "on", "off"),
+                   help="aggregator.spill: a simulation keeps the global model and the running sum "
+                        "in files while clients train (auto: models of 64 MiB or more)")
+    p.add_argument("--algorithms", default="fedavg",
+                   help=f"comma-separated, of {', '.join(ALGORITHMS)}")
     args = p.parse_args(argv)
+    algorithms = args.algorithms.split(",")
+    if not set(algorithms) <= set(ALGORITHMS):
+        p.error(f"--algorithms: one of {', '.join(ALGORITHMS)} each")
+    modes = args.modes.split(",")
     largest, largest_sim = 0.0, 0.0
     with tempfile.TemporaryDirectory() as tmp:
-        # a process's own footprint (python, torch, grpc), from a 1 MB model's deployed server
+        # a process's own footprint (python, torch, grpc, the data), from a 1 MB model's
+        # deployed server, and from a 1 MB model's simulation for the simulations
         base, _ = run_deploy(course_yaml(Path(tmp) / "base.yaml", 10 ** 6, 2, 1), Path(tmp) / "base", 2)
         print(f"W8 process baseline (server of a 1 MB model): {base / 1e9:.2f} GB", flush=True)
+        base_sim = base
+        if "sim" in modes:
+            base_sim, _ = run_sim(course_yaml(Path(tmp) / "base_sim.yaml", 10 ** 6, 8, 1), Path(tmp) / "base_sim")
+            print(f"W8 process baseline (simulation of a 1 MB model): {base_sim / 1e9:.2f} GB", flush=True)
         for label, size, clients in parse_runs(args.runs):
-            for mode in args.modes.split(","):
-                if not fits(mode, size, clients, available_bytes()):
-                    print(f"W8 {mode} {label} x{clients}: left out, does not fit the "
-                          f"{available_bytes() / 1e9:.1f} GB available", flush=True)
-                    continue
-                out = Path(tmp) / f"{mode}_{label}_{clients}"
-                cfg = course_yaml(Path(tmp) / f"{mode}_{label}_{clients}.yaml", size, clients, args.rounds,
-                                  args.sum)
-                peak, wall = (run_deploy(cfg, out, clients) if mode == "deploy" else run_sim(cfg, out))
-                ratio = peak / size
-                who = "server" if mode == "deploy" else "simulation process"
-                print(f"W8 {mode} {label} x{clients}: {who} peak RSS {peak / 1e9:.2f} GB = {ratio:.2f}x "
-                      f"the model ({(peak - base) / size:.2f}x above the baseline); {wall:.1f} s wall "
-                      "per round", flush=True)
-                if mode == "deploy":
-                    largest = max(largest, ratio)
-                else:
-                    largest_sim = max(largest_sim, (peak - base) / size)
+            for mode in modes:
+                for algorithm in algorithms:
+                    if not fits(mode, size, clients, available_bytes(), algorithm):
+                        print(f"W8 {mode} {label} x{clients} {algorithm}: left out, does not fit the "
+                              f"{available_bytes() / 1e9:.1f} GB available", flush=True)
+                        continue
+                    name = f"{mode}_{label}_{clients}_{algorithm}"
+                    out = Path(tmp) / name
+                    cfg = course_yaml(Path(tmp) / f"{name}.yaml", size, clients, args.rounds, args.sum, algorithm,
+                                      args.spill)
+                    peak, wall = (run_deploy(cfg, out, clients) if mode == "deploy" else run_sim(cfg, out))
+                    ratio = peak / size
+                    who = "server" if mode == "deploy" else "simulation process"
+                    own = base if mode == "deploy" else base_sim
+                    print(f"W8 {mode} {label} x{clients} {algorithm}: {who} peak RSS {peak / 1e9:.2f} GB = "
+                          f"{ratio:.2f}x the model ({(peak - own) / size:.2f}x above the baseline"
+                          + ("" if mode == "deploy" else f", {(peak - base) / size:.2f}x above the server's")
+                          + f"); {wall:.1f} s wall per round", flush=True)
+                    if mode == "deploy":
+                        largest = max(largest, ratio)
+                    else:
+                        largest_sim = max(largest_sim, (peak - own) / size)
     print(f"sim_peak_rss_over_model={largest_sim:.2f}")
     print(f"server_peak_rss_over_model={largest:.2f}")
     return 0

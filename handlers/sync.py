@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 
 from fedcore.runtime import admission, parking
+from fedcore.algorithms.spill import spill_in_simulation
 from fedcore.algorithms.streaming import FoldingBuffer, fold_when_sent, round_buffer
 from fedcore.kernel.contract import ReceivedUpdate
 from fedcore.handlers import evaluation, join, rounds, training
@@ -63,7 +64,8 @@ def collect_update(server, msg) -> None:
     server.buffer.append(ReceivedUpdate(msg.sender, msg.content, msg.round, 0))
     if msg.owned and isinstance(server.buffer, FoldingBuffer):
         # folded: the received copy is let go now, not after the aggregation this may trigger
-        msg.content.pop("model", None)
+        for key in server.buffer.keys:
+            msg.content.pop(key, None)
     if not server.selected:
         server.trigger("all_received")
 
@@ -91,3 +93,4 @@ def install(course) -> None:
     taps = getattr(getattr(course, "comm", None), "taps", None)
     if taps is not None:   # a simulation: a folding round folds each update as it is sent
         taps.append(fold_when_sent(course.server, collect_update))
+        spill_in_simulation(course.server)   # and keeps large models in files meanwhile

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fedcore.kernel import registry
+from fedcore.kernel.config import declare, positive
 from fedcore.kernel.contract import FitResult
 from fedcore.kernel.hooks import around_result
 from fedcore.kernel.message import SERVER_ID, Message
@@ -56,12 +57,21 @@ class Engine:
         return {}
 
 
+declare("executor.batch_clients", int, None,
+        "vectorized, processes and ray executors: the most clients of one broadcast trained "
+        "together (null: all its receivers at once); each batch's results wait for their "
+        "deliveries, each a model, and are folded as their clients send them "
+        "(aggregator.streaming), so this bounds a round's memory for a large model",
+        nullable=True, check=positive)
+
+
 @dataclass
 class _Batch:
     content: Any                                   # kept alive, so its id cannot be reused
     round: int
     waiting: dict[int, None] = field(default_factory=dict)   # receivers, in order (O(1) removal)
-    computed: bool = False
+    computed: bool = False                         # every receiver trained (or tried)
+    tried: set[int] = field(default_factory=set)   # receivers a batch trained so far
 
 
 @dataclass
@@ -167,9 +177,9 @@ class BatchingTrainer:
         key = id(received)
         batch = self._batches.get(key)
         if not self._disabled and batch is not None and batch.content is received \
-                and batch.round == round_ \
-                and not batch.computed and client_id in batch.waiting and len(batch.waiting) > 1:
-            self._compute(batch, key)
+                and batch.round == round_ and not batch.computed and client_id in batch.waiting \
+                and client_id not in batch.tried and len(batch.waiting) > 1:
+            self._compute(batch, key, client_id)
         ready = self._ready.pop((client_id, key), None)
         if self._latest.get(client_id) == key:
             del self._latest[client_id]
@@ -193,9 +203,15 @@ class BatchingTrainer:
         if not batch.waiting:
             del self._batches[key]
 
-    def _compute(self, batch: _Batch, key: int) -> None:
-        batch.computed = True
+    def _compute(self, batch: _Batch, key: int, first: int) -> None:
+        """Train `first` and the next receivers not trained yet, `executor.batch_clients` at
+        most (all of them by default)."""
+        most = self._course.cfg["executor.batch_clients"]
         ids = list(batch.waiting)
+        if most is not None:
+            ids = ([first] + [c for c in ids if c != first and c not in batch.tried])[:most]
+        batch.tried.update(ids)
+        batch.computed = all(c in batch.tried for c in batch.waiting)
         store, clients = self._trainer.store, self._course.clients
         jobs = [(cid, clients[cid].data, store.load(cid)) for cid in ids]
         try:

@@ -101,29 +101,45 @@ def step_mflop(course) -> float | None:
     """Floating-point operations (in millions) of one local step, forward and backward, on a
     batch of zeros shaped as the first client's inputs (None where the model cannot count one).
     Counted in eval mode under a forked random state: no buffer, gradient or draw of the course
-    changes."""
+    changes. Counted first on the meta device (shapes only: a large model's gradients are
+    never made), else on the model's own."""
     import torch
-    from torch.utils.flop_counter import FlopCounterMode
     model = getattr(course.trainer, "model", None)
     if not isinstance(model, torch.nn.Module):   # a trainer without a torch model (train.backend: numpy)
         return None
     was_training = model.training
-    counter = FlopCounterMode(display=False)
     try:
         x = course.data.clients[min(course.client_ids)].train.x   # (data made on access: no keys)
-        batch = torch.zeros((course.cfg["train.batch_size"],) + tuple(x.shape[1:]), dtype=x.dtype,
-                            device=x.device)
-        with torch.random.fork_rng(devices=[]), counter:
+        shape = (course.cfg["train.batch_size"],) + tuple(x.shape[1:])
+        with torch.random.fork_rng(devices=[]):
             model.eval()
-            out = model(batch)
-            out = out if isinstance(out, torch.Tensor) else out[0]
-            out.float().sum().backward()
-    except Exception as exc:  # noqa: BLE001 - a model that needs more than a batch of inputs
-        log.debug("torch_threads auto: no step counted (%s)", exc)
-        return None
+            for device in ("meta", None):
+                try:
+                    return _count_step(model, torch.zeros(shape, dtype=x.dtype, device=device or x.device),
+                                       meta=device is not None)
+                except Exception as exc:  # noqa: BLE001 - a model that needs more than a batch of inputs
+                    log.debug("torch_threads auto: no step counted on %s (%s)", device or x.device, exc)
     finally:
         model.zero_grad(set_to_none=True)
         model.train(was_training)
+    return None
+
+
+def _count_step(model, batch, meta: bool) -> float:
+    """MFLOP of the forward and backward of `model` on `batch`; with `meta`, through meta
+    copies of its parameters and buffers (`functional_call`), the model untouched."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    counter = FlopCounterMode(display=False)
+    with counter:
+        if meta:
+            state = {n: torch.empty_like(t, device="meta").requires_grad_(t.requires_grad)
+                     for n, t in model.state_dict(keep_vars=True).items()}
+            out = torch.func.functional_call(model, state, (batch,))
+        else:
+            out = model(batch)
+        out = out if isinstance(out, torch.Tensor) else out[0]
+        out.float().sum().backward()
     return counter.get_total_flops() / 1e6
 
 

@@ -33,6 +33,7 @@ from fedcore.kernel.model_ops import clone_tree, evaluate_model, model_device, w
 from fedcore.kernel.sgd_step import clear_grads, plain_sgd, sgd_update
 from fedcore.kernel.state import StateStore
 from fedcore.kernel.vector_term import VectorTerm
+from fedcore.wire.spooled import copy_released
 
 __all__ = ["Algorithm", "Trainer", "Aggregator", "FitResult", "ReceivedUpdate", "BatchStream",
            "ShareFilter", "weighted_mean", "evaluate_model", "clone_tree", "model_device",
@@ -156,9 +157,10 @@ class Trainer(Wrappable):
     # ------------------------------------------------------------ state in and out
     @torch.no_grad()
     def load_global(self, model_state: dict[str, torch.Tensor], client_state: dict) -> None:
-        """Copy received entries into the shared model in place; restore local entries."""
+        """Copy received entries into the shared model in place (a parked global model a slice
+        at a time, wire/spooled.py); restore local entries."""
         for name, t in model_state.items():
-            self.entries[name].copy_(t)
+            copy_released(self.entries[name], t)
         if self._local_init:
             local = client_state.get("local_params", self._local_init)
             for name, t in local.items():

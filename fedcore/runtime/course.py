@@ -154,12 +154,16 @@ class Course:
         except OSError as exc:
             raise ConfigError(f"state.path: cannot use '{cfg['state.path']}' for the disk state store "
                               f"({exc.strerror or exc}); choose a writable folder") from None
-        self.trainer = make_trainer(self.algorithm, model, cfg, self.trainer_store())
         self.timing = TimeModel.from_config(cfg, self.client_ids)
         self.comm = InProcessComm(self.scheduler, self.timing, self.monitor.count_bytes)
         if self.timing.has_dropouts:
             self.comm.filters.append(self.timing.keep)  # dropped-out clients never reply
         self.make_server(model, self.client_ids)
+        # the server's module views the aggregator's copy of the model from now on, as after any
+        # evaluation (handlers/evaluation.py `load_global`), and the trainer copies it: two
+        # models while the course is built, not three
+        model.load_state_dict(self.server.aggregator.global_state, strict=False, assign=True)
+        self.trainer = make_trainer(self.algorithm, model, cfg, self.trainer_store())
         self.comm.attach(self.server)
         self.clients: dict[int, Client] = {}
         for cid in self.client_ids:

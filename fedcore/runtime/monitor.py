@@ -30,6 +30,7 @@ import torch
 
 from fedcore.kernel.files import make_folder, open_fresh, write_atomic
 from fedcore.kernel.message import SERVER_ID, Message
+from fedcore.wire.spooled import copy_released, is_mapped, release
 
 __all__ = ["Monitor", "Callback", "StopRun", "strict_json"]
 
@@ -391,4 +392,9 @@ def _alone(t: torch.Tensor) -> torch.Tensor:
     t = t.detach().cpu()
     if t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size():
         return t
+    if is_mapped(t):   # a parked or spilled model: what was read of it goes back, and the copy
+        release(t)     # reads it a slice at a time (wire/spooled.py)
+        out = torch.empty_like(t, memory_format=torch.contiguous_format)
+        copy_released(out, t)
+        return out
     return t.clone()

@@ -22,7 +22,7 @@ import logging
 from dataclasses import dataclass
 
 from fedcore.kernel.server_state import worker_state
-from fedcore.wire.spooled import is_mapped, park
+from fedcore.wire.spooled import is_mapped, park, release
 
 __all__ = ["Parking", "park_global", "PARKED_TENSOR_BYTES"]
 
@@ -34,12 +34,16 @@ PARKED_TENSOR_BYTES = 2 ** 20   # tensors this large are parked; smaller ones st
 @worker_state("parking")
 @dataclass
 class Parking:
-    """Set by the deployment on its server: models of `min_bytes` or more (0: never) are
-    parked in `folder` (None: the system's temporary folder). Nothing to save: the
-    deployment sets it again when a course resumes."""
+    """Set by the deployment on its server, or by a simulation (`aggregator.spill`): models of
+    `min_bytes` or more (0: never) are parked in `folder` (None: the system's temporary
+    folder); with `spill_sum`, a folding round's running sum and a server optimizer's moments
+    go there too (a simulation's, algorithms/spill.py `spill_in_simulation`). Nothing to
+    save: the deployment or the simulation sets it again when a course resumes."""
     transient = True
     min_bytes: int = 0
     folder: str | None = None
+    spill_sum: bool = False
+    key: str = "distribute.spool_dir"   # the key a failure names
 
 
 def park_global(server) -> None:
@@ -56,13 +60,15 @@ def park_global(server) -> None:
     # and not those parked already (a round that changed nothing)
     large = {k: t for k, t in state.items() if aggregator.shared(k) and t.device.type == "cpu"
              and t.numel() * t.element_size() >= PARKED_TENSOR_BYTES and not is_mapped(t)}
+    for t in state.values():   # parked already (a round that changed nothing, a server optimizer's
+        release(t)             # step written to a file): what was read of it since goes back
     if not large:
         return
     try:
         parked = park(large, parking.folder)
     except OSError as exc:
-        log.warning("distribute.spool_dir: the global model could not be kept in a file (%s); it "
-                    "stays in memory while rounds collect", exc)
+        log.warning("%s: the global model could not be kept in a file (%s); it stays in memory "
+                    "while rounds collect", parking.key, exc)
         parking.min_bytes = 0
         return
     aggregator.global_state = {**state, **parked}

@@ -23,7 +23,7 @@ docs/algorithms/server_optimizers.md.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -100,6 +100,9 @@ class ServerOptimizer:
         self.m: dict[str, torch.Tensor] = {}
         self.v: dict[str, torch.Tensor] = {}
         self.t = 0          # steps taken
+        # where a banded step writes the new model and moments: memory, or a file (a simulation
+        # that spills them, algorithms/spill.py `spill_in_simulation`)
+        self.allocate: Callable[[torch.Tensor], torch.Tensor] = torch.empty_like
 
     @property
     def identity(self) -> bool:
@@ -191,9 +194,9 @@ class ServerOptimizer:
         same operations as in `_update`; the norms' squares are summed band by band."""
         adaptive, momentum = self.kind in ADAPTIVE, self.kind != "sgd"
         old_m, old_v = self.m.get(name), self.v.get(name)
-        out = torch.empty_like(aggregate)
-        new_m = torch.empty_like(aggregate) if momentum else None
-        new_v = torch.empty_like(aggregate) if adaptive else None
+        out = self.allocate(aggregate)
+        new_m = self.allocate(aggregate) if momentum else None
+        new_v = self.allocate(aggregate) if adaptive else None
         flat = lambda t: None if t is None else t.view(-1)  # noqa: E731
         xs, ys, outs, ms, vs, new_ms, new_vs = map(flat, (x, aggregate, out, old_m, old_v, new_m, new_v))
         deltas_sq = steps_sq = 0.0
@@ -209,8 +212,11 @@ class ServerOptimizer:
             del delta, m, v
             steps_sq += _square_sum(step)
             torch.add(xs[band], step, out=outs[band])
-            release(xs[band])   # a parked global model's pages go back once read (wire/spooled.py)
-            release(ys[band])
+            # a parked global model's pages go back once read (wire/spooled.py), and spilled
+            # moments' and results' once read or written
+            for t in (xs, ys, outs, ms, vs, new_ms, new_vs):
+                if t is not None:
+                    release(t[band])
         if momentum:
             self.m[name] = new_m
         if adaptive:

@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
 import mmap
 import os
 import tempfile
 import weakref
 from typing import Any
 
-__all__ = ["Spool", "release", "release_view", "park", "is_mapped", "mapped_bytes"]
+__all__ = ["Spool", "release", "release_view", "park", "blank", "copy_released", "is_mapped",
+           "mapped_bytes"]
 
 PAGE = mmap.PAGESIZE
 _MAPPINGS: dict[int, tuple[int, int, weakref.ref]] = {}   # id -> (address, size, mapping)
@@ -160,6 +162,53 @@ def park(tensors: dict[str, Any], folder: str | os.PathLike | None) -> dict[str,
     whole = torch.frombuffer(mm, dtype=torch.uint8)
     return {name: whole[at:at + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
             for name, (at, t) in spans.items()}
+
+
+def blank(specs: dict[str, tuple[tuple[int, ...], Any]], folder: str | os.PathLike | None) -> dict[str, Any]:
+    """Zero tensors of the given (shape, dtype) in one new unlinked file in `folder`, as views of
+    its shared mapping: what is written through them goes to the file, and `release` gives
+    their pages back to it (a simulation's running sum and server moments, kept out of
+    memory while clients train). The file is sparse until written; OSError as for `park`."""
+    import torch
+    spool = Spool(folder, hashed=False)
+    spans, size = {}, 0
+    for name, (shape, dtype) in specs.items():
+        size += -size % ALIGN
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        spans[name] = (size, nbytes, shape, dtype)
+        size += nbytes
+    try:
+        os.ftruncate(spool.file.fileno(), max(size, 1))
+        spool.size = max(size, 1)
+        mm = spool.mapping()
+    except BaseException:
+        spool.close()
+        raise
+    whole = torch.frombuffer(mm, dtype=torch.uint8)
+    return {name: whole[at:at + nbytes].view(dtype).view(shape)
+            for name, (at, nbytes, shape, dtype) in spans.items()}
+
+
+COPY_STEP = 2 ** 22   # bytes of a mapped tensor copied before their pages are given back
+
+
+def copy_released(dst: Any, src: Any) -> None:
+    """dst.copy_(src), a slice at a time where `src` lies on a spooled mapping, each slice's
+    pages given back once copied: reading a parked model into a working copy maps it whole
+    otherwise (one model more in the process until the mapping goes)."""
+    if not _MAPPINGS or not is_mapped(src):
+        dst.copy_(src)
+        return
+    if not (dst.is_contiguous() and src.is_contiguous()) or dst.shape != src.shape:
+        dst.copy_(src)
+        release(src)
+        return
+    out, data = dst.view(-1), src.view(-1)
+    step = max(1, COPY_STEP // max(1, src.element_size()))
+    for at in range(0, data.numel(), step):
+        part = data[at:at + step]
+        out[at:at + step].copy_(part)
+        release(part)
 
 
 def mapped_bytes() -> int:
