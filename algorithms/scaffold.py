@@ -10,6 +10,12 @@ dc_i = c_i+ - c_i. The server applies
 Broadcast and update each carry two model-sized tensors sets, and the byte
 counts show it. Control variates cover shared trainable parameters; buffers
 (e.g. batch-norm statistics) travel as plain deltas.
+
+A simulation that spills (algorithms/spill.py) keeps c, each client's c_i and c - c_i
+while it trains, and the update's dy_i and dc_i, in unlinked files, computed and read a
+slice at a time with the same element-wise operations: the results are bit for bit those
+held in memory, and the process holds the working copy and its gradients, or it and the
+new c_i, not six models.
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ from fedcore.kernel.config import declare, positive, validator
 from fedcore.kernel.errors import ConfigError
 from fedcore.kernel.registry import algorithms
 from fedcore.kernel.vector_term import VectorTerm, stack_state
+from fedcore.wire.spooled import blank, park, release
 
 __all__ = ["ScaffoldTrainer", "ScaffoldTerm", "ScaffoldAggregator", "SCAFFOLD"]
 
@@ -34,6 +41,16 @@ declare("algorithm.scaffold.allow_async", bool, False,
         "scaffold: allow asynchronous aggregation (the paper's analysis is synchronous)")
 
 log = logging.getLogger("fedcore.algorithms.scaffold")
+
+STEP = 2 ** 20   # elements computed at a time where the round spills (a slice's temporaries, 4 MiB)
+
+
+def _slices(t: torch.Tensor):
+    return ((s, min(s + STEP, t.numel())) for s in range(0, t.numel(), STEP))
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.view(-1)
 
 
 @validator
@@ -58,6 +75,9 @@ class ScaffoldTrainer(Trainer):
         self.lr = cfg["train.optimizer.lr"]
         self.shared_changed()
         self._correction: list[torch.Tensor] = []
+        self.spill_folder: str | None = None   # set by `spill_into`
+        self._spill = False
+        self._spilled: dict[str, dict[str, torch.Tensor]] = {}   # "corr", "c_i" -> files' views
         if not _plain_sgd(cfg):
             log.warning("scaffold: train.optimizer is not plain SGD (type sgd, momentum 0, "
                         "weight_decay 0); c_i+ = c_i - c + (x - y_i)/(K eta) then no longer "
@@ -67,24 +87,85 @@ class ScaffoldTrainer(Trainer):
         self.names = [n for n in self.param_names if self.shared(n)]
         self._corrected = [self.entries[n] for n in self.names]
 
+    def spill_into(self, folder: str | None) -> None:
+        """A spilling simulation (algorithms/spill.py): c_i, c - c_i and the update in unlinked
+        files in `folder` (the system's temporary folder if None), each client's in its own."""
+        self.spill_folder = folder
+        self._spill = True
+
+    @torch.no_grad()
     def begin(self, client_state: dict, received: dict) -> None:
         c = received["control"]
         c_i = client_state.get("c_i")
+        self._lr_sum = 0.0
+        self._spilled = {}
+        if getattr(self, "_spill", False) and self._spill_begin(client_state, c, c_i):
+            return
         # c - c_i, fixed for the whole round
         self._correction = [c[n].clone() if c_i is None else c[n] - c_i[n] for n in self.names]
-        self._lr_sum = 0.0
+
+    def _spill_begin(self, client_state: dict, c: dict, c_i: dict | None) -> bool:
+        """c - c_i, and c_i itself, into a file a slice at a time; the state keeps that copy of
+        c_i (its values) while the client trains, so the store's in memory goes. False (the
+        round in memory) where a tensor is not a contiguous CPU one or the file cannot be made."""
+        tensors = [c[n] for n in self.names] + ([] if c_i is None else [c_i[n] for n in self.names])
+        if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+            return False
+        specs = {f"corr.{n}": (tuple(c[n].shape), c[n].dtype) for n in self.names}
+        if c_i is not None:
+            specs.update({f"c_i.{n}": (tuple(c_i[n].shape), c_i[n].dtype) for n in self.names})
+        try:
+            files = blank(specs, self.spill_folder)
+        except OSError as exc:
+            log.warning("aggregator.spill: SCAFFOLD's control variates could not be kept in a file in %s "
+                        "(%s); they are kept in memory from now on", self.spill_folder or "the temporary "
+                        "folder", exc)
+            self._spill = False
+            return False
+        corr = {n: files[f"corr.{n}"] for n in self.names}
+        kept = None if c_i is None else {n: files[f"c_i.{n}"] for n in self.names}
+        for n in self.names:
+            for a, b in _slices(corr[n]):
+                cs = _flat(c[n])[a:b]
+                if kept is None:
+                    _flat(corr[n])[a:b].copy_(cs)
+                else:
+                    ci = _flat(c_i[n])[a:b]
+                    _flat(kept[n])[a:b].copy_(ci)
+                    _flat(corr[n])[a:b].copy_(cs - ci)
+                    release(_flat(kept[n])[a:b])
+                    release(ci)
+                release(cs)
+                release(_flat(corr[n])[a:b])
+        self._spilled = {"corr": corr, "c_i": kept}
+        if kept is not None:
+            client_state["c_i"] = kept   # the same values; the loaded copy goes
+        self._correction = []
+        return True
 
     @torch.no_grad()
     def adjust_gradients(self) -> None:
         # once per optimizer step: the step sizes actually used (an LR schedule changes them)
         self._lr_sum += self.optimizer.param_groups[0]["lr"]
-        for p, corr in zip(self._corrected, self._correction):
+        spilled = self._spilled.get("corr")
+        for i, p in enumerate(self._corrected):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            p.grad.add_(corr)
+            if spilled is None or not p.grad.is_contiguous():
+                p.grad.add_(self._correction[i] if spilled is None else spilled[self.names[i]])
+                continue
+            corr = spilled[self.names[i]]
+            for a, b in _slices(corr):   # the same additions, a slice of the file at a time
+                part = _flat(corr)[a:b]
+                _flat(p.grad)[a:b].add_(part)
+                release(part)
 
     @torch.no_grad()
     def payload(self, client_state: dict, received: dict, steps: int, n_train: int) -> dict:
+        if self._spilled:
+            out = self._spilled_payload(client_state, received, steps, n_train)
+            if out is not None:
+                return out
         x = received["model"]
         c = received["control"]
         c_i = client_state.get("c_i") or {n: torch.zeros_like(c[n]) for n in self.names}
@@ -102,6 +183,47 @@ class ScaffoldTrainer(Trainer):
         client_state["c_i"] = new_c_i
         self._correction = []   # c - c_i: a model, not kept while the update is folded and sent
         return {"delta": delta_model, "delta_control": delta_control, "num_samples": n_train}
+
+    def _spilled_payload(self, client_state: dict, received: dict, steps: int, n_train: int) -> dict | None:
+        """`payload`'s element-wise operations a slice at a time: dy_i and dc_i written into a
+        new file (the fold reads them back a slice at a time, wire/spooled.py), c_i+ into memory
+        (the state store keeps it); the working copy is read, not copied. None (`payload` in
+        memory) where the file cannot be made."""
+        x, c = received["model"], received["control"]
+        c_i, y = self._spilled["c_i"], {k: v.detach() for k, v in self.entries.items() if self.shared(k)}
+        if any(t.device.type != "cpu" or not t.is_contiguous() for t in list(y.values()) + [x[k] for k in y]):
+            return None
+        specs = {f"delta.{k}": (tuple(t.shape), t.dtype) for k, t in y.items()}
+        specs.update({f"dc.{n}": (tuple(c[n].shape), c[n].dtype) for n in self.names})
+        try:
+            files = blank(specs, self.spill_folder)
+        except OSError as exc:
+            log.warning("aggregator.spill: SCAFFOLD's update could not be kept in a file in %s (%s); "
+                        "it is made in memory", self.spill_folder or "the temporary folder", exc)
+            return None
+        delta = {k: files[f"delta.{k}"] for k in y}
+        for k in y:
+            for a, b in _slices(y[k]):
+                xs, out = _flat(x[k])[a:b], _flat(delta[k])[a:b]
+                out.copy_(_flat(y[k])[a:b] - xs)
+                release(xs)
+                release(out)
+        dc = {n: files[f"dc.{n}"] for n in self.names}
+        new_c_i = {n: torch.empty_like(c[n]) for n in self.names}
+        for n in self.names:
+            for a, b in _slices(c[n]):
+                cs, xs, ys = _flat(c[n])[a:b], _flat(x[n])[a:b], _flat(y[n])[a:b]
+                ci = torch.zeros_like(cs) if c_i is None else _flat(c_i[n])[a:b]
+                # as `payload`: c_i - c + (x - y) / (sum of step sizes); dc_i = c_i+ - c_i
+                new = ci - cs + (xs - ys) / self._lr_sum if steps > 0 else ci.clone()
+                _flat(new_c_i[n])[a:b].copy_(new)
+                out = _flat(dc[n])[a:b]
+                out.copy_(new - ci)
+                for t in (cs, xs, ci, out):
+                    release(t)
+        client_state["c_i"] = new_c_i
+        self._spilled = {}
+        return {"delta": delta, "delta_control": dc, "num_samples": n_train}
 
     def vector_term(self) -> VectorTerm:
         return ScaffoldTerm(self)
@@ -172,11 +294,14 @@ class ScaffoldAggregator(Aggregator):
         # eta_g scales the parameters' step; buffers (BatchNorm statistics, counters) are no step
         # to scale: they take the plain mean delta (eta_g > 1 could make a variance negative)
         self.parameter_names = {n for n, _ in model.named_parameters()}
+        self._park_control: tuple[str | None] | None = None   # `spill_into`'s folder, until used
 
     def shared_changed(self) -> None:
         self.control = {n: c for n, c in self.control.items() if self.shared(n)}
 
     def broadcast(self, round_: int) -> dict:
+        if self._park_control is not None:
+            self._parked_control()
         content = super().broadcast(round_)
         content["control"] = dict(self.control)
         return content
@@ -186,8 +311,25 @@ class ScaffoldAggregator(Aggregator):
             return [1.0] * len(updates)
         return super().weights(updates)
 
+    def spill_into(self, folder: str | None) -> None:
+        """A spilling simulation (algorithms/spill.py): c is copied into an unlinked file in
+        `folder` as the next round starts (`broadcast`); from then on each round's c is written
+        into the file of its summed dc_i (`_adopt`)."""
+        self._park_control = (folder,)
+
+    def _parked_control(self) -> None:
+        folder, = self._park_control
+        self._park_control = None
+        try:
+            self.control = park(dict(self.control), folder)
+        except OSError as exc:
+            log.warning("aggregator.spill: SCAFFOLD's control variate could not be kept in a file in %s "
+                        "(%s); it stays in memory", folder or "the temporary folder", exc)
+
     @torch.no_grad()
     def aggregate(self, updates: list[ReceivedUpdate], round_: int) -> dict:
+        if len(updates) == 1 and updates[0].owned:
+            return self._adopt(updates[0].content)
         weights = self.weights(updates)
         if sum(weights) <= 0:
             weights = [1.0] * len(updates)
@@ -206,11 +348,44 @@ class ScaffoldAggregator(Aggregator):
         self.global_state, self.control = new_state, new_control
         return {}
 
+    def _adopt(self, content: dict) -> dict:
+        """A folding round's one update (its mean dy_i, its summed dc_i, made for this
+        aggregation alone): x + eta_g mean and c + sum / N written into its own tensors, a slice
+        at a time, pages given back where they lie in files. The mean of one update is itself
+        and the sum of one is itself, and the remaining operations are those of the list's
+        course on the same values: bit for bit its result."""
+        new_state = dict(self.global_state)
+        for name, mean in content["delta"].items():
+            scale = self.global_lr if name in self.parameter_names else None
+            new_state[name] = _apply(mean, self.global_state[name], scale, None)
+        new_control = {name: _apply(content["delta_control"][name], c, None, self.num_clients)
+                       for name, c in self.control.items()}
+        self.global_state, self.control = new_state, new_control
+        return {}
+
     def state_dict(self) -> dict:
         return {"control": dict(self.control)}
 
     def load_state_dict(self, state: dict) -> None:
         self.control = dict(state["control"])
+
+
+def _apply(t: torch.Tensor, base: torch.Tensor, scale: float | None, divisor: int | None) -> torch.Tensor:
+    """t <- base + scale * t, or base + t / divisor, or base + t, in place, a slice at a time:
+    the operations of `x + eta_g * mean` and `c + total / N` (addition commutes exactly)."""
+    if not (t.is_contiguous() and base.is_contiguous()) or t.shape != base.shape or t.dtype != base.dtype:
+        t = t if scale is None else scale * t
+        return base + (t if divisor is None else t / divisor)
+    for a, b in _slices(t):
+        part, xs = _flat(t)[a:b], _flat(base)[a:b]
+        if scale is not None:
+            part.mul_(scale)
+        if divisor is not None:
+            part.div_(divisor)
+        part.add_(xs)
+        release(xs)
+        release(part)
+    return t
 
 
 def update_layout(server) -> dict:

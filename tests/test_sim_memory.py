@@ -55,10 +55,10 @@ def test_a_spilled_course_equals_the_one_held_in_memory_bit_for_bit(tmp_path, mo
     spilled = _course(tmp_path, "spilled", aggregator__spill="on", **algorithm)
     assert isinstance(spilled.server.buffer, FoldingBuffer) and spilled.server.buffer.running.spill
     assert not held.server.buffer.running.spill
-    # the round's mean, and a server optimizer's step from it, were written into files
-    # (SCAFFOLD's x + eta_g mean(dy_i) is a new tensor: in memory until the next round parks it)
-    scaffold = algorithm.get("algorithm__name") == "scaffold"
-    assert is_mapped(spilled.server.aggregator.global_state["1.weight"]) != scaffold
+    # the round's mean, and a server optimizer's step from it, were written into files (SCAFFOLD:
+    # x + eta_g mean(dy_i) into its mean's, c + sum(dc_i) / N into its sum's)
+    assert is_mapped(spilled.server.aggregator.global_state["1.weight"])
+    assert all(is_mapped(c) for c in getattr(spilled.server.aggregator, "control", {}).values())
     assert not is_mapped(held.server.aggregator.global_state["1.weight"])
     for name, t in held.server.aggregator.global_state.items():
         assert torch.equal(spilled.server.aggregator.global_state[name], t), name
@@ -251,3 +251,38 @@ def test_the_vectorized_executor_trains_and_folds_a_batch_of_clients_at_a_time(t
     assert sizes == [8, 8] and max(waiting) == 8
     for name, t in whole.server.aggregator.global_state.items():   # each client's training is its own
         assert torch.allclose(three.server.aggregator.global_state[name], t, rtol=1e-6, atol=1e-7), name
+
+
+def test_spilled_scaffold_keeps_its_control_variates_and_update_in_files_bit_for_bit(tmp_path, monkeypatch):
+    from fedcore.algorithms import scaffold
+    monkeypatch.setattr(scaffold, "STEP", 1000)   # slices straddle every tensor's end
+    seen = []
+    adjust = scaffold.ScaffoldTrainer.adjust_gradients
+
+    def watched(self):
+        # as a client trains: c - c_i in a file, and c_i (after its first round) in its state's file
+        seen.append((all(is_mapped(t) for t in self._spilled["corr"].values()), self._correction,
+                     self._spilled["c_i"] is None or all(is_mapped(t) for t in self._spilled["c_i"].values())))
+        return adjust(self)
+    monkeypatch.setattr(scaffold.ScaffoldTrainer, "adjust_gradients", watched)
+    kw = dict(algorithm__name="scaffold", algorithm__scaffold__global_lr=0.7, train__local_steps=2,
+              federate__sample_client_num=5)
+    spilled = _course(tmp_path, "spilled", aggregator__spill="on", **kw)
+    assert seen and all(s == (True, [], True) for s in seen)
+    monkeypatch.setattr(scaffold.ScaffoldTrainer, "adjust_gradients", adjust)
+    held = _course(tmp_path, "held", aggregator__spill="off", **kw)
+    # the list's course in memory (the updates' mean and sum taken from a list, not folded)
+    listed = _course(tmp_path, "listed", aggregator__spill="off", aggregator__streaming="off", **kw)
+    for name, t in held.server.aggregator.global_state.items():
+        assert torch.equal(spilled.server.aggregator.global_state[name], t), name
+        # the list sums in float32, the fold in float64: float32 rounding apart
+        assert torch.allclose(listed.server.aggregator.global_state[name], t, rtol=1e-5, atol=1e-6), name
+    for name, c in held.server.aggregator.control.items():
+        assert torch.equal(spilled.server.aggregator.control[name], c), name
+        assert is_mapped(spilled.server.aggregator.control[name]) and c.abs().max() > 0
+    # each client's c_i+ as the course in memory made it, kept in its state as a tensor of its own
+    for cid in range(1, 9):
+        a, b = spilled.trainer.store.load(cid).get("c_i"), held.trainer.store.load(cid).get("c_i")
+        assert (a is None) == (b is None)
+        assert a is None or all(torch.equal(a[n], b[n]) and not is_mapped(a[n]) for n in b)
+    assert _records(tmp_path / "spilled") == _records(tmp_path / "held")
