@@ -284,20 +284,37 @@ class ScaffoldAggregator(Aggregator):
 
     streams_updates = True
     folded = {"delta": False, "delta_control": True}
+    replaces_state = True   # c is replaced, never written in place (runtime/admission.py Snapshot)
 
     def __init__(self, model, cfg, num_clients: int):
         super().__init__(model, cfg, num_clients)
         self.global_lr = cfg["algorithm.scaffold.global_lr"]
         self.weighting = cfg["algorithm.scaffold.weighting"]
         names = [n for n, p in model.named_parameters() if p.requires_grad and self.shared(n)]
-        self.control: dict[str, torch.Tensor] = {n: torch.zeros_like(self.global_state[n]) for n in names}
+        self._control_names = names
+        self._control: dict[str, torch.Tensor] | None = None   # zeros, made when first needed
         # eta_g scales the parameters' step; buffers (BatchNorm statistics, counters) are no step
         # to scale: they take the plain mean delta (eta_g > 1 could make a variance negative)
         self.parameter_names = {n for n, _ in model.named_parameters()}
         self._park_control: tuple[str | None] | None = None   # `spill_into`'s folder, until used
 
+    @property
+    def control(self) -> dict[str, torch.Tensor]:
+        """c; zeros until the first round, made only when first read (a spilling simulation's
+        in a sparse file: `spill_into`), not while the course is built beside its models."""
+        if self._control is None:
+            self._control = {n: torch.zeros_like(self.global_state[n]) for n in self._control_names}
+        return self._control
+
+    @control.setter
+    def control(self, value: dict[str, torch.Tensor]) -> None:
+        self._control = value
+
     def shared_changed(self) -> None:
-        self.control = {n: c for n, c in self.control.items() if self.shared(n)}
+        if self._control is None:
+            self._control_names = [n for n in self._control_names if self.shared(n)]
+        else:
+            self.control = {n: c for n, c in self.control.items() if self.shared(n)}
 
     def broadcast(self, round_: int) -> dict:
         if self._park_control is not None:
@@ -321,7 +338,11 @@ class ScaffoldAggregator(Aggregator):
         folder, = self._park_control
         self._park_control = None
         try:
-            self.control = park(dict(self.control), folder)
+            if self._control is None:   # zeros: a sparse file, nothing written
+                like = {n: self.global_state[n] for n in self._control_names}
+                self.control = blank({n: (tuple(t.shape), t.dtype) for n, t in like.items()}, folder)
+            else:
+                self.control = park(dict(self.control), folder)
         except OSError as exc:
             log.warning("aggregator.spill: SCAFFOLD's control variate could not be kept in a file in %s "
                         "(%s); it stays in memory", folder or "the temporary folder", exc)
