@@ -202,10 +202,12 @@ class DiskStateStore(StateStore):
         if loc == ".pt":
             return torch.load(self._pt(client_id), weights_only=True)
         if loc[1] >= IN_PLACE_BYTES:   # large: its tensors view the bytes read, not copies of them
-            buf = memoryview(bytearray(loc[1]))
+            head, buf = bytearray(_RECORD.size), memoryview(bytearray(loc[1]))
             try:
-                if os.preadv(self._fd, [buf], loc[0]) != loc[1]:
+                if os.preadv(self._fd, [head, buf], loc[0] - _RECORD.size) != _RECORD.size + loc[1]:
                     raise WireError("the log ends inside it")
+                if _RECORD.unpack(head) != (_MAGIC, client_id, loc[1], zlib.crc32(buf)):
+                    raise WireError("its record's header or CRC-32 does not match")
                 return decode_raw_value(RawValue(buf, 0, loc[1], _placer(buf)))
             except WireError as exc:
                 raise WireError(f"{self.path / _LOG}: the state of client {client_id} is damaged: "
