@@ -23,12 +23,13 @@ import logging
 
 import torch
 
+from fedcore.algorithms.scaffold_spill import add_correction, apply_in_place, spill_begin, spilled_payload
 from fedcore.kernel.contract import Aggregator, Algorithm, ReceivedUpdate, Trainer, weighted_mean
 from fedcore.kernel.config import declare, positive, validator
 from fedcore.kernel.errors import ConfigError
 from fedcore.kernel.registry import algorithms
 from fedcore.kernel.vector_term import VectorTerm, stack_state
-from fedcore.wire.spooled import blank, park, release
+from fedcore.wire.spooled import blank, park
 
 __all__ = ["ScaffoldTrainer", "ScaffoldTerm", "ScaffoldAggregator", "SCAFFOLD"]
 
@@ -41,16 +42,6 @@ declare("algorithm.scaffold.allow_async", bool, False,
         "scaffold: allow asynchronous aggregation (the paper's analysis is synchronous)")
 
 log = logging.getLogger("fedcore.algorithms.scaffold")
-
-STEP = 2 ** 20   # elements computed at a time where the round spills (a slice's temporaries, 4 MiB)
-
-
-def _slices(t: torch.Tensor):
-    return ((s, min(s + STEP, t.numel())) for s in range(0, t.numel(), STEP))
-
-
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.view(-1)
 
 
 @validator
@@ -99,49 +90,10 @@ class ScaffoldTrainer(Trainer):
         c_i = client_state.get("c_i")
         self._lr_sum = 0.0
         self._spilled = {}
-        if getattr(self, "_spill", False) and self._spill_begin(client_state, c, c_i):
+        if getattr(self, "_spill", False) and spill_begin(self, client_state, c, c_i):
             return
         # c - c_i, fixed for the whole round
         self._correction = [c[n].clone() if c_i is None else c[n] - c_i[n] for n in self.names]
-
-    def _spill_begin(self, client_state: dict, c: dict, c_i: dict | None) -> bool:
-        """c - c_i, and c_i itself, into a file a slice at a time; the state keeps that copy of
-        c_i (its values) while the client trains, so the store's in memory goes. False (the
-        round in memory) where a tensor is not a contiguous CPU one or the file cannot be made."""
-        tensors = [c[n] for n in self.names] + ([] if c_i is None else [c_i[n] for n in self.names])
-        if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
-            return False
-        specs = {f"corr.{n}": (tuple(c[n].shape), c[n].dtype) for n in self.names}
-        if c_i is not None:
-            specs.update({f"c_i.{n}": (tuple(c_i[n].shape), c_i[n].dtype) for n in self.names})
-        try:
-            files = blank(specs, self.spill_folder)
-        except OSError as exc:
-            log.warning("aggregator.spill: SCAFFOLD's control variates could not be kept in a file in %s "
-                        "(%s); they are kept in memory from now on", self.spill_folder or "the temporary "
-                        "folder", exc)
-            self._spill = False
-            return False
-        corr = {n: files[f"corr.{n}"] for n in self.names}
-        kept = None if c_i is None else {n: files[f"c_i.{n}"] for n in self.names}
-        for n in self.names:
-            for a, b in _slices(corr[n]):
-                cs = _flat(c[n])[a:b]
-                if kept is None:
-                    _flat(corr[n])[a:b].copy_(cs)
-                else:
-                    ci = _flat(c_i[n])[a:b]
-                    _flat(kept[n])[a:b].copy_(ci)
-                    _flat(corr[n])[a:b].copy_(cs - ci)
-                    release(_flat(kept[n])[a:b])
-                    release(ci)
-                release(cs)
-                release(_flat(corr[n])[a:b])
-        self._spilled = {"corr": corr, "c_i": kept}
-        if kept is not None:
-            client_state["c_i"] = kept   # the same values; the loaded copy goes
-        self._correction = []
-        return True
 
     @torch.no_grad()
     def adjust_gradients(self) -> None:
@@ -154,16 +106,12 @@ class ScaffoldTrainer(Trainer):
             if spilled is None or not p.grad.is_contiguous():
                 p.grad.add_(self._correction[i] if spilled is None else spilled[self.names[i]])
                 continue
-            corr = spilled[self.names[i]]
-            for a, b in _slices(corr):   # the same additions, a slice of the file at a time
-                part = _flat(corr)[a:b]
-                _flat(p.grad)[a:b].add_(part)
-                release(part)
+            add_correction(p.grad, spilled[self.names[i]])
 
     @torch.no_grad()
     def payload(self, client_state: dict, received: dict, steps: int, n_train: int) -> dict:
         if self._spilled:
-            out = self._spilled_payload(client_state, received, steps, n_train)
+            out = spilled_payload(self, client_state, received, steps, n_train)
             if out is not None:
                 return out
         x = received["model"]
@@ -184,46 +132,6 @@ class ScaffoldTrainer(Trainer):
         self._correction = []   # c - c_i: a model, not kept while the update is folded and sent
         return {"delta": delta_model, "delta_control": delta_control, "num_samples": n_train}
 
-    def _spilled_payload(self, client_state: dict, received: dict, steps: int, n_train: int) -> dict | None:
-        """`payload`'s element-wise operations a slice at a time: dy_i and dc_i written into a
-        new file (the fold reads them back a slice at a time, wire/spooled.py), c_i+ into memory
-        (the state store keeps it); the working copy is read, not copied. None (`payload` in
-        memory) where the file cannot be made."""
-        x, c = received["model"], received["control"]
-        c_i, y = self._spilled["c_i"], {k: v.detach() for k, v in self.entries.items() if self.shared(k)}
-        if any(t.device.type != "cpu" or not t.is_contiguous() for t in list(y.values()) + [x[k] for k in y]):
-            return None
-        specs = {f"delta.{k}": (tuple(t.shape), t.dtype) for k, t in y.items()}
-        specs.update({f"dc.{n}": (tuple(c[n].shape), c[n].dtype) for n in self.names})
-        try:
-            files = blank(specs, self.spill_folder)
-        except OSError as exc:
-            log.warning("aggregator.spill: SCAFFOLD's update could not be kept in a file in %s (%s); "
-                        "it is made in memory", self.spill_folder or "the temporary folder", exc)
-            return None
-        delta = {k: files[f"delta.{k}"] for k in y}
-        for k in y:
-            for a, b in _slices(y[k]):
-                xs, out = _flat(x[k])[a:b], _flat(delta[k])[a:b]
-                out.copy_(_flat(y[k])[a:b] - xs)
-                release(xs)
-                release(out)
-        dc = {n: files[f"dc.{n}"] for n in self.names}
-        new_c_i = {n: torch.empty_like(c[n]) for n in self.names}
-        for n in self.names:
-            for a, b in _slices(c[n]):
-                cs, xs, ys = _flat(c[n])[a:b], _flat(x[n])[a:b], _flat(y[n])[a:b]
-                ci = torch.zeros_like(cs) if c_i is None else _flat(c_i[n])[a:b]
-                # as `payload`: c_i - c + (x - y) / (sum of step sizes); dc_i = c_i+ - c_i
-                new = ci - cs + (xs - ys) / self._lr_sum if steps > 0 else ci.clone()
-                _flat(new_c_i[n])[a:b].copy_(new)
-                out = _flat(dc[n])[a:b]
-                out.copy_(new - ci)
-                for t in (cs, xs, ci, out):
-                    release(t)
-        client_state["c_i"] = new_c_i
-        self._spilled = {}
-        return {"delta": delta, "delta_control": dc, "num_samples": n_train}
 
     def vector_term(self) -> VectorTerm:
         return ScaffoldTerm(self)
@@ -378,8 +286,8 @@ class ScaffoldAggregator(Aggregator):
         new_state = dict(self.global_state)
         for name, mean in content["delta"].items():
             scale = self.global_lr if name in self.parameter_names else None
-            new_state[name] = _apply(mean, self.global_state[name], scale, None)
-        new_control = {name: _apply(content["delta_control"][name], c, None, self.num_clients)
+            new_state[name] = apply_in_place(mean, self.global_state[name], scale, None)
+        new_control = {name: apply_in_place(content["delta_control"][name], c, None, self.num_clients)
                        for name, c in self.control.items()}
         self.global_state, self.control = new_state, new_control
         return {}
@@ -391,22 +299,6 @@ class ScaffoldAggregator(Aggregator):
         self.control = dict(state["control"])
 
 
-def _apply(t: torch.Tensor, base: torch.Tensor, scale: float | None, divisor: int | None) -> torch.Tensor:
-    """t <- base + scale * t, or base + t / divisor, or base + t, in place, a slice at a time:
-    the operations of `x + eta_g * mean` and `c + total / N` (addition commutes exactly)."""
-    if not (t.is_contiguous() and base.is_contiguous()) or t.shape != base.shape or t.dtype != base.dtype:
-        t = t if scale is None else scale * t
-        return base + (t if divisor is None else t / divisor)
-    for a, b in _slices(t):
-        part, xs = _flat(t)[a:b], _flat(base)[a:b]
-        if scale is not None:
-            part.mul_(scale)
-        if divisor is not None:
-            part.div_(divisor)
-        part.add_(xs)
-        release(xs)
-        release(part)
-    return t
 
 
 def update_layout(server) -> dict:

@@ -254,8 +254,8 @@ def test_the_vectorized_executor_trains_and_folds_a_batch_of_clients_at_a_time(t
 
 
 def test_spilled_scaffold_keeps_its_control_variates_and_update_in_files_bit_for_bit(tmp_path, monkeypatch):
-    from fedcore.algorithms import scaffold
-    monkeypatch.setattr(scaffold, "STEP", 1000)   # slices straddle every tensor's end
+    from fedcore.algorithms import scaffold, scaffold_spill
+    monkeypatch.setattr(scaffold_spill, "STEP", 1000)   # slices straddle every tensor's end
     seen = []
     adjust = scaffold.ScaffoldTrainer.adjust_gradients
 
