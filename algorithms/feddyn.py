@@ -98,7 +98,13 @@ class FedDynTerm(VectorTerm):
 
 
 class FedDynAggregator(Aggregator):
-    """theta^t = mean_S(theta_k) - h/alpha with h the running (1/N)-scaled drift."""
+    """theta^t = mean_S(theta_k) - h/alpha with h the running (1/N)-scaled drift.
+
+    The drift sum_S(theta_k - theta^{t-1}) is |S| (mean_S(theta_k) - theta^{t-1}), so a round
+    may fold its models as they arrive (algorithms/streaming.py): the uniform mean, with |S|
+    the round's contributors; equal to the list's course to float32 rounding."""
+
+    streams_updates = True
 
     def __init__(self, model, cfg, num_clients: int):
         super().__init__(model, cfg, num_clients)
@@ -114,6 +120,8 @@ class FedDynAggregator(Aggregator):
 
     @torch.no_grad()
     def aggregate(self, updates: list[ReceivedUpdate], round_: int) -> dict:
+        if len(updates) == 1 and updates[0].owned:   # a folding round's mean of its models
+            return self._folded(updates[0])
         weights = self.weights(updates)
         new_state, new_h = dict(self.global_state), dict(self.h)
         for name in updates[0].content["model"]:
@@ -122,6 +130,19 @@ class FedDynAggregator(Aggregator):
             if name in self.h:
                 prev = self.global_state[name]
                 drift = torch.stack([m - prev for m in models]).sum(0)
+                new_h[name] = self.h[name] - self.alpha * drift / self.num_clients
+                new_state[name] = mean - new_h[name] / self.alpha
+            else:
+                new_state[name] = mean
+        self.global_state, self.h = new_state, new_h
+        return {}
+
+    def _folded(self, update: ReceivedUpdate) -> dict:
+        count = len(getattr(update, "contributors", None) or [update.client_id])
+        new_state, new_h = dict(self.global_state), dict(self.h)
+        for name, mean in update.content["model"].items():
+            if name in self.h:
+                drift = (mean - self.global_state[name]) * count
                 new_h[name] = self.h[name] - self.alpha * drift / self.num_clients
                 new_state[name] = mean - new_h[name] / self.alpha
             else:

@@ -83,9 +83,30 @@ class FedNovaTrainer(Straggling, Trainer):
 
 
 class FedNovaAggregator(Aggregator):
-    """x - τ_eff Σ p_i (x - x_i) / ||a_i||_1 on floating entries; integer entries p-weighted."""
+    """x - τ_eff Σ p_i (x - x_i) / ||a_i||_1 on floating entries; integer entries p-weighted.
+
+    With c_i = p_i τ_eff / a_i, the mean Σ c_i x_i / Σ c_i is the (p_i / a_i)-weighted mean
+    (τ_eff cancels), τ_eff the p-weighted mean of a_i and s = τ_eff Σ(p_i / a_i) / Σ p_i: a
+    round may fold its updates as they arrive (algorithms/streaming.py `fold_parts`), equal
+    to the list's course to float32 rounding."""
+
+    streams_updates = True
+    folded = {"nova": False, "model": False, "model_int": False}   # the first: the round's weight
+    fold_reads = ("model", "nova")
+
+    def fold_parts(self, update: ReceivedUpdate, p: float) -> dict:
+        """What a folding round sums of `update` (weight p): its floating entries weighted
+        p / a_i (nothing where a_i = 0), its integer entries and a_i weighted p."""
+        a = self._factor(update)
+        model = update.content["model"]
+        floating = {n: t for n, t in model.items() if t.is_floating_point()}
+        return {"model": (floating, p / a if a > 0 else 0.0),
+                "model_int": ({n: t for n, t in model.items() if n not in floating}, p),
+                "nova": ({"a": torch.tensor(a, dtype=torch.float64)}, p)}
 
     def aggregate(self, updates: list[ReceivedUpdate], round_: int) -> dict[str, float]:
+        if len(updates) == 1 and updates[0].owned and "folded_weights" in updates[0].content:
+            return self._folded(updates[0].content)
         p = self.weights(updates)
         if sum(p) <= 0:
             p = [1.0] * len(updates)
@@ -104,6 +125,20 @@ class FedNovaAggregator(Aggregator):
                 mean = weighted_mean(models, c)
                 new_state[name] = mean if s == 1 else x[name] + s * (mean - x[name])
             # s == 0: no client did any local work, x stays
+        self.global_state = new_state
+        return {"fednova_tau_eff": tau_eff}
+
+    def _folded(self, content: dict) -> dict[str, float]:
+        """A folding round's sums (`fold_parts`): every p_i = 0 means no client had data, so
+        no local work (a_i = 0) and τ_eff = 0, as in the list's course."""
+        tau_eff = float(content["nova"]["a"])
+        weights = content["folded_weights"]
+        s = tau_eff * weights["model"] / weights["nova"] if weights["nova"] > 0 else 0.0
+        x, new_state = self.global_state, dict(self.global_state)
+        new_state.update(content["model_int"])
+        for name, mean in content["model"].items():
+            if s > 0:
+                new_state[name] = mean if s == 1 else x[name] + s * (mean - x[name])
         self.global_state = new_state
         return {"fednova_tau_eff": tau_eff}
 

@@ -59,6 +59,10 @@ def spill_in_simulation(server) -> None:
     opt = getattr(server.aggregator, "server_optimizer", None)
     if opt is not None:
         opt.allocate = lambda like: _spilled_like(server, like)
+    # an algorithm's own model-sized state (SCAFFOLD's c, c_i, c - c_i and its update's halves)
+    for part in (server.aggregator, getattr(server.course, "trainer", None)):
+        if hasattr(part, "spill_into"):
+            part.spill_into(parking.folder)
     _map_large_allocations()
 
 

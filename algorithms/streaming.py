@@ -199,7 +199,9 @@ class FoldingBuffer:
         self.server = server
         parking = server.state(Parking)
         spill = parking.spill_sum and 0 < parking.min_bytes <= _model_bytes(server.aggregator)
-        self.keys = folded_keys(server.aggregator)   # content key -> summed (else a weighted mean)
+        self.keys = folded_keys(server.aggregator)   # running sum -> summed (else a weighted mean)
+        # the update's entries the fold reads: the sums' own keys, or what `fold_parts` reads
+        self.reads = tuple(getattr(server.aggregator, "fold_reads", self.keys))
         self.runnings = {k: RunningMean(server.course.cfg["aggregator.streaming_sum"] == "model", spill,
                                         parking.folder) for k in self.keys}
         self.running = self.runnings[next(k for k, summed in self.keys.items() if not summed)]
@@ -224,9 +226,13 @@ class FoldingBuffer:
         kept = admission.admit_updates(self.server, [update])
         if kept:
             update = kept[0]
-            weight = float(self.server.aggregator.weights([update])[0])
-            for key, summed in self.keys.items():
-                self.runnings[key].fold(update.content[key], 1.0 if summed else weight)
+            agg = self.server.aggregator
+            weight = float(agg.weights([update])[0])
+            parts = getattr(agg, "fold_parts", None)   # (entries, weight) per running sum
+            parts = parts(update, weight) if parts is not None else {
+                k: (update.content[k], 1.0 if summed else weight) for k, summed in self.keys.items()}
+            for key, (entries, w) in parts.items():
+                self.runnings[key].fold(entries, w)
         return bool(kept)
 
     def __len__(self) -> int:
@@ -237,6 +243,8 @@ class FoldingBuffer:
         ids = sorted(r.client_id for r in self.admitted)
         weight = self.running.weight
         content = {k: self.runnings[k].mean(divide=not summed) for k, summed in self.keys.items()}
+        if hasattr(self.server.aggregator, "fold_parts"):   # its own weights: their totals too
+            content["folded_weights"] = {k: r.weight for k, r in self.runnings.items()}
         one = ReceivedUpdate(ids[0], {**content, "num_samples": weight}, self.admitted[0].round, 0, owned=True)
         one.contributors = ids
         return one
@@ -259,14 +267,14 @@ def fold_when_sent(server, collect) -> Callable[[Message, int], None]:
         if (receiver != server.id or msg.msg_type != "updates" or not isinstance(buffer, FoldingBuffer)
                 or server.finished or msg.round != server.round or msg.sender not in server.selected
                 or msg.sender in buffer.sent or not isinstance(content, dict)
-                or not all(isinstance(content.get(k), dict) for k in buffer.keys)):
+                or not all(isinstance(content.get(k), dict) for k in buffer.reads)):
             return
         handlers = server.handlers
         entry = handlers.entries.get("receiving_updates")
         if entry is None or entry.fn is not collect or handlers.observers.get("receiving_updates"):
             return
         buffer.fold_sent(ReceivedUpdate(msg.sender, content, msg.round, 0))
-        for key in buffer.keys:
+        for key in buffer.reads:
             content.pop(key)
     return tap
 

@@ -18,8 +18,9 @@ the time goes to moving and aggregating the model) runs with streaming aggregati
 `--algorithms` runs each size with each algorithm: fedavg, fedadam (FedAvg's mean and a
 server Adam step, whose two moments are server state) or scaffold (which folds the weighted
 mean of dy_i and the sum of dc_i; each client's control variate waits in the disk state
-store, `state.store: disk`, so it is not counted; the server's c, the trainer's c_i and
-c - c_i and the update's two halves are).
+store, `state.store: disk`, so it is not counted between its rounds; the server's c, the
+trainer's c_i and c - c_i and the update's two halves are, where they are resident: a
+spilling simulation keeps them in files a slice at a time, algorithms/scaffold.py).
 
 `--sum model` keeps the running sum in the model's dtype (`aggregator.streaming_sum`):
 a float32 model less on the server, for a mean that depends on the arrival order.
@@ -148,13 +149,13 @@ def fits(mode: str, size: int, clients: int, available: int, algorithm: str = "f
     client: the machine's available memory fell by 6x the model at most); a simulation
     process that folds at ~2.3x (the trainer's working copy, and its gradients or the update
     being folded; the global model, the running sum and a server optimizer's moments wait in
-    files, `aggregator.spill`, whose pages the system's cache holds: ~4x more), one of
-    SCAFFOLD at ~11x (its control variates, the trainer's and the server's, and the
-    update's two halves and their temporaries)."""
+    files, `aggregator.spill`, whose pages the system's cache holds: ~4x more), SCAFFOLD's
+    alike (c, c_i, c - c_i and the update's halves wait in files too: ~4 models more in the
+    cache, and each client's c_i+ in the state store's log)."""
     if mode == "deploy":
         need = (3.5 + 2 * clients) * size + (clients + 1) * BASE_PROCESS
     else:
-        need = (14 if algorithm == "scaffold" else 8) * size + BASE_PROCESS
+        need = (12 if algorithm == "scaffold" else 8) * size + BASE_PROCESS
     return need < 0.9 * available
 
 

@@ -55,10 +55,10 @@ def test_a_spilled_course_equals_the_one_held_in_memory_bit_for_bit(tmp_path, mo
     spilled = _course(tmp_path, "spilled", aggregator__spill="on", **algorithm)
     assert isinstance(spilled.server.buffer, FoldingBuffer) and spilled.server.buffer.running.spill
     assert not held.server.buffer.running.spill
-    # the round's mean, and a server optimizer's step from it, were written into files
-    # (SCAFFOLD's x + eta_g mean(dy_i) is a new tensor: in memory until the next round parks it)
-    scaffold = algorithm.get("algorithm__name") == "scaffold"
-    assert is_mapped(spilled.server.aggregator.global_state["1.weight"]) != scaffold
+    # the round's mean, and a server optimizer's step from it, were written into files (SCAFFOLD:
+    # x + eta_g mean(dy_i) into its mean's, c + sum(dc_i) / N into its sum's)
+    assert is_mapped(spilled.server.aggregator.global_state["1.weight"])
+    assert all(is_mapped(c) for c in getattr(spilled.server.aggregator, "control", {}).values())
     assert not is_mapped(held.server.aggregator.global_state["1.weight"])
     for name, t in held.server.aggregator.global_state.items():
         assert torch.equal(spilled.server.aggregator.global_state[name], t), name
@@ -251,3 +251,92 @@ def test_the_vectorized_executor_trains_and_folds_a_batch_of_clients_at_a_time(t
     assert sizes == [8, 8] and max(waiting) == 8
     for name, t in whole.server.aggregator.global_state.items():   # each client's training is its own
         assert torch.allclose(three.server.aggregator.global_state[name], t, rtol=1e-6, atol=1e-7), name
+
+
+def test_spilled_scaffold_keeps_its_control_variates_and_update_in_files_bit_for_bit(tmp_path, monkeypatch):
+    from fedcore.algorithms import scaffold, scaffold_spill
+    monkeypatch.setattr(scaffold_spill, "STEP", 1000)   # slices straddle every tensor's end
+    seen = []
+    adjust = scaffold.ScaffoldTrainer.adjust_gradients
+
+    def watched(self):
+        # as a client trains: c - c_i in a file, and c_i (after its first round) in its state's file
+        seen.append((all(is_mapped(t) for t in self._spilled["corr"].values()), self._correction,
+                     self._spilled["c_i"] is None or all(is_mapped(t) for t in self._spilled["c_i"].values())))
+        return adjust(self)
+    monkeypatch.setattr(scaffold.ScaffoldTrainer, "adjust_gradients", watched)
+    kw = dict(algorithm__name="scaffold", algorithm__scaffold__global_lr=0.7, train__local_steps=2,
+              federate__sample_client_num=5)
+    spilled = _course(tmp_path, "spilled", aggregator__spill="on", **kw)
+    assert seen and all(s == (True, [], True) for s in seen)
+    monkeypatch.setattr(scaffold.ScaffoldTrainer, "adjust_gradients", adjust)
+    held = _course(tmp_path, "held", aggregator__spill="off", **kw)
+    # the list's course in memory (the updates' mean and sum taken from a list, not folded)
+    listed = _course(tmp_path, "listed", aggregator__spill="off", aggregator__streaming="off", **kw)
+    for name, t in held.server.aggregator.global_state.items():
+        assert torch.equal(spilled.server.aggregator.global_state[name], t), name
+        # the list sums in float32, the fold in float64: float32 rounding apart
+        assert torch.allclose(listed.server.aggregator.global_state[name], t, rtol=1e-5, atol=1e-6), name
+    for name, c in held.server.aggregator.control.items():
+        assert torch.equal(spilled.server.aggregator.control[name], c), name
+        assert is_mapped(spilled.server.aggregator.control[name]) and c.abs().max() > 0
+    # each client's c_i+ as the course in memory made it, kept in its state as a tensor of its own
+    for cid in range(1, 9):
+        a, b = spilled.trainer.store.load(cid).get("c_i"), held.trainer.store.load(cid).get("c_i")
+        assert (a is None) == (b is None)
+        assert a is None or all(torch.equal(a[n], b[n]) and not is_mapped(a[n]) for n in b)
+    assert _records(tmp_path / "spilled") == _records(tmp_path / "held")
+
+
+def test_the_disk_state_store_keeps_a_large_state_without_copies_of_it(tmp_path, monkeypatch):
+    from fedcore.kernel import state as state_mod
+    from fedcore.wire.serialization import WireError
+    g = torch.Generator().manual_seed(3)
+    big = {"c_i": {"w": torch.randn(700, 1000, generator=g), "b": torch.randn(3, generator=g)},
+           "sampler": {"epoch": 2, "offset": 5}}
+    store = state_mod.DiskStateStore(str(tmp_path / "s"))
+    monkeypatch.setattr(state_mod.DiskStateStore, "COPY_PIECE", 4096 + 7)   # records straddle pieces
+    monkeypatch.setattr(state_mod.DiskStateStore, "COMPACT_MIN_BYTES", 1)
+    for cid in (1, 2, 1, 2, 1):   # superseded records: the log is compacted on the way
+        store.save(cid, big)
+    assert store._end < 3 * 2.9e6   # two live records, garbage compacted away
+    for s in (store, state_mod.DiskStateStore(str(tmp_path / "s"))):   # as kept, and as a restart reads it
+        for cid in (1, 2):
+            got = s.load(cid)
+            assert got["sampler"] == {"epoch": 2, "offset": 5}
+            assert all(torch.equal(got["c_i"][n], t) for n, t in big["c_i"].items())
+    # the large record's tensor views the one buffer it was read into (not a parsed copy)
+    loaded = store.load(1)["c_i"]["w"]
+    assert loaded.untyped_storage().nbytes() >= loaded.numel() * 4 > 0
+    assert loaded.untyped_storage().data_ptr() <= loaded.data_ptr() < loaded.untyped_storage().data_ptr() + 4096
+    # a damaged large record is said, naming the client, not decoded into something else
+    body, n = store._where[1]
+    with open(tmp_path / "s" / state_mod._LOG, "r+b") as f:   # the store's own descriptor appends
+        f.seek(body + n // 2)
+        f.write(b"\xff" * 16)
+    with pytest.raises(WireError, match="client 1 is damaged"):
+        store.load(1)
+
+
+def test_a_folding_scaffold_rounds_snapshot_keeps_c_by_reference_and_puts_it_back(tmp_path):
+    from fedcore.runtime.admission import Snapshot
+    course = Course(small_cfg(tmp_path / "c", **{**LARGE, "algorithm__name": "scaffold",
+                                                 "aggregator__spill": "off"})).build()
+    agg = course.server.aggregator
+    before = {n: c.clone() for n, c in agg.control.items()}
+    snap = Snapshot(agg, copy=False)
+    assert all(snap.extra["control"][n] is agg.control[n] for n in agg.control)   # not cloned
+    g = torch.Generator().manual_seed(1)
+    one = contract.ReceivedUpdate(1, {"delta": {k: torch.randn(t.shape, generator=g) if t.is_floating_point()
+                                                else torch.zeros_like(t) for k, t in agg.global_state.items()},
+                                      "delta_control": {n: torch.randn(c.shape, generator=g) for n, c in before.items()},
+                                      "num_samples": 4.0}, 0, owned=True)
+    agg.aggregate([one], 1)
+    assert any(not torch.equal(agg.control[n], before[n]) for n in before)
+    snap.restore()   # a rejected round: c as it was
+    assert all(torch.equal(agg.control[n], before[n]) for n in before)
+    # an aggregator that wrote c in place could not be put back: said, not silently wrong
+    snap = Snapshot(agg, copy=False)
+    next(iter(agg.control.values())).add_(1.0)
+    with pytest.raises(RuntimeError, match="in place"):
+        snap.restore()

@@ -112,6 +112,12 @@ def _final(tmp_path, name, **kw):
     {"algorithm__name": "scaffold", "algorithm__scaffold__weighting": "num_samples",
      "federate__sample_client_num": 3, "data__synthetic__samples_per_client": None,
      "data__synthetic__max_samples": 200},
+    {"algorithm__name": "feddyn"},       # the uniform mean; the drift |S| (mean - theta^{t-1})
+    {"algorithm__name": "feddyn", "federate__sample_client_num": 3, "algorithm__feddyn__alpha": 0.3},
+    # the (p_i / a_i)-weighted mean, the p-weighted mean of a_i (tau_eff) and the weights' totals
+    {"algorithm__name": "fednova", "algorithm__fednova__straggler_fraction": 0.5,
+     "data__synthetic__samples_per_client": None, "data__synthetic__max_samples": 200},
+    {"algorithm__name": "fednova", "aggregator__weighting": "uniform", "train__local_steps": 3},
 ])
 def test_a_folding_course_equals_the_list_based_one(tmp_path, algorithm):
     listed = _final(tmp_path, "list", aggregator__streaming="off", **algorithm)
@@ -127,6 +133,15 @@ def test_a_folding_course_equals_the_list_based_one(tmp_path, algorithm):
         for name, c in listed.server.aggregator.control.items():
             assert torch.allclose(folded.server.aggregator.control[name], c, rtol=1e-5, atol=1e-6), name
         assert max(c.abs().max().item() for c in folded.server.aggregator.control.values()) > 0
+    if algorithm["algorithm__name"] == "fednova":
+        taus = [(r["fednova_tau_eff"], q["fednova_tau_eff"]) for r, q in zip(rec, ref) if "fednova_tau_eff" in q]
+        assert taus and all(a == pytest.approx(b, rel=1e-12) for a, b in taus)
+        if "algorithm__fednova__straggler_fraction" in algorithm:   # the clients' a_i differ
+            assert all(b != round(b) for _, b in taus)
+    if algorithm["algorithm__name"] == "feddyn":   # the server's drift h, from the round's contributors
+        for name, h in listed.server.aggregator.h.items():
+            assert torch.allclose(folded.server.aggregator.h[name], h, rtol=1e-5, atol=1e-6), name
+        assert max(h.abs().max().item() for h in folded.server.aggregator.h.values()) > 0
 
 
 def test_uniform_weighting_folds_each_update_alike(tmp_path):

@@ -18,7 +18,9 @@ from typing import Any
 import torch
 
 from fedcore.kernel.files import create_new, write_atomic
-from fedcore.wire.serialization import WireError, encode_value, from_value
+from fedcore.wire.serialization import WireError, from_value
+from fedcore.wire.codec import encode_value_parts
+from fedcore.wire.large import IN_PLACE_BYTES, RawValue, _placer, decode_raw_value
 from fedcore.wire import fedcore_pb2 as pb
 
 __all__ = ["StateStore", "MemoryStateStore", "DiskStateStore", "make_state_store"]
@@ -93,6 +95,7 @@ class DiskStateStore(StateStore):
     """
 
     COMPACT_MIN_BYTES = 64 * 2 ** 20   # never compact a log smaller than this
+    COPY_PIECE = 2 ** 24                # bytes of a record copied at a time by a compaction
 
     def __init__(self, path: str | None = None) -> None:
         self._tmp = path is None
@@ -142,12 +145,21 @@ class DiskStateStore(StateStore):
         if isinstance(old, tuple):
             self._live -= _RECORD.size + old[1]
 
-    def _append(self, client_id: int, payload: bytes) -> None:
-        os.write(self._fd, _RECORD.pack(_MAGIC, client_id, len(payload), zlib.crc32(payload)) + payload)
-        if payload:
-            self._where[client_id] = (self._end + _RECORD.size, len(payload))
-            self._live += _RECORD.size + len(payload)
-        self._end += _RECORD.size + len(payload)
+    def _append(self, client_id: int, payload: bytes | list) -> None:
+        """Append a record of `payload` (bytes, or the pieces whose concatenation it is: a large
+        state is written from its tensors, not first copied into one buffer)."""
+        parts = [memoryview(p).cast("B") for p in ([payload] if isinstance(payload, bytes) else payload)]
+        n, crc = sum(len(p) for p in parts), 0
+        for p in parts:
+            crc = zlib.crc32(p, crc)
+        os.write(self._fd, _RECORD.pack(_MAGIC, client_id, n, crc))
+        for p in parts:
+            while len(p):   # a write may take less than it was given
+                p = p[os.write(self._fd, p):]
+        if n:
+            self._where[client_id] = (self._end + _RECORD.size, n)
+            self._live += _RECORD.size + n
+        self._end += _RECORD.size + n
 
     def _maybe_compact(self) -> None:
         """Rewrite the log with only the records in use, once garbage outweighs them."""
@@ -162,10 +174,18 @@ class DiskStateStore(StateStore):
         end, where = 0, {}
         for cid, loc in self._where.items():
             if isinstance(loc, tuple):
-                payload = os.pread(self._fd, loc[1], loc[0])
-                os.write(fd, _RECORD.pack(_MAGIC, cid, len(payload), zlib.crc32(payload)) + payload)
-                where[cid] = (end + _RECORD.size, len(payload))
-                end += _RECORD.size + len(payload)
+                # the record as it is (its header says this client, this length, this CRC), a
+                # piece at a time: a large state is not read into memory whole
+                at, stop = loc[0] - _RECORD.size, loc[0] + loc[1]
+                while at < stop:
+                    piece = memoryview(os.pread(self._fd, min(self.COPY_PIECE, stop - at), at))
+                    if not piece:
+                        raise OSError(f"{self.path / _LOG}: ends inside the record of client {cid}")
+                    at += len(piece)
+                    while piece:
+                        piece = piece[os.write(fd, piece):]
+                where[cid] = (end + _RECORD.size, loc[1])
+                end += _RECORD.size + loc[1]
         os.replace(tmp, self.path / _LOG)
         os.close(self._fd)
         self._fd, self._end, self._live = fd, end, end
@@ -181,6 +201,17 @@ class DiskStateStore(StateStore):
             return {}
         if loc == ".pt":
             return torch.load(self._pt(client_id), weights_only=True)
+        if loc[1] >= IN_PLACE_BYTES:   # large: its tensors view the bytes read, not copies of them
+            head, buf = bytearray(_RECORD.size), memoryview(bytearray(loc[1]))
+            try:
+                if os.preadv(self._fd, [head, buf], loc[0] - _RECORD.size) != _RECORD.size + loc[1]:
+                    raise WireError("the log ends inside it")
+                if _RECORD.unpack(head) != (_MAGIC, client_id, loc[1], zlib.crc32(buf)):
+                    raise WireError("its record's header or CRC-32 does not match")
+                return decode_raw_value(RawValue(buf, 0, loc[1], _placer(buf)))
+            except WireError as exc:
+                raise WireError(f"{self.path / _LOG}: the state of client {client_id} is damaged: "
+                                f"{exc}") from None
         v = pb.Value()
         try:
             v.ParseFromString(os.pread(self._fd, loc[1], loc[0]))
@@ -192,7 +223,7 @@ class DiskStateStore(StateStore):
     def save(self, client_id: int, state: dict[str, Any]) -> None:
         was = self._where.get(client_id)
         if state and plain_state(state):
-            payload = encode_value(state)
+            payload = encode_value_parts(state)
             self._forget(client_id)
             self._append(client_id, payload)       # the new record supersedes everything older
             if was == ".pt":

@@ -338,13 +338,23 @@ class Snapshot:
     def __init__(self, aggregator, copy: bool = True):
         self.aggregator = aggregator
         self.global_state = {k: v.clone() if copy else v for k, v in aggregator.global_state.items()}
-        self.versions = None if copy else {k: v._version for k, v in self.global_state.items()}
-        self.extra = clone_tree(aggregator.state_dict())
+        extra = aggregator.state_dict()
+        # an aggregator whose folding rounds replace its own state's tensors too (SCAFFOLD's c)
+        # says so with `replaces_state`: that state is kept by reference, as the model is
+        by_ref = not copy and getattr(aggregator, "replaces_state", False)
+        self.extra = extra if by_ref else clone_tree(extra)
+        kept = dict(self.global_state)
+        if by_ref:
+            kept.update({f"{k}/{n}": t for k, v in extra.items() if isinstance(v, dict)
+                         for n, t in v.items() if isinstance(t, torch.Tensor)})
+        self._kept = kept
+        self.versions = None if copy else {k: v._version for k, v in kept.items()}
         self.optimizer = getattr(aggregator, "server_optimizer", None)
         self.moments = self.optimizer.snapshot() if self.optimizer else None
 
     def restore(self) -> None:
-        if self.versions is not None and any(t._version != self.versions[k] for k, t in self.global_state.items()):
+        if self.versions is not None and any(t._version != self.versions[k]
+                                             for k, t in self._kept.items()):
             raise RuntimeError(f"{type(self.aggregator).__name__}.aggregate wrote the global model's "
                                "tensors in place, so the previous model cannot be put back; an "
                                "aggregator replaces them (they were broadcast by reference)")
