@@ -5,7 +5,8 @@ holds the stream; when it breaks, it redials with exponential backoff and
 jitter, resuming the same session (queued messages are kept; a message cut
 off mid-stream is sent again and the server drops the duplicate). A server
 silent for `distribute.heartbeat_timeout` (longer while one of its messages is
-half-received) counts as broken; a server unreachable for
+half-received) counts as broken, as does a call with no welcome within it
+(whether or not gRPC ever got a connection under the call); a server unreachable for
 `distribute.retry_timeout` ends the process with exit code 4 (not counting the time its
 launcher says it is restarting that server, `fedcore.comm.restart_notice`). A server that
 refuses a second session for this id (the previous process's session is
@@ -147,6 +148,7 @@ class GrpcClientComm(ClientInbound):
         release_large_blocks()   # freed model-sized buffers leave the process (comm/allocator.py)
         self._thread = threading.Thread(target=self._loop, name="fedcore-client-io", daemon=True)
         self._thread.start()
+        threading.Thread(target=self._watch, args=(self._thread,), name="fedcore-client-watch", daemon=True).start()
 
     def wait_welcome(self) -> int:
         """Block until the server has admitted this client; returns its id (or raises why not)."""
@@ -360,24 +362,28 @@ class GrpcClientComm(ClientInbound):
         def alive() -> bool:
             return not stream.done and not (self._closing.is_set() and not self.connected)
 
-        def idle() -> bytes | None:
-            allowed = allowed_silence(self.hb_timeout, stream.reasm.in_progress, self.chunk_size,
-                                      self.min_rate)
-            if time.monotonic() - stream.last_recv > allowed:
-                stream.why = (f"server silent for {allowed:g}s (distribute.heartbeat_timeout)" if stream.welcomed
-                              else f"no welcome from the server within {allowed:g}s")
-                log.warning("client %s: %s; reconnecting", self.who, stream.why)
-                if stream.call is not None:
-                    stream.call.cancel()
-                return None
-            return heartbeat_frame()
-
         def on_message(size: int) -> None:
             stream.large = stream.large or size >= TURN_BYTES
 
         # messages go once the server has welcomed this stream: one it refuses would take them with it
-        yield from self.outbox.frames(token, alive, self.hb_interval, idle, on_message,
+        yield from self.outbox.frames(token, alive, self.hb_interval, heartbeat_frame, on_message,
                                       ready=lambda: stream.welcomed)
+
+    def _watch(self, io: threading.Thread) -> None:
+        """Cancel the current call once its server is silent for too long (no welcome, no frame),
+        so that the I/O thread redials. Not on gRPC's request thread: that one asks for the next
+        frame only once the last is written, and a call with no connection under it (queued on
+        a channel that never gets one, or left pending by a server going down) writes nothing."""
+        while io.is_alive() and not self._closing.wait(self.hb_interval):
+            stream = self._stream
+            if stream is None or stream.done or stream.call is None or stream.why:
+                continue
+            allowed = allowed_silence(self.hb_timeout, stream.reasm.in_progress, self.chunk_size, self.min_rate)
+            if time.monotonic() - stream.last_recv > allowed:
+                stream.why = (f"server silent for {allowed:g}s (distribute.heartbeat_timeout)" if stream.welcomed
+                              else f"no welcome from the server within {allowed:g}s")
+                log.warning("client %s: %s; reconnecting", self.who, stream.why)
+                stream.call.cancel()
 
 
 def _marked(exc: grpc.RpcError, key: str) -> bool:
