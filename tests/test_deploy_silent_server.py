@@ -37,6 +37,7 @@ class _Mute:
         self.sock.listen(16)
         self.port = self.sock.getsockname()[1]
         self.conns: list[socket.socket] = []
+        self.redialed = threading.Event()   # a second connection came
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self):
@@ -45,6 +46,8 @@ class _Mute:
                 self.conns.append(self.sock.accept()[0])
             except OSError:   # closed
                 return
+            if len(self.conns) >= 2:
+                self.redialed.set()
 
     def close(self):
         try:
@@ -118,7 +121,7 @@ def test_a_call_with_no_connection_under_it_is_cancelled_and_the_client_joins_th
 def test_a_server_that_never_answers_counts_against_retry_timeout(lines):
     mute = _Mute()
     client = GrpcClientComm(_cfg("client", distribute__server_port=mute.port, distribute__client_id=1,
-                                 distribute__retry_timeout=2.0), ImmediateScheduler())
+                                 distribute__retry_timeout=3.0), ImmediateScheduler())
     client.scheduler.call_soon = lambda action: None   # no course to raise the failure into
     raised = []
 
@@ -135,8 +138,11 @@ def test_a_server_that_never_answers_counts_against_retry_timeout(lines):
         assert not ended.is_alive(), "the client waited on a server that never answered"
         assert raised == [client.fatal] and client.fatal.exit_code == 4
         # given up on for its silence (gRPC's own connect timeout, 20 s, never came into it)
-        assert "retry_timeout=2" in str(client.fatal) and f"last error: {NO_WELCOME}" in str(client.fatal)
+        assert "retry_timeout=3" in str(client.fatal) and f"last error: {NO_WELCOME}" in str(client.fatal)
         assert sum(NO_WELCOME + "; reconnecting" in line for line in lines.lines) >= 2   # it redialed
+        # each time on a new connection: the client has ended, so these are all it ever opened
+        # (gRPC, left to itself, keeps waiting 20 s on the one connection that never answers)
+        assert mute.redialed.wait(60), f"{len(mute.conns)} connection for every redial"
     finally:
         client.close()
         mute.close()

@@ -6,7 +6,8 @@ jitter, resuming the same session (queued messages are kept; a message cut
 off mid-stream is sent again and the server drops the duplicate). A server
 silent for `distribute.heartbeat_timeout` (longer while one of its messages is
 half-received) counts as broken, as does a call with no welcome within it
-(whether or not gRPC ever got a connection under the call); a server unreachable for
+(whether or not gRPC ever got a connection under the call): the call is
+cancelled and the server dialed again on a new connection; a server unreachable for
 `distribute.retry_timeout` ends the process with exit code 4 (not counting the time its
 launcher says it is restarting that server, `fedcore.comm.restart_notice`). A server that
 refuses a second session for this id (the previous process's session is
@@ -326,6 +327,14 @@ class GrpcClientComm(ClientInbound):
                     fresh = delivered
                 if self._closing.is_set():
                     break
+                if stream.why:   # cancelled for silence: the connection under it is suspect; dial anew
+                    channel.close()
+                    try:
+                        channel = self._channel()
+                    except FedcoreError as exc:
+                        self._fail(exc)
+                        return
+                    connect = channel.stream_stream(METHOD)
                 if server_restarting():   # its launcher is bringing it back: not lost meanwhile
                     if not waited:
                         log.warning("client %s: the launcher is restarting the server; waiting for it "
