@@ -147,3 +147,32 @@ def test_a_server_that_never_answers_counts_against_retry_timeout(lines):
         client.close()
         mute.close()
 
+
+
+def test_a_welcoming_server_that_falls_silent_is_redialed_and_welcomes_the_client_back():
+    """The project's own server, its event loop frozen after the welcome (a stopped process):
+    the connection stays up, the client's writes still complete, and the server says nothing."""
+    server = GrpcServerComm(_cfg("server", distribute__server_port=0), ImmediateScheduler(),
+                            lambda *a: None, lambda *a: None)
+    server.attach(_NoHandlers())
+    port = server.start()
+    client = GrpcClientComm(_cfg("client", distribute__server_port=port, distribute__client_id=2,
+                                 distribute__retry_timeout=120.0), ImmediateScheduler())
+    silent = _Lines(f"server silent for {HB_TIMEOUT:g}s (distribute.heartbeat_timeout); reconnecting")
+    logging.getLogger("fedcore.deploy").addHandler(silent)
+    readmitted, thaw = threading.Event(), threading.Event()
+    client.on_readmitted = readmitted.set
+    try:
+        client.start()
+        assert client.wait_welcome() == 2
+        first = client.server_session
+        server._on_loop(thaw.wait)   # the server's loop runs nothing until thawed
+        assert silent.seen.wait(60), f"the client never noticed its server's silence: {silent.lines[-3:]}"
+        thaw.set()
+        assert readmitted.wait(60), "the client was not welcomed back"
+        assert client.server_session == first and client.client_id == 2 and client.fatal is None
+    finally:
+        thaw.set()
+        logging.getLogger("fedcore.deploy").removeHandler(silent)
+        client.close()
+        server.stop(0.1)
