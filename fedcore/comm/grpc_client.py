@@ -29,16 +29,18 @@ decoded into `tensor_form` (the form its trainer works in, see
 from __future__ import annotations
 
 import logging
+import queue
 import random
 import secrets
 import threading
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 import grpc
 
 from fedcore.comm.client_inbound import MESSAGE, ClientInbound, ClientStream
 from fedcore.comm.allocator import release_large_blocks
+from fedcore.comm.call_reader import CallReader
 from fedcore.comm.chunking import FRAME_OVERHEAD, Reassembler, SharedContent, first_chunk_size
 from fedcore.comm.fingerprint import fingerprint
 from fedcore.comm.restart_notice import server_restarting
@@ -149,7 +151,6 @@ class GrpcClientComm(ClientInbound):
         release_large_blocks()   # freed model-sized buffers leave the process (comm/allocator.py)
         self._thread = threading.Thread(target=self._loop, name="fedcore-client-io", daemon=True)
         self._thread.start()
-        threading.Thread(target=self._watch, args=(self._thread,), name="fedcore-client-watch", daemon=True).start()
 
     def wait_welcome(self) -> int:
         """Block until the server has admitted this client; returns its id (or raises why not)."""
@@ -264,7 +265,7 @@ class GrpcClientComm(ClientInbound):
                 delivered = False
                 try:
                     stream.call = connect(self._requests(token, stream), metadata=self.metadata)
-                    for raw in stream.call:
+                    for raw in self._responses(stream):
                         answered = True
                         if stream.welcomed and not self._bounded.is_set():
                             self._await_bounds(stream)
@@ -275,6 +276,8 @@ class GrpcClientComm(ClientInbound):
                         if shown == MESSAGE or (shown and fresh):
                             last_ok, attempt, fresh, waited = stream.last_recv, 0, True, False
                     reason = "the server closed the stream"
+                except _Silent:
+                    reason = stream.why
                 except grpc.RpcError as exc:
                     code = exc.code()
                     detail = (exc.details() or "").splitlines()[0][:200] if exc.details() else ""
@@ -328,7 +331,8 @@ class GrpcClientComm(ClientInbound):
                 if self._closing.is_set():
                     break
                 if stream.why:   # cancelled for silence: the connection under it is suspect; dial anew
-                    channel.close()
+                    # closing waits for the channel's calls to end, which a wedged call never does
+                    threading.Thread(target=channel.close, name="fedcore-client-close", daemon=True).start()
                     try:
                         channel = self._channel()
                     except FedcoreError as exc:
@@ -378,21 +382,39 @@ class GrpcClientComm(ClientInbound):
         yield from self.outbox.frames(token, alive, self.hb_interval, heartbeat_frame, on_message,
                                       ready=lambda: stream.welcomed)
 
-    def _watch(self, io: threading.Thread) -> None:
-        """Cancel the current call once its server is silent for too long (no welcome, no frame),
-        so that the I/O thread redials. Not on gRPC's request thread: that one asks for the next
-        frame only once the last is written, and a call with no connection under it (queued on
-        a channel that never gets one, or left pending by a server going down) writes nothing."""
-        while io.is_alive() and not self._closing.wait(self.hb_interval):
-            stream = self._stream
-            if stream is None or stream.done or stream.call is None or stream.why:
-                continue
-            allowed = allowed_silence(self.hb_timeout, stream.reasm.in_progress, self.chunk_size, self.min_rate)
-            if time.monotonic() - stream.last_recv > allowed:
-                stream.why = (f"server silent for {allowed:g}s (distribute.heartbeat_timeout)" if stream.welcomed
-                              else f"no welcome from the server within {allowed:g}s")
-                log.warning("client %s: %s; reconnecting", self.who, stream.why)
-                stream.call.cancel()
+    def _responses(self, stream: ClientStream) -> Iterator[bytes]:
+        """The call's frames, until its end; raises _Silent (the call cancelled and left behind)
+        once the server has sent nothing for too long: no welcome, no frame. Read on a thread of
+        their own: a cancelled call may never end in gRPC (`fedcore.comm.call_reader`)."""
+        reader = CallReader(stream.call, name="fedcore-client-read")
+        try:
+            reader.ask()
+            while True:
+                try:
+                    raw = reader.take(self.hb_interval)
+                except queue.Empty:
+                    raw = _WAITING
+                allowed = allowed_silence(self.hb_timeout, stream.reasm.in_progress, self.chunk_size, self.min_rate)
+                if time.monotonic() - stream.last_recv > allowed:
+                    stream.why = (f"server silent for {allowed:g}s (distribute.heartbeat_timeout)"
+                                  if stream.welcomed else f"no welcome from the server within {allowed:g}s")
+                    log.warning("client %s: %s; reconnecting", self.who, stream.why)
+                    stream.call.cancel()
+                    raise _Silent(stream.why)
+                if raw is None:
+                    return
+                if raw is not _WAITING:
+                    yield raw
+                    reader.ask()
+        finally:
+            reader.ask()   # a reader waiting to be asked reads the call's end, and stops
+
+
+_WAITING = object()   # no frame yet
+
+
+class _Silent(Exception):
+    """The server said nothing on a call for longer than it may."""
 
 
 def _marked(exc: grpc.RpcError, key: str) -> bool:
