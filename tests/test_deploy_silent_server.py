@@ -176,3 +176,71 @@ def test_a_welcoming_server_that_falls_silent_is_redialed_and_welcomes_the_clien
         logging.getLogger("fedcore.deploy").removeHandler(silent)
         client.close()
         server.stop(0.1)
+
+
+class _WedgedCall:
+    """A call as gRPC leaves one now and then: no response, and cancelling it does not end it
+    (its receive never completes). Released at the test's end."""
+
+    def __init__(self, released: threading.Event):
+        self.released, self.cancelled = released, False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.released.wait()
+        raise StopIteration
+
+    def cancel(self):
+        self.cancelled = True
+        return True
+
+
+class _WedgingClient(GrpcClientComm):
+    """The project's client with one stage changed: every call it makes is wedged."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.released, self.calls, self.channels = threading.Event(), [], 0
+
+    def _channel(self):
+        self.channels += 1
+        client = self
+
+        class Channel:
+            def stream_stream(self, method):
+                def connect(requests, metadata):
+                    client.calls.append(_WedgedCall(client.released))
+                    return client.calls[-1]
+                return connect
+
+            def close(self):
+                pass
+        return Channel()
+
+
+def test_a_cancelled_call_that_never_ends_is_left_behind_and_counts_against_retry_timeout(lines):
+    client = _WedgingClient(_cfg("client", distribute__server_port=1, distribute__client_id=1,
+                                 distribute__retry_timeout=3.0), ImmediateScheduler())
+    client.scheduler.call_soon = lambda action: None   # no course to raise the failure into
+    raised = []
+
+    def wait():
+        try:
+            client.wait_welcome()
+        except ServerUnreachable as exc:
+            raised.append(exc)
+    try:
+        client.start()
+        ended = threading.Thread(target=wait, daemon=True)
+        ended.start()
+        ended.join(60)
+        assert not ended.is_alive(), "the client waited for ever on a call it had cancelled"
+        assert raised == [client.fatal] and f"last error: {NO_WELCOME}" in str(client.fatal)
+        # every call was cancelled and left behind, each redial on a new channel
+        assert len(client.calls) >= 2 and all(c.cancelled for c in client.calls)
+        assert client.channels == len(client.calls)
+    finally:
+        client.released.set()
+        client.close()

@@ -256,6 +256,7 @@ class GrpcClientComm(ClientInbound):
         # too, but only on the first stream since the last message: a server that welcomes and
         # breaks the stream again and again without a round is given up on after retry_timeout.
         fresh = True
+        stream = None
         try:
             while not self._closing.is_set():
                 stream = ClientStream(Reassembler(self.max_message, self.chunk_size))
@@ -330,15 +331,6 @@ class GrpcClientComm(ClientInbound):
                     fresh = delivered
                 if self._closing.is_set():
                     break
-                if stream.why:   # cancelled for silence: the connection under it is suspect; dial anew
-                    # closing waits for the channel's calls to end, which a wedged call never does
-                    threading.Thread(target=channel.close, name="fedcore-client-close", daemon=True).start()
-                    try:
-                        channel = self._channel()
-                    except FedcoreError as exc:
-                        self._fail(exc)
-                        return
-                    connect = channel.stream_stream(METHOD)
                 if server_restarting():   # its launcher is bringing it back: not lost meanwhile
                     if not waited:
                         log.warning("client %s: the launcher is restarting the server; waiting for it "
@@ -357,6 +349,14 @@ class GrpcClientComm(ClientInbound):
                            "client is plaintext (distribute.insecure)?" if self.insecure
                            and not self._welcomed.is_set() and "socket closed" in reason.lower() else "")))
                     return
+                if stream.why:   # cancelled for silence: the connection under it is suspect; dial anew
+                    _let_go(channel)
+                    try:
+                        channel = self._channel()
+                    except FedcoreError as exc:
+                        self._fail(exc)
+                        return
+                    connect = channel.stream_stream(METHOD)
                 delay = min(backoff_delay(attempt, *self.backoff, self._rng),
                             max(0.05, self.retry_timeout - gone))
                 attempt += 1
@@ -368,7 +368,10 @@ class GrpcClientComm(ClientInbound):
                                 self.who, self.address, reason, delay)
                 self._closing.wait(delay)
         finally:
-            channel.close()
+            if stream is not None and stream.why:
+                _let_go(channel)
+            else:
+                channel.close()
 
     def _requests(self, token, stream: ClientStream):
         """The request side of one stream: queued frames, or a heartbeat when idle."""
@@ -411,6 +414,12 @@ class GrpcClientComm(ClientInbound):
 
 
 _WAITING = object()   # no frame yet
+
+
+def _let_go(channel: grpc.Channel) -> None:
+    """Close `channel` on a thread of its own: closing waits for its calls to end, and a
+    cancelled call that gRPC never ends would hold the caller for ever."""
+    threading.Thread(target=channel.close, name="fedcore-client-close", daemon=True).start()
 
 
 class _Silent(Exception):
