@@ -7,7 +7,8 @@ off mid-stream is sent again and the server drops the duplicate). A server
 silent for `distribute.heartbeat_timeout` (longer while one of its messages is
 half-received) counts as broken, as does a call with no welcome within it
 (whether or not gRPC ever got a connection under the call): the call is
-cancelled and the server dialed again on a new connection; a server unreachable for
+cancelled (and left behind, should gRPC never end it) and the server dialed
+again on a new connection; a server unreachable for
 `distribute.retry_timeout` ends the process with exit code 4 (not counting the time its
 launcher says it is restarting that server, `fedcore.comm.restart_notice`). A server that
 refuses a second session for this id (the previous process's session is
