@@ -5,7 +5,10 @@ holds the stream; when it breaks, it redials with exponential backoff and
 jitter, resuming the same session (queued messages are kept; a message cut
 off mid-stream is sent again and the server drops the duplicate). A server
 silent for `distribute.heartbeat_timeout` (longer while one of its messages is
-half-received) counts as broken; a server unreachable for
+half-received) counts as broken, as does a call with no welcome within it
+(whether or not gRPC ever got a connection under the call): the call is
+cancelled (and left behind, should gRPC never end it) and the server dialed
+again on a new connection; a server unreachable for
 `distribute.retry_timeout` ends the process with exit code 4 (not counting the time its
 launcher says it is restarting that server, `fedcore.comm.restart_notice`). A server that
 refuses a second session for this id (the previous process's session is
@@ -27,16 +30,18 @@ decoded into `tensor_form` (the form its trainer works in, see
 from __future__ import annotations
 
 import logging
+import queue
 import random
 import secrets
 import threading
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 import grpc
 
 from fedcore.comm.client_inbound import MESSAGE, ClientInbound, ClientStream
 from fedcore.comm.allocator import release_large_blocks
+from fedcore.comm.call_reader import CallReader
 from fedcore.comm.chunking import FRAME_OVERHEAD, Reassembler, SharedContent, first_chunk_size
 from fedcore.comm.fingerprint import fingerprint
 from fedcore.comm.restart_notice import server_restarting
@@ -252,6 +257,7 @@ class GrpcClientComm(ClientInbound):
         # too, but only on the first stream since the last message: a server that welcomes and
         # breaks the stream again and again without a round is given up on after retry_timeout.
         fresh = True
+        stream = None
         try:
             while not self._closing.is_set():
                 stream = ClientStream(Reassembler(self.max_message, self.chunk_size))
@@ -261,7 +267,7 @@ class GrpcClientComm(ClientInbound):
                 delivered = False
                 try:
                     stream.call = connect(self._requests(token, stream), metadata=self.metadata)
-                    for raw in stream.call:
+                    for raw in self._responses(stream):
                         answered = True
                         if stream.welcomed and not self._bounded.is_set():
                             self._await_bounds(stream)
@@ -272,6 +278,8 @@ class GrpcClientComm(ClientInbound):
                         if shown == MESSAGE or (shown and fresh):
                             last_ok, attempt, fresh, waited = stream.last_recv, 0, True, False
                     reason = "the server closed the stream"
+                except _Silent:
+                    reason = stream.why
                 except grpc.RpcError as exc:
                     code = exc.code()
                     detail = (exc.details() or "").splitlines()[0][:200] if exc.details() else ""
@@ -342,6 +350,14 @@ class GrpcClientComm(ClientInbound):
                            "client is plaintext (distribute.insecure)?" if self.insecure
                            and not self._welcomed.is_set() and "socket closed" in reason.lower() else "")))
                     return
+                if stream.why:   # cancelled for silence: the connection under it is suspect; dial anew
+                    _let_go(channel)
+                    try:
+                        channel = self._channel()
+                    except FedcoreError as exc:
+                        self._fail(exc)
+                        return
+                    connect = channel.stream_stream(METHOD)
                 delay = min(backoff_delay(attempt, *self.backoff, self._rng),
                             max(0.05, self.retry_timeout - gone))
                 attempt += 1
@@ -353,31 +369,62 @@ class GrpcClientComm(ClientInbound):
                                 self.who, self.address, reason, delay)
                 self._closing.wait(delay)
         finally:
-            channel.close()
+            if stream is not None and stream.why:
+                _let_go(channel)
+            else:
+                channel.close()
 
     def _requests(self, token, stream: ClientStream):
         """The request side of one stream: queued frames, or a heartbeat when idle."""
         def alive() -> bool:
             return not stream.done and not (self._closing.is_set() and not self.connected)
 
-        def idle() -> bytes | None:
-            allowed = allowed_silence(self.hb_timeout, stream.reasm.in_progress, self.chunk_size,
-                                      self.min_rate)
-            if time.monotonic() - stream.last_recv > allowed:
-                stream.why = (f"server silent for {allowed:g}s (distribute.heartbeat_timeout)" if stream.welcomed
-                              else f"no welcome from the server within {allowed:g}s")
-                log.warning("client %s: %s; reconnecting", self.who, stream.why)
-                if stream.call is not None:
-                    stream.call.cancel()
-                return None
-            return heartbeat_frame()
-
         def on_message(size: int) -> None:
             stream.large = stream.large or size >= TURN_BYTES
 
         # messages go once the server has welcomed this stream: one it refuses would take them with it
-        yield from self.outbox.frames(token, alive, self.hb_interval, idle, on_message,
+        yield from self.outbox.frames(token, alive, self.hb_interval, heartbeat_frame, on_message,
                                       ready=lambda: stream.welcomed)
+
+    def _responses(self, stream: ClientStream) -> Iterator[bytes]:
+        """The call's frames, until its end; raises _Silent (the call cancelled and left behind)
+        once the server has sent nothing for too long: no welcome, no frame. Read on a thread of
+        their own: a cancelled call may never end in gRPC (`fedcore.comm.call_reader`)."""
+        reader = CallReader(stream.call, name="fedcore-client-read")
+        try:
+            reader.ask()
+            while True:
+                try:
+                    raw = reader.take(self.hb_interval)
+                except queue.Empty:
+                    raw = _WAITING
+                allowed = allowed_silence(self.hb_timeout, stream.reasm.in_progress, self.chunk_size, self.min_rate)
+                if time.monotonic() - stream.last_recv > allowed:
+                    stream.why = (f"server silent for {allowed:g}s (distribute.heartbeat_timeout)"
+                                  if stream.welcomed else f"no welcome from the server within {allowed:g}s")
+                    log.warning("client %s: %s; reconnecting", self.who, stream.why)
+                    stream.call.cancel()
+                    raise _Silent(stream.why)
+                if raw is None:
+                    return
+                if raw is not _WAITING:
+                    yield raw
+                    reader.ask()
+        finally:
+            reader.ask()   # a reader waiting to be asked reads the call's end, and stops
+
+
+_WAITING = object()   # no frame yet
+
+
+def _let_go(channel: grpc.Channel) -> None:
+    """Close `channel` on a thread of its own: closing waits for its calls to end, and a
+    cancelled call that gRPC never ends would hold the caller for ever."""
+    threading.Thread(target=channel.close, name="fedcore-client-close", daemon=True).start()
+
+
+class _Silent(Exception):
+    """The server said nothing on a call for longer than it may."""
 
 
 def _marked(exc: grpc.RpcError, key: str) -> bool:
