@@ -7,8 +7,6 @@ the encrypted gradients (2^-24 per row)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -90,25 +88,30 @@ def test_a_curious_passive_party_sees_only_ciphertexts_and_its_own_splits(tmp_pa
     assert all(sorted(c) == ["at", "frontier"] for c in seen["passive_level"])
 
 
-def test_label_column_missing_at_the_active_party_exits_2(tmp_path):
+def _run(tmp_path, cfg, capsys) -> tuple[int, str]:
+    """`python -m fedcore.run`'s entry point in this process: its exit code and its stderr."""
+    from fedcore.run import main
+    code = main(["--cfg", str(cfg), f"outdir={tmp_path / 'o'}", "verbose=0"])
+    return code, capsys.readouterr().err
+
+
+def test_label_column_missing_at_the_active_party_exits_2(tmp_path, capsys):
     files, *_ = _files(tmp_path)
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"task: trees\ndata: {{partition: vertical, label_column: target}}\n"
                    f"vertical: {{parties: 2, files: [{files[0]}, {files[1]}]}}\n")
-    r = subprocess.run([sys.executable, "-m", "fedcore.run", "--cfg", str(cfg), f"outdir={tmp_path / 'o'}",
-                        "verbose=0"], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2, r.stderr
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    code, stderr = _run(tmp_path, cfg, capsys)
+    assert code == 2, stderr
+    lines = [ln for ln in stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "no column 'target'" in lines[0]
 
 
-def test_more_bins_than_aligned_rows_exits_2(tmp_path):
+def test_more_bins_than_aligned_rows_exits_2(tmp_path, capsys):
     files, *_ = _files(tmp_path, m=20)
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"task: trees\ndata: {{partition: vertical}}\ntrees: {{max_bin: 64}}\n"
                    f"vertical: {{parties: 2, files: [{files[0]}, {files[1]}], he: {{key_bits: 256}}}}\n")
-    r = subprocess.run([sys.executable, "-m", "fedcore.run", "--cfg", str(cfg), f"outdir={tmp_path / 'o'}",
-                        "verbose=0"], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2, r.stderr
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    code, stderr = _run(tmp_path, cfg, capsys)
+    assert code == 2, stderr
+    lines = [ln for ln in stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].count("trees.max_bin: 64 bins for") == 1
