@@ -243,13 +243,20 @@ class GrpcClientComm(ClientInbound):
         self._welcomed.set()
         self.scheduler.call_soon(Raise(err))
 
-    def _loop(self) -> None:
+    def _dial(self) -> tuple[grpc.Channel | None, Callable | None]:
+        """A new channel and its stream method; (None, None), the failure reported, where the
+        channel cannot be made (bad TLS files)."""
         try:
             channel = self._channel()
         except FedcoreError as exc:
             self._fail(exc)
+            return None, None
+        return channel, channel.stream_stream(METHOD)
+
+    def _loop(self) -> None:
+        channel, connect = self._dial()
+        if channel is None:
             return
-        connect = channel.stream_stream(METHOD)
         attempt, last_ok, reason = 0, time.monotonic(), "not connected yet"
         held = ""   # why the server last refused this id while another session held it
         waited = False   # whether it said it waits for a server its launcher restarts
@@ -352,12 +359,9 @@ class GrpcClientComm(ClientInbound):
                     return
                 if stream.why:   # cancelled for silence: the connection under it is suspect; dial anew
                     _let_go(channel)
-                    try:
-                        channel = self._channel()
-                    except FedcoreError as exc:
-                        self._fail(exc)
+                    channel, connect = self._dial()
+                    if channel is None:
                         return
-                    connect = channel.stream_stream(METHOD)
                 delay = min(backoff_delay(attempt, *self.backoff, self._rng),
                             max(0.05, self.retry_timeout - gone))
                 attempt += 1
@@ -369,7 +373,9 @@ class GrpcClientComm(ClientInbound):
                                 self.who, self.address, reason, delay)
                 self._closing.wait(delay)
         finally:
-            if stream is not None and stream.why:
+            if channel is None:   # a redial that could not make its channel: the old one is let go
+                pass
+            elif stream is not None and stream.why:
                 _let_go(channel)
             else:
                 channel.close()
