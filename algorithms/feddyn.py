@@ -11,6 +11,8 @@ Only shared trainable parameters are regularised; buffers are averaged.
 """
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
 
 from fedcore.kernel.contract import Aggregator, Algorithm, ReceivedUpdate, Trainer, weighted_mean
@@ -123,26 +125,26 @@ class FedDynAggregator(Aggregator):
         if len(updates) == 1 and updates[0].owned:   # a folding round's mean of its models
             return self._folded(updates[0])
         weights = self.weights(updates)
-        new_state, new_h = dict(self.global_state), dict(self.h)
-        for name in updates[0].content["model"]:
-            models = [u.content["model"][name] for u in updates]
-            mean = weighted_mean(models, weights)
-            if name in self.h:
-                prev = self.global_state[name]
-                drift = torch.stack([m - prev for m in models]).sum(0)
-                new_h[name] = self.h[name] - self.alpha * drift / self.num_clients
-                new_state[name] = mean - new_h[name] / self.alpha
-            else:
-                new_state[name] = mean
-        self.global_state, self.h = new_state, new_h
-        return {}
+
+        def entries():
+            for name in updates[0].content["model"]:
+                models = [u.content["model"][name] for u in updates]
+                drift = (torch.stack([m - self.global_state[name] for m in models]).sum(0)
+                         if name in self.h else None)
+                yield name, weighted_mean(models, weights), drift
+        return self._step(entries())
 
     def _folded(self, update: ReceivedUpdate) -> dict:
         count = len(getattr(update, "contributors", None) or [update.client_id])
+        return self._step((name, mean, (mean - self.global_state[name]) * count if name in self.h else None)
+                          for name, mean in update.content["model"].items())
+
+    def _step(self, entries: Iterable[tuple[str, torch.Tensor, torch.Tensor | None]]) -> dict:
+        """Algorithm 1's server step from each entry's mean and the summed drift Σ(θ_i − θ) of
+        the round's clients (None for an entry without h), taken one entry at a time."""
         new_state, new_h = dict(self.global_state), dict(self.h)
-        for name, mean in update.content["model"].items():
-            if name in self.h:
-                drift = (mean - self.global_state[name]) * count
+        for name, mean, drift in entries:
+            if drift is not None:
                 new_h[name] = self.h[name] - self.alpha * drift / self.num_clients
                 new_state[name] = mean - new_h[name] / self.alpha
             else:
