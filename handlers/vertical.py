@@ -263,14 +263,20 @@ def split_setup_active(active, _event=None) -> None:
 
 def split_setup_passive(party, _event=None) -> None:
     """`aligned` (passive): the bottom model; send the first batch's activations."""
+    party.bottom = components.get("splitnn_bottom")(party.course.cfg, party.id, party.train_rows.x,
+                                                    party.test_rows.x)
+    start_passive(party, party.bottom, send_activations)
+
+
+def start_passive(party, model, send_first) -> None:
+    """A passive party's start, whatever its model: its steps per epoch and in all, `model` as of
+    the resumed round (its own saved state), and the first batch's message unless none is left."""
     cfg = party.course.cfg
-    party.bottom = components.get("splitnn_bottom")(cfg, party.id, party.train_rows.x, party.test_rows.x)
-    per_epoch = components.get("batches_per_epoch")
-    party.per_epoch = per_epoch(len(party.train_rows.ids), cfg["train.batch_size"])
+    party.per_epoch = components.get("batches_per_epoch")(len(party.train_rows.ids), cfg["train.batch_size"])
     party.total_steps = party.per_epoch * cfg["federate.total_round_num"]
-    party.durable.restore(party.bottom, party.resumed_round)
+    party.durable.restore(model, party.resumed_round)
     if party.resumed_round * party.per_epoch < party.total_steps:
-        send_activations(party, party.resumed_round * party.per_epoch)
+        send_first(party, party.resumed_round * party.per_epoch)
 
 
 def send_activations(party, step: int) -> None:

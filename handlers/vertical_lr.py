@@ -41,14 +41,9 @@ def setup_active(active, _event=None) -> None:
 
 def setup_passive(party, _event=None) -> None:
     """`aligned` (passive): weights at zero; send the first batch's partial logits."""
-    cfg = party.course.cfg
-    party.model = components.get("lr_passive")(cfg, party.id, party.train_rows.x, party.test_rows.x,
-                                               party.table.num_classes)
-    party.per_epoch = components.get("batches_per_epoch")(len(party.train_rows.ids), cfg["train.batch_size"])
-    party.total_steps = party.per_epoch * cfg["federate.total_round_num"]
-    party.durable.restore(party.model, party.resumed_round)
-    if party.resumed_round * party.per_epoch < party.total_steps:
-        send_partial(party, party.resumed_round * party.per_epoch)
+    party.model = components.get("lr_passive")(party.course.cfg, party.id, party.train_rows.x,
+                                               party.test_rows.x, party.table.num_classes)
+    v.start_passive(party, party.model, send_partial)
 
 
 def send_partial(party, step: int) -> None:
