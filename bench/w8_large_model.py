@@ -16,7 +16,9 @@ the time goes to moving and aggregating the model) runs with streaming aggregati
   working model and its gradients or the update being folded, whatever the clients per round.
 
 `--algorithms` runs each size with each algorithm: fedavg, fedadam (FedAvg's mean and a
-server Adam step, whose two moments are server state) or scaffold (which folds the weighted
+server Adam step, whose two moments are server state), feddyn (the uniform mean folded; its
+drift h is server state, each client's g_i waits in the disk state store), fednova (the
+(p/a)-weighted mean folded) or scaffold (which folds the weighted
 mean of dy_i and the sum of dc_i; each client's control variate waits in the disk state
 store, `state.store: disk`, so it is not counted between its rounds; the server's c, the
 trainer's c_i and c - c_i and the update's two halves are, where they are resident: a
@@ -65,7 +67,7 @@ def parse_runs(text: str) -> list[tuple[str, int, int]]:
     return out
 
 
-ALGORITHMS = ("fedavg", "fedadam", "scaffold")
+ALGORITHMS = ("fedavg", "fedadam", "scaffold", "feddyn", "fednova")
 
 
 def course_yaml(path: Path, size: int, clients: int, rounds: int, running_sum: str = "float64",
@@ -83,7 +85,7 @@ def course_yaml(path: Path, size: int, clients: int, rounds: int, running_sum: s
             "distribute": {"insecure": True, "token": "w8", "heartbeat_timeout": 600.0}}
     if algorithm == "fedadam":
         tree["server_optimizer"] = {"type": "adam"}
-    if algorithm == "scaffold":   # each client's control variate waits on disk, not in the process
+    if algorithm in ("scaffold", "feddyn"):   # each client's state (c_i, FedDyn's g_i) waits on disk
         tree["state"] = {"store": "disk", "path": str(path.with_suffix(".states"))}
     path.write_text(yaml.safe_dump(tree))
     return path
@@ -155,7 +157,7 @@ def fits(mode: str, size: int, clients: int, available: int, algorithm: str = "f
     if mode == "deploy":
         need = (3.5 + 2 * clients) * size + (clients + 1) * BASE_PROCESS
     else:
-        need = (12 if algorithm == "scaffold" else 8) * size + BASE_PROCESS
+        need = (12 if algorithm in ("scaffold", "feddyn") else 8) * size + BASE_PROCESS
     return need < 0.9 * available
 
 
