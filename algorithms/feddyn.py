@@ -20,6 +20,7 @@ from fedcore.kernel.config import declare, validator
 from fedcore.kernel.errors import ConfigError
 from fedcore.kernel.registry import algorithms
 from fedcore.kernel.vector_term import VectorTerm, stack_state
+from fedcore.wire.spooled import release
 
 __all__ = ["FedDynTrainer", "FedDynTerm", "FedDynAggregator", "FEDDYN"]
 
@@ -46,7 +47,7 @@ class FedDynTrainer(Trainer):
         self.alpha = cfg["algorithm.feddyn.alpha"]
         self.shared_changed()
         self._anchor: list[torch.Tensor] = []
-        self._g: list[torch.Tensor] = []
+        self._g: list[torch.Tensor | None] = []
 
     def shared_changed(self) -> None:
         self.names = [n for n in self.param_names if self.shared(n)]
@@ -55,19 +56,30 @@ class FedDynTrainer(Trainer):
     def begin(self, client_state: dict, received: dict) -> None:
         self._anchor = [received["model"][n] for n in self.names]   # theta^{t-1}, read only
         g = client_state.get("g")
-        self._g = [torch.zeros_like(p) if g is None else g[n] for n, p in zip(self.names, self._params)]
+        # None: g_k = 0 (a client's first round), without a model of zeros: x - 0 is x and
+        # 0.0 - x is 0 - x, bit for bit
+        self._g = [None if g is None else g[n] for n in self.names]
 
     @torch.no_grad()
     def adjust_gradients(self) -> None:
         for p, g_k, anchor in zip(self._params, self._g, self._anchor):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            p.grad.sub_(g_k).add_(p - anchor, alpha=self.alpha)
+            if g_k is not None:
+                p.grad.sub_(g_k)
+            p.grad.add_(p - anchor, alpha=self.alpha)
 
     @torch.no_grad()
     def payload(self, client_state: dict, received: dict, steps: int, n_train: int) -> dict:
-        client_state["g"] = {n: g_k - self.alpha * (p - anchor)
-                             for n, p, g_k, anchor in zip(self.names, self._params, self._g, self._anchor)}
+        new_g = {}
+        for n, p, g_k, anchor in zip(self.names, self._params, self._g, self._anchor):
+            out = new_g[n] = torch.empty(p.shape, dtype=p.dtype if g_k is None else torch.result_type(g_k, p),
+                                         device=p.device)
+            for a, b, flat_out, (flat_g, flat_p, flat_anchor) in _slices(out, g_k, p, anchor):
+                g_part = 0.0 if flat_g is None else flat_g[a:b]
+                flat_out[a:b] = g_part - self.alpha * (flat_p[a:b] - flat_anchor[a:b])
+                release(flat_anchor[a:b])   # a parked global model's pages go back once read
+        client_state["g"] = new_g
         return super().payload(client_state, received, steps, n_train)
 
     def vector_term(self) -> VectorTerm:
@@ -136,19 +148,29 @@ class FedDynAggregator(Aggregator):
 
     def _folded(self, update: ReceivedUpdate) -> dict:
         count = len(getattr(update, "contributors", None) or [update.client_id])
-        return self._step((name, mean, (mean - self.global_state[name]) * count if name in self.h else None)
+        return self._step((name, mean, count if name in self.h else None)
                           for name, mean in update.content["model"].items())
 
-    def _step(self, entries: Iterable[tuple[str, torch.Tensor, torch.Tensor | None]]) -> dict:
+    def _step(self, entries: Iterable[tuple[str, torch.Tensor, torch.Tensor | int | None]]) -> dict:
         """Algorithm 1's server step from each entry's mean and the summed drift Σ(θ_i − θ) of
-        the round's clients (None for an entry without h), taken one entry at a time."""
+        the round's clients, or the number |S| of a folded round's clients whose drift is
+        |S|(mean − θ) (None for an entry without h). Taken an entry at a time and a slice at a
+        time, the new model written over the round's own mean: the same element-wise
+        operations on the same values (the same bits), without model-sized temporaries."""
         new_state, new_h = dict(self.global_state), dict(self.h)
         for name, mean, drift in entries:
             if drift is not None:
-                new_h[name] = self.h[name] - self.alpha * drift / self.num_clients
-                new_state[name] = mean - new_h[name] / self.alpha
-            else:
-                new_state[name] = mean
+                mean = mean if mean.is_contiguous() else mean.contiguous()
+                out = new_h[name] = torch.empty_like(self.h[name], memory_format=torch.contiguous_format)
+                summed = drift if isinstance(drift, torch.Tensor) else None
+                for a, b, flat_out, (flat_h, flat_mean, flat_x, flat_drift) in _slices(
+                        out, self.h[name], mean, self.global_state[name], summed):
+                    d = flat_drift[a:b] if summed is not None else (flat_mean[a:b] - flat_x[a:b]) * drift
+                    flat_out[a:b] = flat_h[a:b] - self.alpha * d / self.num_clients
+                    flat_mean[a:b] = flat_mean[a:b] - flat_out[a:b] / self.alpha
+                    release(flat_x[a:b])      # a parked global model's pages go back once read
+                    release(flat_mean[a:b])   # and a spilled mean's once written
+            new_state[name] = mean
         self.global_state, self.h = new_state, new_h
         return {}
 
@@ -157,6 +179,19 @@ class FedDynAggregator(Aggregator):
 
     def load_state_dict(self, state: dict) -> None:
         self.h = dict(state["h"])
+
+
+SLICE = 2 ** 20   # elements of one slice of FedDyn's element-wise state updates
+
+
+def _slices(out: torch.Tensor, *ins: torch.Tensor | None):
+    """(start, stop, out's flat view, the inputs' flat views) for each slice of SLICE elements:
+    element-wise arithmetic taken a slice at a time gives the very bits of the whole-tensor
+    operation, with slice-sized temporaries instead of model-sized ones."""
+    flat_out = out.view(-1)
+    flats = tuple(None if t is None else t.reshape(-1) for t in ins)
+    for a in range(0, flat_out.numel(), SLICE):
+        yield a, min(a + SLICE, flat_out.numel()), flat_out, flats
 
 
 FEDDYN = algorithms.register("feddyn", Algorithm(FedDynTrainer, FedDynAggregator))
