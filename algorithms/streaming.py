@@ -24,14 +24,15 @@ checks (finite values, its weight, the message's SHA-256 at its end) come before
 touch the sum, and a float64 addition cannot be taken back exactly. A deployed server
 therefore receives a large update into a file (wire/spooled.py), not its memory, and the
 finiteness check and the fold read it a slice at a time, giving each slice's pages back;
-the sum is kept in pieces, so the mean is cast piece by piece as the sum is let go. Rules
-that need every update at once keep the list: robust rules and central DP (their
-combination replaces the mean, `combine.replace_combination`), admission's influence
-check (a median over the round, where `admission.norm_ratio` is set), FedEx, and
-aggregators with a rule of their own (FedNova, FedDyn, FedBuff, pFedMe, asynchronous
-courses; SCAFFOLD's is linear and folds two sums, `folded_keys`). Those hold k updates of a
-round: k times the model. See
-docs/compression.md (large models) and docs/performance.md (W8).
+the sum is kept in pieces, so the mean is cast piece by piece as the sum is let go. Central
+DP replaces the mean with a rule that folds too: the sum of the clipped deltas
+(`folding_rule`, algorithms/dp_fold.py). Rules that need every update at once keep the
+list: robust rules (their combination replaces the mean, `combine.replace_combination`),
+admission's influence check (a median over the round, where `admission.norm_ratio` is
+set), FedEx, and aggregators with a rule of their own that does not fold (FedBuff, pFedMe,
+asynchronous courses; SCAFFOLD, FedDyn and FedNova fold several sums, `folded_keys`,
+`fold_parts`). Those hold k updates of a round: k times the model. See docs/compression.md
+(large models) and docs/performance.md (W8).
 """
 from __future__ import annotations
 
