@@ -121,7 +121,7 @@ class ClippedSum(streaming.RunningMean):
             new = torch.empty(shape, dtype=dtype, device=device) if new is None else new
             flat, pieces = new.view(-1), sums.pop(name)
             for index, lo, hi, at in _spans(new.numel()):
-                acc = pieces[index][lo:hi]
+                acc = part = pieces[index][lo:hi]
                 if noise is not None:
                     acc.add_(noise.take(hi - lo).to(acc.device) * std)
                 acc.div_(m)
@@ -130,6 +130,7 @@ class ClippedSum(streaming.RunningMean):
                     acc = g.to(torch.float64) + acc
                     release(g)
                 flat[at:at + hi - lo].copy_(acc)
+                release(part)   # a spilled sum's pages go back to its file, and the new model's
                 release(flat[at:at + hi - lo])
                 if hi == pieces[index].numel():
                     pieces[index] = None     # this piece of the sum is let go
@@ -147,7 +148,8 @@ class NoiseStream:
     the last one at least 16, draw the same uniforms in the same order and give the same
     values. OS noise is fresh at every draw, whatever the blocks."""
 
-    def __init__(self, numel: int, source, block: int = NOISE_BLOCK) -> None:
+    def __init__(self, numel: int, source, block: int | None = None) -> None:
+        block = block or NOISE_BLOCK
         if block % 16 or block < 16:
             raise ValueError(f"a noise block must be a positive multiple of 16, not {block}")
         self.left, self.source, self.block = numel, source, block

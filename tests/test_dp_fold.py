@@ -3,8 +3,9 @@ sum as it arrives. The noise drawn a block at a time is one whole draw's; the fo
 hand-computed clipped sum; a folding course equals the list-based one bit for bit where the
 updates are folded in the same order (and to a derived bound where they are not), spilled,
 with adaptive clipping, a server optimizer, empty and refused rounds."""
+import gc
 import json
-import math
+import os
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from fedcore.runtime import admission
 from fedcore.runtime.course import Course
 from fedcore.wire.spooled import is_mapped
 from tests.conftest import small_cfg
+from tests.test_sim_memory import _LIBC, BIG, BIG_BYTES, LARGE, _resident
 
 SIZES = list(range(1, 41)) + [47, 48, 49, 63, 64, 65, 100, 1007, 4096, 4097, 65_539, 100_003]
 
@@ -184,3 +186,38 @@ def test_central_dp_folds_and_the_rules_that_need_every_update_do_not(tmp_path):
     ftrl = Course(small_cfg(tmp_path / "ftrl", privacy__dp__mode="ftrl", federate__sample_client_num=3,
                             federate__total_round_num=2)).build()
     assert not streaming.folds(ftrl.server.aggregator)   # DP-FTRL keeps its list (docs/algorithms/dp.md)
+
+
+@pytest.mark.skipif(_LIBC is None or not os.path.exists("/proc/self/status"),
+                    reason="needs Linux's /proc and glibc's malloc_trim")
+def test_what_a_folding_dp_simulation_holds_does_not_grow_with_the_clients_per_round(tmp_path, monkeypatch):
+    """Resident bytes above the built course (its data, the global model, the trainer), in
+    models, at each update's fold as it is sent, at each noise slice of the release and once
+    the round's model is made."""
+    monkeypatch.setattr(streaming, "FOLD_STEP", 2 ** 16)   # a slice's float64 temporaries: 0.1 model
+    monkeypatch.setattr(dp_fold, "NOISE_BLOCK", 2 ** 16)
+    peaks: list[tuple[int, str]] = []
+    for cls, method in ((FoldingBuffer, "fold_sent"), (NoiseStream, "take"), (FoldingRule, "combined")):
+        original = getattr(cls, method)
+
+        def watched(self, *args, _original=original, _method=method, **kw):
+            out = _original(self, *args, **kw)
+            peaks.append((_resident(), _method))
+            return out
+        monkeypatch.setattr(cls, method, watched)
+    most = {}
+    # the first course in a process also loads what any course needs once (kernels, modules)
+    for name, k, spill in (("warm", 2, "on"), ("two", 2, "on"), ("eight", 8, "on"), ("held", 8, "off")):
+        course = Course(small_cfg(tmp_path / name, **{
+            **LARGE, **BIG, **DP, "federate__sample_client_num": k, "federate__total_round_num": 2,
+            "aggregator__spill": spill, "privacy__dp__clip_each_step": False}))
+        course.build()
+        gc.collect()
+        built, peaks[:] = _resident(), []
+        course.run()
+        assert {m for _, m in peaks} == {"fold_sent", "take", "combined"}   # folded as sent
+        most[name] = (max(p for p, _ in peaks) - built) / BIG_BYTES
+    # spilled: a slice's temporaries where the built course held the global model, whatever k
+    assert most["eight"] <= 0.25 and abs(most["eight"] - most["two"]) <= 0.25, most
+    # held in memory: the float64 sum (two models) and the update, or the next model, beside it
+    assert most["held"] >= most["eight"] + 2.5, most
