@@ -44,18 +44,17 @@ def _spans(numel: int):
             yield index, lo, min(lo + step, size), start + lo
 
 
-def _delta(x: torch.Tensor, g: torch.Tensor | None, at: int, n: int) -> torch.Tensor:
-    """x - g over flat elements [at, at + n) in float64 (x itself where g is None), pages of a
-    spooled update or parked model given back once read (a fresh tensor in any case)."""
-    part = x.reshape(-1)[at:at + n]
-    d = part.to(torch.float64)
+def _delta(x: torch.Tensor, g: torch.Tensor | None, at: int, n: int, out: torch.Tensor) -> torch.Tensor:
+    """x - g over flat elements [at, at + n) in float64 (x itself where g is None), written
+    into `out` (no allocation per slice), pages of a spooled update or parked model given back
+    once read. The same roundings as x.double() - g.double(): both casts are exact."""
+    part, d = x.reshape(-1)[at:at + n], out[:n]
+    d.copy_(part)
+    release(part)
     if g is not None:
         base = g.reshape(-1)[at:at + n]
-        d = d - base.to(torch.float64)
+        d.sub_(base)
         release(base)
-    elif d.data_ptr() == part.data_ptr():
-        d = d.clone()
-    release(part)
     return d
 
 
@@ -78,10 +77,13 @@ class ClippedSum(streaming.RunningMean):
             self.names = [n for n in self.keys if model[n].is_floating_point()]
             self.start({n: model[n] for n in self.names})
         base_of = (lambda n: None) if base is None else base.__getitem__
+        device = model[self.names[0]].device if self.names else torch.device("cpu")
+        largest = max((model[n].numel() for n in self.names), default=0)
+        buf = torch.empty(min(streaming.FOLD_STEP, largest), dtype=torch.float64, device=device)
         squares = 0.0
         for name in self.names:
             for _, lo, hi, at in _spans(model[name].numel()):
-                d = _delta(model[name], base_of(name), at, hi - lo)
+                d = _delta(model[name], base_of(name), at, hi - lo, buf)
                 squares += float(torch.dot(d, d))
         norm = math.sqrt(squares)
         factor = min(1.0, clip / norm) if norm > 0 else 1.0
@@ -89,7 +91,7 @@ class ClippedSum(streaming.RunningMean):
             pieces = self.sum[name]
             for index, lo, hi, at in _spans(model[name].numel()):
                 acc = pieces[index][lo:hi]
-                acc.add_(_delta(model[name], base_of(name), at, hi - lo) * factor)
+                acc.add_(_delta(model[name], base_of(name), at, hi - lo, buf).mul_(factor))
                 release(acc)   # a spilled sum's pages go back to its file
         self.folded += 1
         self.total += max(weight, 0.0)
