@@ -13,6 +13,7 @@ import torch
 from fedcore.algorithms import dp_fold, streaming
 from fedcore.algorithms.dp import central_dp_rule
 from fedcore.algorithms.dp_fold import ClippedSum, FoldingRule, NoiseStream
+from fedcore.algorithms.dp_noise import OS_NOISE
 from fedcore.algorithms.streaming import FoldingBuffer
 from fedcore.kernel.errors import ConfigError, CourseDiverged
 from fedcore.runtime import admission
@@ -79,6 +80,20 @@ def test_the_folded_noise_is_the_list_rules_draws_and_the_server_model_takes_no_
                     dtype=torch.float64)
     assert torch.equal(model["w"], z * 2.0 / 3) and metrics == {"dp_clipped": 0}
     assert total.present == 0   # the server's own model is not a participant
+
+
+def test_os_noise_is_drawn_a_block_at_a_time_fresh_each_release(monkeypatch):
+    monkeypatch.setattr(dp_fold, "NOISE_BLOCK", 4096)
+    rule = central_dp_rule(2.0, 1.5, lambda round_: OS_NOISE, expected=1)
+    base = {"w": torch.zeros(50_000, dtype=torch.float64)}
+    released = []
+    for _ in range(2):
+        total = rule.start()
+        rule.fold(total, base, base, 1)     # a zero delta: what is released is the noise alone
+        released.append(rule.combined(total, 1, base)[0]["w"])
+    # std sigma C = 3 (to 2%: 6.7 standard errors of 50,000 draws), mean 0, no two releases alike
+    assert released[0].std().item() == pytest.approx(3.0, rel=0.02) and abs(released[0].mean().item()) < 0.08   # 6 standard errors
+    assert not (released[0] == released[1]).any()
 
 
 def test_another_fold_order_is_the_same_sum_to_float64_rounding():
@@ -181,6 +196,9 @@ def test_central_dp_folds_and_the_rules_that_need_every_update_do_not(tmp_path):
     assert streaming.folds(course.server.aggregator) and streaming._why_not(course.server) is None
     with pytest.raises(ConfigError, match="aggregator.streaming"):
         Course(small_cfg(tmp_path / "x", aggregator__streaming="on", aggregator__robust_rule="median")).build()
+    secure = Course(small_cfg(tmp_path / "sec", secure_aggregation__enabled=True, **{
+        **DP, "federate__sample_client_num": None})).build()
+    assert not hasattr(secure.server.aggregator, "folding_rule")   # the clients clip: its own path
     nova = Course(small_cfg(tmp_path / "nova", algorithm__name="fednova", **DP)).build()
     assert not streaming.folds(nova.server.aggregator)   # FedNova's rule reads more than the model
     ftrl = Course(small_cfg(tmp_path / "ftrl", privacy__dp__mode="ftrl", federate__sample_client_num=3,
