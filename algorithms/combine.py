@@ -28,11 +28,15 @@ from fedcore.kernel.hooks import Wrapper
 from fedcore.wire.spooled import release
 
 __all__ = ["Deltas", "CombineRule", "Columns", "BandedRule", "replace_combination", "flatten",
-           "unflatten", "float_names"]
+           "unflatten", "float_names", "models_only", "COMBINED"]
 
 ONE_BAND = 2 ** 21     # a model of at most this many floating values is read as one band
 BAND_BYTES = 2 ** 23   # beyond that, a band's k x width float64 block takes at most 8 MiB, whatever k
 MIN_BAND = 2 ** 12     # columns of a band at least, however many rows
+
+# an update's entry that marks it as a folding round's result of the rule (algorithms/dp_fold.py),
+# carrying the rule's metrics: the aggregator takes its model as it is
+COMBINED = "combined_by_rule"
 
 Deltas = list[dict[str, torch.Tensor]]
 # (deltas of floating entries, sample weights, client ids, round) -> (one delta, metrics)
@@ -148,19 +152,33 @@ class BandedRule:
         return out, metrics
 
 
+def models_only(update: ReceivedUpdate, label: str) -> None:
+    """Refuse (RuntimeError) an update that carries more than a model: a rule that replaces
+    the combination cannot combine the rest."""
+    extra = set(update.content) - {"model", "num_samples"}
+    if extra:
+        raise RuntimeError(f"{label} combines models only, but updates also carry "
+                           f"{sorted(extra)}; this algorithm's aggregation cannot be replaced")
+
+
 def replace_combination(aggregator: Aggregator, rule: CombineRule, label: str,
                         others: str = "mean") -> None:
     """Make `aggregator` combine updates with `rule` (applied before its own aggregate). The
     entries the rule does not combine (integers: a batch norm's counter) are the updates'
     weighted mean, or with `others="global"` kept as the global model has them (central DP
-    releases nothing it has not noised)."""
+    releases nothing it has not noised). A rule that folds (`rule.fold`, algorithms/dp_fold.py)
+    folds the updates here in their order, as a folding round does as they arrive; that
+    round's one update (`COMBINED`) is its result already."""
     def aggregate(original, updates: list[ReceivedUpdate], round_: int) -> dict[str, float]:
         if not updates:
             return original(updates, round_)
-        extra = set(updates[0].content) - {"model", "num_samples"}
-        if extra:
-            raise RuntimeError(f"{label} combines models only, but updates also carry "
-                               f"{sorted(extra)}; this algorithm's aggregation cannot be replaced")
+        if len(updates) == 1 and COMBINED in updates[0].content:
+            content = dict(updates[0].content)
+            metrics = content.pop(COMBINED)
+            one = ReceivedUpdate(updates[0].client_id, content, updates[0].round, updates[0].staleness,
+                                 owned=updates[0].owned)
+            return {**(original([one], round_) or {}), **metrics}
+        models_only(updates[0], label)
         base = aggregator.global_state
         models = [u.content["model"] for u in updates]
         names = float_names(models[0])
@@ -174,6 +192,11 @@ def replace_combination(aggregator: Aggregator, rule: CombineRule, label: str,
             columns = Columns(models, names, base)
             new = {n: torch.empty(base[n].shape, dtype=base[n].dtype, device=base[n].device) for n in names}
             metrics = rule.combine(columns, weights, ids, round_, lambda a, b, v: columns.scatter(a, b, v, new))
+        elif folding:   # the updates folded one by one, the new model written as it is released
+            total = rule.start()
+            for model, client, w in zip(models, ids, weights):
+                rule.fold(total, model, base, client, w)
+            new, metrics = rule.release(total, round_, base)
         else:
             deltas = [{n: m[n].to(torch.float64) - base[n].to(torch.float64) for n in names} for m in models]
             delta, metrics = rule(deltas, weights, ids, round_)
@@ -192,5 +215,8 @@ def replace_combination(aggregator: Aggregator, rule: CombineRule, label: str,
         out.update(metrics)
         return out
 
+    folding = callable(getattr(rule, "fold", None))
     aggregator.wrap(Wrapper(label, "aggregate", aggregate))
+    if folding:
+        aggregator.folding_rule = rule   # a folding round may fold its updates as they arrive
     aggregator.combination = label   # the rule needs every update at once (algorithms/streaming.py)

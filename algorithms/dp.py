@@ -8,7 +8,8 @@ McMahan et al., 2018): every delta is clipped to C, the clipped deltas are
 summed, N(0, (sigma C)^2) is added and the total is divided by the expected cohort size
 qN (the fixed-denominator estimator of DP-FedAvg, so the divisor reveals nothing about who
 took part); clients are then Poisson-sampled with q = clients per round / N, as the bound
-assumes, and a round whose sample is empty still releases its noise.
+assumes, and a round whose sample is empty still releases its noise. The server needs only the
+sum of the clipped deltas: a folding round adds each to it as it arrives (`dp_fold`).
 
 The server keeps an accountant (`privacy.dp.accountant`: RDP, PLD or PRV, `dp_accountants`) and writes the
 client-level epsilon spent at `privacy.dp.delta` into each round's record
@@ -32,9 +33,10 @@ from typing import Any
 import torch
 
 from fedcore.kernel import registry
-from fedcore.algorithms.combine import Deltas, flatten, float_names, replace_combination, unflatten
+from fedcore.algorithms.combine import flatten, float_names, replace_combination, unflatten
 from fedcore.algorithms.dp_accountants import make_accountant
 from fedcore.algorithms.dp_adaptive_clip import AdaptiveClip
+from fedcore.algorithms.dp_fold import FoldingRule
 from fedcore.algorithms.dp_noise import (noise_generator, noise_source, resolved_noise_source,
                                          standard_normal)
 from fedcore.algorithms.participants import chosen_clients
@@ -159,23 +161,23 @@ def privatize(model: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]
     return out, norm
 
 
+class CentralRule(FoldingRule):
+    """DP-FedAvg's rule: (sum of deltas clipped to C + N(0, (sigma C)^2)) / m, as a list rule
+    or folded one update at a time (algorithms/dp_fold.py)."""
+
+    def __init__(self, clip_norm: float, noise_multiplier: float, noise, expected: float | None = None):
+        self.clip, self.sigma, self.m = clip_norm, noise_multiplier, expected
+        self.noise = noise if callable(noise) else (lambda round_: noise_generator(noise, 0, round_))
+
+    def std(self) -> float:
+        return self.sigma * self.clip
+
+
 def central_dp_rule(clip_norm: float, noise_multiplier: float, noise, expected: float | None = None):
     """A combination rule: (sum of clipped deltas + N(0, (sigma C)^2)) / `expected`, the expected
     cohort size (None: the number of deltas, right only for a cohort of fixed size). `noise` is
     the course seed (seeded noise) or a function of the round giving the noise source."""
-    source = noise if callable(noise) else (lambda round_: noise_generator(noise, 0, round_))
-
-    def rule(deltas: Deltas, weights: list[float], client_ids: list[int], round_: int):
-        names = list(deltas[0])
-        clipped, norms = zip(*(clip_delta(flatten(d, names), clip_norm) for d in deltas))
-        total = torch.stack(clipped).sum(dim=0)
-        if noise_multiplier > 0:
-            total = total + gaussian_noise(total.numel(), noise_multiplier * clip_norm,
-                                           source(round_)).to(total.device)
-        mean = total / (expected or len(deltas))
-        return unflatten(mean, deltas[0], names), {
-            "dp_clipped": sum(1 for n in norms if n > clip_norm)}
-    return rule
+    return CentralRule(clip_norm, noise_multiplier, noise, expected)
 
 
 # ---------------------------------------------------------------- the behaviour
@@ -245,7 +247,7 @@ def _install_central(course, q: float) -> None:
     noise = lambda round_: noise_source(cfg, 0, round_)  # noqa: E731
     if cfg["privacy.dp.adaptive_clip.target_quantile"] is not None:   # Andrew et al. 2021
         adaptive = AdaptiveClip(cfg, noise)
-        rule = adaptive.rule
+        rule = adaptive
         course.checkpointer.register("privacy.dp.adaptive_clip", adaptive.state, adaptive.restore)
     else:
         rule = central_dp_rule(cfg["privacy.dp.clip_norm"], sigma, noise, expected=clients_per_round(cfg))
@@ -359,8 +361,10 @@ def install(course) -> None:
             ledger.released(msg.sender)
             summarize(ledger.record())
     # in a tree the clients' updates reach their edges: the edges' table is watched too (a
-    # simulated tree's edges share this process; deployed edges do not, see below)
-    for table in [course.server_table] + [t for t in course.extra_tables if t.role == "edge"]:
+    # simulated tree's edges share this process; deployed edges do not, see below). Only where
+    # a client adds noise: an observed arrival keeps a simulation from folding each update as
+    # it is sent (streaming.fold_when_sent), so central DP's rounds would hold k updates
+    for table in ([course.server_table] + [t for t in course.extra_tables if t.role == "edge"]) * bool(noisy):
         for event in ("receiving_updates", "receiving_secagg_masked_input"):
             table.observe(event, received)
     if cfg.get("topology.edges") and cfg["federate.mode"] == "distributed" and noisy:

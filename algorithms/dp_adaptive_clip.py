@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
-from fedcore.algorithms.combine import Deltas, flatten, unflatten
+from fedcore.algorithms.dp_fold import ClippedSum, FoldingRule
 from fedcore.algorithms.dp_noise import standard_normal
 from fedcore.kernel.config import declare, positive, validator
 from fedcore.kernel.errors import ConfigError
@@ -78,8 +78,10 @@ def _check_adaptive(cfg) -> None:
                           f"{z / 2:g} or lower privacy.dp.noise_multiplier)") from None
 
 
-class AdaptiveClip:
-    """The server's clip norm and the combination rule that uses and updates it."""
+class AdaptiveClip(FoldingRule):
+    """The server's clip norm and the combination rule that uses and updates it (folded one
+    update at a time in a folding round, algorithms/dp_fold.py: the sum of the clipped deltas
+    and the count of those below C are all it needs)."""
 
     def __init__(self, cfg, noise: Callable[[int], Any]) -> None:
         self.clip = cfg["privacy.dp.clip_norm"]
@@ -90,30 +92,20 @@ class AdaptiveClip:
         self.m = clients_per_round(cfg)
         self.noise = noise      # round -> one source for the round's two draws
 
-    def rule(self, deltas: Deltas, weights: list[float], client_ids: list[int], round_: int):
-        """Algorithm 1's server step: the noised mean of the clipped deltas, then C's update."""
-        names, C = list(deltas[0]), self.clip
-        total, below, present, clipped = None, 0.0, 0, 0
-        for delta, client in zip(deltas, client_ids):
-            vec = flatten(delta, names)
-            norm = vec.norm().item()
-            vec = vec * (min(1.0, C / norm) if norm > 0 else 1.0)
-            total = vec if total is None else total + vec
-            if client != 0:     # not the server's own model on an empty Poisson round
-                present += 1
-                below += norm <= C
-                clipped += norm > C
-        source = self.noise(round_)
-        if self.sigma_d > 0:
-            total = total + (standard_normal(total.numel(), source) * (self.sigma_d * C)).to(total.device)
-        count = below - present / 2
+    def std(self) -> float:
+        return self.sigma_d * self.clip
+
+    def after(self, total: ClippedSum, source) -> dict[str, Any]:
+        """Algorithm 1's count of the updates below C, noised, and C's geometric update."""
+        C = self.clip
+        count = total.below - total.present / 2
         if self.sigma_b > 0:
             count += self.sigma_b * standard_normal(1, source).item()
         estimate = count / self.m + 0.5
         self.clip = C * math.exp(-self.eta * (estimate - self.gamma))
-        mean = total / self.m
-        return unflatten(mean, deltas[0], names), {
-            "dp_clipped": clipped, "dp_clip_norm": C, "dp_below_clip_estimate": estimate}
+        return {"dp_clipped": total.clipped, "dp_clip_norm": C, "dp_below_clip_estimate": estimate}
+
+    rule = FoldingRule.__call__   # the noised mean of the clipped deltas (list form), then C's update
 
     def state(self) -> dict[str, Any]:
         return {"clip": float(self.clip)}

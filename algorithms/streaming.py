@@ -24,14 +24,15 @@ checks (finite values, its weight, the message's SHA-256 at its end) come before
 touch the sum, and a float64 addition cannot be taken back exactly. A deployed server
 therefore receives a large update into a file (wire/spooled.py), not its memory, and the
 finiteness check and the fold read it a slice at a time, giving each slice's pages back;
-the sum is kept in pieces, so the mean is cast piece by piece as the sum is let go. Rules
-that need every update at once keep the list: robust rules and central DP (their
-combination replaces the mean, `combine.replace_combination`), admission's influence
-check (a median over the round, where `admission.norm_ratio` is set), FedEx, and
-aggregators with a rule of their own (FedNova, FedDyn, FedBuff, pFedMe, asynchronous
-courses; SCAFFOLD's is linear and folds two sums, `folded_keys`). Those hold k updates of a
-round: k times the model. See
-docs/compression.md (large models) and docs/performance.md (W8).
+the sum is kept in pieces, so the mean is cast piece by piece as the sum is let go. Central
+DP replaces the mean with a rule that folds too: the sum of the clipped deltas
+(`folding_rule`, algorithms/dp_fold.py). Rules that need every update at once keep the
+list: robust rules (their combination replaces the mean, `combine.replace_combination`),
+admission's influence check (a median over the round, where `admission.norm_ratio` is
+set), FedEx, and aggregators with a rule of their own that does not fold (FedBuff, pFedMe,
+asynchronous courses; SCAFFOLD, FedDyn and FedNova fold several sums, `folded_keys`,
+`fold_parts`). Those hold k updates of a round: k times the model. See docs/compression.md
+(large models) and docs/performance.md (W8).
 """
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ from fedcore.runtime import admission
 from fedcore.runtime.parking import Parking
 from fedcore.wire.spooled import blank, is_mapped, release
 
+from fedcore.algorithms.combine import COMBINED, models_only
 from fedcore.kernel import registry
 from fedcore.kernel.config import declare
 from fedcore.kernel.contract import Aggregator, ReceivedUpdate
@@ -91,14 +93,18 @@ class RunningMean:
         self.total = 0.0      # sum of the positive weights
         self.count = 0        # models folded while every weight was zero
 
+    def start(self, model: dict[str, torch.Tensor]) -> None:
+        """A zero sum shaped like `model`, in pieces (in a file where it spills)."""
+        self.sum = self._blank_sum(model) if self.spill else None
+        if self.sum is None:
+            self.sum = {n: [torch.zeros(min(SUM_PIECE, t.numel() - at), dtype=self._sum_dtype(t),
+                                        device=t.device) for at in range(0, t.numel(), SUM_PIECE)]
+                        for n, t in model.items()}
+        self.like = {n: (t.dtype, t.shape, t.device) for n, t in model.items()}
+
     def fold(self, model: dict[str, torch.Tensor], weight: float) -> None:
         if self.sum is None:
-            self.sum = self._blank_sum(model) if self.spill else None
-            if self.sum is None:
-                self.sum = {n: [torch.zeros(min(SUM_PIECE, t.numel() - at), dtype=self._sum_dtype(t),
-                                            device=t.device) for at in range(0, t.numel(), SUM_PIECE)]
-                            for n, t in model.items()}
-            self.like = {n: (t.dtype, t.shape, t.device) for n, t in model.items()}
+            self.start(model)
         if weight > 0:
             if self.total == 0 and self.count:
                 for pieces in self.sum.values():
@@ -205,6 +211,10 @@ class FoldingBuffer:
         self.runnings = {k: RunningMean(server.course.cfg["aggregator.streaming_sum"] == "model", spill,
                                         parking.folder) for k in self.keys}
         self.running = self.runnings[next(k for k, summed in self.keys.items() if not summed)]
+        # central DP (algorithms/dp_fold.py): each update's clipped delta summed instead
+        self.rule = getattr(server.aggregator, "folding_rule", None)
+        if self.rule is not None:
+            self.running = self.runnings["model"] = self.rule.start(spill, parking.folder)
         self.received: list[ReceivedUpdate] = []
         self.admitted: list[ReceivedUpdate] = []
         self.sent: dict[int, bool] = {}   # client -> admitted, for updates folded as they were sent
@@ -228,6 +238,11 @@ class FoldingBuffer:
             update = kept[0]
             agg = self.server.aggregator
             weight = float(agg.weights([update])[0])
+            if self.rule is not None:
+                models_only(update, agg.combination)
+                self.rule.fold(self.running, update.content["model"], agg.global_state, update.client_id,
+                               weight)
+                return True
             parts = getattr(agg, "fold_parts", None)   # (entries, weight) per running sum
             parts = parts(update, weight) if parts is not None else {
                 k: (update.content[k], 1.0 if summed else weight) for k, summed in self.keys.items()}
@@ -241,11 +256,17 @@ class FoldingBuffer:
     def combined(self) -> ReceivedUpdate:
         """One update standing for the admitted ones: their weighted mean, weighing their total."""
         ids = sorted(r.client_id for r in self.admitted)
-        weight = self.running.weight
+        weight, round_ = self.running.weight, self.admitted[0].round
+        if self.rule is not None:   # the rule's own result, which the aggregator takes as it is
+            model, metrics = self.rule.combined(self.running, round_, self.server.aggregator.global_state)
+            one = ReceivedUpdate(ids[0], {"model": model, "num_samples": weight, COMBINED: metrics},
+                                 round_, 0, owned=True)
+            one.contributors = ids
+            return one
         content = {k: self.runnings[k].mean(divide=not summed) for k, summed in self.keys.items()}
         if hasattr(self.server.aggregator, "fold_parts"):   # its own weights: their totals too
             content["folded_weights"] = {k: r.weight for k, r in self.runnings.items()}
-        one = ReceivedUpdate(ids[0], {**content, "num_samples": weight}, self.admitted[0].round, 0, owned=True)
+        one = ReceivedUpdate(ids[0], {**content, "num_samples": weight}, round_, 0, owned=True)
         one.contributors = ids
         return one
 
@@ -290,11 +311,15 @@ def folded_keys(aggregator) -> dict[str, bool]:
 def folds(aggregator) -> bool:
     """Whether `aggregator` depends on a round's updates only through their weighted mean:
     the class that defines its `aggregate` is the contract's (FedAvg) or says so with
-    `streams_updates = True`, and no behaviour replaced its combination of updates."""
-    if getattr(aggregator, "combination", None) is not None:
-        return False
+    `streams_updates = True`, and no behaviour replaced its combination of updates, or the
+    one that did folds too (central DP, `folding_rule`) over an aggregator that needs only
+    the mean model (not FedNova's or SCAFFOLD's parts)."""
     owner = next(c for c in type(aggregator).__mro__ if "aggregate" in vars(c))
-    return owner is Aggregator or bool(vars(owner).get("streams_updates", False))
+    plain = owner is Aggregator or bool(vars(owner).get("streams_updates", False))
+    if getattr(aggregator, "combination", None) is None:
+        return plain
+    return (plain and getattr(aggregator, "folding_rule", None) is not None
+            and folded_keys(aggregator) == {"model": False} and not hasattr(aggregator, "fold_parts"))
 
 
 def _model_bytes(aggregator) -> int:

@@ -1,7 +1,7 @@
 """W8: large models with bounded server memory.
 
     python bench/w8_large_model.py [--runs 100MB:8,1GB:8,3GB:2] [--modes deploy,sim] [--rounds 2] [--sum float64|model]
-                                   [--algorithms fedavg,fedadam,scaffold] [--spill auto|on|off]
+                                   [--algorithms fedavg,fedadam,scaffold,dp] [--spill auto|on|off]
 
 For each model size and number of clients, one FedAvg course of an MLP 64 -> H -> 3
 (H chosen so its float32 weights take the size; one local step of 10 samples, so
@@ -18,11 +18,14 @@ the time goes to moving and aggregating the model) runs with streaming aggregati
 `--algorithms` runs each size with each algorithm: fedavg, fedadam (FedAvg's mean and a
 server Adam step, whose two moments are server state), feddyn (the uniform mean folded; its
 drift h is server state, each client's g_i waits in the disk state store), fednova (the
-(p/a)-weighted mean folded) or scaffold (which folds the weighted
+(p/a)-weighted mean folded), scaffold (which folds the weighted
 mean of dy_i and the sum of dc_i; each client's control variate waits in the disk state
 store, `state.store: disk`, so it is not counted between its rounds; the server's c, the
 trainer's c_i and c - c_i and the update's two halves are, where they are resident: a
-spilling simulation keeps them in files a slice at a time, algorithms/scaffold.py).
+spilling simulation keeps them in files a slice at a time, algorithms/scaffold.py) or dp
+(central DP, `privacy.dp.mode: central`, sigma = C = 1, the server clipping each update:
+`clip_each_step: false`; each update's clipped delta is folded into the float64 sum as it
+is sent and the noise added once at the round's end, algorithms/dp_fold.py).
 
 `--sum model` keeps the running sum in the model's dtype (`aggregator.streaming_sum`):
 a float32 model less on the server, for a mean that depends on the arrival order.
@@ -67,13 +70,14 @@ def parse_runs(text: str) -> list[tuple[str, int, int]]:
     return out
 
 
-ALGORITHMS = ("fedavg", "fedadam", "scaffold", "feddyn", "fednova")
+ALGORITHMS = ("fedavg", "fedadam", "scaffold", "feddyn", "fednova", "dp")
 
 
 def course_yaml(path: Path, size: int, clients: int, rounds: int, running_sum: str = "float64",
                 algorithm: str = "fedavg", spill: str = "auto") -> Path:
     hidden = max(1, size // 4 // 69)     # 64*H + H + 3*H + 3 floats
-    tree = {"seed": 0, "verbose": False, "algorithm": {"name": "fedavg" if algorithm == "fedadam" else algorithm},
+    name = "fedavg" if algorithm in ("fedadam", "dp") else algorithm
+    tree = {"seed": 0, "verbose": False, "algorithm": {"name": name},
             "federate": {"client_num": clients, "total_round_num": rounds},
             "data": {"type": "synthetic", "partition": "natural",
                      "synthetic": {"samples_per_client": 10, "dim": 64, "num_classes": 3}},
@@ -85,6 +89,9 @@ def course_yaml(path: Path, size: int, clients: int, rounds: int, running_sum: s
             "distribute": {"insecure": True, "token": "w8", "heartbeat_timeout": 600.0}}
     if algorithm == "fedadam":
         tree["server_optimizer"] = {"type": "adam"}
+    if algorithm == "dp":   # every client every round (q = 1), the server clips and noises
+        tree["privacy"] = {"dp": {"mode": "central", "noise_multiplier": 1.0, "clip_norm": 1.0,
+                                  "clip_each_step": False}}
     if algorithm in ("scaffold", "feddyn"):   # each client's state (c_i, FedDyn's g_i) waits on disk
         tree["state"] = {"store": "disk", "path": str(path.with_suffix(".states"))}
     path.write_text(yaml.safe_dump(tree))
