@@ -68,6 +68,11 @@ def _analytics_course(values: dict) -> None:
 @validator
 def _check_analytics(cfg) -> None:
     if cfg["task"] != "analytics":
+        for key, own in (("algorithm.name", "analytics"), ("course", "analytics"),
+                         ("model.type", "analytics_request")):
+            if cfg[key] == own:   # set alone, the course would fail at its first message
+                raise ConfigError(f"{key}: {own} belongs to task: analytics, which sets it with "
+                                  "the rest of the course; set task=analytics instead")
         return
     asked = cfg["analytics.statistics"]
     unknown = [s for s in asked if s not in st.STATISTICS]

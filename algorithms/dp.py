@@ -99,7 +99,7 @@ def _check_dp(cfg) -> None:
             raise ConfigError("admission.norm_ratio: under central DP it would make who is summed "
                               "depend on every client's update, past the clip's sensitivity C; "
                               "drop it (the clip already bounds each update's influence)")
-        if cfg["algorithm.name"] in ("scaffold", "feddyn", "fedasync", "fedbuff"):
+        if cfg["algorithm.name"] in ("scaffold", "feddyn", "fednova", "fedasync", "fedbuff"):
             raise ConfigError(f"privacy.dp.mode: central DP cannot wrap algorithm.name "
                               f"{cfg['algorithm.name']} (its aggregation uses more than the mean "
                               "model); use privacy.dp.mode=local")

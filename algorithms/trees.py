@@ -80,6 +80,11 @@ def _trees_course(values: dict) -> None:
 @validator
 def _check_trees(cfg) -> None:
     if cfg["task"] != "trees":
+        for key, own in (("algorithm.name", "trees"), ("course", "trees"), ("course", "trees_secureboost"),
+                         ("model.type", "trees_booster")):
+            if cfg[key] == own:   # set alone, the course would fail at its first message
+                raise ConfigError(f"{key}: {own} belongs to task: trees, which sets it with the "
+                                  "rest of the course; set task=trees instead")
         return
     try:
         import xgboost  # noqa: F401

@@ -169,6 +169,10 @@ def test_dp_refuses_algorithms_it_cannot_wrap_at_config_time():
         small_cfg(algorithm__name="scaffold", privacy__dp__mode="local")
     with pytest.raises(ConfigError, match="central DP cannot wrap algorithm.name fedbuff"):
         small_cfg(algorithm__name="fedbuff", privacy__dp__mode="central")
+    # FedNova's updates carry their normalizing factor a_i beside the model: a sum of clipped
+    # deltas has no place for it (the course stopped at its first aggregation)
+    with pytest.raises(ConfigError, match="central DP cannot wrap algorithm.name fednova"):
+        small_cfg(algorithm__name="fednova", privacy__dp__mode="central")
     with pytest.raises(ConfigError, match="median cannot be combined with algorithm.name fedbuff"):
         small_cfg(algorithm__name="fedbuff", aggregator__robust_rule="median")
 
