@@ -24,13 +24,17 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from fedcore.kernel import registry
 from fedcore.kernel.config import declare, positive
 from fedcore.kernel.contract import FitResult
 from fedcore.kernel.hooks import around_result
 from fedcore.kernel.message import SERVER_ID, Message
+from fedcore.runtime.parking import PARKED_TENSOR_BYTES, Parking
+from fedcore.wire.spooled import is_mapped, park
 
-__all__ = ["BatchingTrainer", "Engine"]
+__all__ = ["BatchingTrainer", "Engine", "spilling", "park_waiting"]
 
 log = logging.getLogger("fedcore.executor")
 
@@ -63,6 +67,44 @@ declare("executor.batch_clients", int, None,
         "deliveries, each a model, and are folded as their clients send them "
         "(aggregator.streaming), so this bounds a round's memory for a large model",
         nullable=True, check=positive)
+
+
+def spilling(course) -> tuple[bool, str | None]:
+    """Whether a simulation's rounds keep their large models in files (`aggregator.spill`,
+    runtime/parking.py), and the folder: a result waiting for its delivery then waits there."""
+    server = getattr(course, "server", None)
+    if server is None:
+        return False, None
+    parking = server.state(Parking)
+    size = sum(t.numel() * t.element_size() for t in server.aggregator.global_state.values())
+    return bool(parking.spill_sum and 0 < parking.min_bytes <= size), parking.folder
+
+
+def park_waiting(result: FitResult, folder: str | None) -> None:
+    """Move `result`'s large CPU tensors (not in a file yet) into one unlinked file in `folder`
+    (wire/spooled.py `park`), in place: a batch's results wait for their deliveries in the
+    system's page cache, not in the process, until the fold reads them a slice at a time.
+    The same values; where the file cannot be made they stay in memory."""
+    found: list[tuple[dict, Any]] = []
+
+    def walk(d: dict) -> None:
+        for k, v in d.items():
+            if isinstance(v, dict):
+                walk(v)
+            elif (isinstance(v, torch.Tensor) and v.device.type == "cpu" and not is_mapped(v)
+                  and v.numel() * v.element_size() >= PARKED_TENSOR_BYTES):
+                found.append((d, k))
+    walk(result.content)
+    if not found:
+        return
+    try:
+        parked = park({i: d[k] for i, (d, k) in enumerate(found)}, folder)
+    except OSError as exc:
+        log.warning("aggregator.spill: a waiting result could not be kept in a file in %s (%s); it "
+                    "waits in memory", folder or "the temporary folder", exc)
+        return
+    for i, (d, k) in enumerate(found):
+        d[k] = parked[i]
 
 
 @dataclass
@@ -212,6 +254,13 @@ class BatchingTrainer:
             ids = ([first] + [c for c in ids if c != first and c not in batch.tried])[:most]
         batch.tried.update(ids)
         batch.computed = all(c in batch.tried for c in batch.waiting)
+        if not self._engine.runs_wrappers and getattr(self._trainer, "spills", False):
+            # its control variates stay in files only trained one client at a time (scaffold_spill)
+            log.warning("executor %s: trainer %s keeps its model-sized state in files "
+                        "(aggregator.spill), which a batch would stack in memory; running "
+                        "sequentially", self._engine.name, type(self._trainer).__name__)
+            self._disabled = True
+            return
         store, clients = self._trainer.store, self._course.clients
         jobs = [(cid, clients[cid].data, store.load(cid)) for cid in ids]
         try:
@@ -228,6 +277,9 @@ class BatchingTrainer:
                         "of their mini-batches step by step, and their data's shapes), so each trains "
                         "one at a time; equal training-set sizes let them train batched (the summary "
                         "counts batched_fits and sequential_fits)", self._engine.name, batch.round, len(ids))
+        spill, folder = spilling(self._course)
         for cid, out in zip(ids, results):
             if out is not None:
+                if spill:   # waiting for its delivery in a file, as a spilled round's model does
+                    park_waiting(out[0], folder)
                 self._ready[(cid, key)] = _Ready(out[0], out[1], self._fits.get(cid, 0))

@@ -8,8 +8,13 @@ Ray's actors do - and builds the same trainer and clients' data from it (data
 handed to the course, not made from its config, are sent once as tensors; a client's
 data that a mapping makes on access go with each of its jobs). Per batch, the parent sends each worker the
 received content, the round and its share of (client id, client state) jobs;
-each worker runs the real trainer's `fit` for them and replies with each
-client's content, work, metrics and new state. Config, requests and replies
+each worker runs the real trainer's `fit` for them and sends each client's content,
+work, metrics and new state as soon as that client is trained, the content in frames
+(`result_messages`). The parent takes results from whichever worker has one and decodes
+each content in place of the bytes it was received into (a buffer of its size, or, where
+the round spills its large models, `aggregator.spill`, an unlinked file it maps), so a
+result waiting for its client's delivery is one copy of its model, in the page cache
+where the round spills, and the encoding and decoded tensors are never both held. Config, requests and replies
 travel as bytes over pipes (YAML, `fedcore.wire.serialization`), never as pickles.
 A worker trains with one torch thread, ignores Ctrl-C (the course handles it
 and closes the pool), the pool has one worker per usable core, and the parent
@@ -20,6 +25,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import signal
+from multiprocessing.connection import wait
 from typing import Any
 
 import torch
@@ -27,10 +33,12 @@ import yaml
 
 from fedcore.kernel import registry
 from fedcore.kernel.contract import FitResult
-from fedcore.execution.batching import Engine
+from fedcore.execution.batching import Engine, spilling
 from fedcore.execution.executor import usable_cores
 from fedcore.runtime.device import made_on_access
+from fedcore.wire.large import RawValue, _placer, decode_raw_value
 from fedcore.wire.serialization import WireError, encode_value, from_value
+from fedcore.wire.spooled import Spool
 from fedcore.kernel.state import MemoryStateStore
 from fedcore.wire import fedcore_pb2 as pb
 
@@ -39,7 +47,8 @@ try:
 except ImportError:   # not on Windows: the workers' memory goes unreported
     resource = None
 
-__all__ = ["ProcessEngine", "build_worker_course", "fit_share", "usable_cores", "worker_values"]
+__all__ = ["ProcessEngine", "build_worker_course", "fit_each", "usable_cores", "worker_values",
+           "result_messages", "receive_content"]
 
 log = logging.getLogger("fedcore.executor")
 
@@ -63,21 +72,83 @@ def _decode(data: bytes) -> Any:
     return from_value(v)
 
 
-def fit_share(trainer, store, clients, req: dict, data=None) -> list[dict]:
-    """What a worker does with its share of a batch: each job's client state goes into the
-    worker's own store, the real trainer fits it, and the result and new state come back.
-    A job that carries its client's data (`_data_of`) is trained on them; `data` is the
-    worker's course's FederatedData, whose shape they take."""
-    out = []
+def fit_each(trainer, store, clients, req: dict, data=None):
+    """What a worker does with its share of a batch, one client at a time: each job's client
+    state goes into the worker's own store, the real trainer fits it, and its result and new
+    state are yielded as soon as it is trained. A job that carries its client's data
+    (`_data_of`) is trained on them; `data` is the worker's course's FederatedData, whose
+    shape they take."""
     for job in req["jobs"]:
         cid = job["cid"]
         store.save(cid, job["state"])
         own = clients[cid].data if "data" not in job else _client_of(cid, job["data"], data)
         res = trainer.fit(cid, own, req["received"], req["round"])
-        out.append({"content": res.content, "work": float(res.work),
-                    "metrics": dict(res.metrics), "state": store.load(cid)})
+        out = {"content": res.content, "work": float(res.work),
+               "metrics": dict(res.metrics), "state": store.load(cid)}
         store.save(cid, {})
-    return out
+        yield out
+
+
+FRAME = 2 ** 24   # bytes of a result's content sent at a time (a pipe's message, a file's write)
+
+
+def result_messages(out: dict):
+    """One client's result as the messages that carry it: a header (work, metrics, state and
+    the size of the content's encoding), then that encoding in frames of FRAME bytes, so that
+    the receiver can write it to a file frame by frame (`receive_content`), never whole."""
+    content = _encode(out.pop("content"))
+    yield _encode({**out, "size": len(content)})
+    for at in range(0, len(content), FRAME):
+        yield memoryview(content)[at:at + FRAME]
+
+
+def decoded_in_place(buf) -> Any:
+    """The value encoded in `buf` (a bytearray or a file's mapping, writable): its large
+    tensors view `buf` instead of being copied (wire/large.py), so the encoding and the
+    decoded tensors are not held at once."""
+    view = memoryview(buf)
+    return decode_raw_value(RawValue(view, 0, len(view), _placer(view)))
+
+
+def spooled(frames, size: int, folder: str | None):
+    """`frames` (buffers, `size` bytes in all) written one by one to an unlinked file in
+    `folder` and mapped (wire/spooled.py): the bytes cost the page cache, not the process.
+    Where the file cannot be written, the rest is received into memory (said in the log)."""
+    try:
+        spool = Spool(folder, hashed=False)
+    except OSError as exc:
+        spool, buf = None, bytearray()
+        log.warning("aggregator.spill: a result could not be received into a file in %s (%s); it "
+                    "waits in memory", folder or "the temporary folder", exc)
+    for frame in frames:
+        if spool is not None:
+            try:
+                spool.write(frame)
+                continue
+            except OSError as exc:
+                log.warning("aggregator.spill: a result could not be received into a file in %s "
+                            "(%s); it waits in memory", folder or "the temporary folder", exc)
+                buf, spool = spool.read_all(), None
+        buf += frame
+    if spool is None:
+        return buf
+    try:
+        return spool.mapping()
+    except OSError:
+        return spool.read_all()
+
+
+def receive_content(frames, size: int, spill: bool, folder: str | None) -> Any:
+    """A result's content from its `size` bytes of frames (`result_messages`), decoded in
+    place: received into a file where the round spills (`spooled`), else into one buffer."""
+    if spill:
+        buf = spooled(frames, size, folder)
+    else:
+        buf, at = bytearray(size), 0
+        for frame in frames:
+            buf[at:at + len(frame)] = frame
+            at += len(frame)
+    return decoded_in_place(buf)
 
 
 def worker_values(cfg) -> str:
@@ -175,9 +246,13 @@ def _serve(conn) -> None:
             if req.get("stop"):
                 return
             req.update(_decode(conn.recv_bytes()))
-            reply = _encode({"results": fit_share(trainer, store, clients, req, course.data),
-                             "peak_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            for out in fit_each(trainer, store, clients, req, course.data):
+                for part in result_messages(out):   # as soon as it is trained, not with the share
+                    conn.send_bytes(part)
+            reply = _encode({"done": True, "peak_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
                              if resource is not None else 0})
+        except (BrokenPipeError, ConnectionResetError):
+            return
         except Exception as exc:  # noqa: BLE001 - reported to the parent, which falls back
             reply = _encode({"error": f"{type(exc).__name__}: {exc}"})
         conn.send_bytes(reply)
@@ -243,14 +318,21 @@ class ProcessEngine(Engine):
                 busy.append((conn, share))
         answers: dict[int, tuple[FitResult, dict]] = {}
         errors = []
-        for conn, share in busy:
-            reply = _decode(conn.recv_bytes())
-            if "error" in reply:
-                errors.append(reply["error"])
-                continue
-            self._peak_kb = max(self._peak_kb, reply.get("peak_kb", 0))
-            for (cid, _, _), r in zip(share, reply["results"]):
-                answers[cid] = (FitResult(r["content"], r["work"], r["metrics"]), r["state"])
+        spill, folder = spilling(self.course)
+        left = {conn: list(share) for conn, share in busy}   # each worker's jobs not answered yet
+        while left:
+            for conn in wait(list(left)):   # whichever worker has a result: as each is trained
+                msg = _decode(conn.recv_bytes())
+                if "size" in msg:
+                    cid = left[conn].pop(0)[0]
+                    frames = (conn.recv_bytes() for _ in range(0, msg["size"], FRAME))
+                    content = receive_content(frames, msg["size"], spill, folder)
+                    answers[cid] = (FitResult(content, msg["work"], msg["metrics"]), msg["state"])
+                    continue
+                if "error" in msg:
+                    errors.append(msg["error"])
+                self._peak_kb = max(self._peak_kb, msg.get("peak_kb", 0))
+                del left[conn]
         if errors:
             raise WireError(f"a worker process failed: {errors[0]}")
         return [answers.get(cid) for cid, _, _ in jobs]
