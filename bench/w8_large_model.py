@@ -2,6 +2,7 @@
 
     python bench/w8_large_model.py [--runs 100MB:8,1GB:8,3GB:2] [--modes deploy,sim] [--rounds 2] [--sum float64|model]
                                    [--algorithms fedavg,fedadam,scaffold] [--spill auto|on|off]
+                                   [--executor sequential|processes|vectorized] [--batch-clients N]
 
 For each model size and number of clients, one FedAvg course of an MLP 64 -> H -> 3
 (H chosen so its float32 weights take the size; one local step of 10 samples, so
@@ -21,6 +22,12 @@ mean of dy_i and the sum of dc_i; each client's control variate waits in the dis
 store, `state.store: disk`, so it is not counted between its rounds; the server's c, the
 trainer's c_i and c - c_i and the update's two halves are, where they are resident: a
 spilling simulation keeps them in files a slice at a time, algorithms/scaffold.py).
+
+`--executor` trains a simulation's clients with that executor (`--batch-clients`:
+`executor.batch_clients`): the processes executor's workers send each result as it is trained
+and a spilling round's results wait for their deliveries in files (as the vectorized
+executor's batch does); the simulation process's peak is measured as before, and the
+workers' largest peak (the summary's `worker_peak_rss_mb`) is reported beside it.
 
 `--sum model` keeps the running sum in the model's dtype (`aggregator.streaming_sum`):
 a float32 model less on the server, for a mean that depends on the arrival order.
@@ -69,7 +76,8 @@ ALGORITHMS = ("fedavg", "fedadam", "scaffold")
 
 
 def course_yaml(path: Path, size: int, clients: int, rounds: int, running_sum: str = "float64",
-                algorithm: str = "fedavg", spill: str = "auto") -> Path:
+                algorithm: str = "fedavg", spill: str = "auto", executor: str = "sequential",
+                batch_clients: int | None = None) -> Path:
     hidden = max(1, size // 4 // 69)     # 64*H + H + 3*H + 3 floats
     tree = {"seed": 0, "verbose": False, "algorithm": {"name": "fedavg" if algorithm == "fedadam" else algorithm},
             "federate": {"client_num": clients, "total_round_num": rounds},
@@ -80,7 +88,10 @@ def course_yaml(path: Path, size: int, clients: int, rounds: int, running_sum: s
             "eval": {"clients": False}, "aggregator": {"streaming": "on", "streaming_sum": running_sum,
                            "spill": spill},
             "admission": {"norm_ratio": float("inf")},
-            "distribute": {"insecure": True, "token": "w8", "heartbeat_timeout": 600.0}}
+            "distribute": {"insecure": True, "token": "w8", "heartbeat_timeout": 600.0},
+            "executor": executor}
+    if batch_clients is not None:
+        tree["executor.batch_clients"] = batch_clients
     if algorithm == "fedadam":
         tree["server_optimizer"] = {"type": "adam"}
     if algorithm == "scaffold":   # each client's control variate waits on disk, not in the process
@@ -106,6 +117,12 @@ def run_sim(cfg: Path, out: Path) -> tuple[int, float]:
     subprocess.run([sys.executable, "-m", "bench.peak_rss", str(peak), "fedcore.run", "--cfg", str(cfg),
                     f"outdir={out}"], check=True, cwd=ROOT, env=_env())
     return int(peak.read_text()), _round_wall(out)
+
+
+def worker_peak(out: Path) -> float:
+    """The largest peak RSS (bytes) a simulation's worker processes reported (0: none)."""
+    summary = json.loads((out / "summary.json").read_text())
+    return summary.get("worker_peak_rss_mb", 0.0) * 2 ** 20
 
 
 def run_deploy(cfg: Path, out: Path, clients: int) -> tuple[int, float]:
@@ -177,6 +194,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--spill", default="auto", choices=("auto", "on", "off"),
                    help="aggregator.spill: a simulation keeps the global model and the running sum "
                         "in files while clients train (auto: models of 64 MiB or more)")
+    p.add_argument("--executor", default="sequential", choices=("sequential", "processes", "vectorized"),
+                   help="executor of the simulations (deployed clients train on their own)")
+    p.add_argument("--batch-clients", type=int, default=None,
+                   help="executor.batch_clients: the most clients trained together (vectorized, processes)")
     p.add_argument("--algorithms", default="fedavg",
                    help=f"comma-separated, of {', '.join(ALGORITHMS)}")
     args = p.parse_args(argv)
@@ -192,7 +213,8 @@ def main(argv: list[str]) -> int:
         print(f"W8 process baseline (server of a 1 MB model): {base / 1e9:.2f} GB", flush=True)
         base_sim = base
         if "sim" in modes:
-            base_sim, _ = run_sim(course_yaml(Path(tmp) / "base_sim.yaml", 10 ** 6, 8, 1), Path(tmp) / "base_sim")
+            base_sim, _ = run_sim(course_yaml(Path(tmp) / "base_sim.yaml", 10 ** 6, 8, 1, executor=args.executor,
+                                              batch_clients=args.batch_clients), Path(tmp) / "base_sim")
             print(f"W8 process baseline (simulation of a 1 MB model): {base_sim / 1e9:.2f} GB", flush=True)
         for label, size, clients in parse_runs(args.runs):
             for mode in modes:
@@ -203,8 +225,10 @@ def main(argv: list[str]) -> int:
                         continue
                     name = f"{mode}_{label}_{clients}_{algorithm}"
                     out = Path(tmp) / name
+                    sim = mode != "deploy"
                     cfg = course_yaml(Path(tmp) / f"{name}.yaml", size, clients, args.rounds, args.sum, algorithm,
-                                      args.spill)
+                                      args.spill, args.executor if sim else "sequential",
+                                      args.batch_clients if sim else None)
                     peak, wall = (run_deploy(cfg, out, clients) if mode == "deploy" else run_sim(cfg, out))
                     ratio = peak / size
                     who = "server" if mode == "deploy" else "simulation process"
@@ -213,6 +237,11 @@ def main(argv: list[str]) -> int:
                           f"{ratio:.2f}x the model ({(peak - own) / size:.2f}x above the baseline"
                           + ("" if mode == "deploy" else f", {(peak - base) / size:.2f}x above the server's")
                           + f"); {wall:.1f} s wall per round", flush=True)
+                    workers = worker_peak(out) if sim else 0.0
+                    if workers:
+                        print(f"W8 {mode} {label} x{clients} {algorithm} executor {args.executor}: the "
+                              f"workers' largest peak RSS {workers / 1e9:.2f} GB = {workers / size:.2f}x "
+                              "the model", flush=True)
                     if mode == "deploy":
                         largest = max(largest, ratio)
                     else:

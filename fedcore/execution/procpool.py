@@ -38,7 +38,8 @@ from fedcore.execution.executor import usable_cores
 from fedcore.runtime.device import made_on_access
 from fedcore.wire.large import RawValue, _placer, decode_raw_value
 from fedcore.wire.serialization import WireError, encode_value, from_value
-from fedcore.wire.spooled import Spool
+from fedcore.wire.codec import encode_value_parts
+from fedcore.wire.spooled import Spool, release_view
 from fedcore.kernel.state import MemoryStateStore
 from fedcore.wire import fedcore_pb2 as pb
 
@@ -89,17 +90,52 @@ def fit_each(trainer, store, clients, req: dict, data=None):
         yield out
 
 
-FRAME = 2 ** 24   # bytes of a result's content sent at a time (a pipe's message, a file's write)
+FRAME = 2 ** 24   # bytes of an encoding sent at a time (a pipe's message, an object, a file's write)
+JOINED = 2 ** 16  # pieces of an encoding smaller than this are joined into one frame
+
+
+def framed(obj: Any, **header: Any):
+    """`obj` as the messages that carry it: a header (`header` and the size of `obj`'s
+    encoding), then that encoding in frames of at most FRAME bytes. A tensor's bytes are sent
+    from where they lie (`encode_value_parts`), each frame's pages given back once sent where
+    they lie in a file (a parked global model); the receiver writes the frames one by one
+    into a buffer or a file (`receive_content`): the encoding is never whole in the sender,
+    and only once in the receiver."""
+    parts = [memoryview(p).cast("B") for p in encode_value_parts(obj)]
+    yield _encode({**header, "size": sum(len(p) for p in parts)})
+    run, joined = [], 0
+    for part in parts:
+        if len(part) < JOINED:   # the fields' heads between tensors, small values: joined
+            run.append(part)
+            joined += len(part)
+            if joined < FRAME:
+                continue
+            part, run, joined = memoryview(b"".join(run)), [], 0
+        elif run:
+            yield b"".join(run)
+            run, joined = [], 0
+        for at in range(0, len(part), FRAME):
+            yield part[at:at + FRAME]
+            release_view(part[at:at + FRAME])
+    if run:
+        yield b"".join(run)
 
 
 def result_messages(out: dict):
-    """One client's result as the messages that carry it: a header (work, metrics, state and
-    the size of the content's encoding), then that encoding in frames of FRAME bytes, so that
-    the receiver can write it to a file frame by frame (`receive_content`), never whole."""
-    content = _encode(out.pop("content"))
-    yield _encode({**out, "size": len(content)})
-    for at in range(0, len(content), FRAME):
-        yield memoryview(content)[at:at + FRAME]
+    """One client's result as the messages that carry it (`framed`): work, metrics and state
+    in the header, the content in frames."""
+    return framed(out.pop("content"), **out)
+
+
+def frames_of(recv, size: int):
+    """The frames of an encoding of `size` bytes, each from `recv()`."""
+    got = 0
+    while got < size:
+        frame = recv()
+        got += len(frame)
+        if got > size:
+            raise WireError(f"frames of {got} bytes for an encoding of {size}")
+        yield frame
 
 
 def decoded_in_place(buf) -> Any:
@@ -139,8 +175,8 @@ def spooled(frames, size: int, folder: str | None):
 
 
 def receive_content(frames, size: int, spill: bool, folder: str | None) -> Any:
-    """A result's content from its `size` bytes of frames (`result_messages`), decoded in
-    place: received into a file where the round spills (`spooled`), else into one buffer."""
+    """A content from its `size` bytes of frames (`framed`, `frames_of`), decoded in place:
+    received into a file where the round spills (`spooled`), else into one buffer."""
     if spill:
         buf = spooled(frames, size, folder)
     else:
@@ -242,9 +278,10 @@ def _serve(conn) -> None:
         except (EOFError, OSError):
             return
         try:
-            req = _decode(data)
-            if req.get("stop"):
+            head = _decode(data)
+            if head.get("stop"):
                 return
+            req = receive_content(frames_of(conn.recv_bytes, head["size"]), head["size"], False, None)
             req.update(_decode(conn.recv_bytes()))
             for out in fit_each(trainer, store, clients, req, course.data):
                 for part in result_messages(out):   # as soon as it is trained, not with the share
@@ -307,11 +344,12 @@ class ProcessEngine(Engine):
         if not self._procs:
             self._start(trainer)
         shares = [jobs[i::self.size] for i in range(self.size)]
-        head = _encode({"received": received, "round": round_})   # encoded once for all workers
         busy = []
         for conn, share in zip(self._conns, shares):
             if share:
-                conn.send_bytes(head)
+                # in frames, from where the global model lies (a parked one's pages go back)
+                for part in framed({"received": received, "round": round_}):
+                    conn.send_bytes(part)
                 conn.send_bytes(_encode({"jobs": [
                     {"cid": cid, "state": state, **({"data": _data_of(data)} if self._with_jobs else {})}
                     for cid, data, state in share]}))
@@ -325,7 +363,7 @@ class ProcessEngine(Engine):
                 msg = _decode(conn.recv_bytes())
                 if "size" in msg:
                     cid = left[conn].pop(0)[0]
-                    frames = (conn.recv_bytes() for _ in range(0, msg["size"], FRAME))
+                    frames = frames_of(conn.recv_bytes, msg["size"])
                     content = receive_content(frames, msg["size"], spill, folder)
                     answers[cid] = (FitResult(content, msg["work"], msg["metrics"]), msg["state"])
                     continue
