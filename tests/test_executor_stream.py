@@ -11,6 +11,7 @@ import logging
 import os
 import time
 
+import pytest
 import torch
 
 from fedcore.algorithms.fedavg import FedAvgAggregator, FedAvgTrainer
@@ -57,14 +58,14 @@ def test_a_worker_sends_each_result_as_soon_as_its_client_is_trained(tmp_path, m
     for the parent to have received the result before: with results sent at the end of the
     share, that wait would never end (the worker says so after WAIT seconds)."""
     received, metrics = [0], []
-    receive = procpool.receive_content
+    receive = procpool.receive_framed
 
     def marked(*args):
-        content = receive(*args)
+        body = receive(*args)
         received[0] += 1
         (tmp_path / f"received-{received[0]}").touch()
-        return content
-    monkeypatch.setattr(procpool, "receive_content", marked)
+        return body
+    monkeypatch.setattr(procpool, "receive_framed", marked)
     fit_many = procpool.ProcessEngine.fit_many
 
     def watched(self, *args):
@@ -91,26 +92,35 @@ def _state(course) -> dict:
     return dict(course.server.aggregator.global_state)
 
 
-def test_a_spilled_processes_course_equals_the_sequential_one_bit_for_bit(tmp_path, monkeypatch):
-    """Each result is received into a file and decoded in place there: its large tensors are
-    views of that file's mapping while they wait for their deliveries."""
+@pytest.mark.parametrize("algorithm, entry", [("fedavg", "model"), ("scaffold", "delta")])
+def test_a_spilled_processes_course_equals_the_sequential_one_bit_for_bit(tmp_path, monkeypatch, algorithm,
+                                                                          entry):
+    """Each result is received into a file and decoded in place there: its large tensors (and
+    SCAFFOLD's new c_i, its state) are views of that file's mapping while they wait for their
+    deliveries."""
     mapped = []
-    receive = procpool.receive_content
+    receive = procpool.receive_framed
 
     def watched(*args):
-        content = receive(*args)
-        mapped.append(is_mapped(content["model"]["1.weight"]))
-        return content
-    monkeypatch.setattr(procpool, "receive_content", watched)
-    seq = Course(small_cfg(tmp_path / "seq", **LARGE))
+        body = receive(*args)
+        large = [body["content"][entry]["1.weight"]]
+        if algorithm == "scaffold":
+            large.append(body["state"]["c_i"]["1.weight"])
+        mapped.append(all(is_mapped(t) for t in large))
+        return body
+    monkeypatch.setattr(procpool, "receive_framed", watched)
+    kw = dict(LARGE, algorithm__name=algorithm)
+    seq = Course(small_cfg(tmp_path / "seq", **kw))
     seq.run()
-    par = Course(small_cfg(tmp_path / "par", executor="processes", executor_workers=2, **LARGE))
+    par = Course(small_cfg(tmp_path / "par", executor="processes", executor_workers=2, **kw))
     par.run()
     assert par.trainer.batched_fits == 12 and par.trainer.sequential_fits == 0
     assert mapped == [True] * 12
     assert par.server.buffer.running.spill
     for name, t in _state(seq).items():
         assert torch.equal(_state(par)[name], t), name
+    for name, c in getattr(seq.server.aggregator, "control", {}).items():
+        assert torch.equal(par.server.aggregator.control[name], c), name
     assert [r["train_loss"] for r in par.monitor.records if "train_loss" in r] == \
         [r["train_loss"] for r in seq.monitor.records if "train_loss" in r]
 
@@ -123,12 +133,15 @@ def test_a_processes_result_views_the_bytes_it_was_received_into():
     out = {"content": {"model": {"w": big, "b": torch.ones(3)}, "num_samples": 7},
            "work": 3.0, "metrics": {}, "state": {}}
     header, *frames = list(procpool.result_messages(dict(out)))
-    size = procpool._decode(bytes(header))["size"]
+    head = procpool._decode(bytes(header))
+    assert head["work"] == 3.0 and head["metrics"] == {}
+    size = head["size"]
     assert size == sum(len(f) for f in frames) > big.numel() * 4
-    content = procpool.receive_content(iter(bytes(f) for f in frames), size, False, None)
+    body = procpool.receive_framed(iter(bytes(f) for f in frames), size, False, None)
+    content = body["content"]
     w = content["model"]["w"]
     assert torch.equal(w, big) and torch.equal(content["model"]["b"], torch.ones(3))
-    assert content["num_samples"] == 7
+    assert content["num_samples"] == 7 and body["state"] == {}
     assert w.untyped_storage().nbytes() == size      # a view of the whole received buffer
 
 

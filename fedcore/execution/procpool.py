@@ -49,7 +49,7 @@ except ImportError:   # not on Windows: the workers' memory goes unreported
     resource = None
 
 __all__ = ["ProcessEngine", "build_worker_course", "fit_each", "usable_cores", "worker_values",
-           "result_messages", "receive_content"]
+           "framed", "frames_of", "result_messages", "receive_framed"]
 
 log = logging.getLogger("fedcore.executor")
 
@@ -99,7 +99,7 @@ def framed(obj: Any, **header: Any):
     encoding), then that encoding in frames of at most FRAME bytes. A tensor's bytes are sent
     from where they lie (`encode_value_parts`), each frame's pages given back once sent where
     they lie in a file (a parked global model); the receiver writes the frames one by one
-    into a buffer or a file (`receive_content`): the encoding is never whole in the sender,
+    into a buffer or a file (`receive_framed`): the encoding is never whole in the sender,
     and only once in the receiver."""
     parts = [memoryview(p).cast("B") for p in encode_value_parts(obj)]
     yield _encode({**header, "size": sum(len(p) for p in parts)})
@@ -122,9 +122,10 @@ def framed(obj: Any, **header: Any):
 
 
 def result_messages(out: dict):
-    """One client's result as the messages that carry it (`framed`): work, metrics and state
-    in the header, the content in frames."""
-    return framed(out.pop("content"), **out)
+    """One client's result as the messages that carry it (`framed`): work and metrics in the
+    header, the content and the new state (a model's size each, SCAFFOLD's c_i) in frames."""
+    return framed({"content": out["content"], "state": out["state"]}, work=out["work"],
+                  metrics=out["metrics"])
 
 
 def frames_of(recv, size: int):
@@ -174,8 +175,8 @@ def spooled(frames, size: int, folder: str | None):
         return spool.read_all()
 
 
-def receive_content(frames, size: int, spill: bool, folder: str | None) -> Any:
-    """A content from its `size` bytes of frames (`framed`, `frames_of`), decoded in place:
+def receive_framed(frames, size: int, spill: bool, folder: str | None) -> Any:
+    """What `framed` sent, from its `size` bytes of frames (`frames_of`), decoded in place:
     received into a file where the round spills (`spooled`), else into one buffer."""
     if spill:
         buf = spooled(frames, size, folder)
@@ -281,7 +282,7 @@ def _serve(conn) -> None:
             head = _decode(data)
             if head.get("stop"):
                 return
-            req = receive_content(frames_of(conn.recv_bytes, head["size"]), head["size"], False, None)
+            req = receive_framed(frames_of(conn.recv_bytes, head["size"]), head["size"], False, None)
             req.update(_decode(conn.recv_bytes()))
             for out in fit_each(trainer, store, clients, req, course.data):
                 for part in result_messages(out):   # as soon as it is trained, not with the share
@@ -364,8 +365,8 @@ class ProcessEngine(Engine):
                 if "size" in msg:
                     cid = left[conn].pop(0)[0]
                     frames = frames_of(conn.recv_bytes, msg["size"])
-                    content = receive_content(frames, msg["size"], spill, folder)
-                    answers[cid] = (FitResult(content, msg["work"], msg["metrics"]), msg["state"])
+                    body = receive_framed(frames, msg["size"], spill, folder)
+                    answers[cid] = (FitResult(body["content"], msg["work"], msg["metrics"]), body["state"])
                     continue
                 if "error" in msg:
                     errors.append(msg["error"])

@@ -38,8 +38,8 @@ from fedcore.kernel.config import declare, non_negative, positive, validator
 from fedcore.kernel.contract import FitResult
 from fedcore.runtime.device import DeviceStateStore, to_device
 from fedcore.kernel.errors import ConfigError
-from fedcore.execution.procpool import (FRAME, _decode, _encode, build_worker_course, fit_each,
-                                       receive_content, result_messages, usable_cores, worker_values)
+from fedcore.execution.procpool import (_decode, _encode, build_worker_course, fit_each, frames_of,
+                                       receive_framed, result_messages, usable_cores, worker_values)
 from fedcore.wire.serialization import WireError
 from fedcore.kernel.state import MemoryStateStore, plain_state
 
@@ -219,9 +219,10 @@ class RayEngine(Engine):
                 msg = _decode(ray.get(next(stream)))
                 if "error" in msg:
                     raise WireError(f"a Ray actor failed: {msg['error']}")
-                frames = (ray.get(next(stream)) for _ in range(0, msg["size"], FRAME))
-                content = receive_content(frames, msg["size"], spill, folder)
-                answers[cid] = (FitResult(content, msg["work"], msg["metrics"]), _unpack_state(msg["state"]))
+                frames = frames_of(lambda: ray.get(next(stream)), msg["size"])
+                body = receive_framed(frames, msg["size"], spill, folder)
+                answers[cid] = (FitResult(body["content"], msg["work"], msg["metrics"]),
+                                _unpack_state(body["state"]))
             trained.setdefault(node, []).extend(cid for cid, _, _ in share)
         for node, cids in trained.items():
             self.clients_by_node[node] += len(cids)
