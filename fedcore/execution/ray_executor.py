@@ -6,7 +6,8 @@ Every actor builds the course from the same config - its data, one model,
 one trainer - so it holds one model for many logical clients, as the course
 itself does, and no data travel: each node makes (or reads) the data itself.
 
-Per batch, the received content is put once in Ray's object store, and each
+Per batch, the received content is put once in Ray's object store (in frames,
+procpool.py `framed`, read from where the global model lies), and each
 actor gets its share of (client id, client state) jobs; it runs the real
 trainer's `fit` for them and yields each client's content, work, metrics
 and new state as soon as that client is trained (a stream of objects, the
@@ -38,7 +39,7 @@ from fedcore.kernel.config import declare, non_negative, positive, validator
 from fedcore.kernel.contract import FitResult
 from fedcore.runtime.device import DeviceStateStore, to_device
 from fedcore.kernel.errors import ConfigError
-from fedcore.execution.procpool import (_decode, _encode, build_worker_course, fit_each, frames_of,
+from fedcore.execution.procpool import (_decode, _encode, build_worker_course, fit_each, framed, frames_of,
                                        receive_framed, result_messages, usable_cores, worker_values)
 from fedcore.wire.serialization import WireError
 from fedcore.kernel.state import MemoryStateStore, plain_state
@@ -118,11 +119,15 @@ class TrainerActor:
         self.node = ray.get_runtime_context().get_node_id()
         return self.node
 
-    def fit(self, head: bytes, jobs: bytes):
+    def fit(self, head: list, jobs: bytes):
         """Each client's result as soon as it is trained: its messages (`result_messages`,
-        the state packed), each an object of its own; an error as the last."""
+        the state packed), each an object of its own; an error as the last. `head`: the
+        references of the received content's messages (`framed`), read a frame at a time."""
+        import ray
         try:
-            req = _decode(head)
+            size = _decode(ray.get(head[0]))["size"]
+            frames = iter(head[1:])
+            req = receive_framed(frames_of(lambda: ray.get(next(frames)), size), size, False, None)
             req["received"] = to_device(req["received"], self.device)
             req["jobs"] = [{"cid": j["cid"], "state": _unpack_state(j["state"])}
                            for j in _decode(jobs)["jobs"]]
@@ -201,7 +206,8 @@ class RayEngine(Engine):
         if not self._actors:
             self._start()
         size = len(self._actors)
-        head = ray.put(_encode({"received": received, "round": round_}))   # once for all actors
+        # once for all actors, a frame at a time from where the global model lies
+        head = [ray.put(bytes(part)) for part in framed({"received": received, "round": round_})]
         calls = []
         for i, actor in enumerate(self._actors):
             share = jobs[i::size]
