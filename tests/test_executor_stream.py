@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from fedcore.algorithms.fedavg import FedAvgAggregator, FedAvgTrainer
-from fedcore.execution import batching, procpool
+from fedcore.execution import batching, framing, procpool
 from fedcore.execution.batching import BatchingTrainer
 from fedcore.kernel.config import declare
 from fedcore.kernel.contract import Algorithm, FitResult
@@ -58,7 +58,7 @@ def test_a_worker_sends_each_result_as_soon_as_its_client_is_trained(tmp_path, m
     for the parent to have received the result before: with results sent at the end of the
     share, that wait would never end (the worker says so after WAIT seconds)."""
     received, metrics = [0], []
-    receive = procpool.receive_framed
+    receive = framing.receive_framed
 
     def marked(*args):
         body = receive(*args)
@@ -99,7 +99,7 @@ def test_a_spilled_processes_course_equals_the_sequential_one_bit_for_bit(tmp_pa
     SCAFFOLD's new c_i, its state) are views of that file's mapping while they wait for their
     deliveries."""
     mapped = []
-    receive = procpool.receive_framed
+    receive = framing.receive_framed
 
     def watched(*args):
         body = receive(*args)
@@ -132,12 +132,12 @@ def test_a_processes_result_views_the_bytes_it_was_received_into():
     big = torch.arange(2 ** 19, dtype=torch.float32)      # 2 MiB
     out = {"content": {"model": {"w": big, "b": torch.ones(3)}, "num_samples": 7},
            "work": 3.0, "metrics": {}, "state": {}}
-    header, *frames = list(procpool.result_messages(dict(out)))
+    header, *frames = list(framing.result_messages(dict(out)))
     head = procpool._decode(bytes(header))
     assert head["work"] == 3.0 and head["metrics"] == {}
     size = head["size"]
     assert size == sum(len(f) for f in frames) > big.numel() * 4
-    body = procpool.receive_framed(iter(bytes(f) for f in frames), size, False, None)
+    body = framing.receive_framed(iter(bytes(f) for f in frames), size, False, None)
     content = body["content"]
     w = content["model"]["w"]
     assert torch.equal(w, big) and torch.equal(content["model"]["b"], torch.ones(3))

@@ -9,12 +9,12 @@ handed to the course, not made from its config, are sent once as tensors; a clie
 data that a mapping makes on access go with each of its jobs). Per batch, the parent sends each worker the
 received content, the round and its share of (client id, client state) jobs;
 each worker runs the real trainer's `fit` for them and sends each client's content,
-work, metrics and new state as soon as that client is trained, the content in frames
-(`result_messages`). The parent takes results from whichever worker has one and decodes
-each content in place of the bytes it was received into (a buffer of its size, or, where
-the round spills its large models, `aggregator.spill`, an unlinked file it maps), so a
-result waiting for its client's delivery is one copy of its model, in the page cache
-where the round spills, and the encoding and decoded tensors are never both held. Config, requests and replies
+work, metrics and new state as soon as that client is trained (framing.py: the received
+content goes to the workers, and each result comes back, in frames). The parent takes
+results from whichever worker has one and decodes each in place of what it was received
+into (a buffer of its size, or, where the round spills its large models, `aggregator.spill`,
+an unlinked file it maps): a result waiting for its client's delivery is one copy of its
+model, in the page cache where the round spills. Config, requests and replies
 travel as bytes over pipes (YAML, `fedcore.wire.serialization`), never as pickles.
 A worker trains with one torch thread, ignores Ctrl-C (the course handles it
 and closes the pool), the pool has one worker per usable core, and the parent
@@ -36,10 +36,8 @@ from fedcore.kernel.contract import FitResult
 from fedcore.execution.batching import Engine, spilling
 from fedcore.execution.executor import usable_cores
 from fedcore.runtime.device import made_on_access
-from fedcore.wire.large import RawValue, _placer, decode_raw_value
+from fedcore.execution.framing import framed, frames_of, receive_framed, result_messages
 from fedcore.wire.serialization import WireError, encode_value, from_value
-from fedcore.wire.codec import encode_value_parts
-from fedcore.wire.spooled import Spool, release_view
 from fedcore.kernel.state import MemoryStateStore
 from fedcore.wire import fedcore_pb2 as pb
 
@@ -48,8 +46,7 @@ try:
 except ImportError:   # not on Windows: the workers' memory goes unreported
     resource = None
 
-__all__ = ["ProcessEngine", "build_worker_course", "fit_each", "usable_cores", "worker_values",
-           "framed", "frames_of", "result_messages", "receive_framed"]
+__all__ = ["ProcessEngine", "build_worker_course", "fit_each", "usable_cores", "worker_values"]
 
 log = logging.getLogger("fedcore.executor")
 
@@ -88,104 +85,6 @@ def fit_each(trainer, store, clients, req: dict, data=None):
                "metrics": dict(res.metrics), "state": store.load(cid)}
         store.save(cid, {})
         yield out
-
-
-FRAME = 2 ** 24   # bytes of an encoding sent at a time (a pipe's message, an object, a file's write)
-JOINED = 2 ** 16  # pieces of an encoding smaller than this are joined into one frame
-
-
-def framed(obj: Any, **header: Any):
-    """`obj` as the messages that carry it: a header (`header` and the size of `obj`'s
-    encoding), then that encoding in frames of at most FRAME bytes. A tensor's bytes are sent
-    from where they lie (`encode_value_parts`), each frame's pages given back once sent where
-    they lie in a file (a parked global model); the receiver writes the frames one by one
-    into a buffer or a file (`receive_framed`): the encoding is never whole in the sender,
-    and only once in the receiver."""
-    parts = [memoryview(p).cast("B") for p in encode_value_parts(obj)]
-    yield _encode({**header, "size": sum(len(p) for p in parts)})
-    run, joined = [], 0
-    for part in parts:
-        if len(part) < JOINED:   # the fields' heads between tensors, small values: joined
-            run.append(part)
-            joined += len(part)
-            if joined < FRAME:
-                continue
-            part, run, joined = memoryview(b"".join(run)), [], 0
-        elif run:
-            yield b"".join(run)
-            run, joined = [], 0
-        for at in range(0, len(part), FRAME):
-            yield part[at:at + FRAME]
-            release_view(part[at:at + FRAME])
-    if run:
-        yield b"".join(run)
-
-
-def result_messages(out: dict):
-    """One client's result as the messages that carry it (`framed`): work and metrics in the
-    header, the content and the new state (a model's size each, SCAFFOLD's c_i) in frames."""
-    return framed({"content": out["content"], "state": out["state"]}, work=out["work"],
-                  metrics=out["metrics"])
-
-
-def frames_of(recv, size: int):
-    """The frames of an encoding of `size` bytes, each from `recv()`."""
-    got = 0
-    while got < size:
-        frame = recv()
-        got += len(frame)
-        if got > size:
-            raise WireError(f"frames of {got} bytes for an encoding of {size}")
-        yield frame
-
-
-def decoded_in_place(buf) -> Any:
-    """The value encoded in `buf` (a bytearray or a file's mapping, writable): its large
-    tensors view `buf` instead of being copied (wire/large.py), so the encoding and the
-    decoded tensors are not held at once."""
-    view = memoryview(buf)
-    return decode_raw_value(RawValue(view, 0, len(view), _placer(view)))
-
-
-def spooled(frames, size: int, folder: str | None):
-    """`frames` (buffers, `size` bytes in all) written one by one to an unlinked file in
-    `folder` and mapped (wire/spooled.py): the bytes cost the page cache, not the process.
-    Where the file cannot be written, the rest is received into memory (said in the log)."""
-    try:
-        spool = Spool(folder, hashed=False)
-    except OSError as exc:
-        spool, buf = None, bytearray()
-        log.warning("aggregator.spill: a result could not be received into a file in %s (%s); it "
-                    "waits in memory", folder or "the temporary folder", exc)
-    for frame in frames:
-        if spool is not None:
-            try:
-                spool.write(frame)
-                continue
-            except OSError as exc:
-                log.warning("aggregator.spill: a result could not be received into a file in %s "
-                            "(%s); it waits in memory", folder or "the temporary folder", exc)
-                buf, spool = spool.read_all(), None
-        buf += frame
-    if spool is None:
-        return buf
-    try:
-        return spool.mapping()
-    except OSError:
-        return spool.read_all()
-
-
-def receive_framed(frames, size: int, spill: bool, folder: str | None) -> Any:
-    """What `framed` sent, from its `size` bytes of frames (`frames_of`), decoded in place:
-    received into a file where the round spills (`spooled`), else into one buffer."""
-    if spill:
-        buf = spooled(frames, size, folder)
-    else:
-        buf, at = bytearray(size), 0
-        for frame in frames:
-            buf[at:at + len(frame)] = frame
-            at += len(frame)
-    return decoded_in_place(buf)
 
 
 def worker_values(cfg) -> str:

@@ -7,12 +7,12 @@ one trainer - so it holds one model for many logical clients, as the course
 itself does, and no data travel: each node makes (or reads) the data itself.
 
 Per batch, the received content is put once in Ray's object store (in frames,
-procpool.py `framed`, read from where the global model lies), and each
+framing.py, read from where the global model lies), and each
 actor gets its share of (client id, client state) jobs; it runs the real
 trainer's `fit` for them and yields each client's content, work, metrics
 and new state as soon as that client is trained (a stream of objects, the
 content in frames, as the process pool's workers send them,
-procpool.py `result_messages`); the course takes each result and decodes it
+framing.py); the course takes each result and decodes it
 in place of what it was received into, a file where the round spills
 (`aggregator.spill`), and its own state store keeps the new state. So a
 client's state follows it to whichever actor trains it. Requests and replies
@@ -39,8 +39,8 @@ from fedcore.kernel.config import declare, non_negative, positive, validator
 from fedcore.kernel.contract import FitResult
 from fedcore.runtime.device import DeviceStateStore, to_device
 from fedcore.kernel.errors import ConfigError
-from fedcore.execution.procpool import (_decode, _encode, build_worker_course, fit_each, framed, frames_of,
-                                       receive_framed, result_messages, usable_cores, worker_values)
+from fedcore.execution.framing import framed, frames_of, receive_framed, result_messages
+from fedcore.execution.procpool import _decode, _encode, build_worker_course, fit_each, usable_cores, worker_values
 from fedcore.wire.serialization import WireError
 from fedcore.kernel.state import MemoryStateStore, plain_state
 
