@@ -200,3 +200,22 @@ def test_a_ray_course_equals_the_sequential_one_bit_for_bit_spilled_or_not(tmp_p
                 assert torch.equal(_state(on_ray)[name], t), (spill, name)
     finally:
         ray.shutdown()
+
+
+def test_a_result_that_cannot_go_into_a_file_is_received_into_memory_saying_so(tmp_path, caplog):
+    """Where the spill folder cannot take the file, the result is received into memory, with
+    the same values, and one warning names the key and the folder."""
+    big = torch.arange(2 ** 19, dtype=torch.float64)
+    header, *frames = list(framing.result_messages({"content": {"w": big}, "state": {"c_i": big + 1},
+                                                    "work": 1.0, "metrics": {}}))
+    size = procpool._decode(bytes(header))["size"]
+    missing = str(tmp_path / "no such folder")
+    with caplog.at_level(logging.WARNING, logger="fedcore.executor"):
+        body = framing.receive_framed(iter(bytes(f) for f in frames), size, True, missing)
+    assert torch.equal(body["content"]["w"], big) and torch.equal(body["state"]["c_i"], big + 1)
+    assert not is_mapped(body["content"]["w"])
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "aggregator.spill" in said[0] and missing in said[0]
+    spilled = framing.receive_framed(iter(bytes(f) for f in frames), size, True, str(tmp_path))
+    assert is_mapped(spilled["content"]["w"]) and torch.equal(spilled["state"]["c_i"], big + 1)
+    assert os.listdir(tmp_path) == []      # the file never had a name
