@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -48,6 +49,9 @@ class Engine:
     # True: its results come from the trainer's whole `fit`, wrappers included (workers run
     # the chain); False: from the plain fit, and the front runs the chain around each
     runs_wrappers = False
+    # True: a job's state is given as a function that loads it, called as the job is sent, so a
+    # batch's client states (SCAFFOLD's c_i, each a model) are not all loaded at once
+    loads_states = False
 
     def fit_many(self, trainer, jobs: list[tuple[int, Any, dict]], received: dict,
                  round_: int) -> list[tuple[FitResult, dict] | None]:
@@ -262,7 +266,8 @@ class BatchingTrainer:
             self._disabled = True
             return
         store, clients = self._trainer.store, self._course.clients
-        jobs = [(cid, clients[cid].data, store.load(cid)) for cid in ids]
+        lazy = self._engine.loads_states
+        jobs = [(cid, clients[cid].data, partial(store.load, cid) if lazy else store.load(cid)) for cid in ids]
         try:
             results = self._engine.fit_many(self._trainer, jobs, batch.content, batch.round)
         except Exception as exc:  # noqa: BLE001 - any engine failure means: run these one by one

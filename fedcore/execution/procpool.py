@@ -154,6 +154,12 @@ def _client_of(cid: int, splits: list, data):
         {cid: splits}, splits[2], data.input_shape, data.num_classes).clients[cid]
 
 
+def _received(conn) -> Any:
+    """The next `framed` message on `conn`, decoded in place of the buffer it is received into."""
+    size = _decode(conn.recv_bytes())["size"]
+    return receive_framed(frames_of(conn.recv_bytes, size), size, False, None)
+
+
 def _serve(conn) -> None:
     """A worker's loop: build the course from the config it is sent, then fit the jobs it is
     sent with its own trainer."""
@@ -182,7 +188,7 @@ def _serve(conn) -> None:
             if head.get("stop"):
                 return
             req = receive_framed(frames_of(conn.recv_bytes, head["size"]), head["size"], False, None)
-            req.update(_decode(conn.recv_bytes()))
+            req["jobs"] = [_received(conn) for _ in range(req["jobs"])]
             for out in fit_each(trainer, store, clients, req, course.data):
                 for part in result_messages(out):   # as soon as it is trained, not with the share
                     conn.send_bytes(part)
@@ -199,6 +205,7 @@ def _serve(conn) -> None:
 class ProcessEngine(Engine):
     name = "processes"
     runs_wrappers = True   # a worker runs the trainer's whole fit, behaviours' wrappers included
+    loads_states = True    # each job's state is loaded as it is sent
 
     def __init__(self, course, workers: int | None = None):
         self.course = course
@@ -247,12 +254,15 @@ class ProcessEngine(Engine):
         busy = []
         for conn, share in zip(self._conns, shares):
             if share:
-                # in frames, from where the global model lies (a parked one's pages go back)
-                for part in framed({"received": received, "round": round_}):
+                # in frames, from where the global model lies (a parked one's pages go back), then
+                # each job, its state loaded as it is sent
+                for part in framed({"received": received, "round": round_, "jobs": len(share)}):
                     conn.send_bytes(part)
-                conn.send_bytes(_encode({"jobs": [
-                    {"cid": cid, "state": state, **({"data": _data_of(data)} if self._with_jobs else {})}
-                    for cid, data, state in share]}))
+                for cid, data, load in share:
+                    job = {"cid": cid, "state": load(), **({"data": _data_of(data)} if self._with_jobs else {})}
+                    for part in framed(job):
+                        conn.send_bytes(part)
+                    del job
                 busy.append((conn, share))
         answers: dict[int, tuple[FitResult, dict]] = {}
         errors = []

@@ -102,6 +102,19 @@ def _unpack_state(packed: dict) -> dict:
     return torch.load(io.BytesIO(packed["torch"]), weights_only=True)
 
 
+def _put(message: dict) -> list:
+    """`message` put in Ray's object store a frame at a time (`framed`): the references."""
+    import ray
+    return [ray.put(bytes(part)) for part in framed(message)]
+
+
+def _received(refs: list):
+    """What `_put` put, read a frame at a time into one buffer, decoded in place."""
+    import ray
+    size, frames = _decode(ray.get(refs[0]))["size"], iter(refs[1:])
+    return receive_framed(frames_of(lambda: ray.get(next(frames)), size), size, False, None)
+
+
 class TrainerActor:
     """One Ray actor: the course's trainer and data, built on its node from the config."""
 
@@ -119,18 +132,15 @@ class TrainerActor:
         self.node = ray.get_runtime_context().get_node_id()
         return self.node
 
-    def fit(self, head: list, jobs: bytes):
+    def fit(self, head: list, jobs: list):
         """Each client's result as soon as it is trained: its messages (`result_messages`,
-        the state packed), each an object of its own; an error as the last. `head`: the
-        references of the received content's messages (`framed`), read a frame at a time."""
-        import ray
+        the state packed), each an object of its own; an error as the last. `head` and each
+        of `jobs`: the references of a `framed` message's objects, read a frame at a time."""
         try:
-            size = _decode(ray.get(head[0]))["size"]
-            frames = iter(head[1:])
-            req = receive_framed(frames_of(lambda: ray.get(next(frames)), size), size, False, None)
+            req = _received(head)
             req["received"] = to_device(req["received"], self.device)
             req["jobs"] = [{"cid": j["cid"], "state": _unpack_state(j["state"])}
-                           for j in _decode(jobs)["jobs"]]
+                           for j in map(_received, jobs)]
             for out in fit_each(self.trainer, self.trainer.store, self.clients, req):
                 out["state"] = _pack_state(out["state"])
                 for part in result_messages(out):
@@ -143,6 +153,7 @@ class TrainerActor:
 class RayEngine(Engine):
     name = "ray"
     runs_wrappers = True   # an actor's course installs the same behaviours' wrappers
+    loads_states = True    # each job's state is loaded as it is put in the object store
 
     def __init__(self, course):
         self.course = course
@@ -207,13 +218,12 @@ class RayEngine(Engine):
             self._start()
         size = len(self._actors)
         # once for all actors, a frame at a time from where the global model lies
-        head = [ray.put(bytes(part)) for part in framed({"received": received, "round": round_})]
+        head = _put({"received": received, "round": round_})
         calls = []
         for i, actor in enumerate(self._actors):
             share = jobs[i::size]
-            if share:
-                body = _encode({"jobs": [{"cid": cid, "state": _pack_state(state)}
-                                         for cid, _, state in share]})
+            if share:   # each job's state loaded as it is put
+                body = [_put({"cid": cid, "state": _pack_state(load())}) for cid, _, load in share]
                 # a stream of objects: each result can be taken as soon as its client is trained
                 stream = actor.fit.options(num_returns="streaming").remote(head, body)
                 calls.append((stream, share, self._nodes[i]))
