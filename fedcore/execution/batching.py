@@ -84,11 +84,11 @@ def spilling(course) -> tuple[bool, str | None]:
     return bool(parking.spill_sum and 0 < parking.min_bytes <= size), parking.folder
 
 
-def park_waiting(result: FitResult, folder: str | None) -> None:
+def park_waiting(result: FitResult, folder: str | None) -> bool:
     """Move `result`'s large CPU tensors (not in a file yet) into one unlinked file in `folder`
     (wire/spooled.py `park`), in place: a batch's results wait for their deliveries in the
     system's page cache, not in the process, until the fold reads them a slice at a time.
-    The same values; where the file cannot be made they stay in memory."""
+    The same values; where the file cannot be made they stay in memory (False, said)."""
     found: list[tuple[dict, Any]] = []
 
     def walk(d: dict) -> None:
@@ -100,15 +100,16 @@ def park_waiting(result: FitResult, folder: str | None) -> None:
                 found.append((d, k))
     walk(result.content)
     if not found:
-        return
+        return True
     try:
         parked = park({i: d[k] for i, (d, k) in enumerate(found)}, folder)
     except OSError as exc:
-        log.warning("aggregator.spill: a waiting result could not be kept in a file in %s (%s); it "
-                    "waits in memory", folder or "the temporary folder", exc)
-        return
+        log.warning("aggregator.spill: a waiting result could not be kept in a file in %s (%s); "
+                    "the course's waiting results stay in memory", folder or "the temporary folder", exc)
+        return False
     for i, (d, k) in enumerate(found):
         d[k] = parked[i]
+    return True
 
 
 @dataclass
@@ -140,6 +141,7 @@ class BatchingTrainer:
         self._fits: dict[int, int] = {}             # client -> fits so far (the state's version)
         self._disabled = False                      # set when the engine failed once
         self._said_unbatched = False                # the warning that nothing could be stacked
+        self._parks = True                          # waiting results go to files (until that fails)
         self.batched_fits = 0                       # how many fits came from the engine
         self.sequential_fits = 0
 
@@ -285,6 +287,6 @@ class BatchingTrainer:
         spill, folder = spilling(self._course)
         for cid, out in zip(ids, results):
             if out is not None:
-                if spill:   # waiting for its delivery in a file, as a spilled round's model does
-                    park_waiting(out[0], folder)
+                if spill and self._parks:   # waiting for its delivery in a file, as a spilled model does
+                    self._parks = park_waiting(out[0], folder)
                 self._ready[(cid, key)] = _Ready(out[0], out[1], self._fits.get(cid, 0))

@@ -80,24 +80,32 @@ def decoded_in_place(buf) -> Any:
     return decode_raw_value(RawValue(view, 0, len(view), _placer(view)))
 
 
+_SAID: set[str | None] = set()   # folders said to refuse a file (once each per process)
+
+
+def _cannot(folder: str | None, exc: OSError) -> None:
+    if folder not in _SAID:
+        _SAID.add(folder)
+        log.warning("aggregator.spill: a result could not be received into a file in %s (%s); "
+                    "such results wait in memory", folder or "the temporary folder", exc)
+
+
 def spooled(frames, size: int, folder: str | None):
     """`frames` (buffers, `size` bytes in all) written one by one to an unlinked file in
     `folder` and mapped (wire/spooled.py): the bytes cost the page cache, not the process.
-    Where the file cannot be written, the rest is received into memory (said in the log)."""
+    Where the file cannot be written, the rest is received into memory (said once)."""
     try:
         spool = Spool(folder, hashed=False)
     except OSError as exc:
         spool, buf = None, bytearray()
-        log.warning("aggregator.spill: a result could not be received into a file in %s (%s); it "
-                    "waits in memory", folder or "the temporary folder", exc)
+        _cannot(folder, exc)
     for frame in frames:
         if spool is not None:
             try:
                 spool.write(frame)
                 continue
             except OSError as exc:
-                log.warning("aggregator.spill: a result could not be received into a file in %s "
-                            "(%s); it waits in memory", folder or "the temporary folder", exc)
+                _cannot(folder, exc)
                 buf, spool = spool.read_all(), None
         buf += frame
     if spool is None:
