@@ -7,10 +7,11 @@ platform. Each receives what it needs explicitly - the course's config, as
 Ray's actors do - and builds the same trainer and clients' data from it (data
 handed to the course, not made from its config, are sent once as tensors; a client's
 data that a mapping makes on access go with each of its jobs). Per batch, the parent sends each worker the
-received content, the round and its share of (client id, client state) jobs;
-each worker runs the real trainer's `fit` for them and sends each client's content,
-work, metrics and new state as soon as that client is trained (framing.py: the received
-content goes to the workers, and each result comes back, in frames). The parent takes
+received content, the round and its share of (client id, client state) jobs, each
+state loaded from the course's store as its job is sent; each worker runs the real
+trainer's `fit` for them and sends each client's content, work, metrics and new state as
+soon as that client is trained (framing.py: the received content and the jobs go to the
+workers, and each result comes back, in frames). The parent takes
 results from whichever worker has one and decodes each in place of what it was received
 into (a buffer of its size, or, where the round spills its large models, `aggregator.spill`,
 an unlinked file it maps): a result waiting for its client's delivery is one copy of its
