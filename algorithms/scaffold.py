@@ -84,6 +84,12 @@ class ScaffoldTrainer(Trainer):
         self.spill_folder = folder
         self._spill = True
 
+    @property
+    def spills(self) -> bool:
+        """Whether c_i and c - c_i are kept in files (`spill_into`): a batch of clients trained
+        together (executor vectorized) would stack them in memory, so it trains them one by one."""
+        return self._spill
+
     @torch.no_grad()
     def begin(self, client_state: dict, received: dict) -> None:
         c = received["control"]

@@ -1,7 +1,8 @@
 """W8: large models with bounded server memory.
 
     python bench/w8_large_model.py [--runs 100MB:8,1GB:8,3GB:2] [--modes deploy,sim] [--rounds 2] [--sum float64|model]
-                                   [--algorithms fedavg,fedadam,scaffold,dp] [--spill auto|on|off]
+                                   [--algorithms fedavg,fedadam,scaffold,feddyn,fednova,dp] [--spill auto|on|off]
+                                   [--executor sequential|processes|vectorized] [--batch-clients N]
 
 For each model size and number of clients, one FedAvg course of an MLP 64 -> H -> 3
 (H chosen so its float32 weights take the size; one local step of 10 samples, so
@@ -26,6 +27,12 @@ spilling simulation keeps them in files a slice at a time, algorithms/scaffold.p
 (central DP, `privacy.dp.mode: central`, sigma = C = 1, the server clipping each update:
 `clip_each_step: false`; each update's clipped delta is folded into the float64 sum as it
 is sent and the noise added once at the round's end, algorithms/dp_fold.py).
+
+`--executor` trains a simulation's clients with that executor (`--batch-clients`:
+`executor.batch_clients`): the processes executor's workers send each result as it is trained
+and a spilling round's results wait for their deliveries in files (as the vectorized
+executor's batch does); the simulation process's peak is measured as before, and the
+workers' largest peak (the summary's `worker_peak_rss_mb`) is reported beside it.
 
 `--sum model` keeps the running sum in the model's dtype (`aggregator.streaming_sum`):
 a float32 model less on the server, for a mean that depends on the arrival order.
@@ -74,7 +81,8 @@ ALGORITHMS = ("fedavg", "fedadam", "scaffold", "feddyn", "fednova", "dp")
 
 
 def course_yaml(path: Path, size: int, clients: int, rounds: int, running_sum: str = "float64",
-                algorithm: str = "fedavg", spill: str = "auto") -> Path:
+                algorithm: str = "fedavg", spill: str = "auto", executor: str = "sequential",
+                batch_clients: int | None = None) -> Path:
     hidden = max(1, size // 4 // 69)     # 64*H + H + 3*H + 3 floats
     name = "fedavg" if algorithm in ("fedadam", "dp") else algorithm
     tree = {"seed": 0, "verbose": False, "algorithm": {"name": name},
@@ -86,7 +94,10 @@ def course_yaml(path: Path, size: int, clients: int, rounds: int, running_sum: s
             "eval": {"clients": False}, "aggregator": {"streaming": "on", "streaming_sum": running_sum,
                            "spill": spill},
             "admission": {"norm_ratio": float("inf")},
-            "distribute": {"insecure": True, "token": "w8", "heartbeat_timeout": 600.0}}
+            "distribute": {"insecure": True, "token": "w8", "heartbeat_timeout": 600.0},
+            "executor": executor}
+    if batch_clients is not None:
+        tree["executor.batch_clients"] = batch_clients
     if algorithm == "fedadam":
         tree["server_optimizer"] = {"type": "adam"}
     if algorithm == "dp":   # every client every round (q = 1), the server clips and noises
@@ -115,6 +126,12 @@ def run_sim(cfg: Path, out: Path) -> tuple[int, float]:
     subprocess.run([sys.executable, "-m", "bench.peak_rss", str(peak), "fedcore.run", "--cfg", str(cfg),
                     f"outdir={out}"], check=True, cwd=ROOT, env=_env())
     return int(peak.read_text()), _round_wall(out)
+
+
+def worker_peak(out: Path) -> float:
+    """The largest peak RSS (bytes) a simulation's worker processes reported (0: none)."""
+    summary = json.loads((out / "summary.json").read_text())
+    return summary.get("worker_peak_rss_mb", 0.0) * 2 ** 20
 
 
 def run_deploy(cfg: Path, out: Path, clients: int) -> tuple[int, float]:
@@ -186,6 +203,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--spill", default="auto", choices=("auto", "on", "off"),
                    help="aggregator.spill: a simulation keeps the global model and the running sum "
                         "in files while clients train (auto: models of 64 MiB or more)")
+    p.add_argument("--executor", default="sequential", choices=("sequential", "processes", "vectorized"),
+                   help="executor of the simulations (deployed clients train on their own)")
+    p.add_argument("--batch-clients", type=int, default=None,
+                   help="executor.batch_clients: the most clients trained together (vectorized, processes)")
     p.add_argument("--algorithms", default="fedavg",
                    help=f"comma-separated, of {', '.join(ALGORITHMS)}")
     args = p.parse_args(argv)
@@ -201,7 +222,8 @@ def main(argv: list[str]) -> int:
         print(f"W8 process baseline (server of a 1 MB model): {base / 1e9:.2f} GB", flush=True)
         base_sim = base
         if "sim" in modes:
-            base_sim, _ = run_sim(course_yaml(Path(tmp) / "base_sim.yaml", 10 ** 6, 8, 1), Path(tmp) / "base_sim")
+            base_sim, _ = run_sim(course_yaml(Path(tmp) / "base_sim.yaml", 10 ** 6, 8, 1, executor=args.executor,
+                                              batch_clients=args.batch_clients), Path(tmp) / "base_sim")
             print(f"W8 process baseline (simulation of a 1 MB model): {base_sim / 1e9:.2f} GB", flush=True)
         for label, size, clients in parse_runs(args.runs):
             for mode in modes:
@@ -212,8 +234,10 @@ def main(argv: list[str]) -> int:
                         continue
                     name = f"{mode}_{label}_{clients}_{algorithm}"
                     out = Path(tmp) / name
+                    sim = mode != "deploy"
                     cfg = course_yaml(Path(tmp) / f"{name}.yaml", size, clients, args.rounds, args.sum, algorithm,
-                                      args.spill)
+                                      args.spill, args.executor if sim else "sequential",
+                                      args.batch_clients if sim else None)
                     peak, wall = (run_deploy(cfg, out, clients) if mode == "deploy" else run_sim(cfg, out))
                     ratio = peak / size
                     who = "server" if mode == "deploy" else "simulation process"
@@ -222,6 +246,11 @@ def main(argv: list[str]) -> int:
                           f"{ratio:.2f}x the model ({(peak - own) / size:.2f}x above the baseline"
                           + ("" if mode == "deploy" else f", {(peak - base) / size:.2f}x above the server's")
                           + f"); {wall:.1f} s wall per round", flush=True)
+                    workers = worker_peak(out) if sim else 0.0
+                    if workers:
+                        print(f"W8 {mode} {label} x{clients} {algorithm} executor {args.executor}: the "
+                              f"workers' largest peak RSS {workers / 1e9:.2f} GB = {workers / size:.2f}x "
+                              "the model", flush=True)
                     if mode == "deploy":
                         largest = max(largest, ratio)
                     else:

@@ -22,15 +22,20 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
+
+import torch
 
 from fedcore.kernel import registry
 from fedcore.kernel.config import declare, positive
 from fedcore.kernel.contract import FitResult
 from fedcore.kernel.hooks import around_result
 from fedcore.kernel.message import SERVER_ID, Message
+from fedcore.runtime.parking import PARKED_TENSOR_BYTES, Parking
+from fedcore.wire.spooled import is_mapped, park
 
-__all__ = ["BatchingTrainer", "Engine"]
+__all__ = ["BatchingTrainer", "Engine", "spilling", "park_waiting"]
 
 log = logging.getLogger("fedcore.executor")
 
@@ -44,6 +49,9 @@ class Engine:
     # True: its results come from the trainer's whole `fit`, wrappers included (workers run
     # the chain); False: from the plain fit, and the front runs the chain around each
     runs_wrappers = False
+    # True: a job's state is given as a function that loads it, called as the job is sent, so a
+    # batch's client states (SCAFFOLD's c_i, each a model) are not all loaded at once
+    loads_states = False
 
     def fit_many(self, trainer, jobs: list[tuple[int, Any, dict]], received: dict,
                  round_: int) -> list[tuple[FitResult, dict] | None]:
@@ -63,6 +71,45 @@ declare("executor.batch_clients", int, None,
         "deliveries, each a model, and are folded as their clients send them "
         "(aggregator.streaming), so this bounds a round's memory for a large model",
         nullable=True, check=positive)
+
+
+def spilling(course) -> tuple[bool, str | None]:
+    """Whether a simulation's rounds keep their large models in files (`aggregator.spill`,
+    runtime/parking.py), and the folder: a result waiting for its delivery then waits there."""
+    server = getattr(course, "server", None)
+    if server is None:
+        return False, None
+    parking = server.state(Parking)
+    size = sum(t.numel() * t.element_size() for t in server.aggregator.global_state.values())
+    return bool(parking.spill_sum and 0 < parking.min_bytes <= size), parking.folder
+
+
+def park_waiting(result: FitResult, folder: str | None) -> bool:
+    """Move `result`'s large CPU tensors (not in a file yet) into one unlinked file in `folder`
+    (wire/spooled.py `park`), in place: a batch's results wait for their deliveries in the
+    system's page cache, not in the process, until the fold reads them a slice at a time.
+    The same values; where the file cannot be made they stay in memory (False, said)."""
+    found: list[tuple[dict, Any]] = []
+
+    def walk(d: dict) -> None:
+        for k, v in d.items():
+            if isinstance(v, dict):
+                walk(v)
+            elif (isinstance(v, torch.Tensor) and v.device.type == "cpu" and not is_mapped(v)
+                  and v.numel() * v.element_size() >= PARKED_TENSOR_BYTES):
+                found.append((d, k))
+    walk(result.content)
+    if not found:
+        return True
+    try:
+        parked = park({i: d[k] for i, (d, k) in enumerate(found)}, folder)
+    except OSError as exc:
+        log.warning("aggregator.spill: a waiting result could not be kept in a file in %s (%s); "
+                    "the course's waiting results stay in memory", folder or "the temporary folder", exc)
+        return False
+    for i, (d, k) in enumerate(found):
+        d[k] = parked[i]
+    return True
 
 
 @dataclass
@@ -94,6 +141,7 @@ class BatchingTrainer:
         self._fits: dict[int, int] = {}             # client -> fits so far (the state's version)
         self._disabled = False                      # set when the engine failed once
         self._said_unbatched = False                # the warning that nothing could be stacked
+        self._parks = True                          # waiting results go to files (until that fails)
         self.batched_fits = 0                       # how many fits came from the engine
         self.sequential_fits = 0
 
@@ -212,8 +260,16 @@ class BatchingTrainer:
             ids = ([first] + [c for c in ids if c != first and c not in batch.tried])[:most]
         batch.tried.update(ids)
         batch.computed = all(c in batch.tried for c in batch.waiting)
+        if not self._engine.runs_wrappers and getattr(self._trainer, "spills", False):
+            # its control variates stay in files only trained one client at a time (scaffold_spill)
+            log.warning("executor %s: trainer %s keeps its model-sized state in files "
+                        "(aggregator.spill), which a batch would stack in memory; running "
+                        "sequentially", self._engine.name, type(self._trainer).__name__)
+            self._disabled = True
+            return
         store, clients = self._trainer.store, self._course.clients
-        jobs = [(cid, clients[cid].data, store.load(cid)) for cid in ids]
+        lazy = self._engine.loads_states
+        jobs = [(cid, clients[cid].data, partial(store.load, cid) if lazy else store.load(cid)) for cid in ids]
         try:
             results = self._engine.fit_many(self._trainer, jobs, batch.content, batch.round)
         except Exception as exc:  # noqa: BLE001 - any engine failure means: run these one by one
@@ -228,6 +284,9 @@ class BatchingTrainer:
                         "of their mini-batches step by step, and their data's shapes), so each trains "
                         "one at a time; equal training-set sizes let them train batched (the summary "
                         "counts batched_fits and sequential_fits)", self._engine.name, batch.round, len(ids))
+        spill, folder = spilling(self._course)
         for cid, out in zip(ids, results):
             if out is not None:
+                if spill and self._parks:   # waiting for its delivery in a file, as a spilled model does
+                    self._parks = park_waiting(out[0], folder)
                 self._ready[(cid, key)] = _Ready(out[0], out[1], self._fits.get(cid, 0))

@@ -7,9 +7,15 @@ platform. Each receives what it needs explicitly - the course's config, as
 Ray's actors do - and builds the same trainer and clients' data from it (data
 handed to the course, not made from its config, are sent once as tensors; a client's
 data that a mapping makes on access go with each of its jobs). Per batch, the parent sends each worker the
-received content, the round and its share of (client id, client state) jobs;
-each worker runs the real trainer's `fit` for them and replies with each
-client's content, work, metrics and new state. Config, requests and replies
+received content, the round and its share of (client id, client state) jobs, each
+state loaded from the course's store as its job is sent; each worker runs the real
+trainer's `fit` for them and sends each client's content, work, metrics and new state as
+soon as that client is trained (framing.py: the received content and the jobs go to the
+workers, and each result comes back, in frames). The parent takes
+results from whichever worker has one and decodes each in place of what it was received
+into (a buffer of its size, or, where the round spills its large models, `aggregator.spill`,
+an unlinked file it maps): a result waiting for its client's delivery is one copy of its
+model, in the page cache where the round spills. Config, requests and replies
 travel as bytes over pipes (YAML, `fedcore.wire.serialization`), never as pickles.
 A worker trains with one torch thread, ignores Ctrl-C (the course handles it
 and closes the pool), the pool has one worker per usable core, and the parent
@@ -20,6 +26,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import signal
+from multiprocessing.connection import wait
 from typing import Any
 
 import torch
@@ -27,9 +34,10 @@ import yaml
 
 from fedcore.kernel import registry
 from fedcore.kernel.contract import FitResult
-from fedcore.execution.batching import Engine
+from fedcore.execution.batching import Engine, spilling
 from fedcore.execution.executor import usable_cores
 from fedcore.runtime.device import made_on_access
+from fedcore.execution.framing import framed, frames_of, receive_framed, result_messages
 from fedcore.wire.serialization import WireError, encode_value, from_value
 from fedcore.kernel.state import MemoryStateStore
 from fedcore.wire import fedcore_pb2 as pb
@@ -39,7 +47,7 @@ try:
 except ImportError:   # not on Windows: the workers' memory goes unreported
     resource = None
 
-__all__ = ["ProcessEngine", "build_worker_course", "fit_share", "usable_cores", "worker_values"]
+__all__ = ["ProcessEngine", "build_worker_course", "fit_each", "usable_cores", "worker_values"]
 
 log = logging.getLogger("fedcore.executor")
 
@@ -63,21 +71,21 @@ def _decode(data: bytes) -> Any:
     return from_value(v)
 
 
-def fit_share(trainer, store, clients, req: dict, data=None) -> list[dict]:
-    """What a worker does with its share of a batch: each job's client state goes into the
-    worker's own store, the real trainer fits it, and the result and new state come back.
-    A job that carries its client's data (`_data_of`) is trained on them; `data` is the
-    worker's course's FederatedData, whose shape they take."""
-    out = []
+def fit_each(trainer, store, clients, req: dict, data=None):
+    """What a worker does with its share of a batch, one client at a time: each job's client
+    state goes into the worker's own store, the real trainer fits it, and its result and new
+    state are yielded as soon as it is trained. A job that carries its client's data
+    (`_data_of`) is trained on them; `data` is the worker's course's FederatedData, whose
+    shape they take."""
     for job in req["jobs"]:
         cid = job["cid"]
         store.save(cid, job["state"])
         own = clients[cid].data if "data" not in job else _client_of(cid, job["data"], data)
         res = trainer.fit(cid, own, req["received"], req["round"])
-        out.append({"content": res.content, "work": float(res.work),
-                    "metrics": dict(res.metrics), "state": store.load(cid)})
+        out = {"content": res.content, "work": float(res.work),
+               "metrics": dict(res.metrics), "state": store.load(cid)}
         store.save(cid, {})
-    return out
+        yield out
 
 
 def worker_values(cfg) -> str:
@@ -147,6 +155,12 @@ def _client_of(cid: int, splits: list, data):
         {cid: splits}, splits[2], data.input_shape, data.num_classes).clients[cid]
 
 
+def _received(conn) -> Any:
+    """The next `framed` message on `conn`, decoded in place of the buffer it is received into."""
+    size = _decode(conn.recv_bytes())["size"]
+    return receive_framed(frames_of(conn.recv_bytes, size), size, False, None)
+
+
 def _serve(conn) -> None:
     """A worker's loop: build the course from the config it is sent, then fit the jobs it is
     sent with its own trainer."""
@@ -171,13 +185,18 @@ def _serve(conn) -> None:
         except (EOFError, OSError):
             return
         try:
-            req = _decode(data)
-            if req.get("stop"):
+            head = _decode(data)
+            if head.get("stop"):
                 return
-            req.update(_decode(conn.recv_bytes()))
-            reply = _encode({"results": fit_share(trainer, store, clients, req, course.data),
-                             "peak_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            req = receive_framed(frames_of(conn.recv_bytes, head["size"]), head["size"], False, None)
+            req["jobs"] = [_received(conn) for _ in range(req["jobs"])]
+            for out in fit_each(trainer, store, clients, req, course.data):
+                for part in result_messages(out):   # as soon as it is trained, not with the share
+                    conn.send_bytes(part)
+            reply = _encode({"done": True, "peak_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
                              if resource is not None else 0})
+        except (BrokenPipeError, ConnectionResetError):
+            return
         except Exception as exc:  # noqa: BLE001 - reported to the parent, which falls back
             reply = _encode({"error": f"{type(exc).__name__}: {exc}"})
         conn.send_bytes(reply)
@@ -187,6 +206,7 @@ def _serve(conn) -> None:
 class ProcessEngine(Engine):
     name = "processes"
     runs_wrappers = True   # a worker runs the trainer's whole fit, behaviours' wrappers included
+    loads_states = True    # each job's state is loaded as it is sent
 
     def __init__(self, course, workers: int | None = None):
         self.course = course
@@ -232,25 +252,36 @@ class ProcessEngine(Engine):
         if not self._procs:
             self._start(trainer)
         shares = [jobs[i::self.size] for i in range(self.size)]
-        head = _encode({"received": received, "round": round_})   # encoded once for all workers
         busy = []
         for conn, share in zip(self._conns, shares):
             if share:
-                conn.send_bytes(head)
-                conn.send_bytes(_encode({"jobs": [
-                    {"cid": cid, "state": state, **({"data": _data_of(data)} if self._with_jobs else {})}
-                    for cid, data, state in share]}))
+                # in frames, from where the global model lies (a parked one's pages go back), then
+                # each job, its state loaded as it is sent
+                for part in framed({"received": received, "round": round_, "jobs": len(share)}):
+                    conn.send_bytes(part)
+                for cid, data, load in share:
+                    job = {"cid": cid, "state": load(), **({"data": _data_of(data)} if self._with_jobs else {})}
+                    for part in framed(job):
+                        conn.send_bytes(part)
+                    del job
                 busy.append((conn, share))
         answers: dict[int, tuple[FitResult, dict]] = {}
         errors = []
-        for conn, share in busy:
-            reply = _decode(conn.recv_bytes())
-            if "error" in reply:
-                errors.append(reply["error"])
-                continue
-            self._peak_kb = max(self._peak_kb, reply.get("peak_kb", 0))
-            for (cid, _, _), r in zip(share, reply["results"]):
-                answers[cid] = (FitResult(r["content"], r["work"], r["metrics"]), r["state"])
+        spill, folder = spilling(self.course)
+        left = {conn: list(share) for conn, share in busy}   # each worker's jobs not answered yet
+        while left:
+            for conn in wait(list(left)):   # whichever worker has a result: as each is trained
+                msg = _decode(conn.recv_bytes())
+                if "size" in msg:
+                    cid = left[conn].pop(0)[0]
+                    frames = frames_of(conn.recv_bytes, msg["size"])
+                    body = receive_framed(frames, msg["size"], spill, folder)
+                    answers[cid] = (FitResult(body["content"], msg["work"], msg["metrics"]), body["state"])
+                    continue
+                if "error" in msg:
+                    errors.append(msg["error"])
+                self._peak_kb = max(self._peak_kb, msg.get("peak_kb", 0))
+                del left[conn]
         if errors:
             raise WireError(f"a worker process failed: {errors[0]}")
         return [answers.get(cid) for cid, _, _ in jobs]

@@ -6,10 +6,15 @@ Every actor builds the course from the same config - its data, one model,
 one trainer - so it holds one model for many logical clients, as the course
 itself does, and no data travel: each node makes (or reads) the data itself.
 
-Per batch, the received content is put once in Ray's object store, and each
+Per batch, the received content is put once in Ray's object store (in frames,
+framing.py, read from where the global model lies), and each
 actor gets its share of (client id, client state) jobs; it runs the real
-trainer's `fit` for them and replies with each client's content, work,
-metrics and new state, which the course's own state store then keeps. So a
+trainer's `fit` for them and yields each client's content, work, metrics
+and new state as soon as that client is trained (a stream of objects, the
+content in frames, as the process pool's workers send them,
+framing.py); the course takes each result and decodes it
+in place of what it was received into, a file where the round spills
+(`aggregator.spill`), and its own state store keeps the new state. So a
 client's state follows it to whichever actor trains it. Requests and replies
 are `fedcore.wire.serialization` bytes (states that are not plain tensors, such as
 optimizer states, as `torch.save` bytes read back with `weights_only=True`);
@@ -29,13 +34,13 @@ from collections import Counter
 import torch
 
 from fedcore.kernel import registry
-from fedcore.execution.batching import Engine
+from fedcore.execution.batching import Engine, spilling
 from fedcore.kernel.config import declare, non_negative, positive, validator
 from fedcore.kernel.contract import FitResult
 from fedcore.runtime.device import DeviceStateStore, to_device
 from fedcore.kernel.errors import ConfigError
-from fedcore.execution.procpool import (_decode, _encode, build_worker_course, fit_share, usable_cores,
-                              worker_values)
+from fedcore.execution.framing import framed, frames_of, receive_framed, result_messages
+from fedcore.execution.procpool import _decode, _encode, build_worker_course, fit_each, usable_cores, worker_values
 from fedcore.wire.serialization import WireError
 from fedcore.kernel.state import MemoryStateStore, plain_state
 
@@ -97,6 +102,19 @@ def _unpack_state(packed: dict) -> dict:
     return torch.load(io.BytesIO(packed["torch"]), weights_only=True)
 
 
+def _put(message: dict) -> list:
+    """`message` put in Ray's object store a frame at a time (`framed`): the references."""
+    import ray
+    return [ray.put(bytes(part)) for part in framed(message)]
+
+
+def _received(refs: list):
+    """What `_put` put, read a frame at a time into one buffer, decoded in place."""
+    import ray
+    size, frames = _decode(ray.get(refs[0]))["size"], iter(refs[1:])
+    return receive_framed(frames_of(lambda: ray.get(next(frames)), size), size, False, None)
+
+
 class TrainerActor:
     """One Ray actor: the course's trainer and data, built on its node from the config."""
 
@@ -114,24 +132,28 @@ class TrainerActor:
         self.node = ray.get_runtime_context().get_node_id()
         return self.node
 
-    def fit(self, head: bytes, jobs: bytes) -> bytes:
+    def fit(self, head: list, jobs: list):
+        """Each client's result as soon as it is trained: its messages (`result_messages`,
+        the state packed), each an object of its own; an error as the last. `head` and each
+        of `jobs`: the references of a `framed` message's objects, read a frame at a time."""
         try:
-            req = _decode(head)
+            req = _received(head)
             req["received"] = to_device(req["received"], self.device)
             req["jobs"] = [{"cid": j["cid"], "state": _unpack_state(j["state"])}
-                           for j in _decode(jobs)["jobs"]]
-            out = fit_share(self.trainer, self.trainer.store, self.clients, req)
-            for r in out:
-                r["state"] = _pack_state(r["state"])
-            return _encode({"results": out})
+                           for j in map(_received, jobs)]
+            for out in fit_each(self.trainer, self.trainer.store, self.clients, req):
+                out["state"] = _pack_state(out["state"])
+                for part in result_messages(out):
+                    yield bytes(part)
         except Exception as exc:  # noqa: BLE001 - reported to the course, which falls back
-            return _encode({"error": f"{type(exc).__name__}: {exc}"})
+            yield _encode({"error": f"{type(exc).__name__}: {exc}"})
 
 
 @registry.engines.register("ray")
 class RayEngine(Engine):
     name = "ray"
     runs_wrappers = True   # an actor's course installs the same behaviours' wrappers
+    loads_states = True    # each job's state is loaded as it is put in the object store
 
     def __init__(self, course):
         self.course = course
@@ -195,23 +217,28 @@ class RayEngine(Engine):
         if not self._actors:
             self._start()
         size = len(self._actors)
-        head = ray.put(_encode({"received": received, "round": round_}))   # once for all actors
+        # once for all actors, a frame at a time from where the global model lies
+        head = _put({"received": received, "round": round_})
         calls = []
         for i, actor in enumerate(self._actors):
             share = jobs[i::size]
-            if share:
-                body = _encode({"jobs": [{"cid": cid, "state": _pack_state(state)}
-                                         for cid, _, state in share]})
-                calls.append((actor.fit.remote(head, body), share, self._nodes[i]))
+            if share:   # each job's state loaded as it is put
+                body = [_put({"cid": cid, "state": _pack_state(load())}) for cid, _, load in share]
+                # a stream of objects: each result can be taken as soon as its client is trained
+                stream = actor.fit.options(num_returns="streaming").remote(head, body)
+                calls.append((stream, share, self._nodes[i]))
         answers: dict[int, tuple[FitResult, dict]] = {}
         trained: dict[str, list[int]] = {}
-        for ref, share, node in calls:
-            reply = _decode(ray.get(ref))
-            if "error" in reply:
-                raise WireError(f"a Ray actor failed: {reply['error']}")
-            for (cid, _, _), res in zip(share, reply["results"]):
-                answers[cid] = (FitResult(res["content"], res["work"], res["metrics"]),
-                                _unpack_state(res["state"]))
+        spill, folder = spilling(self.course)
+        for stream, share, node in calls:
+            for cid, _, _ in share:
+                msg = _decode(ray.get(next(stream)))
+                if "error" in msg:
+                    raise WireError(f"a Ray actor failed: {msg['error']}")
+                frames = frames_of(lambda: ray.get(next(stream)), msg["size"])
+                body = receive_framed(frames, msg["size"], spill, folder)
+                answers[cid] = (FitResult(body["content"], msg["work"], msg["metrics"]),
+                                _unpack_state(body["state"]))
             trained.setdefault(node, []).extend(cid for cid, _, _ in share)
         for node, cids in trained.items():
             self.clients_by_node[node] += len(cids)
