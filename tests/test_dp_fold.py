@@ -199,8 +199,8 @@ def test_central_dp_folds_and_the_rules_that_need_every_update_do_not(tmp_path):
     secure = Course(small_cfg(tmp_path / "sec", secure_aggregation__enabled=True, **{
         **DP, "federate__sample_client_num": None})).build()
     assert not hasattr(secure.server.aggregator, "folding_rule")   # the clients clip: its own path
-    nova = Course(small_cfg(tmp_path / "nova", algorithm__name="fednova", **DP)).build()
-    assert not streaming.folds(nova.server.aggregator)   # FedNova's rule reads more than the model
+    with pytest.raises(ConfigError, match="central DP cannot wrap algorithm.name fednova"):
+        small_cfg(tmp_path / "nova", algorithm__name="fednova", **DP)   # its rule reads more than the model
     ftrl = Course(small_cfg(tmp_path / "ftrl", privacy__dp__mode="ftrl", federate__sample_client_num=3,
                             federate__total_round_num=2)).build()
     assert not streaming.folds(ftrl.server.aggregator)   # DP-FTRL keeps its list (docs/algorithms/dp.md)
