@@ -3,11 +3,12 @@ of growing size, timed with one thread and with every usable core, in one proces
 whole courses with the default (`torch_threads: auto`) against one thread, on the machine as
 it is and beside a busy neighbour.
 
-    python -m bench.threads [--seconds 1.0] [--rounds 4] [--skip-steps]
+    python -m bench.threads [--seconds 1.0] [--rounds 4] [--skip-steps] [--course mlp|p1]
 
 Prints one line per model (its step's MFLOP as `torch_threads: auto` counts them, the time per
 step with each thread count, their ratio); then, for a sequential course whose step auto gives
-every core (an MLP 3072 -> 1024 -> 10, batch 32: ~600 MFLOP a step), its wall seconds per round
+every core (an MLP 3072 -> 1024 -> 10, batch 32: ~600 MFLOP a step; `--course p1`: P1's, the
+CIFAR10-shaped CNN with dropout of bench/peers.py, ~900 MFLOP a step), its wall seconds per round
 (after the first) with `torch_threads: auto` and with 1, each course a fresh `fedcore.run`
 process (so OpenMP starts with the wait policy fedcore sets), without and then with a second
 process spinning on a core. The last line is `threshold_mflop=... smallest_gain_mflop=...
@@ -86,22 +87,48 @@ def course_seconds_per_round(threads, rounds: int, tmp: Path, tag: str) -> float
     return (walls[-1] - walls[0]) / (len(walls) - 1)
 
 
-def compare_courses(rounds: int, busy: bool) -> float:
+def p1_seconds_per_round(threads, rounds: int, tmp: Path, tag: str) -> float:
+    """Wall seconds per round after the first of P1's sequential course (bench/peers.py: pfl's
+    CIFAR10 shape, dropout on, 50 users a round of 1000) with `torch_threads` set to `threads`,
+    in a process of its own (`--p1-child`), as `course_seconds_per_round` runs COURSE."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
+    out = subprocess.run([sys.executable, "-m", "bench.threads", "--p1-child", str(threads),
+                          "--rounds", str(rounds)], check=True, env=env, capture_output=True, text=True)
+    walls = json.loads(out.stdout.strip().splitlines()[-1])
+    return (walls[-1] - walls[0]) / (len(walls) - 1)
+
+
+def _p1_child(threads: str, rounds: int) -> None:
+    """In a fresh process (OpenMP starts with the wait policy fedcore sets): P1's course, then
+    its round-end wall times as one JSON line."""
+    from bench.common import run_fedcore
+    from bench.peers import workload_cfg, workload_data
+    cfg = workload_cfg("p1", 1000, rounds, "cpu", torch_threads=threads if threads == "auto" else int(threads))
+    times = run_fedcore(cfg, workload_data("p1", 1000, dtype=cfg["model.dtype"]))
+    walls, at = [], 0.0
+    for wall in times.wall_rounds:
+        at += wall
+        walls.append(at)
+    print(json.dumps(walls), flush=True)
+
+
+def compare_courses(rounds: int, busy: bool, course: str = "mlp") -> float:
     """auto's seconds per round over one thread's (each run twice, alternately; best of two)."""
+    seconds = p1_seconds_per_round if course == "p1" else course_seconds_per_round
     neighbour = (subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None)
     try:
         with tempfile.TemporaryDirectory() as tmp:
             times: dict[str, list[float]] = {"auto": [], "1": []}
             for k in range(2):
                 for threads in times:
-                    times[threads].append(course_seconds_per_round(threads, rounds, Path(tmp), f"{threads}_{k}"))
+                    times[threads].append(seconds(threads, rounds, Path(tmp), f"{threads}_{k}"))
     finally:
         if neighbour is not None:
             neighbour.kill()
             neighbour.wait()
     auto, one = min(times["auto"]), min(times["1"])
     load = Path("/proc/loadavg").read_text().split()[0] if Path("/proc/loadavg").exists() else "?"
-    print(f"course {'beside a busy neighbour' if busy else 'as the machine is'} (load average {load}): "
+    print(f"{course} course {'beside a busy neighbour' if busy else 'as the machine is'} (load average {load}): "
           f"torch_threads auto {auto:.2f} s/round, 1 thread {one:.2f} s/round, ratio {auto / one:.2f}",
           flush=True)
     return auto / one
@@ -112,7 +139,13 @@ def main(argv=None) -> None:
     p.add_argument("--seconds", type=float, default=1.0, help="timing per model and thread count")
     p.add_argument("--rounds", type=int, default=4, help="rounds of each course (the first not timed)")
     p.add_argument("--skip-steps", action="store_true", help="only the courses")
+    p.add_argument("--course", choices=("mlp", "p1"), default="mlp",
+                   help="the courses compared: the MLP above, or P1's (bench/peers.py)")
+    p.add_argument("--p1-child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.p1_child is not None:
+        _p1_child(a.p1_child, a.rounds)
+        return
     cores = usable_cores()
     print(f"{cores} usable cores, torch {torch.__version__}; best of two timings each")
     gains, losses = [], []
@@ -129,7 +162,7 @@ def main(argv=None) -> None:
         (gains if ratio < 1 else losses).append(mflop)
         print(f"{kind:9s} {str(shape):12s} batch {batch:3d} {mflop:9.2f} MFLOP  1 thread "
               f"{times[1] * 1e3:8.3f} ms  {cores} threads {times[cores] * 1e3:8.3f} ms  ratio {ratio:.2f}")
-    idle, busy = compare_courses(a.rounds, False), compare_courses(a.rounds, True)
+    idle, busy = compare_courses(a.rounds, False, a.course), compare_courses(a.rounds, True, a.course)
     print(f"threshold_mflop={AUTO_THREADS_MFLOP:g} "
           f"smallest_gain_mflop={min(gains) if gains else float('nan'):.3g} "
           f"largest_loss_mflop={max(losses) if losses else float('nan'):.3g} "

@@ -35,14 +35,35 @@ def test_the_first_fit_is_a_warm_up_then_each_count_is_measured_once():
 
 def test_several_threads_are_kept_where_faster_and_one_where_not():
     fast = ThreadGovernor(2, probe_every=8)
-    chosen = _drive(fast, {2: 0.6, 1: 1.0}, 1 + 2 + 20)
+    chosen = _drive(fast, {2: 0.6, 1: 1.0}, 1 + 2 + 140)
     assert fast.best() == 2
-    # after the warm-up and one fit of each, 2 threads except one probe of 1 in each 8 fits
-    assert chosen[3:] == [1 if k % 8 == 0 else 2 for k in range(3, 23)]
+    # one thread costs 1/0.6 - 1 = 2/3 of a fit more: spread over 1% of the fits' time, a probe
+    # every ceil(66.7) = 67 fits after the fit that measured it (the third, index 2)
+    assert chosen[3:] == [1 if k in (2 + 67, 2 + 2 * 67) else 2 for k in range(3, 143)]
     slow = ThreadGovernor(2, probe_every=8)
-    chosen = _drive(slow, {2: 2.4, 1: 1.0}, 1 + 2 + 20)
+    chosen = _drive(slow, {2: 2.455, 1: 1.0}, 1 + 2 + 300)
     assert slow.best() == 1
-    assert chosen[3:] == [2 if k % 8 == 0 else 1 for k in range(3, 23)]
+    # two threads cost 1.455 fits more: a probe every ceil(145.5) = 146 fits
+    assert chosen[3:] == [2 if k in (2 + 146, 2 + 2 * 146) else 1 for k in range(3, 303)]
+
+
+def test_probes_cost_at_most_one_percent_and_are_spaced_between_the_bounds():
+    # the time the probes cost beyond that of running every fit at the best count, from the
+    # rates: at most 1% of it wherever the other count is at most 3.56x slower (2.56 fits
+    # more, spaced 256 fits apart at most)
+    for rate in ({2: 0.6, 1: 1.0}, {2: 2.455, 1: 1.0}, {2: 3.5, 1: 1.0}, {2: 0.97, 1: 1.0}):
+        g = ThreadGovernor(2)
+        chosen = _drive(g, rate, 3 + 2000)[3:]
+        best = g.best()
+        extra = sum(rate[n] - rate[best] for n in chosen)
+        assert extra <= 0.01 * rate[best] * len(chosen) + 1e-9, rate
+        probes = [k for k, n in enumerate(chosen) if n != best]
+        gaps = [b - a for a, b in zip(probes[:-1], probes[1:])]
+        assert gaps and all(ThreadGovernor.PROBE_EVERY <= gap <= ThreadGovernor.PROBE_MOST for gap in gaps), rate
+    # 9x slower: its excess (8 fits) would space probes 800 fits apart; at most 256
+    g = ThreadGovernor(2)
+    chosen = _drive(g, {2: 9.0, 1: 1.0}, 3 + 600)
+    assert [k for k, n in enumerate(chosen) if n == 2 and k > 2] == [2 + 256, 2 + 512]
 
 
 def test_a_gain_under_the_margin_takes_one_thread():
@@ -60,14 +81,17 @@ def test_a_change_of_load_is_followed_at_once_or_by_the_probes():
     _drive(g, {2: 0.5, 1: 1.0}, 9)          # an idle machine: two threads
     assert g.best() == 2
     # a neighbour takes a core: two threads now take 3x one thread's time. The rate of 2 is
-    # the mean of the last measurement and the previous rate: 0.5 -> 1.75 -> 2.375 after the
-    # fits that ran with 2 threads; at 1.75 > 0.95 * 1.0 one thread is chosen already
+    # the mean of the last measurement and the previous rate: 0.5 -> 1.75 after the first fit
+    # with 2 threads, above 0.95 * 1.0: one thread from the next fit on (fit index 10), and
+    # two threads' excess of 0.75 puts the next probe 75 fits after index 2's
     chosen = _drive(g, {2: 3.0, 1: 1.0}, 12)
-    assert chosen[0] == 2 and g.best() == 1
-    assert chosen[1:] == [2 if (10 + k) % 4 == 0 else 1 for k in range(11)]
-    # the neighbour leaves: the next probes with 2 threads bring the rate back down
-    _drive(g, {2: 0.5, 1: 1.0}, 12)
-    assert g.best() == 2
+    assert chosen == [2] + [1] * 11 and g.best() == 1
+    # the neighbour leaves: the probe at index 77 measures 0.5 (rate (1.75 + 0.5) / 2 = 1.125,
+    # still one thread, an excess of 0.125: 13 fits on), the one at index 90 brings it to
+    # 0.8125 < 0.95: two threads from index 91
+    chosen = _drive(g, {2: 0.5, 1: 1.0}, 80)           # fit indexes 21 .. 100
+    assert [21 + k for k, n in enumerate(chosen) if n == 2][:2] == [77, 90]
+    assert chosen[91 - 21:] == [2] * (101 - 91) and g.best() == 2
 
 
 def test_a_fit_without_work_is_not_measured():
@@ -101,8 +125,9 @@ def test_a_sequential_course_whose_two_threads_run_slower_goes_back_to_one(monke
     fits = governor.fits
     assert fits == 4 * 3 == sum(governor.fits_by_count.values())
     assert governor.best() == 1
-    # warm-up and first measure with 2, one with 1, then 1 except a probe of 2 every 8th fit
-    expected = [2, 2, 1] + [2 if k % 8 == 0 else 1 for k in range(3, fits)]
+    # warm-up and first measure with 2, one with 1, then 1: two threads' excess of 2 fits puts
+    # the first probe 200 fits on, past the course's 12
+    expected = [2, 2, 1] + [1] * (fits - 3)
     assert governor.fits_by_count == {2: expected.count(2), 1: expected.count(1)}
     assert summary["fits_by_torch_threads"] == {"2": expected.count(2),
                                                                            "1": expected.count(1)}

@@ -6,11 +6,16 @@ work on the machine deschedules one thread while its peers wait for it at each o
 step's barriers. So a sequential course times its fits: each takes some seconds per unit
 of work (`FitResult.work`, samples through forward and backward) with several threads or
 with one, and the next fits run with the count whose recent rate is lower. Several threads
-must win by `MARGIN` (a tie takes one: the same speed for a core less). Every `PROBE_EVERY`-th
-fit runs with the other count, so a change in the machine's load is seen within a few fits
-at the cost of one fit in `PROBE_EVERY` at the slower count. A count's rate is the mean of
-its last measurement and its previous rate (recent load counts most); the first fit, which
-pays the process's warm-up, is not measured.
+must win by `MARGIN` (a tie takes one: the same speed for a core less). Now and then a fit
+runs with the other count (a probe), so that a change in the machine's load is seen; a probe
+costs what the other count is slower by, which beside a busy neighbour can be 2.5 fits (two
+threads waiting for a descheduled peer at each of a small step's barriers). So probes are
+spaced to cost at most `PROBE_SHARE` of the fits' time: the other count's measured excess over
+`PROBE_SHARE` fits apart, but at least `PROBE_EVERY` and at most `PROBE_MOST` (a change of
+load that favours the count not chosen is seen within that many fits; one that slows the
+chosen count, at once). A count's rate is the mean of its last measurement and its previous
+rate (recent load counts most); the first fit, which pays the process's warm-up, is not
+measured.
 
 Intra-op threads split a step's sums, so a fit's last bits depend on its thread count
 (~1e-7 relative, float32): a course whose thread count follows the load is reproducible to
@@ -19,6 +24,7 @@ that rounding; a number for `torch_threads` makes it bit for bit.
 from __future__ import annotations
 
 import logging
+import math
 from time import perf_counter
 
 from fedcore.kernel.hooks import Wrapper
@@ -32,7 +38,9 @@ class ThreadGovernor:
     """Chooses, fit by fit, between `most` intra-op threads and one from measured rates."""
 
     MARGIN = 0.95       # several threads are kept only where at least 5% faster per unit of work
-    PROBE_EVERY = 8     # one fit in this many runs with the count not chosen
+    PROBE_EVERY = 8     # fits between two probes of the count not chosen, at least
+    PROBE_MOST = 256    # and at most
+    PROBE_SHARE = 0.01  # the share of the fits' time the probes may cost
 
     def __init__(self, most: int, probe_every: int = PROBE_EVERY) -> None:
         if most < 2:
@@ -40,6 +48,7 @@ class ThreadGovernor:
         self.most, self.probe_every = most, probe_every
         self.rate: dict[int, float] = {}    # seconds per unit of work, by thread count
         self.fits = 0                       # fits recorded (the first is not measured)
+        self.probed = 2                     # the fit that last ran with the count not chosen
         self.fits_by_count = {most: 0, 1: 0}
 
     def best(self) -> int:
@@ -48,16 +57,25 @@ class ThreadGovernor:
             return self.most
         return self.most if self.rate[self.most] < self.MARGIN * self.rate[1] else 1
 
+    def interval(self) -> int:
+        """Fits from one probe to the next: the other count's excess time per fit over
+        PROBE_SHARE, within [probe_every, PROBE_MOST]."""
+        best = self.best()
+        other = 1 if best == self.most else self.most
+        excess = self.rate[other] / self.rate[best] - 1 if self.rate[best] > 0 else 0.0
+        return min(self.PROBE_MOST, max(self.probe_every, math.ceil(max(excess, 0.0) / self.PROBE_SHARE)))
+
     def choose(self) -> int:
         """The count the next fit runs with: each count is measured once first, then the best,
-        and the other every `probe_every`-th fit."""
+        and the other once `interval()` fits have passed since it last ran."""
         if self.fits == 0:
             return self.most                     # warm-up, not measured
         for n in (self.most, 1):
             if n not in self.rate:
                 return n
         best = self.best()
-        if self.fits % self.probe_every == 0:
+        if self.fits - self.probed >= self.interval():
+            self.probed = self.fits
             return 1 if best == self.most else self.most
         return best
 
