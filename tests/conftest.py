@@ -42,6 +42,8 @@ class lazy_module:
         self._name = name
 
     def __getattr__(self, attr: str):
+        if attr.startswith("__"):   # what collection asks of every module attribute (__test__, ...)
+            raise AttributeError(attr)
         return getattr(importlib.import_module(self._name), attr)
 
 

@@ -34,7 +34,11 @@ def test_p2_smoke_run_checks_equal_work_and_reports_one_line():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
-def test_cuda_without_a_gpu_is_one_line_and_exit_2():
-    out = _peers("--workload", "p1", "--device", "cuda")
-    assert out.returncode == 2 and out.stdout == ""
-    assert len(out.stderr.strip().splitlines()) == 1 and "CUDA" in out.stderr
+def test_cuda_without_a_gpu_is_one_line_and_exit_2(capsys, monkeypatch):
+    # the entry point in this process: it refuses before it forks or computes anything
+    monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)   # main sets it: put back after
+    from bench.peers import main
+    code = main(["--workload", "p1", "--device", "cuda"])
+    out = capsys.readouterr()
+    assert code == 2 and out.out == ""
+    assert len(out.err.strip().splitlines()) == 1 and "CUDA" in out.err

@@ -1,8 +1,6 @@
 """Tokens: per-client by default, never on a command line, never in an output file."""
 import os
 import stat
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -12,17 +10,18 @@ import yaml
 from fedcore.deployment.distributed import ServerCourse
 from fedcore.launch import write_private
 from tests.conftest import small_cfg
-from tests.deploy_helpers import ROOT, _env, write_cfg
+from tests.deploy_helpers import text, wait_exit, write_cfg
 from tests.deploy_helpers import children as _children
 
 
 @pytest.mark.slow
-def test_launch_gives_each_client_its_own_token_off_the_command_line_and_out_of_the_outputs(tmp_path):
+def test_launch_gives_each_client_its_own_token_off_the_command_line_and_out_of_the_outputs(tmp_path, procs):
     cfg = write_cfg(tmp_path / "course.yaml", {"federate.client_num": 2, "federate.total_round_num": 1})
     out = tmp_path / "out"
-    launch = subprocess.Popen([sys.executable, "-m", "fedcore.launch", "--start-method", "spawn", "--cfg", str(cfg),
-                               f"outdir={out}"],
-                              cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    # the launcher is forked from the test's fork server; the processes it starts (spawn) are fresh
+    # interpreters, whose command lines and environments /proc shows as they were given
+    launch = procs.start("launch", ["-m", "fedcore.launch", "--start-method", "spawn", "--cfg", str(cfg),
+                                    f"outdir={out}"])
     seen: dict[int, tuple[str, str]] = {}  # pid -> (command line, FEDCORE_TOKEN or "")
     deadline = time.monotonic() + 240
     while launch.poll() is None and time.monotonic() < deadline:
@@ -35,8 +34,9 @@ def test_launch_gives_each_client_its_own_token_off_the_command_line_and_out_of_
             token = next((e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"FEDCORE_TOKEN=")), "")
             seen[pid] = (cmd, token)
         time.sleep(0.2)
-    log = launch.communicate(timeout=60)[0].decode(errors="replace")
-    assert launch.returncode == 0, log[-3000:]
+    code = wait_exit(launch, 60)
+    log = text(launch)
+    assert code == 0, log[-3000:]
     assert log.count("plaintext gRPC without TLS") == 1   # one warning for the launch, not one per process
 
     tokens = {t for _, t in seen.values() if t}

@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -14,7 +15,7 @@ from fedcore.runtime.course import Course
 from fedcore.kernel.errors import ConfigError
 from fedcore.runtime.monitor import Callback
 from tests.conftest import small_cfg
-from tests.deploy_helpers import ROOT, _env, run_fedcore, wait_for
+from tests.deploy_helpers import ROOT, _env, _fork_server, run_fedcore, wait_for
 
 
 class CtrlCAfter(Callback):
@@ -44,19 +45,29 @@ def test_interrupt_writes_summary_and_the_last_aggregated_model(tmp_path):
 
 def _sigint_after(cfg, out, rounds: int, settle: float = 0.0) -> str:
     """Run `python -m fedcore.run` on `cfg`, SIGINT it once `rounds` records are written; its
-    stderr, after checking that it exited 130."""
-    p = subprocess.Popen([sys.executable, "-m", "fedcore.run", "--cfg", str(cfg), f"outdir={out}"],
-                         cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        metrics = out / "metrics.jsonl"
-        wait_for(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= rounds, 120,
-                 f"{rounds} rounds")
-        time.sleep(settle)
-        p.send_signal(signal.SIGINT)
-        _, err = p.communicate(timeout=60)
-    finally:
-        if p.poll() is None:
-            p.kill()
+    stderr, after checking that it exited 130. The process is forked from the test process's
+    fork server where there is one (as `run_fedcore` starts it: Python's SIGINT handler, as a
+    terminal's fresh process has, without three seconds of imports)."""
+    args = ["--cfg", str(cfg), f"outdir={out}"]
+    with tempfile.TemporaryFile() as err_file, open(os.devnull, "rb") as null:
+        server = _fork_server()
+        if server is None:
+            p = subprocess.Popen([sys.executable, "-m", "fedcore.run", *args], cwd=ROOT, env=_env(),
+                                 stdout=subprocess.DEVNULL, stderr=err_file)
+        else:
+            p = server.spawn(args, _env(), str(ROOT), (null.fileno(), null.fileno(), err_file.fileno()))
+        try:
+            metrics = out / "metrics.jsonl"
+            wait_for(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= rounds, 120,
+                     f"{rounds} rounds")
+            time.sleep(settle)
+            p.send_signal(signal.SIGINT)
+            p.wait(60)
+        finally:
+            if p.poll() is None:
+                p.kill()
+        err_file.seek(0)
+        err = err_file.read().decode(errors="replace")
     assert p.returncode == 130, err
     return err
 

@@ -296,26 +296,6 @@ def test_algorithms_on_adapters_move_the_adapters_only(tmp_path, keys):
     assert np.isfinite(_records(tmp_path)[-1]["test_perplexity"])
 
 
-@pytest.mark.slow
-def test_the_lora_scenario_runs_from_the_command_line_with_no_network(tmp_path):
-    """Every proxy points at a closed loopback port and HF_ENDPOINT at nothing: a download
-    attempt would fail the run."""
-    import os
-    from pathlib import Path
-
-    from tests.deploy_helpers import run_fedcore
-    root = Path(__file__).resolve().parent.parent
-    dead = "http://127.0.0.1:9"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
-    env.update(HTTP_PROXY=dead, HTTPS_PROXY=dead, http_proxy=dead, https_proxy=dead, HF_ENDPOINT=dead,
-               PYTHONPATH=str(root) + os.pathsep + env.get("PYTHONPATH", ""))
-    r = run_fedcore(["--cfg", root / "scenarios" / "llm_lora.yaml", f"outdir={tmp_path}",
-                     "federate.total_round_num=2", "verbose=0"], env=env)
-    assert r.returncode == 0, r.stderr[-2000:]
-    perplexity = [r["test_perplexity"] for r in _records(tmp_path)]
-    assert len(perplexity) == 2 and perplexity[1] < perplexity[0]
-
-
 def test_unreadable_local_model_and_tokenizer_directories_are_one_line(tmp_path):
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text('{"model_type": "gpt2", "n_layer": "two"}')

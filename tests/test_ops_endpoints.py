@@ -5,8 +5,6 @@ from __future__ import annotations
 import http.client
 import json
 import logging
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -102,8 +100,8 @@ def test_log_format_json_on_the_command_line(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("federate: {client_num: 2, total_round_num: 1}\ndata: {type: synthetic}\n"
                    "privacy: {dp: {mode: central}}\nverbose: 0\n")
-    r = subprocess.run([sys.executable, "-m", "fedcore.run", "--cfg", str(cfg), "log_format=json",
-                        f"outdir={tmp_path / 'out'}"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    from tests.deploy_helpers import run_fedcore   # forked from this test process's fork server
+    r = run_fedcore(["--cfg", str(cfg), "log_format=json", f"outdir={tmp_path / 'out'}"], cwd=ROOT)
     assert r.returncode == 0, r.stderr
     lines = [json.loads(line) for line in r.stderr.splitlines() if line.startswith("{")]
     assert lines and all(set(line) >= {"time", "level", "logger", "message"} for line in lines)

@@ -113,14 +113,6 @@ def _federated(parts, p: tc.Params, base: float, rounds: int):
     return model, cuts
 
 
-def _distributed_worker(args, rank, x, y, params, rounds, queue):
-    from xgboost import collective
-    with collective.CommunicatorContext(**args, dmlc_task_id=str(rank)):
-        bst = xgb.train(params, xgb.DMatrix(x, label=y), rounds)
-        if rank == 0:
-            queue.put(bytes(bst.save_raw("json")))
-
-
 def test_histogram_equals_xgboosts_own_distributed_hist():
     """XGBoost's distributed `hist` (a rabit tracker, one process per worker, each holding one
     client's rows) grows the trees the federated histogram method grows from the same rows."""
@@ -136,7 +128,8 @@ def test_histogram_equals_xgboosts_own_distributed_hist():
     tracker.start()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_distributed_worker, args=(tracker.worker_args(), r, px, py, params, 3, queue))
+    from tests.xgb_worker import distributed_worker
+    procs = [ctx.Process(target=distributed_worker, args=(tracker.worker_args(), r, px, py, params, 3, queue))
              for r, (px, py) in enumerate(parts)]
     for proc in procs:
         proc.start()
