@@ -118,10 +118,9 @@ def test_a_call_with_no_connection_under_it_is_cancelled_and_the_client_joins_th
             server.stop(0.1)
 
 
-def test_a_server_that_never_answers_counts_against_retry_timeout(lines):
-    mute = _Mute()
-    client = GrpcClientComm(_cfg("client", distribute__server_port=mute.port, distribute__client_id=1,
-                                 distribute__retry_timeout=3.0), ImmediateScheduler())
+def _given_up(client, hung: str) -> list:
+    """Start `client` and wait (60 s at most, else fail saying `hung`) for its wait for the
+    welcome to end: the ServerUnreachable it raised, in a list."""
     client.scheduler.call_soon = lambda action: None   # no course to raise the failure into
     raised = []
 
@@ -130,12 +129,20 @@ def test_a_server_that_never_answers_counts_against_retry_timeout(lines):
             client.wait_welcome()
         except ServerUnreachable as exc:
             raised.append(exc)
+    client.start()
+    ended = threading.Thread(target=wait, daemon=True)
+    ended.start()
+    ended.join(60)
+    assert not ended.is_alive(), hung
+    return raised
+
+
+def test_a_server_that_never_answers_counts_against_retry_timeout(lines):
+    mute = _Mute()
+    client = GrpcClientComm(_cfg("client", distribute__server_port=mute.port, distribute__client_id=1,
+                                 distribute__retry_timeout=3.0), ImmediateScheduler())
     try:
-        client.start()
-        ended = threading.Thread(target=wait, daemon=True)
-        ended.start()
-        ended.join(60)
-        assert not ended.is_alive(), "the client waited on a server that never answered"
+        raised = _given_up(client, "the client waited on a server that never answered")
         assert raised == [client.fatal] and client.fatal.exit_code == 4
         # given up on for its silence (gRPC's own connect timeout, 20 s, never came into it)
         assert "retry_timeout=3" in str(client.fatal) and f"last error: {NO_WELCOME}" in str(client.fatal)
@@ -223,20 +230,8 @@ class _WedgingClient(GrpcClientComm):
 def test_a_cancelled_call_that_never_ends_is_left_behind_and_counts_against_retry_timeout(lines):
     client = _WedgingClient(_cfg("client", distribute__server_port=1, distribute__client_id=1,
                                  distribute__retry_timeout=3.0), ImmediateScheduler())
-    client.scheduler.call_soon = lambda action: None   # no course to raise the failure into
-    raised = []
-
-    def wait():
-        try:
-            client.wait_welcome()
-        except ServerUnreachable as exc:
-            raised.append(exc)
     try:
-        client.start()
-        ended = threading.Thread(target=wait, daemon=True)
-        ended.start()
-        ended.join(60)
-        assert not ended.is_alive(), "the client waited for ever on a call it had cancelled"
+        raised = _given_up(client, "the client waited for ever on a call it had cancelled")
         assert raised == [client.fatal] and f"last error: {NO_WELCOME}" in str(client.fatal)
         # every call was cancelled and left behind, each redial on a new channel
         assert len(client.calls) >= 2 and all(c.cancelled for c in client.calls)
