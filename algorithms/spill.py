@@ -23,7 +23,7 @@ import torch
 
 from fedcore.algorithms.streaming import _model_bytes
 from fedcore.kernel.config import declare
-from fedcore.runtime.parking import PARKED_TENSOR_BYTES, Parking
+from fedcore.runtime.parking import PARKED_TENSOR_BYTES, Parking, round_spills
 from fedcore.wire.spooled import blank
 
 __all__ = ["spill_in_simulation", "SPILL_AUTO_BYTES"]
@@ -87,7 +87,7 @@ def _spilled_like(server, like: torch.Tensor) -> torch.Tensor:
     `spill_in_simulation`), else in memory."""
     parking = server.state(Parking)
     if (like.device.type == "cpu" and like.numel() * like.element_size() >= PARKED_TENSOR_BYTES
-            and 0 < parking.min_bytes <= _model_bytes(server.aggregator)):
+            and round_spills(server)):
         try:
             return blank({"t": (tuple(like.shape), like.dtype)}, parking.folder)["t"]
         except OSError as exc:

@@ -44,7 +44,7 @@ from typing import Callable
 import torch
 
 from fedcore.runtime import admission
-from fedcore.runtime.parking import Parking
+from fedcore.runtime.parking import Parking, model_bytes, round_spills
 from fedcore.wire.spooled import blank, is_mapped, release
 
 from fedcore.algorithms.combine import COMBINED, models_only
@@ -204,7 +204,7 @@ class FoldingBuffer:
     def __init__(self, server) -> None:
         self.server = server
         parking = server.state(Parking)
-        spill = parking.spill_sum and 0 < parking.min_bytes <= _model_bytes(server.aggregator)
+        spill = round_spills(server)
         self.keys = folded_keys(server.aggregator)   # running sum -> summed (else a weighted mean)
         # the update's entries the fold reads: the sums' own keys, or what `fold_parts` reads
         self.reads = tuple(getattr(server.aggregator, "fold_reads", self.keys))
@@ -323,7 +323,7 @@ def folds(aggregator) -> bool:
 
 
 def _model_bytes(aggregator) -> int:
-    return sum(t.numel() * t.element_size() for t in aggregator.global_state.values())
+    return model_bytes(aggregator.global_state)
 
 
 def _why_not(server) -> str | None:

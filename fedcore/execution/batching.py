@@ -32,7 +32,7 @@ from fedcore.kernel.config import declare, positive
 from fedcore.kernel.contract import FitResult
 from fedcore.kernel.hooks import around_result
 from fedcore.kernel.message import SERVER_ID, Message
-from fedcore.runtime.parking import PARKED_TENSOR_BYTES, Parking
+from fedcore.runtime.parking import PARKED_TENSOR_BYTES, Parking, round_spills
 from fedcore.wire.spooled import is_mapped, park
 
 __all__ = ["BatchingTrainer", "Engine", "spilling", "park_waiting"]
@@ -79,9 +79,7 @@ def spilling(course) -> tuple[bool, str | None]:
     server = getattr(course, "server", None)
     if server is None:
         return False, None
-    parking = server.state(Parking)
-    size = sum(t.numel() * t.element_size() for t in server.aggregator.global_state.values())
-    return bool(parking.spill_sum and 0 < parking.min_bytes <= size), parking.folder
+    return round_spills(server), server.state(Parking).folder
 
 
 def park_waiting(result: FitResult, folder: str | None) -> bool:

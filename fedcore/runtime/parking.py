@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from fedcore.kernel.server_state import worker_state
 from fedcore.wire.spooled import is_mapped, park, release
 
-__all__ = ["Parking", "park_global", "PARKED_TENSOR_BYTES"]
+__all__ = ["Parking", "park_global", "model_bytes", "round_spills", "PARKED_TENSOR_BYTES"]
 
 log = logging.getLogger("fedcore.deploy")
 
@@ -46,6 +46,19 @@ class Parking:
     key: str = "distribute.spool_dir"   # the key a failure names
 
 
+def model_bytes(state: dict) -> int:
+    """The bytes of a model's tensors."""
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def round_spills(server) -> bool:
+    """Whether `server`'s folding rounds keep their large models in files beside the global
+    model: a simulation's running sum, a server optimizer's moments and a batching executor's
+    waiting results (`spill_sum`, algorithms/spill.py), for a model of `min_bytes` or more."""
+    parking = server.state(Parking)
+    return parking.spill_sum and 0 < parking.min_bytes <= model_bytes(server.aggregator.global_state)
+
+
 def park_global(server) -> None:
     """Park the server's global model (its large CPU tensors) if the deployment asks for it:
     the aggregator and the server's module then view the file's mapping."""
@@ -54,7 +67,7 @@ def park_global(server) -> None:
         return
     aggregator = server.aggregator
     state = aggregator.global_state
-    if sum(t.numel() * t.element_size() for t in state.values()) < parking.min_bytes:
+    if model_bytes(state) < parking.min_bytes:
         return
     # only entries the round replaces (one it keeps, not shared, would hold the whole file),
     # and not those parked already (a round that changed nothing)
