@@ -34,16 +34,6 @@ __all__ = ["ClippedSum", "NoiseStream", "FoldingRule", "NOISE_BLOCK"]
 NOISE_BLOCK = 2 ** 20   # N(0, 1) values drawn at a time (a multiple of 16: see NoiseStream)
 
 
-def _spans(numel: int):
-    """(piece, its from, its to, flat from) of each slice of FOLD_STEP elements of an entry
-    whose running sum is kept in pieces of SUM_PIECE elements (streaming.RunningMean)."""
-    piece_size, step = streaming.SUM_PIECE, streaming.FOLD_STEP
-    for index, start in enumerate(range(0, numel, piece_size)):
-        size = min(piece_size, numel - start)
-        for lo in range(0, size, step):
-            yield index, lo, min(lo + step, size), start + lo
-
-
 def _delta(x: torch.Tensor, g: torch.Tensor | None, at: int, n: int, out: torch.Tensor) -> torch.Tensor:
     """x - g over flat elements [at, at + n) in float64 (x itself where g is None), written
     into `out` (no allocation per slice), pages of a spooled update or parked model given back
@@ -82,14 +72,14 @@ class ClippedSum(streaming.RunningMean):
         buf = torch.empty(min(streaming.FOLD_STEP, largest), dtype=torch.float64, device=device)
         squares = 0.0
         for name in self.names:
-            for _, lo, hi, at in _spans(model[name].numel()):
+            for _, lo, hi, at in streaming.sum_slices(model[name].numel()):
                 d = _delta(model[name], base_of(name), at, hi - lo, buf)
                 squares += float(torch.dot(d, d))
         norm = math.sqrt(squares)
         factor = min(1.0, clip / norm) if norm > 0 else 1.0
         for name in self.names:
             pieces = self.sum[name]
-            for index, lo, hi, at in _spans(model[name].numel()):
+            for index, lo, hi, at in streaming.sum_slices(model[name].numel()):
                 acc = pieces[index][lo:hi]
                 acc.add_(_delta(model[name], base_of(name), at, hi - lo, buf).mul_(factor))
                 release(acc)   # a spilled sum's pages go back to its file
@@ -122,7 +112,7 @@ class ClippedSum(streaming.RunningMean):
             new = files.get(name)
             new = torch.empty(shape, dtype=dtype, device=device) if new is None else new
             flat, pieces = new.view(-1), sums.pop(name)
-            for index, lo, hi, at in _spans(new.numel()):
+            for index, lo, hi, at in streaming.sum_slices(new.numel()):
                 acc = part = pieces[index][lo:hi]
                 if noise is not None:
                     acc.add_(noise.take(hi - lo).to(acc.device) * std)

@@ -58,7 +58,7 @@ from fedcore.kernel.server_state import worker_state
 
 log = logging.getLogger("fedcore.course")
 
-__all__ = ["RunningMean", "FoldingBuffer", "fold_when_sent", "folds", "folded_keys", "round_buffer",
+__all__ = ["RunningMean", "FoldingBuffer", "fold_when_sent", "folds", "folded_keys", "round_buffer", "sum_slices",
            "AUTO_MIN_BYTES"]
 
 AUTO_MIN_BYTES = 16 * 2 ** 20   # `auto` folds models at least this large
@@ -183,18 +183,24 @@ FOLD_STEP = 2 ** 20   # elements cast to float64 at a time while folding
 SUM_PIECE = 2 ** 21   # elements of one piece of a running sum (16 MiB in float64)
 
 
+def sum_slices(numel: int):
+    """(piece, its from, its to, flat from) of each slice of FOLD_STEP elements of an entry of
+    `numel` elements whose running sum is kept in pieces of SUM_PIECE elements."""
+    for index, start in enumerate(range(0, numel, SUM_PIECE)):
+        size = min(SUM_PIECE, numel - start)
+        for lo in range(0, size, FOLD_STEP):
+            yield index, lo, min(lo + FOLD_STEP, size), start + lo
+
+
 def _add_scaled(pieces: list[torch.Tensor], t: torch.Tensor, weight: float) -> None:
     """pieces += weight * t in the pieces' dtype, a slice at a time: adding a float32 tensor to
     a float64 one whole would first cast all of it (a temporary twice the tensor's size)."""
-    flat, base = t.reshape(-1), 0
-    for acc in pieces:
-        for start in range(0, acc.numel(), FOLD_STEP):
-            stop = min(start + FOLD_STEP, acc.numel())
-            part = flat[base + start:base + stop]
-            acc[start:stop].add_(part.to(acc.dtype), alpha=weight)
-            release(part)   # a spooled update's pages go back once folded (wire/spooled.py)
-            release(acc[start:stop])   # and a spilled sum's (`RunningMean._blank_sum`)
-        base += acc.numel()
+    flat = t.reshape(-1)
+    for index, lo, hi, at in sum_slices(flat.numel()):
+        acc, part = pieces[index][lo:hi], flat[at:at + hi - lo]
+        acc.add_(part.to(acc.dtype), alpha=weight)
+        release(part)   # a spooled update's pages go back once folded (wire/spooled.py)
+        release(acc)    # and a spilled sum's (`RunningMean._blank_sum`)
 
 
 class FoldingBuffer:
