@@ -364,7 +364,8 @@ def install(course) -> None:
     # simulated tree's edges share this process; deployed edges do not, see below). Only where
     # a client adds noise: an observed arrival keeps a simulation from folding each update as
     # it is sent (streaming.fold_when_sent), so central DP's rounds would hold k updates
-    for table in ([course.server_table] + [t for t in course.extra_tables if t.role == "edge"]) * bool(noisy):
+    tables = [course.server_table] + [t for t in course.extra_tables if t.role == "edge"] if noisy else []
+    for table in tables:
         for event in ("receiving_updates", "receiving_secagg_masked_input"):
             table.observe(event, received)
     if cfg.get("topology.edges") and cfg["federate.mode"] == "distributed" and noisy:
