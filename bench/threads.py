@@ -95,21 +95,17 @@ def p1_seconds_per_round(threads, rounds: int, tmp: Path, tag: str) -> float:
     out = subprocess.run([sys.executable, "-m", "bench.threads", "--p1-child", str(threads),
                           "--rounds", str(rounds)], check=True, env=env, capture_output=True, text=True)
     walls = json.loads(out.stdout.strip().splitlines()[-1])
-    return (walls[-1] - walls[0]) / (len(walls) - 1)
+    return sum(walls[1:]) / (len(walls) - 1)
 
 
 def _p1_child(threads: str, rounds: int) -> None:
     """In a fresh process (OpenMP starts with the wait policy fedcore sets): P1's course, then
-    its round-end wall times as one JSON line."""
+    each round's wall seconds as one JSON line."""
     from bench.common import run_fedcore
     from bench.peers import workload_cfg, workload_data
     cfg = workload_cfg("p1", 1000, rounds, "cpu", torch_threads=threads if threads == "auto" else int(threads))
     times = run_fedcore(cfg, workload_data("p1", 1000, dtype=cfg["model.dtype"]))
-    walls, at = [], 0.0
-    for wall in times.wall_rounds:
-        at += wall
-        walls.append(at)
-    print(json.dumps(walls), flush=True)
+    print(json.dumps(times.wall_rounds), flush=True)
 
 
 def compare_courses(rounds: int, busy: bool, course: str = "mlp") -> float:
